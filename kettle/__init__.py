@@ -1,0 +1,3 @@
+"""Kettle: a text-generation inference server with TGI's API."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Kettle layers package."""

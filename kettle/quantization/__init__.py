@@ -1,0 +1,1 @@
+"""Kettle quantization package."""

@@ -1,0 +1,1 @@
+"""Kettle router package."""

@@ -1,0 +1,52 @@
+"""The router's configuration: every flag of `kettle router`, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of the HTTP router. Token limits left as None are chosen at warmup (SPEC §9)."""
+
+    master_shard_uds_path: str
+    tokenizer_name: str  # local folder holding the tokenizer (the resolved model folder)
+    model_id: str  # the name /info and /v1/models report
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    waiting_served_ratio: float = 0.3
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    validation_workers: int = 2
+    max_client_batch_size: int = 4
+    payload_limit: int = 2_000_000
+    api_key: str | None = None
+    cors_allow_origin: tuple[str, ...] = ()
+    json_output: bool = False
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "kettle"
+    disable_grammar_support: bool = False
+    tokenizer_config_path: str | None = None
+    enable_prefill_logprobs: bool = False
+    graceful_termination_timeout: float = 90.0
+    model_sha: str | None = None
+    model_pipeline_tag: str = "text-generation"
+
+    def __post_init__(self) -> None:
+        positive = ("max_concurrent_requests", "max_best_of", "validation_workers", "max_client_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_input_tokens is not None and self.max_total_tokens is not None:
+            if self.max_input_tokens >= self.max_total_tokens:
+                raise ValueError("--max-input-tokens must be < --max-total-tokens")
+        if not 0.0 <= self.waiting_served_ratio:
+            raise ValueError("--waiting-served-ratio must be >= 0")

@@ -1,0 +1,46 @@
+"""Prometheus metrics with TGI's names (SPEC §8), so existing TGI dashboards work unchanged.
+
+Request-level metrics are recorded by the route handlers, batch-level ones by the scheduler.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Durations in seconds: from sub-millisecond validation to multi-minute generations.
+_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUEST_COUNT = Counter("tgi_request_count", "Requests received")
+REQUEST_SUCCESS = Counter("tgi_request_success", "Requests answered successfully")
+REQUEST_FAILURE = Counter("tgi_request_failure", "Requests failed, by error type", ["err"])
+
+REQUEST_DURATION = Histogram("tgi_request_duration", "End-to-end request duration (s)", buckets=_DURATION_BUCKETS)
+REQUEST_VALIDATION_DURATION = Histogram(
+    "tgi_request_validation_duration", "Validation and tokenization duration (s)", buckets=_DURATION_BUCKETS
+)
+REQUEST_QUEUE_DURATION = Histogram("tgi_request_queue_duration", "Time spent queued (s)", buckets=_DURATION_BUCKETS)
+REQUEST_INFERENCE_DURATION = Histogram(
+    "tgi_request_inference_duration", "Time from first batch to last token (s)", buckets=_DURATION_BUCKETS
+)
+REQUEST_MEAN_TIME_PER_TOKEN = Histogram(
+    "tgi_request_mean_time_per_token_duration", "Mean time per generated token (s)", buckets=_PER_TOKEN_BUCKETS
+)
+REQUEST_INPUT_LENGTH = Histogram("tgi_request_input_length", "Prompt tokens per request", buckets=_TOKEN_BUCKETS)
+REQUEST_GENERATED_TOKENS = Histogram(
+    "tgi_request_generated_tokens", "Generated tokens per request", buckets=_TOKEN_BUCKETS
+)
+
+BATCH_INFERENCE_COUNT = Counter("tgi_batch_inference_count", "Shard calls, by method", ["method"])
+BATCH_INFERENCE_SUCCESS = Counter("tgi_batch_inference_success", "Successful shard calls, by method", ["method"])
+BATCH_INFERENCE_FAILURE = Counter("tgi_batch_inference_failure", "Failed shard calls, by method", ["method"])
+BATCH_FORWARD_DURATION = Histogram(
+    "tgi_batch_forward_duration", "Shard call duration (s), by method", ["method"], buckets=_DURATION_BUCKETS
+)
+BATCH_NEXT_SIZE = Histogram("tgi_batch_next_size", "Size of each new batch", buckets=_BATCH_BUCKETS)
+
+QUEUE_SIZE = Gauge("tgi_queue_size", "Requests waiting in the queue")
+BATCH_CURRENT_SIZE = Gauge("tgi_batch_current_size", "Requests in the running batch")
+BATCH_CURRENT_MAX_TOKENS = Gauge("tgi_batch_current_max_tokens", "KV tokens reserved by the running batch")

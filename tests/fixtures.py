@@ -1,0 +1,79 @@
+"""Tiny random-weight models and a tiny byte-level BPE tokenizer, built at test time (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Enough text for a byte-level BPE that covers English words, Chinese and emoji.
+CORPUS = [
+    "The capital of France is Paris. The capital of Germany is Berlin.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+    "Large language models generate text one token at a time.",
+    "你好，世界！今天天气很好。我们一起去公园吧。",
+    "Emoji: 😀 😃 🎉 🚀 ❤️ 👍🏽 and more text after them.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000",
+] * 20
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(path: Path, vocab_size: int = 512):
+    """Trains a byte-level BPE tokenizer on CORPUS and saves it (HF fast tokenizer format) into `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=256,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Saves a 2-layer random LlamaForCausalLM (safetensors) with the tiny tokenizer into `path`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer(path)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        # Large weights give peaked logits, so greedy choices are not decided by rounding noise.
+        initializer_range=0.2,
+    )
+    settings.update(overrides)
+    config = LlamaConfig(**settings)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(path)
+    (path / "kettle_test_model.json").write_text(json.dumps({"seed": seed}))
+    return path
