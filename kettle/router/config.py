@@ -45,8 +45,8 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.max_input_tokens is not None and self.max_total_tokens is not None:
-            if self.max_input_tokens >= self.max_total_tokens:
-                raise ValueError("--max-input-tokens must be < --max-total-tokens")
-        if not 0.0 <= self.waiting_served_ratio:
+        both = self.max_input_tokens is not None and self.max_total_tokens is not None
+        if both and self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError("--max-input-tokens must be < --max-total-tokens")
+        if not self.waiting_served_ratio >= 0.0:
             raise ValueError("--waiting-served-ratio must be >= 0")

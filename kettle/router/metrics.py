@@ -5,7 +5,12 @@ Request-level metrics are recorded by the route handlers, batch-level ones by th
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import re
+
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# `*_created` series are noise for dashboards built on TGI's exporter, which has none.
+disable_created_metrics()
 
 # Durations in seconds: from sub-millisecond validation to multi-minute generations.
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -44,3 +49,12 @@ BATCH_NEXT_SIZE = Histogram("tgi_batch_next_size", "Size of each new batch", buc
 QUEUE_SIZE = Gauge("tgi_queue_size", "Requests waiting in the queue")
 BATCH_CURRENT_SIZE = Gauge("tgi_batch_current_size", "Requests in the running batch")
 BATCH_CURRENT_MAX_TOKENS = Gauge("tgi_batch_current_max_tokens", "KV tokens reserved by the running batch")
+
+
+# prometheus_client names counter samples `<name>_total`; TGI's exporter (and its dashboards) use `<name>`.
+_TOTAL_SUFFIX = re.compile(rb"\b(tgi_[a-z_]+)_total(?=[{ ])")
+
+
+def render() -> bytes:
+    """The text exposition with TGI's exact sample names."""
+    return _TOTAL_SUFFIX.sub(rb"\1", generate_latest())

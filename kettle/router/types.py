@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why a generation ended (the strings are TGI's)."""
 
     LENGTH = "length"

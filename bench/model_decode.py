@@ -1,0 +1,111 @@
+"""Micro-benchmark of Kettle's model execution core: decode step time at several batch sizes.
+
+Method: load the model folder with Kettle, prefill `batch` random prompts of `--context` tokens in one
+forward, then time `--steps` greedy decode steps (metadata build + forward + logits of the last tokens +
+argmax), after `--warmup` untimed steps. Reports the median step time, tokens/s (batch / step time) and the
+memory bandwidth that implies (weights + KV read once per step). With `--compare-transformers`, times the
+same decode steps with transformers (DynamicCache, same batch and context) in the same run and prints the
+ratio.
+
+    .venv/bin/python bench/model_decode.py ~/.cache/kettle/<model> --dtype bfloat16 --batch 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kettle.layers.attention import AttentionMetadata
+from kettle.models.registry import load_model
+from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    """Median seconds of `fn()` over `steps` runs, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kettle_decode(model, batch: int, context: int, total_steps: int):
+    """A closure running one batched greedy decode step per call, after a one-forward prefill."""
+    spec = model.spec
+    blocks_per_seq = -(-(context + total_steps + 1) // BLOCK_SIZE)
+    cache = KVCache(
+        spec.num_layers, batch * blocks_per_seq, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cpu"
+    )
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    prompts = torch.randint(0, spec.vocab_size, (batch * context,))
+    meta = AttentionMetadata.build([context] * batch, [0] * batch, tables, BLOCK_SIZE, "cpu")
+    hidden = model.forward(prompts, meta.positions, cache, meta)
+    state = {"tokens": model.compute_logits(hidden[meta.last_token_indices]).argmax(-1), "len": context}
+
+    def step() -> None:
+        meta = AttentionMetadata.build([1] * batch, [state["len"]] * batch, tables, BLOCK_SIZE, "cpu")
+        hidden = model.forward(state["tokens"], meta.positions, cache, meta)
+        state["tokens"] = model.compute_logits(hidden).argmax(-1)
+        state["len"] += 1
+
+    return step
+
+
+def transformers_decode(path: str, dtype: torch.dtype, batch: int, context: int):
+    """The same decode step with transformers' own model and DynamicCache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    prompts = torch.randint(0, model.config.vocab_size, (batch, context))
+    with torch.inference_mode():
+        out = model(prompts, use_cache=True)
+    state = {"past": out.past_key_values, "tokens": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+    @torch.inference_mode()
+    def step() -> None:
+        out = model(state["tokens"], past_key_values=state["past"], use_cache=True)
+        state["past"], state["tokens"] = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return step
+
+
+def bytes_per_step(model, batch: int, context: int) -> int:
+    """Weights (tied head counted once) plus every sequence's KV, each read once per step."""
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(params.values()) + batch * context * model.spec.kv_bytes_per_token
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="a model folder (config.json + safetensors)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens before the timed steps")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compare-transformers", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = load_model(args.path, dtype, "cpu")
+    print(f"{model.spec.model_type} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads")
+    for batch in args.batch:
+        seconds = timed(kettle_decode(model, batch, args.context, args.steps + args.warmup), args.steps, args.warmup)
+        gbps = bytes_per_step(model, batch, args.context) / seconds / 1e9
+        line = f"batch {batch:3d}: {seconds * 1e3:8.2f} ms/step  {batch / seconds:8.1f} tok/s  {gbps:6.2f} GB/s"
+        if args.compare_transformers:
+            base = timed(transformers_decode(args.path, dtype, batch, args.context), args.steps, args.warmup)
+            line += f"  | transformers {base * 1e3:8.2f} ms/step  speedup x{base / seconds:.2f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""`kettle benchmark` (SPEC §13): drives a shard directly over gRPC and prints latency and throughput tables.
+
+For each batch size it sends requests of exactly `sequence_length` random prompt tokens, times one prefill
+and `decode_length` decode steps (EOS ignored), over `runs` runs after `warmups`, and prints markdown tables.
+Beside tokens/s it prints the weight bandwidth a decode step achieves (weight bytes ÷ step time): decode is
+memory-bandwidth bound, so this says how far from the machine's limit we are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kettle.bench.config import BenchmarkConfig
+from kettle.bench.weights import weight_bytes
+from kettle.proto import generate_pb2 as pb
+from kettle.router.client import ShardedClient
+
+
+@dataclass
+class Samples:
+    """Timings (seconds) of one batch size over all runs."""
+
+    prefill: list[float] = field(default_factory=list)
+    decode_token: list[float] = field(default_factory=list)
+    decode_total: list[float] = field(default_factory=list)
+
+
+def _batch(batch_id: int, size: int, config: BenchmarkConfig, vocab_size: int, block_size: int) -> pb.Batch:
+    rng = random.Random(batch_id)
+    per_request = -(-(config.sequence_length + config.decode_length) // block_size)
+    batch = pb.Batch(id=batch_id, size=size)
+    for i in range(size):
+        ids = [rng.randrange(3, vocab_size) for _ in range(config.sequence_length)]
+        request = batch.requests.add(id=batch_id * 1000 + i, input_ids=ids)
+        request.parameters.CopyFrom(pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0))
+        request.stopping_parameters.max_new_tokens = config.decode_length
+        request.stopping_parameters.ignore_eos_token = True
+        request.blocks.extend(range(i * per_request, (i + 1) * per_request))
+    return batch
+
+
+async def _one_run(client: ShardedClient, batch: pb.Batch, samples: Samples | None) -> None:
+    start = time.perf_counter()
+    _gens, cached, _t = await client.prefill(batch)
+    prefill = time.perf_counter() - start
+    steps = []
+    while cached is not None:
+        step = time.perf_counter()
+        _gens, cached, _t = await client.decode([cached])
+        steps.append(time.perf_counter() - step)
+    if samples is not None:
+        samples.prefill.append(prefill)
+        samples.decode_token.extend(steps)
+        samples.decode_total.append(sum(steps))
+
+
+async def _bench(client: ShardedClient, config: BenchmarkConfig) -> dict[int, Samples]:
+    info = await client.info()
+    largest = max(config.batch_sizes)
+    total = config.sequence_length + config.decode_length
+    await client.warmup(config.sequence_length, config.sequence_length * largest, total, largest)
+    results: dict[int, Samples] = {}
+    progress = tqdm(total=len(config.batch_sizes) * (config.runs + config.warmups), desc="benchmark", unit="run")
+    for size in config.batch_sizes:
+        results[size] = Samples()
+        for run in range(config.warmups + config.runs):
+            batch = _batch(run + 1, size, config, info.vocab_size, info.block_size)
+            await _one_run(client, batch, results[size] if run >= config.warmups else None)
+            progress.update()
+    progress.close()
+    return results
+
+
+def _stats(values: list[float]) -> list[float]:
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+    return [statistics.fmean(values), ordered[0], ordered[-1], pct(0.5), pct(0.9), pct(0.99)]
+
+
+def render(results: dict[int, Samples], config: BenchmarkConfig, model_bytes: int) -> str:
+    """The markdown tables: latency (ms) per phase, then throughput and achieved weight bandwidth."""
+    lines = [
+        "| step | batch | avg ms | min ms | max ms | p50 ms | p90 ms | p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, attr in (("prefill", "prefill"), ("decode token", "decode_token"), ("decode total", "decode_total")):
+        for size, samples in results.items():
+            cells = " | ".join(f"{v * 1000:.2f}" for v in _stats(getattr(samples, attr)))
+            lines.append(f"| {name} | {size} | {cells} |")
+    lines += ["", "| batch | prefill tok/s | decode tok/s | decode weight GB/s |", "|---|---|---|---|"]
+    for size, samples in results.items():
+        prefill = size * config.sequence_length / statistics.median(samples.prefill)
+        step = statistics.median(samples.decode_token)
+        lines.append(f"| {size} | {prefill:.1f} | {size / step:.1f} | {model_bytes / step / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _own_shard(config: BenchmarkConfig) -> Iterator[str]:
+    """Starts a shard process for `config.model_id` when no running shard was given; yields its socket."""
+    if config.master_shard_uds_path:
+        yield config.master_shard_uds_path
+        return
+    from kettle.hub import resolve_model
+
+    path = str(resolve_model(config.model_id).path)
+    uds = os.path.join(tempfile.mkdtemp(prefix="kettle-bench-"), "shard")
+    argv = [sys.executable, "-m", "kettle.cli", "serve", path, "--uds-path", uds]
+    argv += ["--dtype", config.dtype] if config.dtype else []
+    shard = subprocess.Popen(argv)
+    try:
+        yield f"{uds}-0"
+    finally:
+        shard.terminate()
+        shard.wait(30)
+
+
+async def _main(config: BenchmarkConfig, uds: str) -> str:
+    client = await ShardedClient.connect(uds, timeout=600)
+    try:
+        results = await _bench(client, config)
+        info = await client.info()
+    finally:
+        await client.close()
+    model_path = config.model_id
+    if not model_path or not Path(model_path).is_dir():
+        from kettle.hub import resolve_model
+
+        model_path = str(resolve_model(config.model_id).path)
+    return render(results, config, weight_bytes(Path(model_path), info.dtype))
+
+
+def run(config: BenchmarkConfig) -> None:
+    """Runs the benchmark and prints the tables."""
+    with _own_shard(config) as uds:
+        print(asyncio.run(_main(config, uds)))

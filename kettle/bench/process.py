@@ -1,0 +1,69 @@
+"""Starts the real launcher (`kettle launch`) on a free port (for benchmarks and end-to-end tests) and stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+KETTLE = str(Path(sys.executable).parent / "kettle")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KettleServer:
+    """A launcher process serving one model on 127.0.0.1; `url` is its base address."""
+
+    def __init__(
+        self, model_id: str | None, *flags: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uds = os.path.join(tempfile.mkdtemp(prefix="kettle-test-"), "shard")
+        argv = [KETTLE, "launch", "--port", str(self.port), "--hostname", "127.0.0.1"]
+        argv += ["--model-id", model_id] if model_id else []  # no --model-id: the bundled model
+        argv += ["--shard-uds-path", self.uds, *flags]
+        # The log outlives this call (the launcher writes to it until stopped), so no context manager here.
+        self.log = tempfile.NamedTemporaryFile(prefix="kettle-e2e-", suffix=".log", delete=False)  # noqa: SIM115
+        child_env = {**os.environ, "KETTLE_MAX_KV_TOKENS": "65536", **(env or {})}
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=child_env)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"launcher exited with {self.process.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, as an orchestrator would; returns the launcher's exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode

@@ -1,0 +1,175 @@
+"""Kettle's command line: `kettle launch | serve | router | download-weights | benchmark`.
+
+Only typer and small config modules are imported here; torch, transformers, grpc and the servers are
+imported inside the commands, so `kettle --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from kettle.launcher import options as o
+from kettle.launcher.command import launch
+
+app = typer.Typer(
+    name="kettle",
+    help="Kettle: a text-generation inference server with Hugging Face TGI's API.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+app.command("launch")(launch)
+log = logging.getLogger("kettle.cli")
+
+
+def _config_or_usage_error(factory, **settings):
+    """Builds a config dataclass; its validation errors become a usage error (exit 2, no traceback)."""
+    try:
+        return factory(**settings)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+@app.command()
+def serve(
+    model_path: Annotated[str, typer.Argument(help="Local model folder (config.json, safetensors, tokenizer).")],
+    uds_path: Annotated[str, typer.Option(help="Socket prefix; this shard listens on PATH-RANK.")] = (
+        "/tmp/kettle-server"
+    ),
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
+    rank: Annotated[int, typer.Option(envvar="RANK", help="This shard's rank.")] = 0,
+    world_size: Annotated[int, typer.Option(envvar="WORLD_SIZE", help="Number of shards.")] = 1,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
+    quantize: Annotated[str | None, typer.Option(help="Weight quantization method.")] = None,
+    num_threads: Annotated[int | None, typer.Option(envvar="KETTLE_NUM_THREADS", help="Torch threads.")] = None,
+    cpu_kv_cache_fraction: Annotated[
+        float, typer.Option(envvar="KETTLE_CPU_KV_CACHE_FRACTION", help="Share of RAM for the KV cache on CPU.")
+    ] = 0.1,
+    watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
+    watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
+    json_output: o.JsonOutput = False,
+) -> None:
+    """Run one shard (the model) as a gRPC server on a Unix socket. Started by `kettle launch`."""
+    settings = dict(locals())  # exactly the parameters, which are named like ShardConfig's fields
+    from kettle.logging_setup import setup_logging
+    from kettle.shard.config import ShardConfig
+
+    setup_logging(settings.pop("json_output"))
+    config = _config_or_usage_error(ShardConfig, **settings)
+    from kettle.shard.server import serve as serve_shard
+
+    serve_shard(config)
+
+
+@app.command()
+def router(
+    tokenizer_name: Annotated[str, typer.Option(help="Local folder holding the model's tokenizer.")],
+    master_shard_uds_path: Annotated[str, typer.Option(help="Socket of shard 0.")] = "/tmp/kettle-server-0",
+    model_id: Annotated[
+        str | None, typer.Option(help="Model name in /info and /v1/models (default: the tokenizer name).")
+    ] = None,
+    model_sha: Annotated[str | None, typer.Option(help="Model revision shown in /info.")] = None,
+    model_pipeline_tag: Annotated[str, typer.Option(help="Pipeline tag shown in /info.")] = "text-generation",
+    max_concurrent_requests: o.MaxConcurrentRequests = 128,
+    max_best_of: o.MaxBestOf = 2,
+    max_stop_sequences: o.MaxStopSequences = 4,
+    max_top_n_tokens: o.MaxTopNTokens = 5,
+    max_input_tokens: o.MaxInputTokens = None,
+    max_total_tokens: o.MaxTotalTokens = None,
+    waiting_served_ratio: o.WaitingServedRatio = 0.3,
+    max_batch_prefill_tokens: o.MaxBatchPrefillTokens = None,
+    max_batch_total_tokens: o.MaxBatchTotalTokens = None,
+    max_waiting_tokens: o.MaxWaitingTokens = 20,
+    max_batch_size: o.MaxBatchSize = None,
+    validation_workers: o.ValidationWorkers = 2,
+    max_client_batch_size: o.MaxClientBatchSize = 4,
+    payload_limit: o.PayloadLimit = 2_000_000,
+    hostname: o.Hostname = "0.0.0.0",
+    port: o.Port = 3000,
+    api_key: o.ApiKey = None,
+    cors_allow_origin: o.CorsAllowOrigin = None,
+    json_output: o.JsonOutput = False,
+    otlp_endpoint: o.OtlpEndpoint = None,
+    otlp_service_name: o.OtlpServiceName = "kettle",
+    tokenizer_config_path: o.TokenizerConfigPath = None,
+    disable_grammar_support: o.DisableGrammarSupport = False,
+    enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
+    graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
+) -> None:
+    """Run the HTTP router in front of running shards. Started by `kettle launch`."""
+    settings = dict(locals())  # exactly the parameters, which are named like RouterConfig's fields
+    from kettle.logging_setup import setup_logging
+    from kettle.router.config import RouterConfig
+
+    settings["model_id"] = model_id or tokenizer_name
+    settings["cors_allow_origin"] = tuple(cors_allow_origin or ())
+    setup_logging(json_output)
+    config = _config_or_usage_error(RouterConfig, **settings)
+    from kettle.router.server import run
+
+    run(config)
+
+
+@app.command("download-weights")
+def download_weights(
+    model_id: Annotated[str | None, typer.Argument(help="Hub id, local folder or .gguf (default: bundled).")] = None,
+    revision: Annotated[str | None, typer.Option(envvar="REVISION", help="Hub revision.")] = None,
+    huggingface_hub_cache: Annotated[str | None, typer.Option(envvar="HUGGINGFACE_HUB_CACHE")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
+    json_output: o.JsonOutput = False,
+) -> None:
+    """Download and convert a model ahead of time; prints the local folder it resolved to."""
+    from kettle.hub import ModelNotFound, resolve_model
+    from kettle.logging_setup import setup_logging
+
+    setup_logging(json_output)
+    try:
+        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code)
+    except ModelNotFound as error:
+        log.error("%s", error)
+        raise typer.Exit(1) from None
+    typer.echo(str(model.path))
+
+
+@app.command()
+def benchmark(
+    tokenizer_name: Annotated[
+        str | None,
+        typer.Option("--tokenizer-name", "--model-id", help="Model to benchmark (default: the bundled model)."),
+    ] = None,
+    batch_size: Annotated[list[int] | None, typer.Option(help="A batch size to measure (repeat for more).")] = None,
+    sequence_length: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 10,
+    decode_length: Annotated[int, typer.Option(help="Decode steps per run (EOS ignored).")] = 8,
+    runs: Annotated[int, typer.Option(help="Measured runs per batch size.")] = 10,
+    warmups: Annotated[int, typer.Option(help="Unmeasured runs first.")] = 1,
+    master_shard_uds_path: Annotated[
+        str | None, typer.Option(help="Socket of a running shard (default: start one).")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="dtype of the shard it starts.")] = None,
+) -> None:
+    """Measure prefill and decode latency and throughput per batch size, talking to a shard directly."""
+    from kettle.bench.config import DEFAULT_BATCH_SIZES, BenchmarkConfig
+    from kettle.logging_setup import setup_logging
+
+    setup_logging()
+    config = _config_or_usage_error(
+        BenchmarkConfig,
+        model_id=tokenizer_name,
+        batch_sizes=tuple(batch_size or DEFAULT_BATCH_SIZES),
+        sequence_length=sequence_length,
+        decode_length=decode_length,
+        runs=runs,
+        warmups=warmups,
+        master_shard_uds_path=master_shard_uds_path,
+        dtype=dtype,
+    )
+    from kettle.bench.benchmark import run
+
+    run(config)
+
+
+if __name__ == "__main__":
+    app(prog_name="kettle")

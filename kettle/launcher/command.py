@@ -1,0 +1,127 @@
+"""The `kettle launch` command: every flag of SPEC §9 (TGI's names, defaults and environment variables)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kettle.launcher import options as o
+from kettle.launcher.options import MODEL, SHARDS, option
+
+TRUE_WORDS = {"true", "1", "yes", "on"}
+FALSE_WORDS = {"false", "0", "no", "off"}
+
+
+def parse_boolean(value: str | None) -> bool | None:
+    """TGI spells `--sharded true` / `--sharded false`: a value, not a bare flag."""
+    if value is None:
+        return None
+    word = value.lower()
+    if word not in TRUE_WORDS | FALSE_WORDS:
+        raise ValueError(f"--sharded takes true or false, got {value!r}")
+    return word in TRUE_WORDS
+
+
+ModelId = Annotated[
+    str | None,
+    option("--model-id", "Hub model id, local folder or .gguf file (default: the bundled SmolLM2-135M).", MODEL),
+]
+Revision = Annotated[str | None, option("--revision", "Hub revision: branch, tag or commit.", MODEL)]
+Sharded = Annotated[
+    str | None, option("--sharded", "Split the model across shards: true or false.", MODEL, inactive=True)
+]
+NumShard = Annotated[int | None, option("--num-shard", "Number of shards (tensor parallel ranks).", MODEL)]
+Quantize = Annotated[str | None, option("--quantize", "Weight quantization method.", MODEL, inactive=True)]
+Dtype = Annotated[
+    str | None, option("--dtype", "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).", MODEL)
+]
+TrustRemoteCode = Annotated[bool, option("--trust-remote-code", "Allow the model's own Python code.", MODEL)]
+HubCache = Annotated[
+    str | None, option("--huggingface-hub-cache", "Hugging Face cache folder (default: huggingface_hub's).", MODEL)
+]
+LoraAdapters = Annotated[
+    str | None, option("--lora-adapters", "Comma-separated LoRA adapters to load.", MODEL, inactive=True)
+]
+ShardUdsPath = Annotated[
+    str, option("--shard-uds-path", "Shard sockets are PATH-0, PATH-1, ... (removed at exit).", SHARDS)
+]
+MasterAddr = Annotated[str, option("--master-addr", "torch.distributed rendezvous address.", SHARDS)]
+MasterPort = Annotated[int, option("--master-port", "torch.distributed rendezvous port.", SHARDS)]
+WatermarkGamma = Annotated[float, option("--watermark-gamma", "Green-list share of the watermark.", SHARDS)]
+WatermarkDelta = Annotated[float, option("--watermark-delta", "Logit bias of the watermark's green list.", SHARDS)]
+CpuKvCacheFraction = Annotated[
+    float,
+    option(
+        "--cpu-kv-cache-fraction",
+        "On CPU, share of available RAM the KV cache may take.",
+        SHARDS,
+        envvar="KETTLE_CPU_KV_CACHE_FRACTION",
+    ),
+]
+NumThreads = Annotated[
+    int | None,
+    option("--num-threads", "Torch threads per shard (default: physical cores).", SHARDS, envvar="KETTLE_NUM_THREADS"),
+]
+MaxInputLength = Annotated[
+    int | None, option("--max-input-length", "Old name of --max-input-tokens (give only one).", o.LIMITS)
+]
+
+
+def launch(
+    model_id: ModelId = None,
+    revision: Revision = None,
+    sharded: Sharded = None,
+    num_shard: NumShard = None,
+    quantize: Quantize = None,
+    dtype: Dtype = None,
+    trust_remote_code: TrustRemoteCode = False,
+    huggingface_hub_cache: HubCache = None,
+    lora_adapters: LoraAdapters = None,
+    max_concurrent_requests: o.MaxConcurrentRequests = 128,
+    max_best_of: o.MaxBestOf = 2,
+    max_stop_sequences: o.MaxStopSequences = 4,
+    max_top_n_tokens: o.MaxTopNTokens = 5,
+    max_input_tokens: o.MaxInputTokens = None,
+    max_input_length: MaxInputLength = None,
+    max_total_tokens: o.MaxTotalTokens = None,
+    waiting_served_ratio: o.WaitingServedRatio = 0.3,
+    max_batch_prefill_tokens: o.MaxBatchPrefillTokens = None,
+    max_batch_total_tokens: o.MaxBatchTotalTokens = None,
+    max_waiting_tokens: o.MaxWaitingTokens = 20,
+    max_batch_size: o.MaxBatchSize = None,
+    validation_workers: o.ValidationWorkers = 2,
+    max_client_batch_size: o.MaxClientBatchSize = 4,
+    payload_limit: o.PayloadLimit = 2_000_000,
+    hostname: o.Hostname = "0.0.0.0",
+    port: o.Port = 3000,
+    api_key: o.ApiKey = None,
+    cors_allow_origin: o.CorsAllowOrigin = None,
+    json_output: o.JsonOutput = False,
+    otlp_endpoint: o.OtlpEndpoint = None,
+    otlp_service_name: o.OtlpServiceName = "kettle",
+    tokenizer_config_path: o.TokenizerConfigPath = None,
+    disable_grammar_support: o.DisableGrammarSupport = False,
+    enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
+    graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
+    shard_uds_path: ShardUdsPath = "/tmp/kettle-server",
+    master_addr: MasterAddr = "localhost",
+    master_port: MasterPort = 29500,
+    watermark_gamma: WatermarkGamma = 0.5,
+    watermark_delta: WatermarkDelta = 2.0,
+    cpu_kv_cache_fraction: CpuKvCacheFraction = 0.1,
+    num_threads: NumThreads = None,
+) -> None:
+    """Start a server: resolve the model, start the shards, then the router, and supervise them."""
+    settings = dict(locals())  # exactly the parameters above, which are named like LauncherConfig's fields
+    from kettle.launcher.config import LauncherConfig, pick_max_input_tokens
+    from kettle.launcher.main import launch as run_launcher
+
+    try:
+        settings["sharded"] = parse_boolean(sharded)
+        settings["max_input_tokens"] = pick_max_input_tokens(max_input_tokens, settings.pop("max_input_length"))
+        settings["cors_allow_origin"] = tuple(cors_allow_origin or ())
+        config = LauncherConfig(**settings)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    raise typer.Exit(run_launcher(config))

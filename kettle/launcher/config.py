@@ -1,0 +1,136 @@
+"""The launcher's configuration: every `kettle launch` flag (SPEC §9), validated before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kettle.router.config import RouterConfig
+from kettle.shard.config import DTYPES, ShardConfig
+
+# Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
+INACTIVE_FLAGS: dict[str, object] = {"otlp_endpoint": None, "lora_adapters": None}
+# Tensor parallelism and quantization are planned but not wired through the launcher yet.
+MAX_SHARDS = 1
+# RouterConfig fields the launcher fills from the resolved model rather than from a flag of the same name.
+ROUTER_OWN_FIELDS = {"master_shard_uds_path", "tokenizer_name", "model_id", "model_sha", "model_pipeline_tag"}
+# A shard must answer on its socket within this many seconds (loading a large model is slow).
+DEFAULT_SHARD_START_TIMEOUT = 600.0
+
+
+def pick_max_input_tokens(max_input_tokens: int | None, max_input_length: int | None) -> int | None:
+    """`--max-input-tokens` or its older name `--max-input-length`; giving both is an error, as in TGI."""
+    if max_input_tokens is not None and max_input_length is not None:
+        raise ValueError("--max-input-tokens and --max-input-length are the same setting: give only one")
+    return max_input_tokens if max_input_tokens is not None else max_input_length
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Everything `kettle launch` was told, split into the shard and router configs it starts."""
+
+    model_id: str | None = None
+    revision: str | None = None
+    sharded: bool | None = None
+    num_shard: int | None = None
+    quantize: str | None = None
+    dtype: str | None = None
+    trust_remote_code: bool = False
+    huggingface_hub_cache: str | None = None
+    lora_adapters: str | None = None
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    waiting_served_ratio: float = 0.3
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    validation_workers: int = 2
+    max_client_batch_size: int = 4
+    payload_limit: int = 2_000_000
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    api_key: str | None = None
+    cors_allow_origin: tuple[str, ...] = ()
+    json_output: bool = False
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "kettle"
+    tokenizer_config_path: str | None = None
+    disable_grammar_support: bool = False
+    enable_prefill_logprobs: bool = False
+    graceful_termination_timeout: float = 90.0
+    shard_uds_path: str = "/tmp/kettle-server"
+    master_addr: str = "localhost"
+    master_port: int = 29500
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
+    cpu_kv_cache_fraction: float = 0.1
+    num_threads: int | None = None
+    shard_start_timeout: float = DEFAULT_SHARD_START_TIMEOUT
+
+    def __post_init__(self) -> None:
+        self._check_sharding()
+        if self.quantize is not None:
+            raise ValueError(f"--quantize {self.quantize} is not active yet: run without --quantize for now")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("port", "master_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be a TCP port (1-65535)")
+        if self.graceful_termination_timeout < 0:
+            raise ValueError("--graceful-termination-timeout must be >= 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("--num-threads must be >= 1")
+        # Building both child configs runs their own checks now, before any process is started.
+        self.shard_config("model", rank=0)
+        self.router_config("model", "model")
+
+    def _check_sharding(self) -> None:
+        if self.num_shard is not None and self.num_shard < 1:
+            raise ValueError("--num-shard must be >= 1")
+        if self.sharded is False and (self.num_shard or 1) > 1:
+            raise ValueError("--sharded false contradicts --num-shard > 1")
+        if self.sharded or self.world_size > MAX_SHARDS:
+            raise ValueError("tensor parallelism (--sharded / --num-shard > 1) is not active yet: run one shard")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_shard or 1
+
+    def inactive_flags_set(self) -> list[str]:
+        """The not-yet-active flags given a value other than their inert one (the launcher warns about them)."""
+        return [name for name, inert in INACTIVE_FLAGS.items() if getattr(self, name) != inert]
+
+    def shard_config(self, model_path: str, rank: int) -> ShardConfig:
+        return ShardConfig(
+            model_path=model_path,
+            uds_path=self.shard_uds_path,
+            dtype=self.dtype,
+            rank=rank,
+            world_size=self.world_size,
+            trust_remote_code=self.trust_remote_code,
+            quantize=self.quantize,
+            num_threads=self.num_threads,
+            cpu_kv_cache_fraction=self.cpu_kv_cache_fraction,
+            watermark_gamma=self.watermark_gamma,
+            watermark_delta=self.watermark_delta,
+        )
+
+    def router_config(self, tokenizer_name: str, model_id: str, model_sha: str | None = None) -> RouterConfig:
+        """The router's settings: the fields it shares with the launcher by name, plus where the model is."""
+        shared = {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(RouterConfig)
+            if field.name not in ROUTER_OWN_FIELDS and hasattr(self, field.name)
+        }
+        return RouterConfig(
+            master_shard_uds_path=f"{self.shard_uds_path}-0",
+            tokenizer_name=tokenizer_name,
+            model_id=model_id,
+            model_sha=model_sha,
+            **shared,
+        )

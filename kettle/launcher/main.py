@@ -1,0 +1,44 @@
+"""`kettle launch`: resolve the model, then run the shards and the router under the supervisor."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from kettle.hub import ModelNotFound, resolve_model
+from kettle.launcher.config import LauncherConfig
+from kettle.launcher.specs import router_spec, shard_specs
+from kettle.launcher.supervisor import Supervisor
+from kettle.logging_setup import setup_logging
+
+log = logging.getLogger("kettle.launcher")
+
+
+def launch(config: LauncherConfig) -> int:
+    """Runs the whole server until it is stopped; returns the process exit code."""
+    setup_logging(config.json_output)
+    # Until the supervisor takes over, SIGTERM unwinds like Ctrl-C, so a download or conversion in progress
+    # removes its temporary files instead of dying mid-write.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    for name in config.inactive_flags_set():
+        log.warning("--%s is not active yet: it is accepted for compatibility and has no effect", _flag(name))
+    try:
+        model = resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.trust_remote_code)
+    except ModelNotFound as error:
+        log.error("%s", error)
+        return 1
+    except KeyboardInterrupt:
+        log.error("Stopped while preparing the model")
+        return 130
+    log.info("Model %s ready in %s", model.display_id, model.path)
+    supervisor = Supervisor(
+        shard_specs(config, str(model.path)),
+        router_spec(config, model),
+        graceful_timeout=config.graceful_termination_timeout,
+        start_timeout=config.shard_start_timeout,
+    )
+    return supervisor.run()
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,93 @@
+"""The command-line options `kettle launch` and `kettle router` share, with TGI's names and help.
+
+Each is an `Annotated` type used as a parameter annotation; every option also reads the environment
+variable of the same name in UPPER_SNAKE case (`--max-total-tokens` ← `MAX_TOTAL_TOKENS`), as TGI's
+launcher and router do. Defaults live in the command signatures, next to the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+INACTIVE = "(not active yet)"
+MODEL = "Model"
+LIMITS = "Limits and batching"
+SERVER = "HTTP server"
+SHARDS = "Shards"
+
+
+def option(flag: str, help: str, panel: str, *, envvar: str | None = None, inactive: bool = False, **extra):
+    """A typer option named `flag`, read from `envvar` (default: the flag in UPPER_SNAKE case).
+
+    `inactive` marks a flag accepted for TGI compatibility that has no effect yet; its help says so.
+    """
+    env = envvar or flag.lstrip("-").replace("-", "_").upper()
+    text = f"{help} {INACTIVE}" if inactive else help
+    return typer.Option(flag, envvar=env, help=text, rich_help_panel=panel, show_envvar=True, **extra)
+
+
+MaxConcurrentRequests = Annotated[
+    int, option("--max-concurrent-requests", "Requests handled at once; more get 429 overloaded.", LIMITS)
+]
+MaxBestOf = Annotated[int, option("--max-best-of", "Largest `best_of` a request may ask for.", LIMITS)]
+MaxStopSequences = Annotated[int, option("--max-stop-sequences", "Most `stop` sequences per request.", LIMITS)]
+MaxTopNTokens = Annotated[int, option("--max-top-n-tokens", "Largest `top_n_tokens` per request.", LIMITS)]
+MaxInputTokens = Annotated[
+    int | None,
+    option("--max-input-tokens", "Most prompt tokens per request (default: derived at warmup).", LIMITS),
+]
+MaxTotalTokens = Annotated[
+    int | None,
+    option("--max-total-tokens", "Most prompt + generated tokens per request (default: derived at warmup).", LIMITS),
+]
+WaitingServedRatio = Annotated[
+    float,
+    option("--waiting-served-ratio", "Waiting/running ratio at which queued requests join the batch.", LIMITS),
+]
+MaxBatchPrefillTokens = Annotated[
+    int | None, option("--max-batch-prefill-tokens", "Most tokens computed in one prefill (default: derived).", LIMITS)
+]
+MaxBatchTotalTokens = Annotated[
+    int | None,
+    option("--max-batch-total-tokens", "KV cache capacity in tokens (default: from the memory at warmup).", LIMITS),
+]
+MaxWaitingTokens = Annotated[
+    int, option("--max-waiting-tokens", "Decode steps a queued request may wait before it forces a prefill.", LIMITS)
+]
+MaxBatchSize = Annotated[int | None, option("--max-batch-size", "Most requests in one batch (default: none).", LIMITS)]
+ValidationWorkers = Annotated[
+    int, option("--validation-workers", "Tokenizer workers for validation, off the event loop.", LIMITS)
+]
+MaxClientBatchSize = Annotated[
+    int, option("--max-client-batch-size", "Most prompts in one /v1/completions request.", LIMITS)
+]
+PayloadLimit = Annotated[int, option("--payload-limit", "Largest request body in bytes; larger get 413.", LIMITS)]
+
+Hostname = Annotated[str, option("--hostname", "Address the HTTP server listens on.", SERVER)]
+Port = Annotated[int, option("--port", "TCP port of the HTTP server.", SERVER)]
+ApiKey = Annotated[
+    str | None, option("--api-key", "Require `Authorization: Bearer KEY` on the generation routes.", SERVER)
+]
+CorsAllowOrigin = Annotated[
+    list[str] | None, option("--cors-allow-origin", "An origin allowed by CORS (repeat for more).", SERVER)
+]
+JsonOutput = Annotated[bool, option("--json-output", "Log JSON lines instead of text.", SERVER)]
+OtlpEndpoint = Annotated[
+    str | None, option("--otlp-endpoint", "OpenTelemetry collector to export traces to.", SERVER, inactive=True)
+]
+OtlpServiceName = Annotated[str, option("--otlp-service-name", "Service name in exported traces.", SERVER)]
+TokenizerConfigPath = Annotated[
+    str | None, option("--tokenizer-config-path", "A tokenizer_config.json to use instead of the model's.", SERVER)
+]
+DisableGrammarSupport = Annotated[
+    bool, option("--disable-grammar-support", "Reject `grammar` / `response_format` requests.", SERVER)
+]
+EnablePrefillLogprobs = Annotated[
+    bool, option("--enable-prefill-logprobs", "Allow requests for prompt logprobs (`decoder_input_details`).", SERVER)
+]
+GracefulTerminationTimeout = Annotated[
+    float,
+    option("--graceful-termination-timeout", "Seconds each process gets to stop after SIGTERM.", SERVER),
+]

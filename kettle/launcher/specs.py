@@ -1,0 +1,90 @@
+"""Process specs: the exact command line and environment of every child the launcher starts.
+
+Children are started as `python -m kettle.cli ...` with the launcher's own interpreter, so they run the same
+Kettle and the same virtual environment whether or not the `kettle` script is on PATH. Their flags are
+generated from the ShardConfig / RouterConfig fields, which the `serve` and `router` commands parse back
+field by field (kebab-case flags), so the two sides cannot drift apart silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kettle.hub.types import ResolvedModel
+from kettle.launcher.config import LauncherConfig
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One child process: a name for the logs, its argv, its full environment, and the socket it serves."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    socket: str | None = None  # the launcher waits until this Unix socket answers before going on
+
+
+def kettle_command() -> list[str]:
+    """The command that runs Kettle's CLI with this very interpreter."""
+    return [sys.executable, "-m", "kettle.cli"]
+
+
+def config_argv(config: object, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Flags for a config dataclass: `--field-name value`, flags for true booleans, one per tuple item.
+
+    None and False are left out, so the child falls back to the same default the config has.
+    """
+    argv: list[str] = []
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        flag = "--" + item.name.replace("_", "-")
+        if item.name in skip or value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, tuple | list):
+            for element in value:
+                argv += [flag, str(element)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment plus `extra`; Python output unbuffered so child logs appear at once."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpec:
+    """`kettle serve MODEL_PATH ...` for one rank, with the torch.distributed rendezvous variables."""
+    shard = config.shard_config(model_path, rank)
+    argv = [*kettle_command(), "serve", model_path, *config_argv(shard, skip=frozenset({"model_path"}))]
+    if config.json_output:
+        argv.append("--json-output")
+    distributed = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(shard.world_size),
+        "LOCAL_WORLD_SIZE": str(shard.world_size),
+        "MASTER_ADDR": config.master_addr,
+        "MASTER_PORT": str(config.master_port),
+    }
+    return ProcessSpec(f"shard-{rank}", tuple(argv), child_env(distributed), socket=shard.socket_path)
+
+
+def shard_specs(config: LauncherConfig, model_path: str) -> list[ProcessSpec]:
+    return [shard_spec(config, model_path, rank) for rank in range(config.world_size)]
+
+
+def router_spec(config: LauncherConfig, model: ResolvedModel) -> ProcessSpec:
+    """`kettle router ...` pointed at shard 0's socket and at the resolved model folder's tokenizer."""
+    router = config.router_config(str(model.path), model.display_id, model.sha)
+    argv = [*kettle_command(), "router", *config_argv(router)]
+    return ProcessSpec("router", tuple(argv), child_env({}))

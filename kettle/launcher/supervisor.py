@@ -1,0 +1,126 @@
+"""The supervisor: start the shards, wait until they answer, start the router, then watch all of them.
+
+Any child that exits takes the whole server down at once with a log line naming it (never a half-alive
+server, never a hang); SIGINT/SIGTERM stop the router first, so it stops taking requests while the shards
+can still finish the running ones, then the shards. A second signal kills whatever is left immediately.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from kettle.launcher.child import Child, stop_children
+from kettle.launcher.sockets import SocketInUse, answers, clear_stale, remove
+from kettle.launcher.specs import ProcessSpec
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.1
+# After a crash the other children have nothing left to finish: do not give them the full graceful timeout.
+FAILURE_STOP_SECONDS = 5.0
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Supervisor:
+    """Runs one server: shard processes, then the router, until a signal or a child's exit."""
+
+    def __init__(
+        self,
+        shards: list[ProcessSpec],
+        router: ProcessSpec,
+        graceful_timeout: float = 90.0,
+        start_timeout: float = 600.0,
+    ) -> None:
+        self.shard_specs = shards
+        self.router_spec = router
+        self.graceful_timeout = graceful_timeout
+        self.start_timeout = start_timeout
+        self.shards: list[Child] = []
+        self.router: Child | None = None
+        self._signals: list[int] = []
+
+    def run(self) -> int:
+        """Blocks until the server stops; returns 0 after a requested shutdown, 1 after a failure."""
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in HANDLED_SIGNALS}
+        code = 1
+        try:
+            code = self._start_and_watch()
+        finally:
+            self._stop_all(self.graceful_timeout if code == 0 else min(self.graceful_timeout, FAILURE_STOP_SECONDS))
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return code
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        # Only record it: the loops below act on it (logging inside a signal handler can deadlock).
+        self._signals.append(signum)
+
+    def _forced(self) -> bool:
+        return len(self._signals) > 1
+
+    def _start_and_watch(self) -> int:
+        try:
+            for spec in self.shard_specs:
+                if spec.socket:
+                    clear_stale(spec.socket)
+        except SocketInUse as error:
+            log.error("%s", error)
+            return 1
+        self.shards = [Child(spec) for spec in self.shard_specs]
+        code = self._wait_for_shards()
+        if code is not None:
+            return code
+        self.router = Child(self.router_spec)
+        return self._watch()
+
+    def _wait_for_shards(self) -> int | None:
+        """None once every shard answers on its socket; otherwise the exit code to stop with."""
+        deadline = time.monotonic() + self.start_timeout
+        pending = [child for child in self.shards if child.spec.socket]
+        while True:
+            if self._signals:
+                log.info("Received %s while starting: shutting down", signal.Signals(self._signals[0]).name)
+                return 0
+            dead = self._first_exited(self.shards)
+            if dead is not None:
+                log.error("%s %s before it was ready; shutting down", dead.name, dead.describe_exit())
+                return 1
+            pending = [child for child in pending if not answers(child.spec.socket)]
+            if not pending:
+                log.info("%d shard(s) ready", len(self.shards))
+                return None
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{child.name} ({child.spec.socket})" for child in pending)
+                log.error("No answer within %.0f s from %s; shutting down", self.start_timeout, names)
+                return 1
+            time.sleep(POLL_SECONDS)
+
+    def _watch(self) -> int:
+        children = [*self.shards, self.router]
+        while True:
+            if self._signals:
+                log.info("Received %s: shutting down", signal.Signals(self._signals[0]).name)
+                return 0
+            dead = self._first_exited(children)
+            if dead is not None:
+                log.error("%s %s; shutting down", dead.name, dead.describe_exit())
+                return 1
+            time.sleep(POLL_SECONDS)
+
+    @staticmethod
+    def _first_exited(children: list[Child]) -> Child | None:
+        return next((child for child in children if child.exit_code() is not None), None)
+
+    def _stop_all(self, timeout: float) -> None:
+        """The router first (it stops accepting requests and drains), then all shards together."""
+        if self.router is not None:
+            stop_children([self.router], timeout, self._forced)
+        if not self.shards:
+            return  # nothing started: the sockets, if any, belong to someone else
+        stop_children(self.shards, timeout, self._forced)
+        for spec in self.shard_specs:
+            if spec.socket:
+                remove(spec.socket)
+        log.info("All processes stopped")

@@ -1,0 +1,231 @@
+"""Paged attention: the per-step token layout (`AttentionMetadata`) and the backend that attends over it.
+
+One forward covers many sequences, their new tokens concatenated in one flat [T] layout. Sequence i brings
+`query_lens[i]` new tokens at positions `cache_lens[i] ..`; the K/V of its earlier positions are already in
+the paged cache (a shared prefix, an earlier prefill chunk, or earlier decode steps). Everything that depends
+only on that layout (slots, positions, gather indices, masks) is built once per step in `build` and reused by
+every layer, so a layer costs one cache write plus the attention kernels.
+
+Sequences with one new token (decodes) are attended together in one batched call; the others (prefills,
+whole or chunked) one call each. The kernels live behind `AttentionBackend`, chosen by `KETTLE_ATTENTION`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean mask (True = attend): causal, and within the last `window` positions when one is set.
+
+    The window matches Hugging Face's sliding attention: a query at p sees keys at p - window + 1 .. p.
+    """
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+@dataclass
+class DecodePlan:
+    """The sequences with one new token, attended together over a padded gather of their cached blocks."""
+
+    token_range: tuple[int, int] | None  # where their tokens sit in T when contiguous (the common case)
+    token_indices: torch.Tensor  # [Nd] their indices in T
+    block_ids: torch.Tensor  # [Nd * max_blocks] block tables, padded with block 0 (masked out)
+    num_blocks: int  # max_blocks: blocks gathered per sequence
+    query_positions: torch.Tensor  # [Nd, 1, 1, 1]
+    key_positions: torch.Tensor  # [1, 1, 1, max_blocks * block_size]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[Nd, 1, 1, L] mask, computed once per step per window size."""
+        if window not in self.masks:
+            self.masks[window] = window_mask(self.query_positions, self.key_positions, window)
+        return self.masks[window]
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with several new tokens: tokens start..end of T, positions cache_len onwards."""
+
+    start: int
+    end: int
+    cache_len: int
+    block_ids: torch.Tensor | None  # its blocks covering the whole context, when part of it is cached
+    query_positions: torch.Tensor  # [L, 1]
+    key_positions: torch.Tensor  # [1, context] (context = cache_len + L)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def needs_mask(self, window: int | None) -> bool:
+        """Whether plain causal attention over the new tokens alone would be wrong."""
+        return self.cache_len > 0 or (window is not None and self.end - self.start > window)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[L, context] mask, computed once per step per window size."""
+        if window not in self.masks:
+            self.masks[window] = window_mask(self.query_positions, self.key_positions, window)
+        return self.masks[window]
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat token layout of one forward, shared by every layer."""
+
+    slots: torch.Tensor  # [T] cache slot of each new token
+    positions: torch.Tensor  # [T]
+    last_token_indices: torch.Tensor  # [num_seqs] index in T of each sequence's last new token
+    query_lens: list[int]
+    cache_lens: list[int]
+    block_size: int
+    max_seq_len: int  # longest context this step (cache + new), for RoPE tables
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def decode_only(self) -> bool:
+        """Every token is a decode, in T order: the decode plan's output is the whole output."""
+        return not self.prefills and self.decode is not None and self.decode.token_range == (0, self.num_tokens)
+
+    def seq_lens_per_token(self) -> torch.Tensor:
+        """[T] the context length (cache + new) of each token's sequence (dynamic-NTK RoPE needs it)."""
+        totals = [c + q for c, q in zip(self.cache_lens, self.query_lens, strict=True)]
+        counts = torch.tensor(self.query_lens, device=self.positions.device)
+        return torch.tensor(totals, device=self.positions.device).repeat_interleave(counts)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        cache_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Computes slots, positions and the attention plans for one step on the host, then moves them once."""
+        seq_lens = [c + q for c, q in zip(cache_lens, query_lens, strict=True)]
+        tables = _padded_tables(block_tables, seq_lens, block_size)
+        qlens, clens = torch.tensor(query_lens), torch.tensor(cache_lens)
+        ends = qlens.cumsum(0)
+        seq_of_token = torch.arange(len(query_lens)).repeat_interleave(qlens)
+        positions = torch.arange(int(ends[-1])) - (ends - qlens)[seq_of_token] + clens[seq_of_token]
+        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        starts = (ends - qlens).tolist()
+        device = torch.device(device)
+        return cls(
+            slots=slots.to(device),
+            positions=positions.to(device),
+            last_token_indices=(ends - 1).to(device),
+            query_lens=list(query_lens),
+            cache_lens=list(cache_lens),
+            block_size=block_size,
+            max_seq_len=max(seq_lens),
+            decode=_decode_plan(query_lens, seq_lens, starts, tables, block_size, device),
+            prefills=[
+                _prefill_plan(start, qlen, clen, table, block_size, device)
+                for start, qlen, clen, table in zip(starts, query_lens, cache_lens, tables, strict=True)
+                if qlen > 1
+            ],
+        )
+
+
+def _padded_tables(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
+    """[S, max blocks needed] block ids; short rows are padded with block 0, whose slots are always masked out."""
+    width = -(-max(seq_lens) // block_size)
+    for table, seq_len in zip(block_tables, seq_lens, strict=True):
+        if len(table) * block_size < seq_len:
+            raise ValueError(f"a block table of {len(table)} blocks cannot hold {seq_len} tokens")
+    return torch.tensor([list(t[:width]) + [0] * max(0, width - len(t)) for t in block_tables], dtype=torch.long)
+
+
+def _decode_plan(
+    query_lens: list[int], seq_lens: list[int], starts: list[int], tables: torch.Tensor, block_size: int, device
+) -> DecodePlan | None:
+    """Groups every one-token sequence into one padded batch over their block tables."""
+    seqs = [i for i, q in enumerate(query_lens) if q == 1]
+    if not seqs:
+        return None
+    token_starts = [starts[i] for i in seqs]
+    contiguous = token_starts == list(range(token_starts[0], token_starts[0] + len(seqs)))
+    num_blocks = -(-max(seq_lens[i] for i in seqs) // block_size)
+    return DecodePlan(
+        token_range=(token_starts[0], token_starts[0] + len(seqs)) if contiguous else None,
+        token_indices=torch.tensor(token_starts, device=device),
+        block_ids=tables[seqs, :num_blocks].reshape(-1).to(device),
+        num_blocks=num_blocks,
+        query_positions=(torch.tensor([seq_lens[i] for i in seqs]) - 1).view(-1, 1, 1, 1).to(device),
+        key_positions=torch.arange(num_blocks * block_size, device=device).view(1, 1, 1, -1),
+    )
+
+
+def _prefill_plan(
+    start: int, query_len: int, cache_len: int, table: torch.Tensor, block_size: int, device
+) -> PrefillPlan:
+    """One sequence's prefill: over its new K/V alone when nothing is cached, else over its gathered blocks."""
+    seq_len = cache_len + query_len
+    num_blocks = -(-seq_len // block_size)
+    # With a cached prefix, keys come from a block-aligned gather; otherwise from the new tokens themselves.
+    num_keys = num_blocks * block_size if cache_len else query_len
+    return PrefillPlan(
+        start=start,
+        end=start + query_len,
+        cache_len=cache_len,
+        block_ids=table[:num_blocks].to(device) if cache_len else None,
+        query_positions=torch.arange(cache_len, seq_len, device=device).view(-1, 1),
+        key_positions=torch.arange(num_keys, device=device).view(1, -1),
+    )
+
+
+class AttentionBackend(Protocol):
+    """Writes a layer's new K/V into the paged cache and attends. CUDA kernels implement the same call."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def get_backend(name: str | None = None) -> AttentionBackend:
+    """The backend named by `name` or `KETTLE_ATTENTION` (default: "sdpa", PyTorch SDPA on any device)."""
+    name = name or os.environ.get("KETTLE_ATTENTION", "sdpa")
+    if name not in _BACKENDS:
+        if name != "sdpa":
+            raise ValueError(f"unknown attention backend {name!r} (KETTLE_ATTENTION); available: sdpa")
+        from kettle.layers.sdpa_attention import SdpaBackend
+
+        _BACKENDS[name] = SdpaBackend()
+    return _BACKENDS[name]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], k_new/v_new [T, Hkv, D], caches [slots, Hkv, D] → [T, H, D]; writes k_new/v_new first."""
+    return get_backend().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window)

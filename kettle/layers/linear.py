@@ -1,0 +1,48 @@
+"""Dense linear layers loaded from checkpoints, with projections fused at load time.
+
+Projections that read the same input (q/k/v, gate/up) are concatenated row-wise once when loading, so each
+is one matmul per step instead of two or three; the output is split with views. Quantized and
+tensor-parallel variants replace `Linear` with the same call shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kettle.models.weights import Weights
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ (+ b), W [out_features, in_features]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @classmethod
+    def load(cls, weights: Weights, prefixes: list[str]) -> Linear:
+        """The projections named by `prefixes` ("<prefix>.weight", optional "<prefix>.bias"), fused in order."""
+        parts = [weights.get(f"{prefix}.weight") for prefix in prefixes]
+        biases = [weights.get_optional(f"{prefix}.bias") for prefix in prefixes]
+        return cls(torch.cat(parts) if len(parts) > 1 else parts[0], fuse_biases(biases, parts))
+
+
+def fuse_biases(biases: list[torch.Tensor | None], weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The concatenated biases; None when no projection has one, zeros for a projection without one."""
+    if all(bias is None for bias in biases):
+        return None
+    filled = [
+        bias if bias is not None else weight.new_zeros(weight.shape[0])
+        for bias, weight in zip(biases, weights, strict=True)
+    ]
+    return torch.cat(filled)

@@ -1,0 +1,25 @@
+"""RMSNorm, as Llama-family models use it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight over the last dimension.
+
+    Uses PyTorch's fused `rms_norm`: in float32 it is bit-identical to Hugging Face's reference and ~15% faster;
+    in bfloat16 it rounds once instead of twice (it does not cast back to bf16 before the weight multiply), a
+    last-bit difference from the reference that we accept for ~30% less time on a norm-heavy decode step.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+        self.shape = (int(weight.shape[0]),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)

@@ -1,0 +1,155 @@
+"""The Llama family: Llama 2/3/3.1, Code Llama, TinyLlama, SmolLM, Mistral and Qwen2, over a paged KV cache.
+
+These share one block (pre-norm RMSNorm, RoPE attention with grouped-query heads, SiLU-gated MLP); they
+differ only in facts read from the config and the checkpoint: biases on q/k/v (Qwen2; detected from the
+weights), sliding-window layers (Mistral, some Qwen2), the RoPE scaling, and tied embeddings.
+
+A forward takes the flat tokens of every sequence in the step ([T]) and returns their final hidden states;
+`compute_logits` then projects only the rows the caller needs (usually each sequence's last token).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kettle.layers.attention import AttentionMetadata, paged_attention
+from kettle.layers.linear import Linear
+from kettle.layers.norm import RMSNorm
+from kettle.layers.rotary import RotaryEmbedding
+from kettle.models.spec import ModelSpec
+from kettle.models.weights import Weights
+from kettle.shard.kv_cache import KVCache
+
+
+def rope_parameters(config) -> dict:
+    """RoPE settings from a transformers config: v5's `rope_parameters`, or v4's `rope_theta` + `rope_scaling`."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window: Mistral applies `sliding_window` everywhere, Qwen2 where `layer_types` say."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or config.model_type == "llama":
+        return [None] * config.num_hidden_layers
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def build_spec(config, dtype: torch.dtype, vocab_size: int) -> ModelSpec:
+    """The architecture-independent facts of a Llama-family config."""
+    windows = layer_windows(config)
+    return ModelSpec(
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        hidden_size=config.hidden_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        sliding_window=windows[0] if len(set(windows)) == 1 else None,
+        dtype=dtype,
+    )
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, RoPE on q and k in one op, paged attention, output projection."""
+
+    def __init__(self, weights: Weights, prefix: str, spec: ModelSpec, sliding_window: int | None) -> None:
+        super().__init__()
+        self.qkv = Linear.load(weights, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        self.o_proj = Linear.load(weights, [f"{prefix}.o_proj"])
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
+        qkv = self.qkv(x).view(x.shape[0], qk_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qkv[:, :qk_heads], cos, sin)
+        out = paged_attention(
+            qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], k_cache, v_cache, meta, self.scale, self.sliding_window
+        )
+        return self.o_proj(out.reshape(x.shape[0], heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, weights: Weights, prefix: str, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"activation {hidden_act!r} is not supported for the Llama family (only silu)")
+        self.gate_up = Linear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down = Linear.load(weights, [f"{prefix}.down_proj"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, window: int | None) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_norm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"), eps)
+        self.attn = LlamaAttention(weights, f"{prefix}.self_attn", spec, window)
+        self.post_attention_norm = RMSNorm(weights.get(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.mlp = LlamaMLP(weights, f"{prefix}.mlp", config.hidden_act)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM built directly from a checkpoint's tensors (no random init, no copy)."""
+
+    def __init__(self, config, weights: Weights) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(weights.get("model.embed_tokens.weight"), requires_grad=False)
+        lm_head = weights.output_embedding(self.embed_tokens.data, "lm_head.weight", config.tie_word_embeddings)
+        self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+        self.spec = build_spec(config, weights.dtype, int(lm_head.shape[0]))
+        windows = layer_windows(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(weights, f"model.layers.{i}", config, self.spec, windows[i])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(weights.get("model.norm.weight"), config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            self.spec.head_dim, rope_parameters(config), config.max_position_embeddings, weights.dtype, weights.device
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str, config, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+        """Loads the checkpoint in `path` (safetensors) for an already parsed transformers `config`."""
+        with Weights(path, dtype, device) as weights:
+            return cls(config, weights).eval()
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary(positions, meta)
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            h = layer(h, cos, sin, k_cache, v_cache, meta)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab] in float32 (sampling and logprobs want full precision)."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,91 @@
+"""Reading a Hugging Face safetensors checkpoint tensor by tensor, into the dtype and device the model runs in.
+
+A folder holds either one `model.safetensors` (or any `*.safetensors` files) or shards listed by
+`model.safetensors.index.json`. Tensors are read one at a time through `safe_open`, so peak memory stays near
+the size of the model in its target dtype, never two copies of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Tensor name → file, from the shard index when there is one, else from every safetensors file's header."""
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    mapping = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            mapping.update(dict.fromkeys(handle.keys(), file))
+    return mapping
+
+
+class Weights:
+    """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
+    integer packs, scales kept as-is by their loaders) keep their stored dtype. Use as a context manager."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._files = checkpoint_files(self.folder)
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> Weights:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Releases the open files (their memory maps)."""
+        self._stack.close()
+        self._handles.clear()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._files)
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, converted to the target dtype (if floating point) and device."""
+        if name not in self._files:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+        tensor = self._handle(self._files[name]).get_tensor(name)
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.to(device=self.device, dtype=dtype)
+
+    def get_optional(self, name: str) -> torch.Tensor | None:
+        """The tensor, or None when the checkpoint lacks it (optional biases)."""
+        return self.get(name) if self.has(name) else None
+
+    def get_concat(self, names: list[str], dim: int = 0) -> torch.Tensor:
+        """Several tensors concatenated (fused projections), built once at load time."""
+        return torch.cat([self.get(name) for name in names], dim=dim)
+
+    def output_embedding(self, embedding: torch.Tensor, name: str, tied: bool) -> torch.Tensor:
+        """The LM head: the input embedding itself (shared, not copied) when tied or absent from the checkpoint."""
+        if tied or not self.has(name):
+            return embedding
+        return self.get(name)

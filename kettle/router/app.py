@@ -1,0 +1,136 @@
+"""The FastAPI application: routes, error handlers, payload limit, CORS and the API key.
+
+Route modules each contribute an `APIRouter`; the OpenAI routes will be one more module included here, sharing
+`app.state.generation` (permits, validation, Infer) and `generation_dependencies` with the TGI routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Protocol
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.params import Depends as DependsParam
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kettle
+from kettle.proto import generate_pb2
+from kettle.router import generate
+from kettle.router import info as info_routes
+from kettle.router.config import RouterConfig
+from kettle.router.errors import (
+    PayloadTooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+    error_response,
+    install_error_handlers,
+)
+from kettle.router.generation import GenerationService, InferLike, Permits
+from kettle.router.info import HealthCheck
+from kettle.router.validation import Validation, ValidationLimits
+
+_DESCRIPTION = "Text generation inference with Hugging Face TGI's API."
+
+
+class InferService(InferLike, HealthCheck, Protocol):
+    """What the app needs from `kettle.router.infer.Infer`."""
+
+
+def create_app(
+    config: RouterConfig,
+    infer: InferService,
+    validation: Validation,
+    info: generate_pb2.InfoResponse,
+    limits: ValidationLimits,
+) -> FastAPI:
+    """The whole HTTP API; `limits` are the token limits chosen at warmup (shown in /info)."""
+    app = FastAPI(
+        title="Kettle",
+        version=kettle.__version__,
+        description=_DESCRIPTION,
+        openapi_url="/api-doc/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    install_error_handlers(app)
+    permits = Permits(config.max_concurrent_requests)
+    service = GenerationService(infer, validation, permits, info_routes.compute_type(info))
+    app.state.generation = service
+    app.include_router(info_routes.build_router(infer, info_routes.server_info(config, info, limits)))
+    app.include_router(generate.build_router(service, generation_dependencies(config)))
+    app.add_middleware(PayloadLimit, limit=config.payload_limit)
+    if config.cors_allow_origin:
+        # Added last, so it is the outermost layer: even 413s and 401s carry the CORS headers.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.cors_allow_origin), allow_methods=["*"], allow_headers=["*"]
+        )
+    return app
+
+
+def generation_dependencies(config: RouterConfig) -> list[DependsParam]:
+    """Checks on every generation route: the API key (when set), then a JSON content type."""
+    checks = [Depends(_api_key_check(config.api_key))] if config.api_key else []
+    return [*checks, Depends(require_json)]
+
+
+# Module level: the dependency's annotation below is a string (postponed evaluation) resolved in these globals.
+_BEARER = HTTPBearer(auto_error=False, description="The server's `--api-key`.")
+
+
+def _api_key_check(key: str):
+    async def require_api_key(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
+        # Constant-time comparison: the key must not leak through response timing.
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key.encode()):
+            raise Unauthorized()
+
+    return require_api_key
+
+
+async def require_json(request: Request) -> None:
+    """415 unless the body is declared as JSON (`application/json` or `application/*+json`)."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    if kind != "application" or not (subtype == "json" or subtype.endswith("+json")):
+        raise UnsupportedMediaType()
+
+
+class PayloadLimit:
+    """413 for request bodies over `limit` bytes, by Content-Length up front or by counting a chunked body."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if _content_length(scope) > self.limit:
+            await error_response(PayloadTooLarge(self.limit))(scope, receive, send)
+            return
+        await self.app(scope, self._counting(receive), send)
+
+    def _counting(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise PayloadTooLarge(self.limit)
+            return message
+
+        return counted
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0

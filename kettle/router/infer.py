@@ -1,0 +1,153 @@
+"""`Infer`: what the HTTP routes call. It queues requests, runs the scheduler task and streams events back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from kettle.router.blocks import Allocator, BlockAllocator
+from kettle.router.client import DUMMY_TOKEN
+from kettle.router.queue import Entry, Queue, batch_proto
+from kettle.router.scheduler import Scheduler, ShardClient
+from kettle.router.types import (
+    IncompleteGeneration,
+    InferError,
+    InferEvent,
+    SamplingParameters,
+    StoppingParameters,
+    TokenEvent,
+    ValidGenerateRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+# Request ids are unique for the life of the process: the shards key their batch state on them.
+_REQUEST_IDS = itertools.count()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Batching limits (SPEC §11), final once warmup has chosen the token limits and the KV cache size."""
+
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    block_size: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch_prefill_tokens > self.max_batch_total_tokens:
+            raise ValueError("max_batch_prefill_tokens must be <= max_batch_total_tokens")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
+            raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
+
+
+class InferClient(ShardClient, Protocol):
+    """The scheduler's shard calls plus the health check."""
+
+    async def health(self) -> None: ...
+
+
+class Infer:
+    """Queue + block allocator + scheduler task behind one interface for the route handlers."""
+
+    def __init__(self, client: InferClient, config: SchedulerConfig, allocator: Allocator | None = None) -> None:
+        self._client = client
+        self._allocator = allocator or BlockAllocator(config.num_blocks, config.block_size)
+        self._queue = Queue(self._allocator, config.max_batch_total_tokens, config.max_batch_prefill_tokens)
+        self._scheduler = Scheduler(client, self._queue, self._allocator, config)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def queue_size(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        """Starts the scheduler task (on the running event loop)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._scheduler.run(), name="kettle-scheduler")
+
+    async def stop(self) -> None:
+        """Stops the scheduler; requests still queued or running end with IncompleteGeneration."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._scheduler.shutdown()
+
+    async def generate(self, request: ValidGenerateRequest) -> AsyncIterator[InferEvent]:
+        """Queues `request` and yields its events until the last token.
+
+        Raises the InferError the scheduler reported, or IncompleteGeneration when the request ended without a
+        last token. Closing the generator early (the client went away) cancels the request: the scheduler drops
+        it from the batch and frees its blocks at its next step.
+        """
+        entry = Entry(next(_REQUEST_IDS), request)
+        self._queue.append(entry)
+        self._scheduler.wake()
+        try:
+            while True:
+                item = await entry.channel.get()
+                if item is None:
+                    raise IncompleteGeneration()
+                if isinstance(item, InferError):
+                    raise item
+                yield item
+                if isinstance(item, TokenEvent) and item.end is not None:
+                    return
+        finally:
+            if not entry.done:
+                entry.cancelled = True
+                self._scheduler.wake()
+
+    async def health(self) -> bool:
+        """True when every shard answers and, if the last shard call failed, a real forward works again."""
+        try:
+            await self._client.health()
+            if not self._scheduler.last_call_ok:
+                await self._probe()
+        except Exception:
+            logger.warning("health check failed", exc_info=True)
+            return False
+        return True
+
+    async def _probe(self) -> None:
+        """A one-token prefill of a single request through every shard.
+
+        It runs beside the scheduler's own calls (as TGI's does) and owns a real block, so it cannot overwrite
+        the KV cache of a running request.
+        """
+        request = ValidGenerateRequest(
+            inputs="",
+            input_ids=(DUMMY_TOKEN,),
+            truncate=None,
+            decoder_input_details=False,
+            top_n_tokens=0,
+            parameters=SamplingParameters(),
+            stopping=StoppingParameters(max_new_tokens=1),
+        )
+        entry = Entry(next(_REQUEST_IDS), request)
+        entry.allocation = self._allocator.allocate(entry.total_tokens)
+        if entry.allocation is None:
+            raise RuntimeError("no free KV block for the health probe")
+        try:
+            _, cached, _ = await self._client.prefill(batch_proto(self._queue.new_batch_id(), [entry]))
+            if cached is not None:  # a one-token request ends at prefill; drop the batch if a shard kept it
+                await self._client.clear_cache(cached.id)
+            self._scheduler.last_call_ok = True
+        finally:
+            self._allocator.free(entry.allocation)
+            self._scheduler.wake()  # the probe's block may be what a queued request was waiting for

@@ -1,0 +1,223 @@
+"""`kettle router`: connect to the shards, choose the token limits, warm up, serve HTTP until a signal.
+
+Token limits left unset are derived (SPEC §9): `max_total_tokens` from the model's context length (the shard's
+`max_position_embeddings`, config.json and the tokenizer's `model_max_length`, whichever is smallest) capped at
+4096; `max_input_tokens = max_total_tokens - 1`; `max_batch_prefill_tokens = max_input_tokens + 50`. Warmup then
+sizes the KV cache, which gives `max_batch_total_tokens` and the block layout for the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import uvicorn
+
+from kettle.proto import generate_pb2
+from kettle.router.app import create_app
+from kettle.router.client import ShardedClient
+from kettle.router.config import RouterConfig
+from kettle.router.infer import Infer, SchedulerConfig
+from kettle.router.tokenizer import TokenizerPool
+from kettle.router.validation import Validation, ValidationLimits
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOTAL_TOKENS = 4096
+_PREFILL_MARGIN = 50  # TGI's edge over max_input_tokens, for block-size alignment
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length", "n_ctx")
+_UNSET_MODEL_MAX_LENGTH = 10**9  # transformers writes ~1e30 when a tokenizer has no limit
+
+
+class StartupError(Exception):
+    """A configuration or environment problem that stops the router before it serves (exit code 1)."""
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """The token limits in force; `max_batch_total_tokens` is known only after warmup."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int | None = None
+
+
+def run(config: RouterConfig) -> None:
+    """Serves until SIGINT/SIGTERM; a startup problem is logged in one line and exits with code 1."""
+    try:
+        asyncio.run(serve(config))
+    except StartupError as exc:
+        logger.error("%s", exc)
+        raise SystemExit(1) from None
+
+
+async def serve(config: RouterConfig) -> None:
+    try:
+        client = await ShardedClient.connect(config.master_shard_uds_path)
+    except Exception as exc:
+        raise StartupError(f"cannot reach the shards at {config.master_shard_uds_path}: {exc}") from exc
+    try:
+        await _serve_with(config, client)
+    finally:
+        await client.close()
+
+
+async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
+    info = await client.info()
+    limits = choose_limits(config, context_length(config, info))
+    warmup = await client.warmup(
+        limits.max_input_tokens, limits.max_batch_prefill_tokens, limits.max_total_tokens, config.max_batch_size
+    )
+    limits = apply_warmup(config, limits, warmup)
+    block_size = warmup.block_size or info.block_size
+    logger.info(
+        "Token limits: max_input_tokens=%d, max_total_tokens=%d, max_batch_prefill_tokens=%d, "
+        "max_batch_total_tokens=%d (KV cache: %d blocks of %d tokens)",
+        *(limits.max_input_tokens, limits.max_total_tokens, limits.max_batch_prefill_tokens),
+        *(limits.max_batch_total_tokens, warmup.num_blocks, block_size),
+    )
+    infer = Infer(client, _scheduler_config(config, limits, warmup.num_blocks, block_size))
+    tokenizers = TokenizerPool.from_path(config.tokenizer_name, config.validation_workers)
+    await tokenizers.warm()
+    validation_limits = ValidationLimits.from_config(config, limits.max_input_tokens, limits.max_total_tokens)
+    validation = Validation(validation_limits, tokenizers, grammar_support=not config.disable_grammar_support)
+    app = create_app(config, infer, validation, info, validation_limits)
+    infer.start()
+    try:
+        await _Server(_uvicorn_config(app, config)).serve()
+    finally:
+        await infer.stop()
+        tokenizers.close()
+
+
+def _scheduler_config(config: RouterConfig, limits: TokenLimits, num_blocks: int, block_size: int) -> SchedulerConfig:
+    assert limits.max_batch_total_tokens is not None
+    return SchedulerConfig(
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=limits.max_batch_total_tokens,
+        max_batch_size=config.max_batch_size,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
+
+
+def _uvicorn_config(app: object, config: RouterConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.hostname,
+        port=config.port,
+        log_level="info",
+        log_config=None,  # keep the process's logging setup (text or JSON lines)
+        timeout_graceful_shutdown=int(config.graceful_termination_timeout),
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM once it has shut down, which would kill the process before the
+    scheduler stops and the shard channels close; here the signal only starts the graceful shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def context_length(config: RouterConfig, info: generate_pb2.InfoResponse) -> int | None:
+    """The smallest known context length: the shard's, the model config's, the tokenizer's."""
+    folder = Path(config.tokenizer_name)
+    candidates = [info.max_position_embeddings, _model_context(folder), _tokenizer_max_length(folder)]
+    known = [value for value in candidates if value]
+    return min(known) if known else None
+
+
+def _model_context(folder: Path) -> int | None:
+    model_config = _read_json(folder / "config.json")
+    for section in (model_config, model_config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(section.get(key), int):
+                return section[key]
+    return None
+
+
+def _tokenizer_max_length(folder: Path) -> int | None:
+    value = _read_json(folder / "tokenizer_config.json").get("model_max_length")
+    return int(value) if isinstance(value, int | float) and 0 < value < _UNSET_MODEL_MAX_LENGTH else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def choose_limits(config: RouterConfig, context: int | None) -> TokenLimits:
+    """The limits before warmup: flags first, then defaults derived from the context length."""
+    total = config.max_total_tokens
+    if total is None:
+        total = min(context or DEFAULT_MAX_TOTAL_TOKENS, DEFAULT_MAX_TOTAL_TOKENS)
+        if config.max_input_tokens is not None:
+            total = max(total, config.max_input_tokens + 1)
+    max_input = config.max_input_tokens if config.max_input_tokens is not None else total - 1
+    if not 0 < max_input < total:
+        raise StartupError(f"`max_input_tokens` ({max_input}) must be > 0 and < `max_total_tokens` ({total})")
+    prefill = config.max_batch_prefill_tokens or max_input + _PREFILL_MARGIN
+    if prefill < max_input:
+        raise StartupError(
+            f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: {prefill} and {max_input}"
+        )
+    return TokenLimits(max_input, total, prefill)
+
+
+def apply_warmup(config: RouterConfig, limits: TokenLimits, warmup: generate_pb2.WarmupResponse) -> TokenLimits:
+    """Final limits: the KV capacity found at warmup bounds the batch, and a request must fit in it."""
+    supported = warmup.max_supported_total_tokens
+    if not supported:
+        raise StartupError("warmup reported no KV cache capacity: the shards cannot hold any token")
+    batch_total = config.max_batch_total_tokens or supported
+    if batch_total > supported:
+        # The KV blocks are allocated: a bigger budget would only make the scheduler wait on blocks.
+        logger.warning(
+            "--max-batch-total-tokens %d exceeds the KV cache (%d tokens); using %d", batch_total, *[supported] * 2
+        )
+        batch_total = supported
+    if limits.max_total_tokens > batch_total:
+        limits = _shrink_to_cache(config, limits, batch_total)
+    prefill = limits.max_batch_prefill_tokens
+    if prefill > batch_total:
+        if config.max_batch_prefill_tokens is not None:
+            raise StartupError(f"`max_batch_prefill_tokens` ({prefill}) exceeds the KV cache ({batch_total} tokens)")
+        prefill = batch_total
+    return replace(limits, max_batch_prefill_tokens=prefill, max_batch_total_tokens=batch_total)
+
+
+def _shrink_to_cache(config: RouterConfig, limits: TokenLimits, batch_total: int) -> TokenLimits:
+    """A request of max_total_tokens must fit in the KV cache; derived limits shrink, explicit ones are an error."""
+    if config.max_total_tokens is not None or batch_total < 2:
+        raise StartupError(
+            f"`max_total_tokens` ({limits.max_total_tokens}) does not fit in the KV cache ({batch_total} tokens): "
+            "lower --max-total-tokens or give the cache more memory"
+        )
+    max_input = min(limits.max_input_tokens, batch_total - 1)
+    if config.max_input_tokens is not None and max_input < config.max_input_tokens:
+        raise StartupError(f"`max_input_tokens` ({config.max_input_tokens}) does not fit in the KV cache")
+    logger.warning("KV cache holds %d tokens: max_total_tokens lowered to fit", batch_total)
+    return replace(limits, max_input_tokens=max_input, max_total_tokens=batch_total)

@@ -1,0 +1,188 @@
+"""The shard's engine: the calls of the shard protocol on proto messages, over the cached batches.
+
+Synchronous and single-threaded by design: the gRPC service runs it in one worker thread, so model state is
+never touched concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from kettle.proto import generate_pb2 as pb
+from kettle.shard.batch import Batch, RequestState
+from kettle.shard.detokenize import IncrementalDetokenizer
+from kettle.shard.runner import ModelRunner, StepResult
+from kettle.shard.sampling import SamplingParams
+from kettle.shard.stopping import StoppingCriteria
+from kettle.shard.warmup import plan_kv_cache
+
+logger = logging.getLogger(__name__)
+
+# Test hook for fault tests: a forward fails when its batch holds a request whose prompt contains this text.
+_FAIL_ENV = "KETTLE_TEST_FAIL_PROMPT"
+
+
+class ShardEngine:
+    """Executes Prefill / Decode / FilterBatch / ClearCache / Warmup for one rank."""
+
+    def __init__(self, runner: ModelRunner, kv_memory_fraction: float, rank: int = 0, world_size: int = 1) -> None:
+        self.runner = runner
+        self.kv_memory_fraction = kv_memory_fraction
+        self.rank = rank
+        self.world_size = world_size
+        self.batches: dict[int, Batch] = {}
+        self._fail_prompt = os.environ.get(_FAIL_ENV) or None
+        self._failing: set[int] = set()
+
+    # --- protocol calls -------------------------------------------------------------------------------
+
+    def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        """Computes the prompts of a new batch, together with a cached batch's decodes when given."""
+        start = time.perf_counter_ns()
+        new = Batch(request.batch.id, [self._state(r) for r in request.batch.requests])
+        batches = [new]
+        if request.HasField("cached_batch"):
+            batches.insert(0, self._take(request.cached_batch.id))
+        batch = Batch.concatenate(batches) if len(batches) > 1 else new
+        result, kept = self._run(batch)
+        return pb.PrefillResponse(
+            generations=result.generations,
+            batch=kept,
+            forward_ns=result.forward_ns,
+            decode_ns=result.decode_ns,
+            total_ns=time.perf_counter_ns() - start,
+        )
+
+    def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
+        """One decode step over the concatenation of the given cached batches."""
+        start = time.perf_counter_ns()
+        batches = [self._take(b.id) for b in request.batches]
+        batch = Batch.concatenate(batches) if len(batches) > 1 else batches[0]
+        concat_ns = time.perf_counter_ns() - start
+        result, kept = self._run(batch)
+        return pb.DecodeResponse(
+            generations=result.generations,
+            batch=kept,
+            forward_ns=result.forward_ns,
+            decode_ns=result.decode_ns,
+            total_ns=time.perf_counter_ns() - start,
+            concat_ns=concat_ns,
+        )
+
+    def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
+        """Keeps only the listed requests of a cached batch."""
+        batch = self._take(request.batch_id).filter(request.request_ids)
+        if batch is None:
+            return pb.FilterBatchResponse()
+        self.batches[batch.id] = batch
+        return pb.FilterBatchResponse(batch=batch.to_pb(self._block_size))
+
+    def clear_cache(self, request: pb.ClearCacheRequest) -> None:
+        """Drops one cached batch, or all of them."""
+        if request.HasField("id"):
+            self.batches.pop(request.id, None)
+        else:
+            self.batches.clear()
+
+    def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        """Sizes the KV cache from the memory available, then runs a prefill to prove the model runs."""
+        plan = plan_kv_cache(self.runner.model.spec, self.runner.device, request, self.kv_memory_fraction)
+        self.runner.allocate_cache(plan.num_blocks, plan.block_size)
+        self._warmup_forward(request.batch, plan.block_size, plan.warmup_tokens)
+        self.batches.clear()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            plan.num_blocks,
+            plan.block_size,
+            plan.num_blocks * plan.block_size,
+            plan.bytes / 2**20,
+        )
+        return pb.WarmupResponse(
+            max_supported_total_tokens=plan.num_blocks * plan.block_size,
+            max_input_tokens=request.max_input_tokens,
+            max_total_tokens=request.max_total_tokens,
+            num_blocks=plan.num_blocks,
+            block_size=plan.block_size,
+        )
+
+    # --- helpers --------------------------------------------------------------------------------------
+
+    @property
+    def _block_size(self) -> int:
+        assert self.runner.kv_cache is not None
+        return self.runner.kv_cache.block_size
+
+    def _take(self, batch_id: int) -> Batch:
+        batch = self.batches.pop(batch_id, None)
+        if batch is None:
+            raise KeyError(f"batch {batch_id} not found")
+        return batch
+
+    def _run(self, batch: Batch) -> tuple[StepResult, pb.CachedBatch | None]:
+        """One step; the batch is cached again without its finished requests. A failure drops the batch."""
+        self._maybe_fail(batch)
+        result = self.runner.step(batch.requests)
+        remaining = [r.id for r in batch.requests if r.id not in result.finished]
+        kept = batch.filter(remaining)
+        if kept is None:
+            return self._local(result), None
+        self.batches[kept.id] = kept
+        return self._local(result), kept.to_pb(self._block_size)
+
+    def _local(self, result: StepResult) -> StepResult:
+        # Tensor-parallel ranks compute every request; each reports its share so the router gets one copy.
+        if self.world_size > 1:
+            result.generations = [g for g in result.generations if g.request_id % self.world_size == self.rank]
+        return result
+
+    def _maybe_fail(self, batch: Batch) -> None:
+        if any(r.id in self._failing for r in batch.requests):
+            raise RuntimeError(f"injected failure ({_FAIL_ENV})")
+
+    def _state(self, request: pb.Request) -> RequestState:
+        params = SamplingParams.from_proto(request.parameters)
+        stopping = request.stopping_parameters
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(params.seed)
+        prompt = list(request.input_ids)
+        if self._fail_prompt is not None and self._fail_prompt in request.inputs:
+            self._failing.add(request.id)
+        return RequestState(
+            id=request.id,
+            all_ids=prompt.copy(),
+            prompt_len=len(prompt),
+            cache_len=request.cache_len,
+            chunk_len=request.chunk_len,
+            blocks=list(request.blocks),
+            params=params,
+            generator=generator,
+            stopping=StoppingCriteria(
+                self.runner.vocab.eos_token_ids,
+                list(stopping.stop_sequences),
+                stopping.max_new_tokens,
+                stopping.ignore_eos_token,
+            ),
+            detokenizer=IncrementalDetokenizer(self.runner.vocab.tokenizer, prompt),
+            top_n_tokens=request.top_n_tokens,
+            prefill_logprobs=request.prefill_logprobs,
+        )
+
+    def _warmup_forward(self, batch: pb.Batch, block_size: int, max_tokens: int) -> None:
+        """Runs the warmup batch's prompts (capped at `max_tokens`) with blocks assigned here."""
+        requests, used, next_block = [], 0, 0
+        for request in batch.requests:
+            ids = list(request.input_ids)[: max(0, max_tokens - used)]
+            if not ids:
+                break
+            n_blocks = -(-(len(ids) + 1) // block_size)
+            warm = pb.Request(id=request.id, input_ids=ids, parameters=request.parameters)
+            warm.stopping_parameters.max_new_tokens = 1
+            warm.blocks.extend(range(next_block, next_block + n_blocks))
+            requests.append(self._state(warm))
+            used, next_block = used + len(ids), next_block + n_blocks
+        if requests:
+            self.runner.step(requests)

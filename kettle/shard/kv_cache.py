@@ -1,0 +1,73 @@
+"""The paged KV cache: one pool of fixed-size blocks per layer, addressed by flat slot index.
+
+A sequence owns a list of blocks (its block table, chosen by the router's allocator); the token at position
+`p` of that sequence lives in slot `table[p // block_size] * block_size + p % block_size`. Keeping the pool
+flat ([slots, kv_heads, head_dim]) lets one `index_copy_` write the new K/V of every token of a step and one
+gather read any set of contexts, whatever the block tables look like.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Tokens per block: small enough that a request wastes little of its last block, large enough that block
+# tables stay short. Shared with the router's allocator through the shard's Info response.
+BLOCK_SIZE = 16
+
+
+class KVCache:
+    """Key and value tensors of every layer, each [num_blocks * block_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV cache needs at least one block of one slot, got {num_blocks}x{block_size}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # Zeros rather than empty: padded gathers read unused slots (masked out), and NaN garbage there would
+        # survive a -inf mask as NaN * 0 in some kernels.
+        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        """Capacity in tokens."""
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Memory one cached token takes across all layers (keys and values)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * element_size
+
+    @classmethod
+    def for_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        block_size: int = BLOCK_SIZE,
+    ) -> KVCache:
+        """The largest cache (in whole blocks) that fits in `budget_bytes`."""
+        per_block = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * block_size
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"{budget_bytes} bytes cannot hold one KV block of {per_block} bytes")
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)

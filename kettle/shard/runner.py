@@ -1,0 +1,177 @@
+"""One forward step over a list of requests: build tensors → forward → sample → stop → detokenize.
+
+Prefill chunks and decodes share one flat token layout, so a step may mix them (chunked prefill) and a
+prompt may start after a cached prefix (prefix caching): both only change `cache_len` / `chunk_len`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kettle.layers.attention import AttentionMetadata
+from kettle.proto import generate_pb2 as pb
+from kettle.shard.batch import RequestState
+from kettle.shard.kv_cache import KVCache
+from kettle.shard.sampling import BatchSampler, SampleOutput, top_tokens
+from kettle.shard.vocab import Vocab
+
+
+@dataclass
+class StepResult:
+    """What one step produced: a generation per request that made progress, and the ids that finished."""
+
+    generations: list[pb.Generation]
+    finished: set[int]
+    forward_ns: int
+    decode_ns: int
+
+
+class ModelRunner:
+    """Runs steps of the model over the paged KV cache for the shard's service."""
+
+    def __init__(self, model, vocab: Vocab, device: torch.device, watermark: tuple[float, float]) -> None:
+        self.model = model
+        self.vocab = vocab
+        self.device = device
+        self.watermark_gamma, self.watermark_delta = watermark
+        self.kv_cache: KVCache | None = None
+        self._sampler_key: tuple[int, ...] = ()
+        self._sampler: BatchSampler | None = None
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """(Re)creates the KV cache with `num_blocks` blocks."""
+        spec = self.model.spec
+        self.kv_cache = None  # free the old one before allocating the new one
+        self.kv_cache = KVCache(
+            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def step(self, requests: list[RequestState]) -> StepResult:
+        """Runs one forward for `requests` and returns their generations."""
+        start = time.perf_counter_ns()
+        queries = [r.next_query() for r in requests]
+        meta, hidden = self._forward(requests, queries)
+        prefill_logprobs = self._prefill_logprobs(requests, queries, meta, hidden)
+        for request, query in zip(requests, queries, strict=True):
+            request.cache_len += len(query)
+        ready = [i for i, r in enumerate(requests) if not r.in_prefill]
+        if not ready:
+            return StepResult([], set(), time.perf_counter_ns() - start, 0)
+        rows = meta.last_token_indices[ready] if len(ready) < len(requests) else meta.last_token_indices
+        sampled = self._sample([requests[i] for i in ready], self.model.compute_logits(hidden[rows]))
+        forward_ns = time.perf_counter_ns() - start
+        result = self._update([requests[i] for i in ready], sampled, prefill_logprobs)
+        result.forward_ns, result.decode_ns = forward_ns, time.perf_counter_ns() - start - forward_ns
+        return result
+
+    def _forward(
+        self, requests: list[RequestState], queries: list[list[int]]
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        assert self.kv_cache is not None, "Warmup must run before the first forward"
+        meta = AttentionMetadata.build(
+            [len(q) for q in queries],
+            [r.cache_len for r in requests],
+            [r.blocks for r in requests],
+            self.kv_cache.block_size,
+            self.device,
+        )
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(queries)), dtype=torch.long, device=self.device)
+        return meta, self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
+
+    def _sample(self, requests: list[RequestState], logits: torch.Tensor) -> SampleOutput:
+        sampler = self._batch_sampler(requests, logits.shape[-1])
+        last = torch.tensor([r.all_ids[-1] for r in requests], dtype=torch.long, device=self.device)
+        history = lens = None
+        if sampler.needs_history:
+            history, lens = self._history(requests)
+        return sampler(logits, history, lens, last)
+
+    def _batch_sampler(self, requests: list[RequestState], vocab_size: int) -> BatchSampler:
+        # Rebuilt only when the batch composition changes: parameter tensors are built once per batch.
+        key = tuple(r.id for r in requests)
+        if key != self._sampler_key or self._sampler is None:
+            self._sampler = BatchSampler(
+                [r.params for r in requests],
+                [r.generator for r in requests],
+                vocab_size,
+                self.device,
+                watermark_gamma=self.watermark_gamma,
+                watermark_delta=self.watermark_delta,
+            )
+            self._sampler_key = key
+        return self._sampler
+
+    def _history(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt + output ids padded with -1, for the repetition and frequency penalties."""
+        width = max(len(r.all_ids) for r in requests)
+        rows = [r.all_ids + [-1] * (width - len(r.all_ids)) for r in requests]
+        history = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lens = torch.tensor([len(r.all_ids) for r in requests], dtype=torch.long, device=self.device)
+        return history, lens
+
+    def _prefill_logprobs(self, requests, queries, meta, hidden) -> dict[int, pb.Tokens]:
+        """Logprobs of the prompt tokens for the requests that asked (decoder_input_details)."""
+        out: dict[int, pb.Tokens] = {}
+        offsets = itertools.accumulate([len(q) for q in queries], initial=0)
+        for request, query, offset in zip(requests, queries, offsets, strict=False):
+            if request.prefill_logprobs and request.in_prefill and request.cache_len == 0:
+                out[request.id] = self._prompt_tokens(request, hidden[offset : offset + len(query)])
+        return out
+
+    def _prompt_tokens(self, request: RequestState, hidden: torch.Tensor) -> pb.Tokens:
+        ids = request.all_ids[: request.prompt_len]
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:-1]), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device).unsqueeze(1)).squeeze(1)
+        values = [float("nan"), *chosen.tolist()]
+        texts = [self.vocab.token_text(i) for i in ids]
+        return pb.Tokens(ids=ids, logprobs=values, texts=texts, is_special=[self.vocab.is_special(i) for i in ids])
+
+    def _update(self, requests: list[RequestState], sampled: SampleOutput, prefill: dict) -> StepResult:
+        """Appends the chosen tokens, applies stopping and detokenizes: the only per-request Python loop."""
+        # One host transfer for the chosen ids and their logprobs (float64 holds every id exactly).
+        chosen = torch.stack([sampled.next_ids.double(), sampled.chosen_logprobs.double()]).tolist()
+        ids, logprobs = [int(i) for i in chosen[0]], chosen[1]
+        tops = self._top_tokens(requests, sampled)
+        generations, finished = [], set()
+        for i, request in enumerate(requests):
+            generation = self._advance(request, ids[i], logprobs[i], tops[i])
+            if request.id in prefill:
+                generation.prefill_tokens.CopyFrom(prefill[request.id])
+            if generation.HasField("generated_text"):
+                finished.add(request.id)
+            generations.append(generation)
+        return StepResult(generations, finished, 0, 0)
+
+    def _top_tokens(self, requests: list[RequestState], sampled: SampleOutput) -> list[list[pb.Tokens]]:
+        counts = [r.top_n_tokens for r in requests]
+        if not any(counts):
+            return [[] for _ in requests]
+        tops = top_tokens(sampled.logprobs, counts)
+        return [[self._tokens(ids, values)] if ids else [] for ids, values in tops]
+
+    def _tokens(self, ids: list[int], logprobs: list[float]) -> pb.Tokens:
+        texts = [self.vocab.token_text(i) for i in ids]
+        special = [self.vocab.is_special(i) for i in ids]
+        return pb.Tokens(ids=ids, logprobs=logprobs, texts=texts, is_special=special)
+
+    def _advance(self, request: RequestState, token: int, logprob: float, top: list[pb.Tokens]) -> pb.Generation:
+        request.all_ids.append(token)
+        text = request.detokenizer.step(token)
+        generation = pb.Generation(request_id=request.id, tokens=self._tokens([token], [logprob]), top_tokens=top)
+        generation.tokens.texts[0] = text
+        reason = request.stopping(token, text)
+        if reason is not None:
+            generation.generated_text.CopyFrom(
+                pb.GeneratedText(
+                    text=request.detokenizer.text(skip_special_tokens=True),
+                    generated_tokens=len(request.detokenizer.generated),
+                    finish_reason=reason,
+                    seed=request.seed,
+                )
+            )
+        return generation

@@ -1,0 +1,61 @@
+"""The gRPC servicer of `TextGenerationService` (SPEC §10), backed by a `ShardEngine`.
+
+Model calls run in one worker thread under a lock, so the event loop keeps answering Health and Info while a
+forward runs, and the engine is never entered twice at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kettle.proto import generate_pb2 as pb
+from kettle.proto import generate_pb2_grpc
+from kettle.shard.engine import ShardEngine
+
+logger = logging.getLogger(__name__)
+
+
+class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
+    """Answers the router's calls for one rank."""
+
+    def __init__(self, engine: ShardEngine, info: pb.InfoResponse, urls: list[str]) -> None:
+        self.engine = engine
+        self.info = info
+        self.urls = urls
+        self._lock = asyncio.Lock()
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn, request):
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(fn, request)
+            except Exception as error:  # a failed batch fails its call, never the shard
+                logger.exception("%s failed", fn.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+
+    async def Info(self, request, context):
+        return self.info
+
+    async def Health(self, request, context):
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
+
+    async def ClearCache(self, request, context):
+        await self._call(context, self.engine.clear_cache, request)
+        return pb.ClearCacheResponse()
+
+    async def FilterBatch(self, request, context):
+        return await self._call(context, self.engine.filter_batch, request)
+
+    async def Warmup(self, request, context):
+        return await self._call(context, self.engine.warmup, request)
+
+    async def Prefill(self, request, context):
+        return await self._call(context, self.engine.prefill, request)
+
+    async def Decode(self, request, context):
+        return await self._call(context, self.engine.decode, request)

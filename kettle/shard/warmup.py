@@ -1,0 +1,55 @@
+"""KV cache sizing at warmup: how many blocks the cache gets on this device.
+
+On the CPU the cache takes a configurable share of the RAM available at start-up (`--cpu-kv-cache-fraction`),
+capped at `KETTLE_MAX_KV_TOKENS` so a tiny model does not reserve gigabytes. The warmup forward itself is
+capped on the CPU (`KETTLE_WARMUP_TOKENS`): there it proves the model runs; it measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from kettle.proto import generate_pb2 as pb
+from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+
+DEFAULT_MAX_KV_TOKENS = 1 << 17
+DEFAULT_CPU_WARMUP_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache the shard allocates, and how many tokens the warmup forward runs."""
+
+    num_blocks: int
+    block_size: int
+    bytes: int
+    warmup_tokens: int
+
+
+def plan_kv_cache(spec, device: torch.device, request: pb.WarmupRequest, memory_fraction: float) -> KVPlan:
+    """Chooses the number of KV blocks from the memory the cache may use on `device`."""
+    per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    budget = int(_available_bytes(device) * memory_fraction)
+    cap = int(os.environ.get("KETTLE_MAX_KV_TOKENS", DEFAULT_MAX_KV_TOKENS))
+    tokens = min(budget // per_token, cap)
+    if tokens < request.max_total_tokens:
+        raise MemoryError(
+            f"the KV cache can hold {tokens} tokens but one request may need {request.max_total_tokens}: "
+            "give the cache more memory or lower --max-total-tokens"
+        )
+    num_blocks = tokens // BLOCK_SIZE
+    warmup = request.max_prefill_tokens
+    if device.type == "cpu":
+        warmup = min(warmup, int(os.environ.get("KETTLE_WARMUP_TOKENS", DEFAULT_CPU_WARMUP_TOKENS)))
+    return KVPlan(num_blocks, BLOCK_SIZE, num_blocks * BLOCK_SIZE * per_token, min(warmup, tokens - BLOCK_SIZE))
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return psutil.virtual_memory().available

@@ -1,0 +1,64 @@
+"""The bundled model's one-time GGUF conversion, into the real Kettle cache.
+
+This deliberately uses the default `KETTLE_CACHE` (not a temporary one): the first run converts (about a
+minute on two CPU cores) and leaves the folder that the bundled end-to-end tests and `make serve` reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kettle.hub import BUNDLED_MODEL_ID, resolve_model
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return resolve_model()
+
+
+def test_the_bundled_model_resolves_to_a_complete_folder(bundled):
+    assert bundled.display_id == BUNDLED_MODEL_ID
+    names = {path.name for path in bundled.path.iterdir()}
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert expected <= names
+    assert not any(name.startswith(".tmp") for name in names)
+
+
+def test_chat_template_and_special_tokens_survive(bundled):
+    tokenizer_config = json.loads((bundled.path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["bos_token"] == "<|im_start|>"
+    assert tokenizer_config["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>assistant" in tokenizer_config["chat_template"]
+    assert tokenizer_config["model_max_length"] == 8192
+    assert (bundled.path / "chat_template.jinja").exists()
+    vocab = json.loads((bundled.path / "tokenizer.json").read_text())["added_tokens"]
+    ids = {token["content"]: token["id"] for token in vocab}
+    config = json.loads((bundled.path / "config.json").read_text())
+    generation = json.loads((bundled.path / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == ids["<|im_end|>"]
+    assert config["bos_token_id"] == ids["<|im_start|>"]
+    assert "quantization_config" not in config
+
+
+def test_a_second_resolution_reuses_the_cache(bundled):
+    started = time.monotonic()
+    again = resolve_model()
+    assert again == bundled
+    assert time.monotonic() - started < 2.0
+
+
+def test_the_converted_model_answers_sensibly(bundled):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled.path)
+    model = AutoModelForCausalLM.from_pretrained(bundled.path, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer

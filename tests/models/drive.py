@@ -1,0 +1,125 @@
+"""Test helpers: tiny checkpoints of each Llama-family variant, and a minimal driver of Kettle's paged forward.
+
+The driver plays the router's and the shard's parts in the simplest way: it hands every sequence a scattered
+block table, builds `AttentionMetadata` per step, and feeds greedy tokens back in, so tests exercise exactly
+the interfaces the shard uses.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from kettle.layers.attention import AttentionMetadata
+from kettle.models.registry import CausalLM
+from kettle.shard.kv_cache import KVCache
+from tests.fixtures import make_tiny_llama, make_tokenizer
+
+BLOCK_SIZE = 4  # small, so that even short prompts span several blocks
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is Paris. The capital of",
+    "def add(a, b):\n    return",
+    "你好，世界！今天天气很好。 😀 🎉 Large language models generate text",
+]
+
+
+def make_variant(path: Path, variant: str) -> Path:
+    """A tiny checkpoint of `variant`: llama, tied, llama3_rope, dynamic_rope, qwen2 or mistral_sliding."""
+    overrides = {
+        "llama": {},
+        "tied": {"tie_word_embeddings": True},
+        "llama3_rope": {"rope_parameters": _rope("llama3", low_freq_factor=1.0, high_freq_factor=4.0)},
+        # A short trained length, so prompts plus generations run past it and the base grows.
+        "dynamic_rope": {"max_position_embeddings": 24, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+    }
+    if variant in overrides:
+        return make_tiny_llama(path, **overrides[variant])
+    return _make_other(path, variant)
+
+
+def _rope(rope_type: str, **extra) -> dict:
+    return {
+        "rope_type": rope_type,
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+    } | extra
+
+
+def _make_other(path: Path, variant: str) -> Path:
+    """Qwen2 (q/k/v biases, tied) and Mistral (sliding window of 8) through their own transformers classes."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = make_tokenizer(path)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=0.2,
+    )
+    if variant == "qwen2":
+        config, cls = Qwen2Config(tie_word_embeddings=True, **common), Qwen2ForCausalLM
+    elif variant == "mistral_sliding":
+        config, cls = MistralConfig(sliding_window=8, tie_word_embeddings=False, **common), MistralForCausalLM
+    else:
+        raise ValueError(f"unknown test variant {variant!r}")
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    # Biases are zero-initialised; random ones make sure they are actually loaded and applied.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def scattered_tables(lengths: list[int], seed: int = 0) -> tuple[list[list[int]], int]:
+    """Block tables with enough blocks for each length, drawn shuffled from one pool (never contiguous)."""
+    needs = [-(-n // BLOCK_SIZE) for n in lengths]
+    pool = list(range(1, sum(needs) + 1))  # block 0 stays unused: it is the padding block
+    random.Random(seed).shuffle(pool)
+    tables, at = [], 0
+    for need in needs:
+        tables.append(pool[at : at + need])
+        at += need
+    return tables, sum(needs) + 1
+
+
+def new_cache(model: CausalLM, num_blocks: int) -> KVCache:
+    spec = model.spec
+    return KVCache(spec.num_layers, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cpu")
+
+
+def step(
+    model: CausalLM, cache: KVCache, chunks: list[list[int]], cache_lens: list[int], tables: list[list[int]]
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """One forward over the concatenated chunks; returns logits of every new token [T, vocab] and the metadata."""
+    meta = AttentionMetadata.build([len(c) for c in chunks], cache_lens, tables, BLOCK_SIZE, "cpu")
+    input_ids = torch.tensor([t for chunk in chunks for t in chunk])
+    hidden = model.forward(input_ids, meta.positions, cache, meta)
+    return model.compute_logits(hidden), meta
+
+
+def greedy(model: CausalLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Prefills all prompts in one forward, then decodes them together, argmax each step."""
+    tables, num_blocks = scattered_tables([len(p) + max_new_tokens for p in prompts])
+    cache = new_cache(model, num_blocks)
+    logits, meta = step(model, cache, prompts, [0] * len(prompts), tables)
+    tokens = logits[meta.last_token_indices].argmax(-1)
+    generated = [tokens]
+    for i in range(max_new_tokens - 1):
+        cache_lens = [len(p) + i for p in prompts]
+        logits, meta = step(model, cache, [[t] for t in tokens.tolist()], cache_lens, tables)
+        tokens = logits.argmax(-1)
+        generated.append(tokens)
+    return torch.stack(generated, dim=1).tolist()

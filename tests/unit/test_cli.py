@@ -1,0 +1,207 @@
+"""The command line: SPEC §9 flags, environment fallbacks, aliases, and the child commands' contracts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from kettle.cli import app
+from kettle.hub import ResolvedModel
+from kettle.launcher.config import INACTIVE_FLAGS, LauncherConfig
+from kettle.launcher.specs import router_spec, shard_spec
+from kettle.router.config import RouterConfig
+from kettle.shard.config import ShardConfig
+
+# SPEC §9, plus the two CPU flags Kettle adds.
+SPEC_FLAGS = (
+    "--model-id",
+    "--revision",
+    "--sharded",
+    "--num-shard",
+    "--quantize",
+    "--dtype",
+    "--trust-remote-code",
+    "--max-concurrent-requests",
+    "--max-best-of",
+    "--max-stop-sequences",
+    "--max-top-n-tokens",
+    "--max-input-tokens",
+    "--max-input-length",
+    "--max-total-tokens",
+    "--waiting-served-ratio",
+    "--max-batch-prefill-tokens",
+    "--max-batch-total-tokens",
+    "--max-waiting-tokens",
+    "--max-batch-size",
+    "--hostname",
+    "--port",
+    "--shard-uds-path",
+    "--master-addr",
+    "--master-port",
+    "--huggingface-hub-cache",
+    "--json-output",
+    "--otlp-endpoint",
+    "--otlp-service-name",
+    "--cors-allow-origin",
+    "--api-key",
+    "--watermark-gamma",
+    "--watermark-delta",
+    "--tokenizer-config-path",
+    "--disable-grammar-support",
+    "--max-client-batch-size",
+    "--payload-limit",
+    "--enable-prefill-logprobs",
+    "--graceful-termination-timeout",
+    "--validation-workers",
+    "--cpu-kv-cache-fraction",
+    "--num-threads",
+)
+WIDE = {"COLUMNS": "300", "TERMINAL_WIDTH": "300"}
+
+runner = CliRunner()
+
+
+def command_params(name: str) -> dict:
+    """The click parameters of one command, by flag name."""
+    command = get_command(app).commands[name]
+    return {opt: param for param in command.params for opt in param.opts}
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Replaces what the commands finally run, recording the config each was given."""
+    seen: dict[str, object] = {}
+
+    def record(key):
+        def run(config):
+            seen[key] = config
+            return 0
+
+        return run
+
+    monkeypatch.setattr("kettle.launcher.main.launch", record("launch"))
+    for module, function in (("kettle.shard.server", "serve"), ("kettle.router.server", "run")):
+        monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{function: record(module)}))
+    return seen
+
+
+def test_launch_help_lists_every_spec_flag():
+    result = runner.invoke(app, ["launch", "--help"], env=WIDE)
+    assert result.exit_code == 0
+    missing = [flag for flag in SPEC_FLAGS if flag not in result.output]
+    assert not missing
+    assert set(SPEC_FLAGS) <= set(command_params("launch"))
+
+
+def test_every_launch_flag_reads_its_environment_variable():
+    params = command_params("launch")
+    for flag in SPEC_FLAGS:
+        expected = flag.lstrip("-").replace("-", "_").upper()
+        if flag in ("--cpu-kv-cache-fraction", "--num-threads"):
+            expected = "KETTLE_" + expected
+        assert params[flag].envvar == expected, flag
+
+
+def test_defaults_match_the_launcher_config(captured):
+    assert runner.invoke(app, ["launch"]).exit_code == 0
+    assert captured["launch"] == LauncherConfig()
+
+
+def test_environment_fallback_and_flag_precedence(captured):
+    env = {
+        "MAX_BATCH_PREFILL_TOKENS": "512",
+        "TRUST_REMOTE_CODE": "true",
+        "KETTLE_CPU_KV_CACHE_FRACTION": "0.25",
+        "PORT": "8080",
+        "MODEL_ID": "/models/x",
+    }
+    result = runner.invoke(app, ["launch", "--port", "9000"], env=env)
+    assert result.exit_code == 0, result.output
+    config = captured["launch"]
+    assert config.max_batch_prefill_tokens == 512
+    assert config.trust_remote_code is True
+    assert config.cpu_kv_cache_fraction == 0.25
+    assert config.model_id == "/models/x"
+    assert config.port == 9000  # the flag wins over PORT
+
+
+def test_max_input_length_is_an_alias(captured):
+    assert runner.invoke(app, ["launch", "--max-input-length", "100"]).exit_code == 0
+    assert captured["launch"].max_input_tokens == 100
+
+
+def test_max_input_tokens_and_length_together_are_an_error(captured):
+    result = runner.invoke(app, ["launch", "--max-input-tokens", "10", "--max-input-length", "20"], env=WIDE)
+    assert result.exit_code == 2
+    assert "--max-input-length" in result.output
+    assert "launch" not in captured
+
+
+@pytest.mark.parametrize("flag", ["--sharded", "--quantize", "--otlp-endpoint", "--lora-adapters"])
+def test_inactive_flags_are_marked_in_help(flag):
+    assert "(not active yet)" in command_params("launch")[flag].help
+
+
+def test_inactive_flag_table_matches_the_help():
+    for name in INACTIVE_FLAGS:
+        assert "(not active yet)" in command_params("launch")["--" + name.replace("_", "-")].help
+
+
+@pytest.mark.parametrize(
+    "args", [["--num-shard", "2"], ["--sharded", "true"], ["--quantize", "awq"], ["--sharded", "maybe"]]
+)
+def test_flags_not_active_yet_fail_clearly(args, captured):
+    result = runner.invoke(app, ["launch", *args], env=WIDE)
+    assert result.exit_code == 2
+    assert "not active yet" in result.output or "true or false" in result.output
+    assert "launch" not in captured
+
+
+def test_sharded_false_and_one_shard_are_accepted(captured):
+    assert runner.invoke(app, ["launch", "--sharded", "false", "--num-shard", "1"]).exit_code == 0
+    assert captured["launch"].sharded is False
+
+
+def test_shard_argv_round_trips_to_the_same_shard_config(captured):
+    config = LauncherConfig(dtype="bfloat16", trust_remote_code=True, num_threads=2, watermark_gamma=0.25)
+    spec = shard_spec(config, "/models/m", rank=0)
+    assert list(spec.argv[:4]) == [sys.executable, "-m", "kettle.cli", "serve"]
+    result = runner.invoke(app, list(spec.argv[3:]), env={"RANK": "", "WORLD_SIZE": ""})
+    assert result.exit_code == 0, result.output
+    assert captured["kettle.shard.server"] == config.shard_config("/models/m", rank=0)
+
+
+def test_router_argv_round_trips_to_the_same_router_config(captured):
+    config = LauncherConfig(max_total_tokens=512, cors_allow_origin=("http://a", "http://b"), api_key="k")
+    model = ResolvedModel(Path("/models/m"), "org/model", "abc123")
+    result = runner.invoke(app, list(router_spec(config, model).argv[3:]))
+    assert result.exit_code == 0, result.output
+    assert captured["kettle.router.server"] == config.router_config("/models/m", "org/model", "abc123")
+
+
+def test_router_defaults_match_router_config(captured):
+    assert runner.invoke(app, ["router", "--tokenizer-name", "/t"]).exit_code == 0
+    expected = RouterConfig(master_shard_uds_path="/tmp/kettle-server-0", tokenizer_name="/t", model_id="/t")
+    assert captured["kettle.router.server"] == expected
+
+
+def test_serve_defaults_match_shard_config(captured):
+    assert runner.invoke(app, ["serve", "/m"], env={"RANK": "", "WORLD_SIZE": ""}).exit_code == 0
+    assert captured["kettle.shard.server"] == ShardConfig(model_path="/m")
+
+
+def test_importing_the_cli_does_not_import_torch():
+    code = "import sys, kettle.cli; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_download_weights_reports_a_missing_model_in_one_line(tmp_path):
+    result = runner.invoke(app, ["download-weights", str(tmp_path / "missing.gguf")])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output

@@ -1,0 +1,241 @@
+"""The launcher: process specs, and the supervisor driving dummy children (no model involved)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kettle.hub import ModelNotFound, ResolvedModel
+from kettle.launcher import main as launcher_main
+from kettle.launcher.config import LauncherConfig
+from kettle.launcher.specs import config_argv, router_spec, shard_specs
+
+# A dummy shard: serves a Unix socket, records its pid, and notes when SIGTERM arrives.
+SHARD = """
+import os, signal, socket, sys, time
+path, log = sys.argv[1], sys.argv[2]
+def stop(*_):
+    open(log, "a").write(f"shard {time.monotonic()}\\n"); sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+server = socket.socket(socket.AF_UNIX); server.bind(path); server.listen()
+open(log, "a").write(f"pid {os.getpid()}\\n")
+time.sleep(120)
+"""
+# A dummy router: records its pid and SIGTERM; exits with argv[2] after argv[3] seconds if that is given.
+ROUTER = """
+import os, signal, sys, time
+log = sys.argv[1]
+def stop(*_):
+    open(log, "a").write(f"router {time.monotonic()}\\n"); sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+open(log, "a").write(f"pid {os.getpid()}\\n")
+if len(sys.argv) > 2:
+    time.sleep(float(sys.argv[3])); sys.exit(int(sys.argv[2]))
+time.sleep(120)
+"""
+DRIVER = """
+import json, sys
+from kettle.launcher.specs import ProcessSpec
+from kettle.launcher.supervisor import Supervisor
+from kettle.logging_setup import setup_logging
+setup_logging()
+plan = json.load(open(sys.argv[1]))
+env = dict(__import__("os").environ)
+specs = [ProcessSpec(s["name"], tuple(s["argv"]), env, s.get("socket")) for s in plan["specs"]]
+sys.exit(Supervisor(specs[:-1], specs[-1], graceful_timeout=plan["timeout"], start_timeout=10).run())
+"""
+
+
+def test_shard_specs_carry_the_distributed_environment():
+    config = LauncherConfig(master_addr="10.0.0.1", master_port=1234, shard_uds_path="/tmp/k")
+    (spec,) = shard_specs(config, "/models/m")
+    assert spec.argv[:5] == (sys.executable, "-m", "kettle.cli", "serve", "/models/m")
+    assert {k: spec.env[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+    }
+    assert spec.socket == "/tmp/k-0"
+    assert "--rank" in spec.argv and "--world-size" in spec.argv
+
+
+def test_router_spec_points_at_shard_zero_and_the_resolved_model():
+    config = LauncherConfig(shard_uds_path="/tmp/k", port=8080, json_output=True)
+    spec = router_spec(config, ResolvedModel(Path("/cache/m"), "org/m", "deadbeef"))
+    argv = list(spec.argv)
+    assert argv[3] == "router"
+    for flag, value in [
+        ("--master-shard-uds-path", "/tmp/k-0"),
+        ("--tokenizer-name", "/cache/m"),
+        ("--model-id", "org/m"),
+        ("--model-sha", "deadbeef"),
+        ("--port", "8080"),
+    ]:
+        assert argv[argv.index(flag) + 1] == value
+    assert "--json-output" in argv
+    assert spec.socket is None
+
+
+def test_config_argv_leaves_out_none_and_false_and_repeats_tuples():
+    config = LauncherConfig(cors_allow_origin=("a", "b"))
+    argv = config_argv(config.router_config("/t", "m"))
+    assert argv.count("--cors-allow-origin") == 2
+    assert "--api-key" not in argv and "--json-output" not in argv
+
+
+@pytest.fixture
+def keep_sigterm_handler():
+    """launch() installs a SIGTERM handler; give pytest its own back."""
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handler):
+    def missing(*_args):
+        raise ModelNotFound("Model 'x' is missing")
+
+    monkeypatch.setattr(launcher_main, "resolve_model", missing)
+    monkeypatch.setattr(launcher_main, "setup_logging", lambda _json: None)
+    code = launcher_main.launch(LauncherConfig(otlp_endpoint="http://collector:4317"))
+    assert code == 1
+    assert "--otlp-endpoint is not active yet" in caplog.text
+    assert "Model 'x' is missing" in caplog.text
+
+
+def test_a_missing_model_stops_the_launcher_with_one_line(tmp_path):
+    command = [sys.executable, "-m", "kettle.cli", "launch", "--model-id", str(tmp_path / "missing-model")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert "missing-model" in line and "does not exist" in line
+
+
+class Server:
+    """Runs the supervisor in its own process (so it can receive signals) over dummy children."""
+
+    def __init__(self, tmp_path: Path, router_args: tuple[str, ...] = (), timeout: float = 5.0, shard=SHARD):
+        self.log = tmp_path / "events.log"
+        self.socket = str(tmp_path / "s-0")
+        specs = [
+            {"name": "shard-0", "argv": [sys.executable, "-c", shard, self.socket, str(self.log)]},
+            {"name": "router", "argv": [sys.executable, "-c", ROUTER, str(self.log), *router_args]},
+        ]
+        specs[0]["socket"] = self.socket
+        plan = tmp_path / "plan.json"
+        plan.write_text(json.dumps({"specs": specs, "timeout": timeout}))
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+        self.process = subprocess.Popen([sys.executable, "-c", DRIVER, str(plan)], env=env, stderr=subprocess.PIPE)
+
+    def events(self) -> list[str]:
+        return self.log.read_text().split("\n") if self.log.exists() else []
+
+    def pids(self) -> list[int]:
+        return [int(line.split()[1]) for line in self.events() if line.startswith("pid")]
+
+    def wait_for_children(self, count: int = 2) -> None:
+        deadline = time.monotonic() + 20
+        while len(self.pids()) < count:
+            assert time.monotonic() < deadline, "children did not start"
+            assert self.process.poll() is None, self.process.stderr.read().decode()
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 20) -> tuple[int, str]:
+        _, stderr = self.process.communicate(timeout=timeout)
+        return self.process.returncode, stderr.decode()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not reaped by its dead parent yet) counts as gone.
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in pids if alive(p)]}"
+        time.sleep(0.05)
+
+
+def test_a_dying_router_takes_everything_down(tmp_path):
+    server = Server(tmp_path, router_args=("3", "0.5"))
+    server.wait_for_children()
+    started = time.monotonic()
+    code, stderr = server.finish()
+    assert code == 1
+    assert time.monotonic() - started < 10
+    assert "router exited with code 3" in stderr
+    assert_all_gone(server.pids())
+    assert not Path(server.socket).exists()
+
+
+def test_a_shard_dying_during_startup_fails_fast(tmp_path):
+    server = Server(tmp_path, shard="import sys; sys.exit(3)")
+    code, stderr = server.finish()
+    assert code == 1
+    assert "shard-0 exited with code 3 before it was ready" in stderr
+
+
+def test_sigterm_stops_the_router_then_the_shards(tmp_path):
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "s-0"))
+    stale.close()  # leaves the socket file behind, like a crashed run
+    server = Server(tmp_path)
+    server.wait_for_children()
+    server.process.send_signal(signal.SIGTERM)
+    code, stderr = server.finish()
+    assert code == 0, stderr
+    stops = [line.split()[0] for line in server.events() if line.startswith(("router", "shard"))]
+    assert stops == ["router", "shard"]
+    assert_all_gone(server.pids())
+    assert not Path(server.socket).exists()
+
+
+def test_a_child_ignoring_sigterm_is_killed_after_the_timeout(tmp_path):
+    server = Server(tmp_path, timeout=1.0)
+    server.wait_for_children()
+    router_pid = server.pids()[-1]
+    os.kill(router_pid, signal.SIGSTOP)  # a hung router: SIGTERM does nothing until it is killed
+    server.process.send_signal(signal.SIGINT)
+    code, stderr = server.finish()
+    assert code == 0
+    assert "still running after SIGTERM" in stderr
+    assert_all_gone(server.pids())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_children_die_with_a_killed_launcher(tmp_path):
+    server = Server(tmp_path)
+    server.wait_for_children()
+    server.process.kill()
+    server.finish()
+    assert_all_gone(server.pids())
+
+
+def test_a_live_socket_is_never_stolen(tmp_path):
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "s-0"))
+    live.listen()
+    try:
+        server = Server(tmp_path)
+        code, stderr = server.finish()
+        assert code == 1
+        assert "another server is listening" in stderr
+        assert Path(tmp_path / "s-0").exists()
+    finally:
+        live.close()
