@@ -4,7 +4,9 @@
 
 Prints single-stream decode tokens/s for both, aggregate tokens/s of Kettle at each concurrency, and the ratios
 (bars for issue 2: single stream >= 1.0x transformers; 16 streams >= 6x Kettle's own single stream).
-Greedy decoding: both engines stop at EOS at the same token, so each side's rate counts the tokens it made.
+Prompts go through the model's chat template (an instruct model answers raw prompts with EOS at once) and
+ask for long answers. Greedy decoding: both engines stop at EOS at the same token, and each side's rate counts
+the tokens it made.
 """
 
 from __future__ import annotations
@@ -37,15 +39,26 @@ PROMPTS = [
 ]
 
 
-def transformers_rates(model_path: str, max_new_tokens: int, n_prompts: int) -> list[float]:
-    """Batch-1 greedy `generate` tokens/s per prompt (fp32, chat-free raw prompts, same as Kettle gets)."""
+def chat_prompts(model_path: str) -> list[str]:
+    """PROMPTS rendered with the model's chat template, as text (Kettle tokenizes it the same way)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if not tokenizer.chat_template:
+        return PROMPTS
+    render = tokenizer.apply_chat_template
+    return [render([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS]
+
+
+def transformers_rates(model_path: str, prompts: list[str], max_new_tokens: int) -> list[float]:
+    """Batch-1 greedy `generate` tokens/s per prompt (fp32), on the same texts Kettle gets."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     rates = []
-    for prompt in PROMPTS[:n_prompts]:
+    for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         start = time.perf_counter()
         with torch.inference_mode():
@@ -66,15 +79,17 @@ def main() -> None:
     from kettle.hub import resolve_model
 
     model_path = str(resolve_model(args.model_id).path)
+    prompts = chat_prompts(model_path)
     server = KettleServer(model_path, "--max-concurrent-requests", "256")
     try:
         results = {}
-        asyncio.run(run_load(server.url, PROMPTS, 2, 8))  # warm the server's first-call paths
+        asyncio.run(run_load(server.url, prompts, 2, 8))  # warm the server's first-call paths
         for c in (int(x) for x in args.streams.split(",")):
-            results[c] = asyncio.run(run_load(server.url, PROMPTS, c, args.max_new_tokens))
+            results[c] = asyncio.run(run_load(server.url, prompts, c, args.max_new_tokens))
     finally:
         server.stop()
-    baseline = statistics.median(transformers_rates(model_path, args.max_new_tokens, args.baseline_prompts))
+    rates = transformers_rates(model_path, prompts[: args.baseline_prompts], args.max_new_tokens)
+    baseline = statistics.median(rates)
     single = results[min(results)].decode_tokens_per_s
     print(f"\nmodel: {model_path}\nmax_new_tokens={args.max_new_tokens}, greedy\n")
     print("| engine | streams | tok/s (aggregate) | decode tok/s | TTFT p50 s | ITL p50 ms | vs transformers b=1 |")

@@ -4,8 +4,8 @@ Method: load the model folder with Kettle, prefill `batch` random prompts of `--
 forward, then time `--steps` greedy decode steps (metadata build + forward + logits of the last tokens +
 argmax), after `--warmup` untimed steps. Reports the median step time, tokens/s (batch / step time) and the
 memory bandwidth that implies (weights + KV read once per step). With `--compare-transformers`, times the
-same decode steps with transformers (DynamicCache, same batch and context) in the same run and prints the
-ratio.
+same decode steps with transformers (DynamicCache, same batch and context), interleaved step by step with
+Kettle's so both see the same machine load, and prints the ratio.
 
     .venv/bin/python bench/model_decode.py ~/.cache/kettle/<model> --dtype bfloat16 --batch 1 16
 """
@@ -23,16 +23,22 @@ from kettle.models.registry import load_model
 from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
 
 
-def timed(fn, steps: int, warmup: int) -> float:
-    """Median seconds of `fn()` over `steps` runs, after `warmup` untimed ones."""
+def timed(fns: list, steps: int, warmup: int) -> list[float]:
+    """Median seconds of each function over `steps` runs, after `warmup` untimed ones.
+
+    The functions run interleaved (a, b, a, b, ...) so that both see the same machine load: on a shared
+    CPU, timing one after the other measures the neighbours as much as the code.
+    """
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def kettle_decode(model, batch: int, context: int, total_steps: int):
@@ -98,12 +104,14 @@ def main() -> None:
     model = load_model(args.path, dtype, "cpu")
     print(f"{model.spec.model_type} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads")
     for batch in args.batch:
-        seconds = timed(kettle_decode(model, batch, args.context, args.steps + args.warmup), args.steps, args.warmup)
+        fns = [kettle_decode(model, batch, args.context, args.steps + args.warmup)]
+        if args.compare_transformers:
+            fns.append(transformers_decode(args.path, dtype, batch, args.context))
+        seconds, *base = timed(fns, args.steps, args.warmup)
         gbps = bytes_per_step(model, batch, args.context) / seconds / 1e9
         line = f"batch {batch:3d}: {seconds * 1e3:8.2f} ms/step  {batch / seconds:8.1f} tok/s  {gbps:6.2f} GB/s"
-        if args.compare_transformers:
-            base = timed(transformers_decode(args.path, dtype, batch, args.context), args.steps, args.warmup)
-            line += f"  | transformers {base * 1e3:8.2f} ms/step  speedup x{base / seconds:.2f}"
+        if base:
+            line += f"  | transformers {base[0] * 1e3:8.2f} ms/step  speedup x{base[0] / seconds:.2f}"
         print(line, flush=True)
 
 

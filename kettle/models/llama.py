@@ -118,10 +118,12 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, weights: Weights) -> None:
         super().__init__()
-        self.embed_tokens = nn.Parameter(weights.get("model.embed_tokens.weight"), requires_grad=False)
-        lm_head = weights.output_embedding(self.embed_tokens.data, "lm_head.weight", config.tie_word_embeddings)
-        self.lm_head = nn.Parameter(lm_head, requires_grad=False)
-        self.spec = build_spec(config, weights.dtype, int(lm_head.shape[0]))
+        embed = weights.get("model.embed_tokens.weight")
+        head = weights.output_embedding(embed, "lm_head.weight", config.tie_word_embeddings)
+        self.lm_head = Linear(head)
+        # Tied: the embedding reads the head's storage (a view when the head is kept transposed), never a copy.
+        self.register_buffer("embed_tokens", self.lm_head.dense_weight if head is embed else embed, persistent=False)
+        self.spec = build_spec(config, weights.dtype, self.lm_head.out_features)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(weights, f"model.layers.{i}", config, self.spec, windows[i])
@@ -152,4 +154,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] in float32 (sampling and logprobs want full precision)."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

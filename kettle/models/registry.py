@@ -34,8 +34,17 @@ def _llama(path: str, config, dtype: torch.dtype, device: torch.device) -> Causa
 ARCHITECTURES = {"llama": _llama, "mistral": _llama, "qwen2": _llama}
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False) -> CausalLM:
-    """Loads the model in the local folder `path` in `dtype` on `device` with Kettle's own implementation."""
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    trust_remote_code: bool = False,
+    quantize: str | None = None,
+) -> CausalLM:
+    """Loads the model in the local folder `path` in `dtype` on `device` with Kettle's own implementation;
+    `quantize="fp8"` then converts its linear layers to fp8 weights (embeddings and LM head stay in `dtype`)."""
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantization {quantize!r} is not supported by the native models yet (supported: fp8)")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -43,4 +52,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str, trust_
     if loader is None:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ValueError(f"model type {config.model_type!r} has no native implementation (supported: {supported})")
-    return loader(path, config, dtype, torch.device(device))
+    model = loader(path, config, dtype, torch.device(device))
+    if quantize == "fp8":
+        from kettle.quantization.fp8 import quantize_fp8
+
+        quantize_fp8(model)
+    return model

@@ -80,10 +80,6 @@ class Weights:
         """The tensor, or None when the checkpoint lacks it (optional biases)."""
         return self.get(name) if self.has(name) else None
 
-    def get_concat(self, names: list[str], dim: int = 0) -> torch.Tensor:
-        """Several tensors concatenated (fused projections), built once at load time."""
-        return torch.cat([self.get(name) for name in names], dim=dim)
-
     def output_embedding(self, embedding: torch.Tensor, name: str, tied: bool) -> torch.Tensor:
         """The LM head: the input embedding itself (shared, not copied) when tied or absent from the checkpoint."""
         if tied or not self.has(name):

@@ -15,6 +15,7 @@ import torch
 from kettle.layers.attention import AttentionMetadata
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
+from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.kv_cache import KVCache
 from kettle.shard.sampling import BatchSampler, SampleOutput, top_tokens
 from kettle.shard.vocab import Vocab
@@ -45,10 +46,15 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """(Re)creates the KV cache with `num_blocks` blocks."""
         spec = self.model.spec
+        self.graphs: DecodeGraphs | None = None  # graphs point into the old cache
         self.kv_cache = None  # free the old one before allocating the new one
+        # With decode graphs, one block beyond the router's: padded graph rows write their K/V there.
+        extra = 1 if graphs_enabled(self.device) else 0
         self.kv_cache = KVCache(
-            spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, self.device
+            spec.num_layers, num_blocks + extra, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, self.device
         )
+        if extra:
+            self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, scratch_block=num_blocks)
 
     @torch.inference_mode()
     def step(self, requests: list[RequestState]) -> StepResult:
@@ -81,6 +87,9 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor(list(itertools.chain.from_iterable(queries)), dtype=torch.long, device=self.device)
+        replayed = self.graphs.run(input_ids, meta) if self.graphs is not None else None
+        if replayed is not None:
+            return meta, replayed.hidden
         return meta, self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
 
     def _sample(self, requests: list[RequestState], logits: torch.Tensor) -> SampleOutput:

@@ -86,3 +86,22 @@ def test_metadata_layout():
     assert [(p.start, p.end, p.cache_len) for p in meta.prefills] == [(0, 3, 0), (4, 6, 4)]
     with pytest.raises(ValueError, match="cannot hold"):
         AttentionMetadata.build([9], [0], [[0, 1]], 4, "cpu")
+
+
+def test_sharded_checkpoint_loads_like_single_file(models, tmp_path):
+    kettle, reference, prompts = models
+    reference.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    sharded = load_model(str(tmp_path), torch.float32, "cpu")
+    tables, num_blocks = scattered_tables([len(prompts[1])])
+    expected, _ = step(kettle, new_cache(kettle, num_blocks), prompts[1:2], [0], tables)
+    logits, _ = step(sharded, new_cache(sharded, num_blocks), prompts[1:2], [0], tables)
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+
+
+def test_unknown_architecture_is_refused_by_name(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'gpt2'"):
+        load_model(str(tmp_path), torch.float32, "cpu")

@@ -1,0 +1,296 @@
+"""GPU decode benchmark: Kettle against transformers on a Llama-2-7B-shaped model with random bf16 weights.
+
+Method. Measure the device's copy bandwidth first (a 2 GiB device-to-device copy, bytes read + written).
+Build transformers' LlamaForCausalLM with random weights on the GPU, then Kettle's own model from the same
+tensors (in memory, no checkpoint on disk; `--via-disk` saves a safetensors folder and goes through
+`load_model` instead). For each batch size: prefill random prompts of `--context` tokens, then time greedy
+decode steps as the shard runs them (host metadata build + forward + logits + argmax, no host sync inside
+the loop), eager and with the decode CUDA graph, and the graph replay alone (CUDA events). Achieved
+bandwidth = (weights read once + every sequence's KV) / step time; the embedding table is not counted
+(a step reads B rows of it). transformers runs the same steps with its DynamicCache at batch 1 and 32.
+fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32.
+
+    python3 bench/gpu_decode.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from gpu_measure import (  # bench/ is the script's folder
+    attention_bandwidth,
+    copy_bandwidth,
+    event_per_call,
+    relative_error,
+    wall_per_call,
+    weight_bytes,
+)
+from gpu_report import describe, summarize
+
+from kettle.layers.attention import AttentionMetadata, get_backend
+from kettle.models.llama import LlamaForCausalLM
+from kettle.shard.cuda_graphs import DecodeGraphs
+from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+
+LLAMA2_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+class StateDictWeights:
+    """Kettle's `Weights` interface over tensors already in memory (here: transformers' own parameters)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.tensors, self.dtype, self.device = tensors, dtype, device
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name].to(device=self.device, dtype=self.dtype)
+
+    def get_optional(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.has(name) else None
+
+    def output_embedding(self, embedding: torch.Tensor, name: str, tied: bool) -> torch.Tensor:
+        return embedding if tied or not self.has(name) else self.get(name)
+
+
+class KettleDecode:
+    """Batched greedy decode over Kettle's paged cache (scattered block tables), eager or graphed."""
+
+    def __init__(self, model, batch: int, context: int, max_new: int) -> None:
+        self.model, self.batch = model, batch
+        spec = model.spec
+        per_seq = -(-(context + max_new) // BLOCK_SIZE)
+        self.num_blocks = batch * per_seq
+        self.cache = KVCache(
+            spec.num_layers, self.num_blocks + 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cuda"
+        )
+        pool = list(range(self.num_blocks))
+        random.Random(0).shuffle(pool)
+        self.tables = [pool[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+        self.graphs: DecodeGraphs | None = None
+        self.tokens, self.len = self._prefill(context), context
+
+    @torch.inference_mode()
+    def _prefill(self, context: int, chunk: int = 16) -> torch.Tensor:
+        firsts = []
+        for at in range(0, self.batch, chunk):
+            tables = self.tables[at : at + chunk]
+            meta = AttentionMetadata.build([context] * len(tables), [0] * len(tables), tables, BLOCK_SIZE, "cuda")
+            prompts = torch.randint(0, self.model.spec.vocab_size, (meta.num_tokens,), device="cuda")
+            hidden = self.model.forward(prompts, meta.positions, self.cache, meta)
+            firsts.append(self.model.compute_logits(hidden[meta.last_token_indices]).argmax(-1))
+        return torch.cat(firsts)
+
+    def capture(self) -> None:
+        self.graphs = DecodeGraphs(self.model, self.cache, self.num_blocks, (self.batch,), with_logits=True)
+
+    @torch.inference_mode()
+    def step(self, graphed: bool) -> None:
+        meta = AttentionMetadata.build([1] * self.batch, [self.len] * self.batch, self.tables, BLOCK_SIZE, "cuda")
+        if graphed:
+            logits = self.graphs.run(self.tokens, meta).logits
+        else:
+            logits = self.model.compute_logits(self.model.forward(self.tokens, meta.positions, self.cache, meta))
+        self.tokens = logits.argmax(-1)
+        self.len += 1
+
+    def greedy(self, steps: int, graphed: bool) -> list[list[int]]:
+        """Tokens of `steps` steps from the current state, which is restored afterwards (for comparisons)."""
+        tokens, length, out = self.tokens, self.len, []
+        for _ in range(steps):
+            self.step(graphed)
+            out.append(self.tokens.tolist())
+        self.tokens, self.len = tokens, length
+        return out
+
+    def replay_seconds(self, steps: int) -> float:
+        return event_per_call(lambda: self.graphs.replay(self.batch), steps)
+
+
+def hf_decode(model, batch: int, context: int):
+    """One transformers decode step per call (DynamicCache), after a prefill of random prompts."""
+    prompts = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
+    with torch.inference_mode():
+        out = model(prompts, use_cache=True)
+    state = {"past": out.past_key_values, "tokens": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+    @torch.inference_mode()
+    def step() -> None:
+        out = model(state["tokens"], past_key_values=state["past"], use_cache=True)
+        state["past"], state["tokens"] = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return step
+
+
+def build_models(args, dtype):
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    config = LlamaConfig(**LLAMA2_7B)
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    with torch.device("cuda"):
+        hf = HFLlama(config).eval()
+    torch.set_default_dtype(torch.float32)
+    if args.via_disk:
+        from kettle.models.registry import load_model
+
+        folder = tempfile.mkdtemp(prefix="kettle-7b-")
+        hf.save_pretrained(folder, safe_serialization=True)
+        return hf, config, load_model(folder, dtype, "cuda"), folder
+    weights = StateDictWeights(dict(hf.state_dict()), dtype, torch.device("cuda"))
+    return hf, config, LlamaForCausalLM(config, weights).eval(), weights
+
+
+def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Kettle's logits of the last prompt token, prefilling `ids` [L] into a fresh cache."""
+    spec = model.spec
+    blocks = -(-ids.numel() // BLOCK_SIZE)
+    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cuda")
+    meta = AttentionMetadata.build([ids.numel()], [0], [list(range(blocks))], BLOCK_SIZE, "cuda")
+    with torch.inference_mode():
+        return model.compute_logits(model.forward(ids, meta.positions, cache, meta)[-1:])[0]
+
+
+def bench_kettle(model, batch: int, args, variants: tuple[str, ...]) -> dict:
+    steps = args.steps if batch <= 32 else max(10, args.steps // 3)
+    run = KettleDecode(model, batch, args.context, 3 * (steps + args.warmup) + 64)
+    result: dict = {"batch": batch}
+    if "graph" in variants:
+        run.capture()
+        if batch == 8:
+            result["graph_tokens_match_eager"] = run.greedy(16, True) == run.greedy(16, False)
+        context_mid = run.len + (steps + args.warmup) // 2
+        result["graph_s"] = wall_per_call(lambda: run.step(True), steps, args.warmup)
+        result["replay_s"] = run.replay_seconds(steps)
+        result["context"] = context_mid
+    if "eager" in variants:
+        result["eager_s"] = wall_per_call(lambda: run.step(False), steps, args.warmup)
+        result.setdefault("context", run.len - (steps + args.warmup) // 2)
+    return result
+
+
+def bench_hf(hf, batch: int, args) -> float:
+    seconds = wall_per_call(hf_decode(hf, batch, args.context), args.hf_steps, args.warmup)
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--hf-steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-fp8", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="only: GPU time per kernel of the graphed steps")
+    parser.add_argument("--via-disk", action="store_true", help="save safetensors and load with load_model")
+    parser.add_argument("--out", default=None, help="folder for the JSON results")
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    copy_bw = copy_bandwidth()
+    results["copy_bw"] = copy_bw
+    print(f"{results['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    start = time.perf_counter()
+    hf, config, model, _keep = build_models(args, dtype)
+    if args.profile:
+        return profile_kernels(model, args)
+    backend = get_backend(device_type="cuda").name
+    print(f"models built in {time.perf_counter() - start:.1f} s; attention backend {backend}", flush=True)
+    results["attention"] = {}
+    for batch in args.batch:
+        seconds, bandwidth = attention_bandwidth(model.spec, batch, args.context + 32)
+        results["attention"][batch] = (seconds, bandwidth)
+        print(
+            f"attention alone, batch {batch:3d}: {seconds * 1e6:7.1f} us/layer {bandwidth / 1e9:7.1f} GB/s", flush=True
+        )
+    ids = torch.randint(0, config.vocab_size, (args.context,), device="cuda")
+    with torch.inference_mode():
+        hf_logits = hf(ids[None]).logits[0, -1]
+    results["kettle_vs_hf_logits_rel_err"] = relative_error(last_logits(model, ids), hf_logits)
+    wbytes, kv_token = weight_bytes(model), model.spec.kv_bytes_per_token
+    results["weight_bytes"] = wbytes
+    results["kettle"] = []
+    for batch in args.batch:
+        results["kettle"].append(bench_kettle(model, batch, args, ("graph", "eager")))
+        torch.cuda.empty_cache()  # the batch's KV cache and graphs are gone
+        print("\n".join(describe("bf16", results["kettle"][-1], wbytes, kv_token, copy_bw)), flush=True)
+    results["hf"] = {b: bench_hf(hf, b, args) for b in (1, 32) if b in args.batch}
+    for b, s in results["hf"].items():
+        print(f"transformers batch {b:3d}: {s * 1e3:8.3f} ms/step {b / s:9.1f} tok/s", flush=True)
+    if not args.no_fp8:
+        results.update(bench_fp8(model, config, _keep, ids, args, copy_bw))
+    del hf
+    summarize(results, wbytes, kv_token, copy_bw)
+    save(results, args.out)
+
+
+def profile_kernels(model, args) -> None:
+    """GPU time per kernel (torch.profiler) over 10 graph replays at each batch size, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in args.batch:
+        run = KettleDecode(model, batch, args.context, 64)
+        run.capture()
+        run.step(True)
+        torch.cuda.synchronize()
+        for graphed in (True, False):
+            label = "graph replay" if graphed else "eager step"
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    run.graphs.replay(batch) if graphed else run.step(False)
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_time_total > 0]
+            total = sum(e.device_time_total for e in events) / 10
+            print(f"\nbatch {batch}, {label}: kernels take {total / 1e3:.3f} ms of GPU time per step")
+            for e in sorted(events, key=lambda e: -e.device_time_total)[:16]:
+                print(f"{e.device_time_total / 10 / 1e3:7.3f} ms {e.count / 10:6.1f}x  {e.key[:90]}")
+
+
+def save(results: dict, out: str | None) -> None:
+    if out:
+        Path(out, "gpu_decode.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def bench_fp8(model, config, source, ids, args, copy_bw: float) -> dict:
+    from kettle.quantization.fp8 import quantize_fp8
+
+    if isinstance(source, str):
+        from kettle.models.registry import load_model
+
+        fp8 = load_model(source, torch.bfloat16, "cuda", quantize="fp8")
+    else:
+        fp8 = quantize_fp8(LlamaForCausalLM(config, source).eval())
+    out = {"fp8_logits_rel_err": relative_error(last_logits(fp8, ids), last_logits(model, ids))}
+    # One layer on the same input: the quantization error itself, before 32 random layers amplify it.
+    x = torch.randn(4, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out["fp8_qkv_rel_err"] = relative_error(fp8.layers[0].attn.qkv(x), model.layers[0].attn.qkv(x))
+    out["fp8_weight_bytes"] = weight_bytes(fp8)
+    out["fp8"] = [bench_kettle(fp8, b, args, ("graph", "eager")) for b in (1, 32) if b in args.batch]
+    for r in out["fp8"]:
+        print("\n".join(describe("fp8", r, out["fp8_weight_bytes"], model.spec.kv_bytes_per_token, copy_bw)))
+    return out
+
+
+if __name__ == "__main__":
+    main()
