@@ -81,9 +81,14 @@ def transformers_decode(path: str, dtype: torch.dtype, batch: int, context: int)
     return step
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    # oneDNN-packed weights are opaque tensors without a data pointer; they are never shared.
+    return tensor.data_ptr() if tensor.layout == torch.strided and not tensor.is_mkldnn else id(tensor)
+
+
 def bytes_per_step(model, batch: int, context: int) -> int:
     """Weights (tied head counted once) plus every sequence's KV, each read once per step."""
-    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    params = {_storage_key(p): p.numel() * p.element_size() for p in model.parameters()}
     return sum(params.values()) + batch * context * model.spec.kv_bytes_per_token
 
 

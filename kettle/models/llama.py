@@ -121,8 +121,10 @@ class LlamaForCausalLM(nn.Module):
         embed = weights.get("model.embed_tokens.weight")
         head = weights.output_embedding(embed, "lm_head.weight", config.tie_word_embeddings)
         self.lm_head = Linear(head)
-        # Tied: the embedding reads the head's storage (a view when the head is kept transposed), never a copy.
-        self.register_buffer("embed_tokens", self.lm_head.dense_weight if head is embed else embed, persistent=False)
+        # Tied: the embedding reads the head's storage (a view when the head is kept transposed), never a copy;
+        # a oneDNN-packed head has no row view, so there the embedding keeps the checkpoint tensor.
+        shared = head is embed and self.lm_head.layout != "onednn"
+        self.register_buffer("embed_tokens", self.lm_head.dense_weight if shared else embed, persistent=False)
         self.spec = build_spec(config, weights.dtype, self.lm_head.out_features)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
