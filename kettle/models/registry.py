@@ -45,6 +45,8 @@ def load_model(
     `quantize="fp8"` then converts its linear layers to fp8 weights (embeddings and LM head stay in `dtype`)."""
     if quantize not in (None, "fp8"):
         raise ValueError(f"quantization {quantize!r} is not supported by the native models yet (supported: fp8)")
+    if quantize == "fp8" and device.type != "cuda":
+        raise ValueError("--quantize fp8 needs an NVIDIA GPU (Hopper or newer); on the CPU serve float32 or bfloat16")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

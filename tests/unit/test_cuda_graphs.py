@@ -47,7 +47,8 @@ def test_unknown_backend_is_refused():
         get_backend("nope")
 
 
-def test_fp8_linear_on_cpu_is_close_to_dense():
+def test_fp8_linear_on_cpu_is_close_to_dense(monkeypatch):
+    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")  # fp8 quantizes from the checkpoint layout
     torch.manual_seed(0)
     dense = Linear(torch.randn(48, 64) * 0.05, torch.randn(48))
     fp8 = Fp8Linear.from_linear(dense)
@@ -64,7 +65,8 @@ def test_quantize_rows_round_trip():
     torch.testing.assert_close(q.float() * scale, x, rtol=0.07, atol=1e-6)
 
 
-def test_quantize_fp8_swaps_every_linear_but_the_lm_head():
+def test_quantize_fp8_swaps_every_linear_but_the_lm_head(monkeypatch):
+    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")  # as on CUDA, where fp8 runs
     block = torch.nn.Sequential(Linear(torch.randn(16, 16)), torch.nn.ReLU(), Linear(torch.randn(32, 16)))
     model = torch.nn.ModuleDict({"block": block, "lm_head": Linear(torch.randn(8, 32))})
     quantize_fp8(model)
