@@ -43,11 +43,17 @@ def serve(
     rank: Annotated[int, typer.Option(envvar="RANK", help="This shard's rank.")] = 0,
     world_size: Annotated[int, typer.Option(envvar="WORLD_SIZE", help="Number of shards.")] = 1,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
-    quantize: Annotated[str | None, typer.Option(help="Weight quantization method.")] = None,
+    quantize: Annotated[str | None, typer.Option(help="Weight quantization: fp8 (CUDA only).")] = None,
     num_threads: Annotated[int | None, typer.Option(envvar="KETTLE_NUM_THREADS", help="Torch threads.")] = None,
     cpu_kv_cache_fraction: Annotated[
         float, typer.Option(envvar="KETTLE_CPU_KV_CACHE_FRACTION", help="Share of RAM for the KV cache on CPU.")
     ] = 0.1,
+    cuda_memory_fraction: Annotated[
+        float, typer.Option(envvar="CUDA_MEMORY_FRACTION", help="Share of free GPU memory for the KV cache.")
+    ] = 0.9,
+    cuda_graphs: Annotated[
+        str | None, typer.Option(envvar="KETTLE_CUDA_GRAPHS", help="Decode CUDA graph batch sizes; 0 disables.")
+    ] = None,
     watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
     watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
     json_output: o.JsonOutput = False,

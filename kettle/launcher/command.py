@@ -32,7 +32,9 @@ Sharded = Annotated[
     str | None, option("--sharded", "Split the model across shards: true or false.", MODEL, inactive=True)
 ]
 NumShard = Annotated[int | None, option("--num-shard", "Number of shards (tensor parallel ranks).", MODEL)]
-Quantize = Annotated[str | None, option("--quantize", "Weight quantization method.", MODEL, inactive=True)]
+Quantize = Annotated[
+    str | None, option("--quantize", "Weight quantization: fp8 (NVIDIA GPUs only; float8 weights).", MODEL)
+]
 Dtype = Annotated[
     str | None, option("--dtype", "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).", MODEL)
 ]
@@ -57,6 +59,23 @@ CpuKvCacheFraction = Annotated[
         "On CPU, share of available RAM the KV cache may take.",
         SHARDS,
         envvar="KETTLE_CPU_KV_CACHE_FRACTION",
+    ),
+]
+CudaMemoryFraction = Annotated[
+    float,
+    option(
+        "--cuda-memory-fraction",
+        "On CUDA, share of the GPU memory left free by the model that the KV cache takes.",
+        SHARDS,
+    ),
+]
+CudaGraphs = Annotated[
+    str | None,
+    option(
+        "--cuda-graphs",
+        "Decode batch sizes captured as CUDA graphs, comma-separated; 0 disables (default: 1,2,4,8,16,32).",
+        SHARDS,
+        envvar="KETTLE_CUDA_GRAPHS",
     ),
 ]
 NumThreads = Annotated[
@@ -110,6 +129,8 @@ def launch(
     watermark_gamma: WatermarkGamma = 0.5,
     watermark_delta: WatermarkDelta = 2.0,
     cpu_kv_cache_fraction: CpuKvCacheFraction = 0.1,
+    cuda_memory_fraction: CudaMemoryFraction = 0.9,
+    cuda_graphs: CudaGraphs = None,
     num_threads: NumThreads = None,
 ) -> None:
     """Start a server: resolve the model, start the shards, then the router, and supervise them."""

@@ -6,16 +6,23 @@ import dataclasses
 from dataclasses import dataclass
 
 from kettle.router.config import RouterConfig
-from kettle.shard.config import DTYPES, ShardConfig
+from kettle.shard.config import DTYPES, QUANTIZE, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
 INACTIVE_FLAGS: dict[str, object] = {"otlp_endpoint": None, "lora_adapters": None}
-# Tensor parallelism and quantization are planned but not wired through the launcher yet.
+# Tensor parallelism is planned but not wired through the launcher yet.
 MAX_SHARDS = 1
 # RouterConfig fields the launcher fills from the resolved model rather than from a flag of the same name.
 ROUTER_OWN_FIELDS = {"master_shard_uds_path", "tokenizer_name", "model_id", "model_sha", "model_pipeline_tag"}
 # A shard must answer on its socket within this many seconds (loading a large model is slow).
 DEFAULT_SHARD_START_TIMEOUT = 600.0
+
+
+def cuda_available() -> bool:
+    """Whether the shards will see a CUDA device (torch is imported only when a flag needs to know)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def pick_max_input_tokens(max_input_tokens: int | None, max_input_length: int | None) -> int | None:
@@ -69,13 +76,14 @@ class LauncherConfig:
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     cpu_kv_cache_fraction: float = 0.1
+    cuda_memory_fraction: float = 0.9
+    cuda_graphs: str | None = None
     num_threads: int | None = None
     shard_start_timeout: float = DEFAULT_SHARD_START_TIMEOUT
 
     def __post_init__(self) -> None:
         self._check_sharding()
-        if self.quantize is not None:
-            raise ValueError(f"--quantize {self.quantize} is not active yet: run without --quantize for now")
+        self._check_quantize()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("port", "master_port"):
@@ -97,6 +105,20 @@ class LauncherConfig:
         if self.sharded or self.world_size > MAX_SHARDS:
             raise ValueError("tensor parallelism (--sharded / --num-shard > 1) is not active yet: run one shard")
 
+    def _check_quantize(self) -> None:
+        if self.quantize is None:
+            return
+        if self.quantize not in QUANTIZE:
+            raise ValueError(
+                f"--quantize {self.quantize} is not supported: use --quantize fp8 on an NVIDIA GPU, "
+                "or run without --quantize"
+            )
+        if not cuda_available():
+            raise ValueError(
+                "--quantize fp8 needs an NVIDIA GPU (Hopper or newer) and none is visible: on the CPU run without "
+                "--quantize, with --dtype float32 (the default there) or --dtype bfloat16"
+            )
+
     @property
     def world_size(self) -> int:
         return self.num_shard or 1
@@ -116,6 +138,8 @@ class LauncherConfig:
             quantize=self.quantize,
             num_threads=self.num_threads,
             cpu_kv_cache_fraction=self.cpu_kv_cache_fraction,
+            cuda_memory_fraction=self.cuda_memory_fraction,
+            cuda_graphs=self.cuda_graphs,
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
         )

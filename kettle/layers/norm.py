@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kettle.layers.cuda_fused import add_rms_norm, fused_enabled, unit_stride
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight over the last dimension.
@@ -23,3 +25,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a block's residual add and the next norm, fused on CUDA."""
+        if fused_enabled(x) and unit_stride(x, residual):
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return self(total), total

@@ -13,6 +13,7 @@ import math
 import torch
 
 from kettle.layers.attention import AttentionMetadata
+from kettle.layers.cuda_fused import fused_enabled, rope_qk, unit_stride
 
 SUPPORTED = ("default", "linear", "dynamic", "llama3")
 _INITIAL_TABLE = 4096
@@ -99,4 +100,6 @@ class RotaryEmbedding:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates x [T, heads, D] (halves layout, like Hugging Face checkpoints): x·cos + swap_halves(x)·±sin."""
+        if fused_enabled(x) and unit_stride(x, cos, sin):
+            return rope_qk(x, cos, sin)  # one kernel on CUDA instead of mul, roll and addcmul
         return (x * cos).addcmul_(x.roll(x.shape[-1] // 2, dims=-1), sin)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.layers.attention import AttentionMetadata, paged_attention
+from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
 from kettle.layers.linear import Linear
 from kettle.layers.norm import RMSNorm
 from kettle.layers.rotary import RotaryEmbedding
@@ -93,12 +94,21 @@ class LlamaMLP(nn.Module):
         self.down = Linear.load(weights, [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if fused_enabled(gate_up) and unit_stride(gate_up):
+            return self.down(silu_mul(gate_up))  # one kernel on CUDA instead of silu, then mul
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream is carried separately from the block's output: each residual add is done by the
+    norm that follows it (`RMSNorm.add_forward`), which on CUDA is one fused kernel for both. The layer gets
+    the previous layer's MLP output with the residual it has not been added to yet (None for the first
+    layer, whose input is the embedding) and returns the same pair.
+    """
 
     def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, window: int | None) -> None:
         super().__init__()
@@ -108,9 +118,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(weights.get(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = LlamaMLP(weights, f"{prefix}.mlp", config.hidden_act)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_norm(h))
+    def forward(
+        self, h, residual, cos, sin, k_cache, v_cache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_norm(h), h
+        else:
+            x, residual = self.input_norm.add_forward(h, residual)
+        attn = self.attn(x, cos, sin, k_cache, v_cache, meta)
+        x, residual = self.post_attention_norm.add_forward(attn, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,11 +164,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h, residual = F.embedding(input_ids, self.embed_tokens), None
         cos, sin = self.rotary(positions, meta)
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
+        return self.norm.add_forward(h, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

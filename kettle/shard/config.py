@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("fp8",)
+
+
+def parse_graph_buckets(value: str) -> tuple[int, ...]:
+    """Decode-graph batch sizes from "1,2,4" (sorted, deduplicated); "0" or "" means no graphs."""
+    try:
+        sizes = sorted({int(part) for part in value.split(",") if part.strip()})
+    except ValueError:
+        sizes = [-1]
+    if sizes in ([], [0]):
+        return ()
+    if sizes[0] < 1:
+        raise ValueError(f"--cuda-graphs / KETTLE_CUDA_GRAPHS must list positive batch sizes or be 0, got {value!r}")
+    return tuple(sizes)
 
 
 @dataclass(frozen=True)
@@ -17,10 +31,14 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     trust_remote_code: bool = False
-    quantize: str | None = None
+    quantize: str | None = None  # "fp8" (CUDA only: load_model refuses it on the CPU)
     num_threads: int | None = None  # None: all physical cores
     # Share of the machine's available RAM the KV cache may take on the CPU.
     cpu_kv_cache_fraction: float = 0.1
+    # Share of the GPU memory still free once the model is loaded that the KV cache takes on CUDA.
+    cuda_memory_fraction: float = 0.9
+    # Decode CUDA graph batch sizes ("1,2,4"; "0" disables); None: KETTLE_CUDA_GRAPHS or the default buckets.
+    cuda_graphs: str | None = None
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
 
@@ -31,6 +49,17 @@ class ShardConfig:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if not 0.0 < self.cpu_kv_cache_fraction < 1.0:
             raise ValueError("the CPU KV cache fraction must be in (0, 1)")
+        if not 0.0 < self.cuda_memory_fraction <= 1.0:
+            raise ValueError("--cuda-memory-fraction must be in (0, 1]")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")
+        if self.cuda_graphs is not None:
+            parse_graph_buckets(self.cuda_graphs)
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...] | None:
+        """The decode-graph buckets `--cuda-graphs` asks for; None leaves the choice to KETTLE_CUDA_GRAPHS."""
+        return None if self.cuda_graphs is None else parse_graph_buckets(self.cuda_graphs)
 
     @property
     def socket_path(self) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kettle.layers.attention import AttentionMetadata, DecodePlan, get_backend
+from kettle.shard.config import parse_graph_buckets
 from kettle.shard.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -32,19 +33,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 def graph_buckets(value: str | None = None) -> tuple[int, ...]:
     """Batch sizes to capture, from `value` or KETTLE_CUDA_GRAPHS ("1,2,4"; "0" or "" disables)."""
     value = os.environ.get("KETTLE_CUDA_GRAPHS") if value is None else value
-    if value is None:
-        return DEFAULT_BUCKETS
-    sizes = sorted({int(part) for part in value.split(",") if part.strip()})
-    if sizes in ([], [0]):
-        return ()
-    if sizes[0] < 1:
-        raise ValueError(f"KETTLE_CUDA_GRAPHS must list positive batch sizes or be 0, got {value!r}")
-    return tuple(sizes)
+    return DEFAULT_BUCKETS if value is None else parse_graph_buckets(value)
 
 
-def graphs_enabled(device: torch.device) -> bool:
-    """Whether decode graphs apply: a CUDA device, buckets configured, and a graph-safe attention backend."""
-    return device.type == "cuda" and bool(graph_buckets()) and get_backend(device_type="cuda").name == "cuda"
+def graphs_enabled(device: torch.device, buckets: tuple[int, ...] | None = None) -> bool:
+    """Whether decode graphs apply: a CUDA device, buckets configured (`buckets`, else KETTLE_CUDA_GRAPHS),
+    and a graph-safe attention backend."""
+    buckets = graph_buckets() if buckets is None else buckets
+    return device.type == "cuda" and bool(buckets) and get_backend(device_type="cuda").name == "cuda"
 
 
 @dataclass
@@ -92,9 +88,11 @@ class DecodeGraphs:
         self._capture()
 
     @classmethod
-    def for_runner(cls, model, kv_cache: KVCache, scratch_block: int) -> DecodeGraphs:
-        """Graphs for the shard: buckets from KETTLE_CUDA_GRAPHS, forward only (logits stay eager)."""
-        return cls(model, kv_cache, scratch_block, graph_buckets())
+    def for_runner(
+        cls, model, kv_cache: KVCache, scratch_block: int, buckets: tuple[int, ...] | None = None
+    ) -> DecodeGraphs:
+        """Graphs for the shard: `buckets` (else KETTLE_CUDA_GRAPHS), forward only (logits stay eager)."""
+        return cls(model, kv_cache, scratch_block, graph_buckets() if buckets is None else buckets)
 
     def _meta(self, n: int) -> AttentionMetadata:
         """Metadata of an n-sequence decode step whose tensors are views of the static buffers."""

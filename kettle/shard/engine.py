@@ -29,9 +29,17 @@ _FAIL_ENV = "KETTLE_TEST_FAIL_PROMPT"
 class ShardEngine:
     """Executes Prefill / Decode / FilterBatch / ClearCache / Warmup for one rank."""
 
-    def __init__(self, runner: ModelRunner, kv_memory_fraction: float, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv_memory_fraction: float,
+        rank: int = 0,
+        world_size: int = 1,
+        cuda_memory_fraction: float = 0.9,
+    ) -> None:
         self.runner = runner
-        self.kv_memory_fraction = kv_memory_fraction
+        self.kv_memory_fraction = kv_memory_fraction  # on the CPU: share of the available RAM
+        self.cuda_memory_fraction = cuda_memory_fraction  # on CUDA: share of the free GPU memory
         self.rank = rank
         self.world_size = world_size
         self.batches: dict[int, Batch] = {}
@@ -90,7 +98,8 @@ class ShardEngine:
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         """Sizes the KV cache from the memory available, then runs a prefill to prove the model runs."""
-        plan = plan_kv_cache(self.runner.model.spec, self.runner.device, request, self.kv_memory_fraction)
+        spec, device = self.runner.model.spec, self.runner.device
+        plan = plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
         self.runner.allocate_cache(plan.num_blocks, plan.block_size)
         self._warmup_forward(request.batch, plan.block_size, plan.warmup_tokens)
         self.batches.clear()

@@ -34,8 +34,16 @@ class StepResult:
 class ModelRunner:
     """Runs steps of the model over the paged KV cache for the shard's service."""
 
-    def __init__(self, model, vocab: Vocab, device: torch.device, watermark: tuple[float, float]) -> None:
+    def __init__(
+        self,
+        model,
+        vocab: Vocab,
+        device: torch.device,
+        watermark: tuple[float, float],
+        graph_buckets: tuple[int, ...] | None = None,
+    ) -> None:
         self.model = model
+        self.graph_buckets = graph_buckets  # decode CUDA graph sizes; None: KETTLE_CUDA_GRAPHS decides
         self.vocab = vocab
         self.device = device
         self.watermark_gamma, self.watermark_delta = watermark
@@ -49,12 +57,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # graphs point into the old cache
         self.kv_cache = None  # free the old one before allocating the new one
         # With decode graphs, one block beyond the router's: padded graph rows write their K/V there.
-        extra = 1 if graphs_enabled(self.device) else 0
+        extra = 1 if graphs_enabled(self.device, self.graph_buckets) else 0
         self.kv_cache = KVCache(
             spec.num_layers, num_blocks + extra, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, self.device
         )
         if extra:
-            self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, scratch_block=num_blocks)
+            self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, num_blocks, self.graph_buckets)
 
     @torch.inference_mode()
     def step(self, requests: list[RequestState]) -> StepResult:

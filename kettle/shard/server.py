@@ -46,10 +46,13 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
 
     device = choose_device()
     dtype = choose_dtype(config.dtype, device)
-    model = load_model(config.model_path, dtype, device, config.trust_remote_code)
+    model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize)
     vocab = Vocab.load(config.model_path, config.trust_remote_code)
-    runner = ModelRunner(model, vocab, device, (config.watermark_gamma, config.watermark_delta))
-    engine = ShardEngine(runner, config.cpu_kv_cache_fraction, config.rank, config.world_size)
+    watermark = (config.watermark_gamma, config.watermark_delta)
+    runner = ModelRunner(model, vocab, device, watermark, config.graph_buckets)
+    engine = ShardEngine(
+        runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
+    )
     spec = model.spec
     info = pb.InfoResponse(
         requires_padding=False,

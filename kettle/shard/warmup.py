@@ -1,8 +1,10 @@
 """KV cache sizing at warmup: how many blocks the cache gets on this device.
 
-On the CPU the cache takes a configurable share of the RAM available at start-up (`--cpu-kv-cache-fraction`),
-capped at `KETTLE_MAX_KV_TOKENS` so a tiny model does not reserve gigabytes. The warmup forward itself is
-capped on the CPU (`KETTLE_WARMUP_TOKENS`): there it proves the model runs; it measures nothing.
+On the CPU the cache takes a configurable share of the RAM available at start-up (`--cpu-kv-cache-fraction`);
+on CUDA a share of the GPU memory still free once the model is loaded (`--cuda-memory-fraction`, default 0.9:
+the rest is left to activations, the warmup prefill and the decode graphs). Both are capped at
+`KETTLE_MAX_KV_TOKENS` so a tiny model does not reserve gigabytes. The warmup forward itself is capped on the
+CPU (`KETTLE_WARMUP_TOKENS`): there it proves the model runs; it measures nothing.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ class KVPlan:
     warmup_tokens: int
 
 
-def plan_kv_cache(spec, device: torch.device, request: pb.WarmupRequest, memory_fraction: float) -> KVPlan:
-    """Chooses the number of KV blocks from the memory the cache may use on `device`."""
+def plan_kv_cache(
+    spec, device: torch.device, request: pb.WarmupRequest, cpu_fraction: float, cuda_fraction: float = 0.9
+) -> KVPlan:
+    """Chooses the number of KV blocks from the memory the cache may use on `device`: `cuda_fraction` of the
+    free GPU memory on CUDA, `cpu_fraction` of the available RAM elsewhere."""
     per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
-    budget = int(_available_bytes(device) * memory_fraction)
+    fraction = cuda_fraction if device.type == "cuda" else cpu_fraction
+    budget = int(_available_bytes(device) * fraction)
     cap = int(os.environ.get("KETTLE_MAX_KV_TOKENS", DEFAULT_MAX_KV_TOKENS))
     tokens = min(budget // per_token, cap)
     if tokens < request.max_total_tokens:

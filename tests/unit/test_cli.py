@@ -18,7 +18,7 @@ from kettle.launcher.specs import router_spec, shard_spec
 from kettle.router.config import RouterConfig
 from kettle.shard.config import ShardConfig
 
-# SPEC §9, plus the two CPU flags Kettle adds.
+# SPEC §9, plus the CPU and CUDA flags Kettle adds.
 SPEC_FLAGS = (
     "--model-id",
     "--revision",
@@ -61,6 +61,8 @@ SPEC_FLAGS = (
     "--validation-workers",
     "--cpu-kv-cache-fraction",
     "--num-threads",
+    "--cuda-memory-fraction",
+    "--cuda-graphs",
 )
 WIDE = {"COLUMNS": "300", "TERMINAL_WIDTH": "300"}
 
@@ -103,7 +105,7 @@ def test_every_launch_flag_reads_its_environment_variable():
     params = command_params("launch")
     for flag in SPEC_FLAGS:
         expected = flag.lstrip("-").replace("-", "_").upper()
-        if flag in ("--cpu-kv-cache-fraction", "--num-threads"):
+        if flag in ("--cpu-kv-cache-fraction", "--num-threads", "--cuda-graphs"):
             expected = "KETTLE_" + expected
         assert params[flag].envvar == expected, flag
 
@@ -143,7 +145,7 @@ def test_max_input_tokens_and_length_together_are_an_error(captured):
     assert "launch" not in captured
 
 
-@pytest.mark.parametrize("flag", ["--sharded", "--quantize", "--otlp-endpoint", "--lora-adapters"])
+@pytest.mark.parametrize("flag", ["--sharded", "--otlp-endpoint", "--lora-adapters"])
 def test_inactive_flags_are_marked_in_help(flag):
     assert "(not active yet)" in command_params("launch")[flag].help
 
@@ -153,13 +155,55 @@ def test_inactive_flag_table_matches_the_help():
         assert "(not active yet)" in command_params("launch")["--" + name.replace("_", "-")].help
 
 
-@pytest.mark.parametrize(
-    "args", [["--num-shard", "2"], ["--sharded", "true"], ["--quantize", "awq"], ["--sharded", "maybe"]]
-)
+@pytest.mark.parametrize("args", [["--num-shard", "2"], ["--sharded", "true"], ["--sharded", "maybe"]])
 def test_flags_not_active_yet_fail_clearly(args, captured):
     result = runner.invoke(app, ["launch", *args], env=WIDE)
     assert result.exit_code == 2
     assert "not active yet" in result.output or "true or false" in result.output
+    assert "launch" not in captured
+
+
+def test_quantize_fp8_on_the_cpu_names_the_alternatives(captured, monkeypatch):
+    monkeypatch.setattr("kettle.launcher.config.cuda_available", lambda: False)
+    result = runner.invoke(app, ["launch", "--quantize", "fp8"], env=WIDE)
+    assert result.exit_code == 2
+    assert "NVIDIA GPU" in result.output and "--dtype float32" in result.output and "bfloat16" in result.output
+    assert "launch" not in captured
+
+
+def test_unknown_quantize_method_fails_clearly(captured):
+    result = runner.invoke(app, ["launch", "--quantize", "awq"], env=WIDE)
+    assert result.exit_code == 2
+    assert "not supported" in result.output and "fp8" in result.output
+    assert "launch" not in captured
+
+
+def test_quantize_fp8_reaches_the_shard_on_cuda(captured, monkeypatch):
+    monkeypatch.setattr("kettle.launcher.config.cuda_available", lambda: True)
+    assert runner.invoke(app, ["launch", "--quantize", "fp8"]).exit_code == 0
+    config = captured["launch"]
+    assert config.shard_config("/m", rank=0).quantize == "fp8"
+    assert "--quantize" in shard_spec(config, "/m", rank=0).argv
+
+
+def test_cuda_flags_reach_the_shard_config(captured):
+    args = ["launch", "--cuda-graphs", "1,4", "--cuda-memory-fraction", "0.5"]
+    assert runner.invoke(app, args).exit_code == 0
+    shard = captured["launch"].shard_config("/m", rank=0)
+    assert (shard.cuda_graphs, shard.graph_buckets, shard.cuda_memory_fraction) == ("1,4", (1, 4), 0.5)
+    assert ShardConfig(model_path="/m", cuda_graphs="0").graph_buckets == ()
+    assert ShardConfig(model_path="/m").graph_buckets is None  # KETTLE_CUDA_GRAPHS or the default decides
+
+
+def test_cuda_graphs_reads_the_existing_environment_variable(captured):
+    assert runner.invoke(app, ["launch"], env={"KETTLE_CUDA_GRAPHS": "0"}).exit_code == 0
+    assert captured["launch"].cuda_graphs == "0"
+
+
+@pytest.mark.parametrize("args", [["--cuda-graphs", "1,-2"], ["--cuda-graphs", "a"], ["--cuda-memory-fraction", "0"]])
+def test_bad_cuda_flags_are_usage_errors(args, captured):
+    result = runner.invoke(app, ["launch", *args], env=WIDE)
+    assert result.exit_code == 2
     assert "launch" not in captured
 
 
@@ -169,7 +213,14 @@ def test_sharded_false_and_one_shard_are_accepted(captured):
 
 
 def test_shard_argv_round_trips_to_the_same_shard_config(captured):
-    config = LauncherConfig(dtype="bfloat16", trust_remote_code=True, num_threads=2, watermark_gamma=0.25)
+    config = LauncherConfig(
+        dtype="bfloat16",
+        trust_remote_code=True,
+        num_threads=2,
+        watermark_gamma=0.25,
+        cuda_memory_fraction=0.7,
+        cuda_graphs="1,2",
+    )
     spec = shard_spec(config, "/models/m", rank=0)
     assert list(spec.argv[:4]) == [sys.executable, "-m", "kettle.cli", "serve"]
     result = runner.invoke(app, list(spec.argv[3:]), env={"RANK": "", "WORLD_SIZE": ""})

@@ -72,3 +72,29 @@ def test_quantize_fp8_swaps_every_linear_but_the_lm_head(monkeypatch):
     quantize_fp8(model)
     assert [type(m).__name__ for m in block] == ["Fp8Linear", "ReLU", "Fp8Linear"]
     assert type(model["lm_head"]) is Linear
+
+
+def test_kv_cache_takes_the_cuda_fraction_of_free_gpu_memory(monkeypatch):
+    """On CUDA the plan uses --cuda-memory-fraction of the free memory, not the CPU fraction."""
+    from types import SimpleNamespace
+
+    from kettle.proto import generate_pb2 as pb
+    from kettle.shard import warmup
+
+    spec = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    per_token = 2 * 2 * 2 * 8 * 4
+    monkeypatch.setattr(warmup, "_available_bytes", lambda device: 1000 * per_token)
+    monkeypatch.setenv("KETTLE_MAX_KV_TOKENS", str(1 << 20))
+    request = pb.WarmupRequest(max_total_tokens=16, max_prefill_tokens=16)
+    cuda = warmup.plan_kv_cache(spec, torch.device("cuda"), request, cpu_fraction=0.1, cuda_fraction=0.5)
+    cpu = warmup.plan_kv_cache(spec, torch.device("cpu"), request, cpu_fraction=0.1, cuda_fraction=0.5)
+    assert cuda.num_blocks * cuda.block_size == 500 // cuda.block_size * cuda.block_size
+    assert cpu.num_blocks * cpu.block_size == 100 // cpu.block_size * cpu.block_size
+
+
+def test_fused_kernels_never_apply_on_cpu(monkeypatch):
+    from kettle.layers.cuda_fused import fused_enabled
+
+    assert not fused_enabled(torch.zeros(2))
+    monkeypatch.setenv("KETTLE_FUSED_KERNELS", "0")
+    assert not fused_enabled(torch.zeros(2))
