@@ -78,6 +78,7 @@ def test_model_with_fused_kernels_matches_eager(tiny_llama_path, monkeypatch):
     """The whole bf16 model with and without KETTLE_FUSED_KERNELS: same logits to bf16 precision."""
     model = load_model(str(tiny_llama_path), torch.bfloat16, "cuda")
     prompt = [5, 9, 11, 40, 3, 7, 7, 1]
+    monkeypatch.setenv("KETTLE_FUSED_KERNELS", "1")
     fused = _last_logits(model, prompt)
     monkeypatch.setenv("KETTLE_FUSED_KERNELS", "0")
     eager = _last_logits(model, prompt)
