@@ -18,9 +18,18 @@ CORPUS = [
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# ChatML, as Qwen and SmolLM write it: one `<|im_start|>role\n...<|im_end|>\n` block per message.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
-def make_tokenizer(path: Path, vocab_size: int = 512):
-    """Trains a byte-level BPE tokenizer on CORPUS and saves it (HF fast tokenizer format) into `path`."""
+
+def make_tokenizer(path: Path, vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE):
+    """Trains a byte-level BPE tokenizer on CORPUS and saves it (HF fast tokenizer format) into `path`,
+    with `chat_template` (ChatML by default; None saves no template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,6 +50,8 @@ def make_tokenizer(path: Path, vocab_size: int = 512):
         pad_token="<|endoftext|>",
         model_max_length=256,
     )
+    if chat_template is not None:
+        fast.chat_template = chat_template
     path.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(path)
     return fast

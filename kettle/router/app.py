@@ -1,12 +1,13 @@
 """The FastAPI application: routes, error handlers, payload limit, CORS and the API key.
 
-Route modules each contribute an `APIRouter`; the OpenAI routes will be one more module included here, sharing
-`app.state.generation` (permits, validation, Infer) and `generation_dependencies` with the TGI routes.
+Route modules each contribute an `APIRouter`; the OpenAI routes share `app.state.generation` (permits,
+validation, Infer) and `generation_dependencies` with the TGI routes.
 """
 
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 from typing import Annotated, Protocol
 
 from fastapi import Depends, FastAPI, Request
@@ -17,8 +18,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kettle
 from kettle.proto import generate_pb2
-from kettle.router import generate
+from kettle.router import generate, openai
 from kettle.router import info as info_routes
+from kettle.router.chat_template import ChatTemplate
 from kettle.router.config import RouterConfig
 from kettle.router.errors import (
     PayloadTooLarge,
@@ -60,6 +62,9 @@ def create_app(
     app.state.generation = service
     app.include_router(info_routes.build_router(infer, info_routes.server_info(config, info, limits)))
     app.include_router(generate.build_router(service, generation_dependencies(config)))
+    template = ChatTemplate.load(Path(config.tokenizer_name), config.tokenizer_config_path)
+    routes = openai.OpenAIRoutes(service, template, config.model_id, config.max_client_batch_size)
+    app.include_router(openai.build_router(routes, generation_dependencies(config)))
     app.add_middleware(PayloadLimit, limit=config.payload_limit)
     if config.cors_allow_origin:
         # Added last, so it is the outermost layer: even 413s and 401s carry the CORS headers.

@@ -43,6 +43,17 @@ class ValidationError(ApiError):
         return VALIDATION_PREFIX + str(self)
 
 
+class TemplateError(ApiError):
+    """The chat template is missing or failed to render (SPEC §5)."""
+
+    status = 422
+    error_type = "template_error"
+
+    @property
+    def message(self) -> str:
+        return f"Template error: {self}"
+
+
 class Overloaded(ApiError):
     """No concurrency permit was free."""
 

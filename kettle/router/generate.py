@@ -44,7 +44,7 @@ async def respond(
     finally:
         service.permits.release()
     prefix = body.inputs if _full_text(body, full_text_default) else ""
-    return _generate_response(results, body, prefix), _headers(service.compute_type, body, results[0])
+    return _generate_response(results, body, prefix), response_headers(service.compute_type, body, results[0])
 
 
 async def stream(service: GenerationService, body: schemas.GenerateRequest, full_text_default: bool) -> SSEResponse:
@@ -76,7 +76,7 @@ async def _stream_payloads(
         raise
 
 
-def _headers(compute_type: str, body: schemas.GenerateRequest, best: Collected) -> dict[str, str]:
+def response_headers(compute_type: str, body: schemas.GenerateRequest, best: Collected) -> dict[str, str]:
     """SPEC §1 headers: compute time in seconds, the other durations in whole milliseconds."""
     valid, last = best.request, best.last
     assert last is not None and last.end is not None

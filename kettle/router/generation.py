@@ -112,7 +112,9 @@ class GenerationService:
         self.permits = permits
         self.compute_type = compute_type
 
-    async def admit(self, body: GenerateRequest, *, stream: bool) -> ValidGenerateRequest:
+    async def admit(
+        self, body: GenerateRequest, *, stream: bool, add_special_tokens: bool = True
+    ) -> ValidGenerateRequest:
         """Counts the request, takes a permit, validates. On failure the permit is back and the failure counted."""
         received = time.monotonic()
         metrics.REQUEST_COUNT.inc()
@@ -122,7 +124,7 @@ class GenerationService:
             record_failure(exc)
             raise
         try:
-            valid = await self.validation.validate(body, stream=stream)
+            valid = await self.validation.validate(body, stream=stream, add_special_tokens=add_special_tokens)
         except BaseException as exc:
             self.permits.release()
             record_failure(exc)

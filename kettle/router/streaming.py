@@ -44,7 +44,7 @@ async def sse_body(
     done_marker: bool = False,
 ) -> AsyncIterator[bytes]:
     """Frames `payloads`; an exception ends the stream with one error event. `done_marker` appends `[DONE]`
-    after a successful stream (the OpenAI routes; TGI's have none)."""
+    to every stream that was not cancelled, failed ones included (the OpenAI routes; TGI's have none)."""
     async with aclosing(payloads):
         try:
             async for payload in payloads:
@@ -52,7 +52,6 @@ async def sse_body(
         except Exception as exc:
             # The status line (200) is already sent: the error can only travel as an event.
             yield sse_event(error_event(exc))
-            return
     if done_marker:
         yield DONE_EVENT
 

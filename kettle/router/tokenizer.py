@@ -51,13 +51,13 @@ class TokenizerPool:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def encode(self, text: str, truncate: int | None) -> Encoded:
-        """Token ids with special tokens added; with `truncate`, only the last `truncate` ids are kept."""
-        return await self._run(_encode, text, truncate)
+    async def encode(self, text: str, truncate: int | None, add_special_tokens: bool = True) -> Encoded:
+        """Token ids (special tokens added unless told not to); with `truncate`, only the last `truncate` kept."""
+        return await self._run(_encode, text, truncate, add_special_tokens)
 
-    async def tokenize(self, text: str) -> list[SimpleToken]:
-        """Tokens with their text and byte offsets into `text` (special tokens added, no truncation)."""
-        return await self._run(_tokenize, text)
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[SimpleToken]:
+        """Tokens with their text and byte offsets into `text` (special tokens added by default, no truncation)."""
+        return await self._run(_tokenize, text, add_special_tokens)
 
     async def _run(self, work: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -74,8 +74,8 @@ def _wait_at(_tokenizer: Any, barrier: threading.Barrier) -> None:
     barrier.wait(timeout=60)
 
 
-def _encode(tokenizer: Any, text: str, truncate: int | None) -> Encoded:
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+def _encode(tokenizer: Any, text: str, truncate: int | None, add_special_tokens: bool) -> Encoded:
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     if truncate is None or len(ids) <= truncate:
         return Encoded(tuple(ids), text)
     kept = ids[-truncate:]
@@ -83,8 +83,8 @@ def _encode(tokenizer: Any, text: str, truncate: int | None) -> Encoded:
     return Encoded(tuple(kept), tokenizer.decode(kept, skip_special_tokens=False))
 
 
-def _tokenize(tokenizer: Any, text: str) -> list[SimpleToken]:
-    encoding = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+def _tokenize(tokenizer: Any, text: str, add_special_tokens: bool) -> list[SimpleToken]:
+    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     raw = text.encode("utf-8")
     byte_at = _char_to_byte_offsets(text)
     tokens = []

@@ -64,8 +64,11 @@ class Validation:
         self.tokenizers = tokenizers
         self.grammar_support = grammar_support
 
-    async def validate(self, request: GenerateRequest, *, stream: bool = False) -> ValidGenerateRequest:
-        """Applies SPEC §3 in order; `stream` adds the streaming-only rules (16)."""
+    async def validate(
+        self, request: GenerateRequest, *, stream: bool = False, add_special_tokens: bool = True
+    ) -> ValidGenerateRequest:
+        """Applies SPEC §3 in order; `stream` adds the streaming-only rules (16). Chat prompts whose template
+        already wrote the BOS token pass `add_special_tokens=False`, so it is not doubled."""
         p = request.parameters or GenerateParameters()
         sampling = is_sampling(request)
         best_of = self._check_best_of(p.best_of, sampling)
@@ -73,7 +76,7 @@ class Validation:
         self._check_counts(p, best_of)
         self._check_inputs(request.inputs, p.truncate)
         grammar, grammar_type = self._grammar(p.grammar)
-        encoded = await self.tokenizers.encode(request.inputs, p.truncate)
+        encoded = await self.tokenizers.encode(request.inputs, p.truncate, add_special_tokens)
         max_new_tokens = self._check_lengths(len(encoded.ids), p.max_new_tokens)
         if stream:
             _check_streamable(best_of, p.decoder_input_details)

@@ -1,0 +1,134 @@
+"""OpenAI requests as TGI generate requests, and TGI results as OpenAI fields (SPEC §6).
+
+The OpenAI routes do not validate on their own: they turn the body into a `GenerateRequest` and let the shared
+validation check it, so a bad `temperature` gets the same message as on /generate. Only what TGI's parameters
+cannot express is refused here, with a 422 that says it is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from kettle.router.chat_template import ChatTemplate
+from kettle.router.errors import TemplateError, ValidationError
+from kettle.router.generation import Collected
+from kettle.router.openai_schemas import (
+    ChatRequest,
+    ChoiceLogprobs,
+    CompletionRequest,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from kettle.router.schemas import GenerateParameters, GenerateRequest
+from kettle.router.types import FinishReason, Token
+
+OpenAIFinish = Literal["stop", "length"]
+
+
+def chat_prompt(template: ChatTemplate | None, body: ChatRequest) -> tuple[str, bool]:
+    """The rendered prompt, and whether the tokenizer should still add its special tokens.
+
+    A template that writes the BOS token itself must not get a second one from the tokenizer.
+    """
+    if template is None:
+        raise TemplateError("this model has no chat template")
+    messages = []
+    for message in body.messages:
+        fields = message.model_dump(exclude_none=True)
+        fields["content"] = message.text() or ""  # templates expect a string, even for tool-call turns
+        messages.append(fields)
+    text = template.render(messages)
+    adds_bos_itself = bool(template.bos_token) and text.startswith(template.bos_token)
+    return text, not adds_bos_itself
+
+
+def chat_request(body: ChatRequest, prompt: str) -> GenerateRequest:
+    """The generate request of a chat body (after `check_chat_supported`)."""
+    parameters = _parameters(body, max_tokens=body.max_tokens or body.max_completion_tokens)
+    if body.logprobs:
+        parameters.top_n_tokens = body.top_logprobs
+    return GenerateRequest(inputs=prompt, parameters=parameters)
+
+
+def completion_request(body: CompletionRequest, prompt: str) -> GenerateRequest:
+    """The generate request of one prompt of a completions body (after `check_completion_supported`)."""
+    parameters = _parameters(body, max_tokens=body.max_tokens)
+    parameters.repetition_penalty = body.repetition_penalty
+    return GenerateRequest(inputs=prompt, parameters=parameters)
+
+
+def _parameters(body: SamplingFields, max_tokens: int | None) -> GenerateParameters:
+    """TGI's mapping: temperature 0 is greedy, anything else (absent included, OpenAI's default is 1) samples."""
+    greedy = body.temperature == 0
+    return GenerateParameters(
+        do_sample=not greedy,
+        temperature=None if greedy else body.temperature,
+        # OpenAI's top_p = 1 means "no nucleus cut", which TGI spells as no top_p at all.
+        top_p=None if body.top_p == 1.0 else body.top_p,
+        max_new_tokens=max_tokens,
+        seed=body.seed,
+        stop=body.stop_list(),
+        frequency_penalty=body.frequency_penalty,
+    )
+
+
+def check_chat_supported(body: ChatRequest) -> None:
+    """422 for chat features not implemented yet."""
+    _check_common(body)
+    if body.tools:
+        raise ValidationError("`tools` are not supported yet")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise ValidationError("`tool_choice` is not supported yet")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise ValidationError("`response_format` is not supported yet")
+
+
+def check_completion_supported(body: CompletionRequest, max_prompts: int) -> list[str]:
+    """The prompts of a completions body; 422 for `suffix`, no prompt, or more than `max_prompts`."""
+    _check_common(body)
+    if body.suffix is not None:
+        raise ValidationError("`suffix` is not supported")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise ValidationError("`prompt` cannot be an empty list")
+    if len(prompts) > max_prompts:
+        raise ValidationError(f"`prompt` may hold at most {max_prompts} prompts. Given: {len(prompts)}")
+    return prompts
+
+
+def _check_common(body: SamplingFields) -> None:
+    if body.n is not None and body.n != 1:
+        raise ValidationError("`n` > 1 is not supported yet")
+    if body.logit_bias:
+        raise ValidationError("`logit_bias` is not supported yet")
+    if body.presence_penalty:
+        raise ValidationError("`presence_penalty` is not supported yet; use `frequency_penalty`")
+
+
+def finish_reason(reason: FinishReason) -> OpenAIFinish:
+    """EOS and stop strings are both `stop` for OpenAI."""
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def usage(results: Sequence[Collected]) -> Usage:
+    """Real token counts: validated prompt tokens and generated tokens, summed over the choices."""
+    prompt = sum(r.request.input_length for r in results)
+    completion = sum(r.last.end.generated_tokens for r in results if r.last and r.last.end)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def token_logprobs(tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]]) -> ChoiceLogprobs:
+    """OpenAI's `logprobs.content`: each generated token with its logprob and the most likely alternatives."""
+    content = []
+    for token, tops in zip(tokens, top_tokens, strict=True):
+        alternatives = [TopLogprob(token=t.text, logprob=_finite(t.logprob)) for t in tops]
+        content.append(TokenLogprob(token=token.text, logprob=_finite(token.logprob), top_logprobs=alternatives))
+    return ChoiceLogprobs(content=content)
+
+
+def _finite(logprob: float | None) -> float | None:
+    return logprob if logprob is not None and math.isfinite(logprob) else None
