@@ -103,6 +103,7 @@ def router(
     tokenizer_config_path: o.TokenizerConfigPath = None,
     disable_grammar_support: o.DisableGrammarSupport = False,
     enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
+    disable_prefix_caching: o.DisablePrefixCaching = False,
     graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
 ) -> None:
     """Run the HTTP router in front of running shards. Started by `kettle launch`."""

@@ -122,6 +122,7 @@ def launch(
     tokenizer_config_path: o.TokenizerConfigPath = None,
     disable_grammar_support: o.DisableGrammarSupport = False,
     enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
+    disable_prefix_caching: o.DisablePrefixCaching = False,
     graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
     shard_uds_path: ShardUdsPath = "/tmp/kettle-server",
     master_addr: MasterAddr = "localhost",

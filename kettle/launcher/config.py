@@ -69,6 +69,7 @@ class LauncherConfig:
     tokenizer_config_path: str | None = None
     disable_grammar_support: bool = False
     enable_prefill_logprobs: bool = False
+    disable_prefix_caching: bool = False
     graceful_termination_timeout: float = 90.0
     shard_uds_path: str = "/tmp/kettle-server"
     master_addr: str = "localhost"

@@ -87,6 +87,10 @@ DisableGrammarSupport = Annotated[
 EnablePrefillLogprobs = Annotated[
     bool, option("--enable-prefill-logprobs", "Allow requests for prompt logprobs (`decoder_input_details`).", SERVER)
 ]
+DisablePrefixCaching = Annotated[
+    bool,
+    option("--disable-prefix-caching", "Do not reuse the KV cache of prompt prefixes shared across requests.", LIMITS),
+]
 GracefulTerminationTimeout = Annotated[
     float,
     option("--graceful-termination-timeout", "Seconds each process gets to stop after SIGTERM.", SERVER),

@@ -37,7 +37,11 @@ class Allocator(Protocol):
         """Tokens the whole cache holds: no request longer than this can ever run."""
         ...
 
-    def allocate(self, n_tokens: int, prompt_ids: Sequence[int] = ()) -> Allocation | None: ...
+    def allocate(self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True) -> Allocation | None: ...
+
+    def commit(self, allocation: Allocation) -> None:
+        """The prefill of `allocation` has written its prompt's K/V: its full prompt blocks may be shared."""
+        ...
 
     def free(self, allocation: Allocation) -> None: ...
 
@@ -76,10 +80,11 @@ class BlockAllocator:
     def capacity(self) -> int:
         return self.num_blocks * self.block_size
 
-    def allocate(self, n_tokens: int, prompt_ids: Sequence[int] = ()) -> Allocation | None:
+    def allocate(self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True) -> Allocation | None:
         """Blocks for `n_tokens` tokens, or None when too few are free (the caller waits and retries).
 
-        `prompt_ids` is unused here; a prefix-caching allocator matches it against cached blocks.
+        `prompt_ids` and `reuse` are unused here; a prefix-caching allocator matches the prompt against cached
+        blocks.
         """
         if n_tokens < 1:
             raise ValueError(f"cannot allocate {n_tokens} tokens")
@@ -89,6 +94,9 @@ class BlockAllocator:
         blocks = tuple(self._free.popleft() for _ in range(needed))
         self._used.update(blocks)
         return Allocation(blocks, slots_for(blocks, n_tokens, self.block_size))
+
+    def commit(self, allocation: Allocation) -> None:
+        """Nothing to do: no block is ever shared."""
 
     def free(self, allocation: Allocation) -> None:
         """Returns the blocks of `allocation`; freeing a block twice is a bug and raises."""

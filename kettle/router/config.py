@@ -36,6 +36,7 @@ class RouterConfig:
     disable_grammar_support: bool = False
     tokenizer_config_path: str | None = None
     enable_prefill_logprobs: bool = False
+    disable_prefix_caching: bool = False
     graceful_termination_timeout: float = 90.0
     model_sha: str | None = None
     model_pipeline_tag: str = "text-generation"

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from kettle.router.blocks import Allocator, BlockAllocator
 from kettle.router.client import DUMMY_TOKEN
+from kettle.router.prefix_cache import PrefixCachingAllocator
 from kettle.router.queue import Entry, Queue, batch_proto
 from kettle.router.scheduler import Scheduler, ShardClient
 from kettle.router.types import (
@@ -41,6 +42,7 @@ class SchedulerConfig:
     max_waiting_tokens: int = 20
     block_size: int
     num_blocks: int
+    prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes (`--disable-prefix-caching`)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "block_size", "num_blocks"):
@@ -54,6 +56,13 @@ class SchedulerConfig:
             raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
 
 
+def make_allocator(config: SchedulerConfig) -> Allocator:
+    """The KV block allocator the config asks for: prefix caching unless it was switched off."""
+    if config.prefix_caching:
+        return PrefixCachingAllocator(config.num_blocks, config.block_size)
+    return BlockAllocator(config.num_blocks, config.block_size)
+
+
 class InferClient(ShardClient, Protocol):
     """The scheduler's shard calls plus the health check."""
 
@@ -65,7 +74,7 @@ class Infer:
 
     def __init__(self, client: InferClient, config: SchedulerConfig, allocator: Allocator | None = None) -> None:
         self._client = client
-        self._allocator = allocator or BlockAllocator(config.num_blocks, config.block_size)
+        self._allocator = allocator or make_allocator(config)
         self._queue = Queue(self._allocator, config.max_batch_total_tokens, config.max_batch_prefill_tokens)
         self._scheduler = Scheduler(client, self._queue, self._allocator, config)
         self._task: asyncio.Task | None = None

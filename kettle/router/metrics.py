@@ -46,6 +46,9 @@ BATCH_FORWARD_DURATION = Histogram(
 )
 BATCH_NEXT_SIZE = Histogram("tgi_batch_next_size", "Size of each new batch", buckets=_BATCH_BUCKETS)
 
+# Kettle's own: prompt tokens taken from the prefix cache instead of being computed (not a TGI metric).
+PREFIX_CACHE_HIT_TOKENS = Counter("kettle_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache")
+
 QUEUE_SIZE = Gauge("tgi_queue_size", "Requests waiting in the queue")
 BATCH_CURRENT_SIZE = Gauge("tgi_batch_current_size", "Requests in the running batch")
 BATCH_CURRENT_MAX_TOKENS = Gauge("tgi_batch_current_max_tokens", "KV tokens reserved by the running batch")

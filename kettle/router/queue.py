@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kettle.proto import generate_pb2
 from kettle.router.blocks import Allocation, Allocator
-from kettle.router.metrics import QUEUE_SIZE
+from kettle.router.metrics import PREFIX_CACHE_HIT_TOKENS, QUEUE_SIZE
 from kettle.router.types import InferError, InferEvent, TokenEvent, ValidGenerateRequest
 
 # What a response channel carries: events, then the InferError that ended the request or None (no result).
@@ -183,6 +183,7 @@ class Queue:
             self._put_back(taken)
             return None
         QUEUE_SIZE.set(len(self._entries))
+        PREFIX_CACHE_HIT_TOKENS.inc(sum(e.prefilled_len for e in taken))
         return NextBatch({e.id: e for e in taken}, batch_proto(self.new_batch_id(), taken))
 
     def _take(self, max_size: int | None, prefill_budget: int, token_budget: int) -> list[Entry]:
@@ -193,12 +194,17 @@ class Queue:
             if entry.cancelled:
                 self._entries.popleft()
                 continue
-            allocation = self._allocator.allocate(entry.total_tokens, entry.request.input_ids)
+            # Checked before allocating: a trial allocation may evict cached prefix blocks for nothing.
+            if total_tokens + entry.total_tokens > token_budget:
+                break
+            # Prompt logprobs need every prompt token computed, so such a request may not reuse a prefix.
+            reuse = not entry.request.decoder_input_details
+            allocation = self._allocator.allocate(entry.total_tokens, entry.request.input_ids, reuse)
             if allocation is None:
                 break
             # Shared-prefix tokens are not computed again, so they do not count against the prefill budget.
             prefill = prefill_tokens + entry.request.input_length - allocation.cache_len
-            if prefill > prefill_budget or total_tokens + entry.total_tokens > token_budget:
+            if prefill > prefill_budget:
                 self._allocator.free(allocation)
                 break
             self._entries.popleft()

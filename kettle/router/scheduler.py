@@ -123,7 +123,20 @@ class Scheduler:
             entry.started_at = now
         self._running.update(new.entries)
         self._waiting_steps = 1  # TGI counts the prefill itself as the first step
-        return await self._execute("prefill", list(new.entries), [new.batch.id], self._client.prefill(new.batch))
+        call = self._committed(new, self._client.prefill(new.batch))
+        return await self._execute("prefill", list(new.entries), [new.batch.id], call)
+
+    async def _committed(self, new: NextBatch, call: Awaitable[StepResult]) -> StepResult:
+        """Awaits a prefill, then lets later requests reuse the prompt blocks it wrote.
+
+        Not before: a block is shared only once its K/V are really there, so a failed prefill (or a request in
+        the same batch) never reads a block that was never written.
+        """
+        result = await call
+        for entry in new.entries.values():
+            if entry.allocation is not None:
+                self._allocator.commit(entry.allocation)
+        return result
 
     async def _execute(
         self, method: str, entry_ids: list[int], batch_ids: list[int], call: Awaitable[StepResult]

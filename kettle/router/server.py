@@ -108,6 +108,7 @@ def _scheduler_config(config: RouterConfig, limits: TokenLimits, num_blocks: int
         max_waiting_tokens=config.max_waiting_tokens,
         block_size=block_size,
         num_blocks=num_blocks,
+        prefix_caching=not config.disable_prefix_caching,
     )
 
 

@@ -2,7 +2,7 @@
 
 Request r emits token ids 1, 2, 3, ... (text "t1", "t2", ...) and finishes at its max_new_tokens. Batches are
 kept like the real shards keep them (prefill creates one, decode concatenates into the first id, filter keeps
-some ids, clear drops one), and every prefill checks that no two live requests were given the same KV block.
+some ids, clear drops one), and every prefill checks that no live request was given a KV slot another one writes.
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ class FakeClient:
         return pb.CachedBatch(id=batch_id, request_ids=alive, size=len(alive))
 
     def _check_blocks(self, requests: Sequence[pb.Request]) -> None:
-        live = [b for ids in self.batches.values() for i in ids for b in self.requests[i].blocks]
-        new = [b for r in requests for b in r.blocks]
-        assert len(set(live + new)) == len(live) + len(new), "a KV block was given to two live requests"
+        """No slot a new request writes (from its cache_len on) is used by any other live or new request.
+
+        A shared prefix (slots before cache_len) may be read by many; a slot someone writes must be its own.
+        """
+        live = [self.requests[i] for ids in self.batches.values() for i in ids]
+        for request in requests:
+            written = set(request.slots[request.cache_len :])
+            others = [s for r in live + list(requests) if r is not request for s in r.slots]
+            assert not written & set(others), "a KV block was given to two live requests"

@@ -57,6 +57,7 @@ SPEC_FLAGS = (
     "--max-client-batch-size",
     "--payload-limit",
     "--enable-prefill-logprobs",
+    "--disable-prefix-caching",
     "--graceful-termination-timeout",
     "--validation-workers",
     "--cpu-kv-cache-fraction",
@@ -229,7 +230,9 @@ def test_shard_argv_round_trips_to_the_same_shard_config(captured):
 
 
 def test_router_argv_round_trips_to_the_same_router_config(captured):
-    config = LauncherConfig(max_total_tokens=512, cors_allow_origin=("http://a", "http://b"), api_key="k")
+    config = LauncherConfig(
+        max_total_tokens=512, cors_allow_origin=("http://a", "http://b"), api_key="k", disable_prefix_caching=True
+    )
     model = ResolvedModel(Path("/models/m"), "org/model", "abc123")
     result = runner.invoke(app, list(router_spec(config, model).argv[3:]))
     assert result.exit_code == 0, result.output
