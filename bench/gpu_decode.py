@@ -35,6 +35,7 @@ from gpu_measure import (  # bench/ is the script's folder
 )
 from gpu_report import describe, summarize
 
+from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata, get_backend
 from kettle.models.llama import LlamaForCausalLM
 from kettle.shard.cuda_graphs import DecodeGraphs
@@ -126,21 +127,6 @@ class KettleDecode:
         return event_per_call(lambda: self.graphs.replay(self.batch), steps)
 
 
-def hf_decode(model, batch: int, context: int):
-    """One transformers decode step per call (DynamicCache), after a prefill of random prompts."""
-    prompts = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
-    with torch.inference_mode():
-        out = model(prompts, use_cache=True)
-    state = {"past": out.past_key_values, "tokens": out.logits[:, -1].argmax(-1, keepdim=True)}
-
-    @torch.inference_mode()
-    def step() -> None:
-        out = model(state["tokens"], past_key_values=state["past"], use_cache=True)
-        state["past"], state["tokens"] = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-
-    return step
-
-
 def build_models(args, dtype):
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
@@ -190,7 +176,7 @@ def bench_kettle(model, batch: int, args, variants: tuple[str, ...]) -> dict:
 
 
 def bench_hf(hf, batch: int, args) -> float:
-    seconds = wall_per_call(hf_decode(hf, batch, args.context), args.hf_steps, args.warmup)
+    seconds = wall_per_call(hf_decode_step(hf, batch, args.context), args.hf_steps, args.warmup)
     torch.cuda.empty_cache()
     return seconds
 

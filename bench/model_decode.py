@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
@@ -67,18 +68,7 @@ def transformers_decode(path: str, dtype: torch.dtype, batch: int, context: int)
     """The same decode step with transformers' own model and DynamicCache."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    prompts = torch.randint(0, model.config.vocab_size, (batch, context))
-    with torch.inference_mode():
-        out = model(prompts, use_cache=True)
-    state = {"past": out.past_key_values, "tokens": out.logits[:, -1].argmax(-1, keepdim=True)}
-
-    @torch.inference_mode()
-    def step() -> None:
-        out = model(state["tokens"], past_key_values=state["past"], use_cache=True)
-        state["past"], state["tokens"] = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-
-    return step
+    return hf_decode_step(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), batch, context)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -57,13 +57,9 @@ def make_tokenizer(path: Path, vocab_size: int = 512, chat_template: str | None 
     return fast
 
 
-def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
-    """Saves a 2-layer random LlamaForCausalLM (safetensors) with the tiny tokenizer into `path`."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = make_tokenizer(path)
-    settings = dict(
+def tiny_config(tokenizer) -> dict:
+    """The shape every tiny test model shares: 2 layers, hidden 64, grouped-query attention."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -71,12 +67,20 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
         # Large weights give peaked logits, so greedy choices are not decided by rounding noise.
         initializer_range=0.2,
+    )
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Saves a 2-layer random LlamaForCausalLM (safetensors) with the tiny tokenizer into `path`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer(path)
+    settings = tiny_config(tokenizer) | dict(
+        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False
     )
     settings.update(overrides)
     config = LlamaConfig(**settings)

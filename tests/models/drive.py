@@ -15,7 +15,7 @@ import torch
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import CausalLM
 from kettle.shard.kv_cache import KVCache
-from tests.fixtures import make_tiny_llama, make_tokenizer
+from tests.fixtures import make_tiny_llama, make_tokenizer, tiny_config
 
 BLOCK_SIZE = 4  # small, so that even short prompts span several blocks
 
@@ -55,17 +55,7 @@ def _make_other(path: Path, variant: str) -> Path:
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = make_tokenizer(path)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        initializer_range=0.2,
-    )
+    common = tiny_config(tokenizer)
     if variant == "qwen2":
         config, cls = Qwen2Config(tie_word_embeddings=True, **common), Qwen2ForCausalLM
     elif variant == "mistral_sliding":
