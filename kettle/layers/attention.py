@@ -34,8 +34,18 @@ def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | No
     return mask
 
 
+class _WindowMasks:
+    """Plans with `query_positions`, `key_positions` and a `masks` dict: one mask per window size per step."""
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """The boolean mask (decode: [Nd, 1, 1, L]; prefill: [L, context]), built on first use in a step."""
+        if window not in self.masks:
+            self.masks[window] = window_mask(self.query_positions, self.key_positions, window)
+        return self.masks[window]
+
+
 @dataclass
-class DecodePlan:
+class DecodePlan(_WindowMasks):
     """The sequences with one new token, attended together over a padded gather of their cached blocks."""
 
     token_range: tuple[int, int] | None  # where their tokens sit in T when contiguous (the common case)
@@ -46,15 +56,9 @@ class DecodePlan:
     key_positions: torch.Tensor  # [1, 1, 1, max_blocks * block_size]
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[Nd, 1, 1, L] mask, computed once per step per window size."""
-        if window not in self.masks:
-            self.masks[window] = window_mask(self.query_positions, self.key_positions, window)
-        return self.masks[window]
-
 
 @dataclass
-class PrefillPlan:
+class PrefillPlan(_WindowMasks):
     """One sequence with several new tokens: tokens start..end of T, positions cache_len onwards."""
 
     start: int
@@ -68,12 +72,6 @@ class PrefillPlan:
     def needs_mask(self, window: int | None) -> bool:
         """Whether plain causal attention over the new tokens alone would be wrong."""
         return self.cache_len > 0 or (window is not None and self.end - self.start > window)
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[L, context] mask, computed once per step per window size."""
-        if window not in self.masks:
-            self.masks[window] = window_mask(self.query_positions, self.key_positions, window)
-        return self.masks[window]
 
 
 @dataclass
