@@ -1,4 +1,4 @@
-"""RMSNorm, as Llama-family models use it."""
+"""RMSNorm (Llama family) and LayerNorm (GPT-2, OPT, BLOOM, Falcon and most older families)."""
 
 from __future__ import annotations
 
@@ -30,5 +30,27 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x): a block's residual add and the next norm, fused on CUDA."""
         if fused_enabled(x) and unit_stride(x, residual):
             return add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return self(total), total
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension (GPT-2, OPT, BLOOM, Falcon, Phi…).
+
+    `bias` may be None (MPT, StarCoder2 without bias, Gemma-style checkpoints that store none).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.eps = eps
+        self.shape = (int(weight.shape[0]),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the same call shape as `RMSNorm.add_forward`."""
         total = residual + x
         return self(total), total
