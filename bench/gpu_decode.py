@@ -11,7 +11,7 @@ bandwidth = (weights read once + every sequence's KV) / step time; the embedding
 fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32.
 
     python3 bench/gpu_decode.py --out $OUT
-    KETTLE_FUSED_KERNELS=1 python3 bench/gpu_decode.py --batch 1 32   # the same with the fused kernels
+    KETTLE_FUSED_KERNELS=0 python3 bench/gpu_decode.py --batch 1 32   # the same without the fused kernels
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from gpu_report import describe, summarize
 from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata, get_backend
 from kettle.models.llama import LlamaForCausalLM
+from kettle.shard import distributed
 from kettle.shard.cuda_graphs import DecodeGraphs
 from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
 
@@ -59,12 +60,16 @@ class StateDictWeights:
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         self.tensors, self.dtype, self.device = tensors, dtype, device
+        self.tp = distributed.current()  # one rank: the benchmark measures a single device
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name].to(device=self.device, dtype=self.dtype)
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.get(name).narrow(dim, start, stop - start)
 
     def get_optional(self, name: str) -> torch.Tensor | None:
         return self.get(name) if self.has(name) else None
@@ -195,8 +200,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    # The fused norm/RoPE/SiLU kernels are opt-in (KETTLE_FUSED_KERNELS=1): record which way this run went.
-    results["fused_kernels"] = os.environ.get("KETTLE_FUSED_KERNELS", "0") == "1"
+    # The fused norm/RoPE/SiLU kernels are on unless KETTLE_FUSED_KERNELS=0: record which way this run went.
+    results["fused_kernels"] = os.environ.get("KETTLE_FUSED_KERNELS", "1") != "0"
     copy_bw = copy_bandwidth()
     results["copy_bw"] = copy_bw
     print(f"{results['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)

@@ -43,7 +43,7 @@ def serve(
     rank: Annotated[int, typer.Option(envvar="RANK", help="This shard's rank.")] = 0,
     world_size: Annotated[int, typer.Option(envvar="WORLD_SIZE", help="Number of shards.")] = 1,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
-    quantize: Annotated[str | None, typer.Option(help="Weight quantization: fp8 (CUDA only).")] = None,
+    quantize: Annotated[str | None, typer.Option(help="int8, int4, gptq, awq (CPU) or fp8 (CUDA).")] = None,
     num_threads: Annotated[int | None, typer.Option(envvar="KETTLE_NUM_THREADS", help="Torch threads.")] = None,
     cpu_kv_cache_fraction: Annotated[
         float, typer.Option(envvar="KETTLE_CPU_KV_CACHE_FRACTION", help="Share of RAM for the KV cache on CPU.")
@@ -57,17 +57,26 @@ def serve(
     watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
     watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
     json_output: o.JsonOutput = False,
+    otlp_endpoint: o.OtlpEndpoint = None,
+    otlp_service_name: o.OtlpServiceName = "kettle",
 ) -> None:
     """Run one shard (the model) as a gRPC server on a Unix socket. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like ShardConfig's fields
+    from kettle import tracing
     from kettle.logging_setup import setup_logging
     from kettle.shard.config import ShardConfig
 
     setup_logging(settings.pop("json_output"))
+    endpoint, service = settings.pop("otlp_endpoint"), settings.pop("otlp_service_name")
     config = _config_or_usage_error(ShardConfig, **settings)
     from kettle.shard.server import serve as serve_shard
 
-    serve_shard(config)
+    # The shards' spans join the router's traces under their own service name, as TGI's `.server` ones do.
+    tracing.setup_tracing(endpoint, f"{service}.shard")
+    try:
+        serve_shard(config)
+    finally:
+        tracing.shutdown_tracing()
 
 
 @app.command()
@@ -100,10 +109,12 @@ def router(
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",
+    prometheus_port: o.PrometheusPort = 9000,
     tokenizer_config_path: o.TokenizerConfigPath = None,
     disable_grammar_support: o.DisableGrammarSupport = False,
     enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
     disable_prefix_caching: o.DisablePrefixCaching = False,
+    disable_chunked_prefill: o.DisableChunkedPrefill = False,
     graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
 ) -> None:
     """Run the HTTP router in front of running shards. Started by `kettle launch`."""

@@ -41,9 +41,12 @@ class JsonFormatter(logging.Formatter):
             "target": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)  # structured values a call passed as extra={"fields": {...}}
+        if isinstance(fields, dict):
+            entry["fields"] = fields
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
+        return json.dumps(entry, ensure_ascii=False, default=str)
 
 
 def resolve_level(level: str | None = None) -> int:
@@ -62,6 +65,8 @@ def setup_logging(json_output: bool = False, level: str | None = None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(resolve_level(level))
+    # Python warnings (e.g. from transformers) become log records too, so JSON output stays JSON.
+    logging.captureWarnings(True)
     # Libraries that log every HTTP request or file lookup at INFO would drown Kettle's own lines.
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

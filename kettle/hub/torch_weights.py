@@ -45,9 +45,16 @@ def convert_pickled_folder(source: Path, out_dir: Path) -> None:
     for path in source.iterdir():
         if path.is_file() and path not in weights and path.name not in INDEX_NAMES:
             shutil.copy2(path, out_dir / path.name)
-    for path in weights:
+    for path in _progress(weights):
         convert_file(path, out_dir / safetensors_name(path.name))
     _convert_index(source, out_dir)
+
+
+def _progress(weights: list[Path]):
+    """The files with a progress bar on stderr when there are several (a sharded checkpoint takes minutes)."""
+    from tqdm import tqdm
+
+    return tqdm(weights, desc="Converting to safetensors", unit="file", disable=len(weights) < 2)
 
 
 def convert_file(source: Path, target: Path) -> None:

@@ -29,11 +29,18 @@ ModelId = Annotated[
 ]
 Revision = Annotated[str | None, option("--revision", "Hub revision: branch, tag or commit.", MODEL)]
 Sharded = Annotated[
-    str | None, option("--sharded", "Split the model across shards: true or false.", MODEL, inactive=True)
+    str | None,
+    option("--sharded", "Split the model across shards: true or false (true alone: one shard per GPU).", MODEL),
 ]
 NumShard = Annotated[int | None, option("--num-shard", "Number of shards (tensor parallel ranks).", MODEL)]
 Quantize = Annotated[
-    str | None, option("--quantize", "Weight quantization: fp8 (NVIDIA GPUs only; float8 weights).", MODEL)
+    str | None,
+    option(
+        "--quantize",
+        "Weight quantization: int8, int4 (CPU; group size KETTLE_INT4_GROUP_SIZE, default 128), gptq, awq "
+        "(4-bit checkpoints, CPU; found from config.json too), fp8 (NVIDIA Hopper GPUs).",
+        MODEL,
+    ),
 ]
 Dtype = Annotated[
     str | None, option("--dtype", "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).", MODEL)
@@ -50,6 +57,12 @@ ShardUdsPath = Annotated[
 ]
 MasterAddr = Annotated[str, option("--master-addr", "torch.distributed rendezvous address.", SHARDS)]
 MasterPort = Annotated[int, option("--master-port", "torch.distributed rendezvous port.", SHARDS)]
+Nnodes = Annotated[
+    int, option("--nnodes", "Hosts sharing one tensor-parallel model (each runs --num-shard ranks).", SHARDS)
+]
+NodeRank = Annotated[
+    int, option("--node-rank", "This host's index among --nnodes; only node 0 runs the router.", SHARDS)
+]
 WatermarkGamma = Annotated[float, option("--watermark-gamma", "Green-list share of the watermark.", SHARDS)]
 WatermarkDelta = Annotated[float, option("--watermark-delta", "Logit bias of the watermark's green list.", SHARDS)]
 CpuKvCacheFraction = Annotated[
@@ -119,14 +132,18 @@ def launch(
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",
+    prometheus_port: o.PrometheusPort = 9000,
     tokenizer_config_path: o.TokenizerConfigPath = None,
     disable_grammar_support: o.DisableGrammarSupport = False,
     enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
     disable_prefix_caching: o.DisablePrefixCaching = False,
+    disable_chunked_prefill: o.DisableChunkedPrefill = False,
     graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
     shard_uds_path: ShardUdsPath = "/tmp/kettle-server",
     master_addr: MasterAddr = "localhost",
     master_port: MasterPort = 29500,
+    nnodes: Nnodes = 1,
+    node_rank: NodeRank = 0,
     watermark_gamma: WatermarkGamma = 0.5,
     watermark_delta: WatermarkDelta = 2.0,
     cpu_kv_cache_fraction: CpuKvCacheFraction = 0.1,

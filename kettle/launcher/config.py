@@ -6,12 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from kettle.router.config import RouterConfig
-from kettle.shard.config import DTYPES, QUANTIZE, ShardConfig
+from kettle.shard.config import DTYPES, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
-INACTIVE_FLAGS: dict[str, object] = {"otlp_endpoint": None, "lora_adapters": None}
-# Tensor parallelism is planned but not wired through the launcher yet.
-MAX_SHARDS = 1
+INACTIVE_FLAGS: dict[str, object] = {"lora_adapters": None}
 # RouterConfig fields the launcher fills from the resolved model rather than from a flag of the same name.
 ROUTER_OWN_FIELDS = {"master_shard_uds_path", "tokenizer_name", "model_id", "model_sha", "model_pipeline_tag"}
 # A shard must answer on its socket within this many seconds (loading a large model is slow).
@@ -23,6 +21,13 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices the shards will see (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def pick_max_input_tokens(max_input_tokens: int | None, max_input_length: int | None) -> int | None:
@@ -66,14 +71,19 @@ class LauncherConfig:
     json_output: bool = False
     otlp_endpoint: str | None = None
     otlp_service_name: str = "kettle"
+    prometheus_port: int = 9000
     tokenizer_config_path: str | None = None
     disable_grammar_support: bool = False
     enable_prefill_logprobs: bool = False
     disable_prefix_caching: bool = False
+    disable_chunked_prefill: bool = False
     graceful_termination_timeout: float = 90.0
     shard_uds_path: str = "/tmp/kettle-server"
     master_addr: str = "localhost"
     master_port: int = 29500
+    # Multi-node tensor parallelism: this host runs ranks node_rank*shards .. +shards of nnodes*shards.
+    nnodes: int = 1
+    node_rank: int = 0
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     cpu_kv_cache_fraction: float = 0.1
@@ -103,26 +113,41 @@ class LauncherConfig:
             raise ValueError("--num-shard must be >= 1")
         if self.sharded is False and (self.num_shard or 1) > 1:
             raise ValueError("--sharded false contradicts --num-shard > 1")
-        if self.sharded or self.world_size > MAX_SHARDS:
-            raise ValueError("tensor parallelism (--sharded / --num-shard > 1) is not active yet: run one shard")
+        if self.sharded and self.num_shard is None and visible_gpus() < 2:
+            raise ValueError(
+                "--sharded true without --num-shard uses every visible GPU, and fewer than 2 are visible: "
+                "give --num-shard N (on the CPU: N shard processes splitting the cores)"
+            )
+        gpus = visible_gpus() if self.local_shards > 1 else 0
+        if gpus and self.local_shards > gpus:
+            raise ValueError(f"--num-shard {self.local_shards} needs {self.local_shards} GPUs, but {gpus} are visible")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be in [0, --nnodes) and --nnodes >= 1, got {self.node_rank}/{self.nnodes}"
+            )
 
     def _check_quantize(self) -> None:
-        if self.quantize is None:
-            return
-        if self.quantize not in QUANTIZE:
-            raise ValueError(
-                f"--quantize {self.quantize} is not supported: use --quantize fp8 on an NVIDIA GPU, "
-                "or run without --quantize"
-            )
-        if not cuda_available():
-            raise ValueError(
-                "--quantize fp8 needs an NVIDIA GPU (Hopper or newer) and none is visible: on the CPU run without "
-                "--quantize, with --dtype float32 (the default there) or --dtype bfloat16"
-            )
+        from kettle.quantization.config import check_scheme
+
+        # The shard runs on CUDA when a GPU is visible, else on the CPU (kettle.shard.server.choose_device).
+        check_scheme(self.quantize, "cuda" if self.quantize and cuda_available() else "cpu")
+
+    @property
+    def local_shards(self) -> int:
+        """Shards on this host: --num-shard; with `--sharded true` alone, every visible GPU."""
+        if self.num_shard is None and self.sharded:
+            return visible_gpus()
+        return self.num_shard or 1
 
     @property
     def world_size(self) -> int:
-        return self.num_shard or 1
+        """Ranks in the tensor-parallel group over all hosts (--nnodes of them, each with local_shards)."""
+        return self.local_shards * self.nnodes
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this host runs."""
+        return range(self.node_rank * self.local_shards, (self.node_rank + 1) * self.local_shards)
 
     def inactive_flags_set(self) -> list[str]:
         """The not-yet-active flags given a value other than their inert one (the launcher warns about them)."""

@@ -30,10 +30,27 @@ def launch(config: LauncherConfig) -> int:
     except KeyboardInterrupt:
         log.error("Stopped while preparing the model")
         return 130
+    try:
+        # Custom code without --trust-remote-code, or a type nobody knows: one line here, not a shard traceback.
+        from kettle.models.transformers_fallback import check_loadable
+
+        check_loadable(str(model.path), config.trust_remote_code)
+    except ValueError as error:
+        log.error("%s", error)
+        return 1
+    if config.world_size > 1:
+        from kettle.models.registry import check_tensor_parallel_folder
+
+        try:
+            check_tensor_parallel_folder(str(model.path), config.world_size)
+        except ValueError as error:
+            log.error("%s", error)
+            return 1
     log.info("Model %s ready in %s", model.display_id, model.path)
     supervisor = Supervisor(
         shard_specs(config, str(model.path)),
-        router_spec(config, model),
+        # With --nnodes, the router runs on node 0 only: it reaches every rank through rank 0's discovery.
+        router_spec(config, model) if config.node_rank == 0 else None,
         graceful_timeout=config.graceful_termination_timeout,
         start_timeout=config.shard_start_timeout,
     )

@@ -75,9 +75,13 @@ CorsAllowOrigin = Annotated[
 ]
 JsonOutput = Annotated[bool, option("--json-output", "Log JSON lines instead of text.", SERVER)]
 OtlpEndpoint = Annotated[
-    str | None, option("--otlp-endpoint", "OpenTelemetry collector to export traces to.", SERVER, inactive=True)
+    str | None,
+    option("--otlp-endpoint", "OpenTelemetry collector (OTLP/gRPC, e.g. http://localhost:4317) for traces.", SERVER),
 ]
 OtlpServiceName = Annotated[str, option("--otlp-service-name", "Service name in exported traces.", SERVER)]
+PrometheusPort = Annotated[
+    int, option("--prometheus-port", "Port serving /metrics on its own (0: off; a taken port only warns).", SERVER)
+]
 TokenizerConfigPath = Annotated[
     str | None, option("--tokenizer-config-path", "A tokenizer_config.json to use instead of the model's.", SERVER)
 ]
@@ -90,6 +94,15 @@ EnablePrefillLogprobs = Annotated[
 DisablePrefixCaching = Annotated[
     bool,
     option("--disable-prefix-caching", "Do not reuse the KV cache of prompt prefixes shared across requests.", LIMITS),
+]
+DisableChunkedPrefill = Annotated[
+    bool,
+    option(
+        "--disable-chunked-prefill",
+        "Prefill whole prompts in their own forward instead of chunks under --max-batch-prefill-tokens "
+        "that run together with the running decodes.",
+        LIMITS,
+    ),
 ]
 GracefulTerminationTimeout = Annotated[
     float,

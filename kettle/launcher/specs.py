@@ -68,11 +68,13 @@ def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpe
     argv = [*kettle_command(), "serve", model_path, *config_argv(shard, skip=frozenset({"model_path"}))]
     if config.json_output:
         argv.append("--json-output")
+    if config.otlp_endpoint:
+        argv += ["--otlp-endpoint", config.otlp_endpoint, "--otlp-service-name", config.otlp_service_name]
     distributed = {
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "LOCAL_RANK": str(rank - config.ranks.start),  # the GPU index on this host
         "WORLD_SIZE": str(shard.world_size),
-        "LOCAL_WORLD_SIZE": str(shard.world_size),
+        "LOCAL_WORLD_SIZE": str(config.local_shards),
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(config.master_port),
     }
@@ -80,7 +82,8 @@ def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpe
 
 
 def shard_specs(config: LauncherConfig, model_path: str) -> list[ProcessSpec]:
-    return [shard_spec(config, model_path, rank) for rank in range(config.world_size)]
+    """This host's ranks: all of them, or with --nnodes the block of --node-rank."""
+    return [shard_spec(config, model_path, rank) for rank in config.ranks]
 
 
 def router_spec(config: LauncherConfig, model: ResolvedModel) -> ProcessSpec:

@@ -21,6 +21,9 @@ POLL_SECONDS = 0.1
 # After a crash the other children have nothing left to finish: do not give them the full graceful timeout.
 FAILURE_STOP_SECONDS = 5.0
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The router drains for up to the graceful timeout, then closes its connections and the shard channels: it gets
+# this much longer before it is killed, so a drain that uses its whole time still ends cleanly.
+ROUTER_EXIT_MARGIN = 10.0
 
 
 class Supervisor:
@@ -29,7 +32,7 @@ class Supervisor:
     def __init__(
         self,
         shards: list[ProcessSpec],
-        router: ProcessSpec,
+        router: ProcessSpec | None,
         graceful_timeout: float = 90.0,
         start_timeout: float = 600.0,
     ) -> None:
@@ -48,7 +51,10 @@ class Supervisor:
         try:
             code = self._start_and_watch()
         finally:
-            self._stop_all(self.graceful_timeout if code == 0 else min(self.graceful_timeout, FAILURE_STOP_SECONDS))
+            if code == 0:
+                self._stop_all(self.graceful_timeout, router_margin=ROUTER_EXIT_MARGIN)
+            else:
+                self._stop_all(min(self.graceful_timeout, FAILURE_STOP_SECONDS))
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         return code
@@ -72,7 +78,8 @@ class Supervisor:
         code = self._wait_for_shards()
         if code is not None:
             return code
-        self.router = Child(self.router_spec)
+        if self.router_spec is not None:  # None: a --node-rank > 0 host runs shards only
+            self.router = Child(self.router_spec)
         return self._watch()
 
     def _wait_for_shards(self) -> int | None:
@@ -98,7 +105,7 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
 
     def _watch(self) -> int:
-        children = [*self.shards, self.router]
+        children = [*self.shards, *([self.router] if self.router else [])]
         while True:
             if self._signals:
                 log.info("Received %s: shutting down", signal.Signals(self._signals[0]).name)
@@ -113,10 +120,10 @@ class Supervisor:
     def _first_exited(children: list[Child]) -> Child | None:
         return next((child for child in children if child.exit_code() is not None), None)
 
-    def _stop_all(self, timeout: float) -> None:
-        """The router first (it stops accepting requests and drains), then all shards together."""
+    def _stop_all(self, timeout: float, router_margin: float = 0.0) -> None:
+        """The router first (it drains: running requests finish, new ones get 503), then all shards together."""
         if self.router is not None:
-            stop_children([self.router], timeout, self._forced)
+            stop_children([self.router], timeout + router_margin, self._forced)
         if not self.shards:
             return  # nothing started: the sockets, if any, belong to someone else
         stop_children(self.shards, timeout, self._forced)

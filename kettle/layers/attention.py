@@ -230,6 +230,8 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -261,7 +263,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k_new/v_new [T, Hkv, D], caches [slots, Hkv, D] → [T, H, D]; writes k_new/v_new first."""
+    """q [T, H, D], k_new/v_new [T, Hkv, D], caches [slots, Hkv, D] → [T, H, D]; writes k_new/v_new first.
+
+    Optional score modifiers (both cost nothing when None, the Llama path):
+    - `alibi_slopes` [H] float32: ALiBi (BLOOM, MPT, Falcon-alibi), slope_h · (key_pos - query_pos) added to
+      the scaled scores; this differs from Hugging Face's slope_h · key_pos by a per-row constant, which
+      softmax ignores, and keeps the bias small (≤ 0 where attended).
+    - `softcap`: Gemma 2's logit soft-capping, scores → softcap · tanh(scores / softcap) before masking.
+    """
     backend = get_backend(device_type=q.device.type)
-    return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window)
+    if alibi_slopes is None and softcap is None:
+        return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window)
+    return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window, alibi_slopes, softcap)

@@ -194,10 +194,17 @@ class CudaBackend(SdpaBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Decode-only steps in one kernel (cache write included); anything else as the SDPA backend does it."""
-        if triton is None or not q.is_cuda or not meta.decode_only:
-            return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window)
+        """Decode-only steps in one kernel (cache write included); anything else as the SDPA backend does it.
+
+        The Triton kernel has no ALiBi or soft-capping: layers that need them (BLOOM, MPT, Falcon-alibi,
+        Gemma 2) run on the SDPA path, which `decode` below hands back to when either is set.
+        """
+        if triton is None or not q.is_cuda or not meta.decode_only or alibi_slopes is not None or softcap is not None:
+            mods = (alibi_slopes, softcap)
+            return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window, *mods)
         plan = meta.decode
         table = plan.block_ids.view(q.shape[0], plan.num_blocks)
         positions, new_kv = plan.query_positions.view(-1), (k_new, v_new, meta.slots)
@@ -212,10 +219,14 @@ class CudaBackend(SdpaBackend):
         block_size: int,
         scale: float,
         sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """The SDPA backend's decode call, served by the Triton kernel when the tensors are on CUDA."""
-        if triton is None or not q.is_cuda:
-            return SdpaBackend.decode(q, k_cache, v_cache, plan, block_size, scale, sliding_window)
+        """The SDPA backend's decode call, served by the Triton kernel when the tensors are on CUDA (and no
+        ALiBi or soft-capping is asked for, which only the SDPA path implements)."""
+        if triton is None or not q.is_cuda or alibi_slopes is not None or softcap is not None:
+            mods = (alibi_slopes, softcap)
+            return SdpaBackend.decode(q, k_cache, v_cache, plan, block_size, scale, sliding_window, *mods)
         table = plan.block_ids.view(q.shape[0], plan.num_blocks)
         return paged_decode(
             q, k_cache, v_cache, table, plan.query_positions.view(-1), block_size, scale, sliding_window

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kettle.layers.attention import AttentionMetadata, DecodePlan, PrefillPlan
+from kettle.layers.attention import AttentionMetadata, DecodePlan, PrefillPlan, window_mask
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, block_size: int) -> torch.Tensor:
@@ -37,29 +37,32 @@ class SdpaBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache.index_copy_(0, meta.slots, k_new)
         v_cache.index_copy_(0, meta.slots, v_new)
+        mods = (alibi_slopes, softcap)
         if meta.decode_only:
-            return self.decode(q, k_cache, v_cache, meta.decode, meta.block_size, scale, sliding_window)
+            return self.decode(q, k_cache, v_cache, meta.decode, meta.block_size, scale, sliding_window, *mods)
         out = torch.empty_like(q)
         for plan in meta.prefills:
             out[plan.start : plan.end] = self.prefill(
-                q, k_new, v_new, k_cache, v_cache, plan, meta.block_size, scale, sliding_window
+                q, k_new, v_new, k_cache, v_cache, plan, meta.block_size, scale, sliding_window, *mods
             )
         if meta.decode is not None:
-            self._decode_into(out, q, k_cache, v_cache, meta, scale, sliding_window)
+            self._decode_into(out, q, k_cache, v_cache, meta, scale, sliding_window, mods)
         return out
 
-    def _decode_into(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window) -> None:
+    def _decode_into(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window, mods) -> None:
         """Decodes mixed with prefills: slice when their tokens are contiguous, index otherwise."""
-        plan = meta.decode
+        plan, block_size = meta.decode, meta.block_size
         if plan.token_range is not None:
             start, end = plan.token_range
-            out[start:end] = self.decode(q[start:end], k_cache, v_cache, plan, meta.block_size, scale, sliding_window)
+            out[start:end] = self.decode(q[start:end], k_cache, v_cache, plan, block_size, scale, sliding_window, *mods)
             return
         q_dec = q.index_select(0, plan.token_indices)
-        result = self.decode(q_dec, k_cache, v_cache, plan, meta.block_size, scale, sliding_window)
+        result = self.decode(q_dec, k_cache, v_cache, plan, block_size, scale, sliding_window, *mods)
         out.index_copy_(0, plan.token_indices, result)
 
     @staticmethod
@@ -71,6 +74,8 @@ class SdpaBackend:
         block_size: int,
         scale: float,
         sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [Nd, H, D] (one token per sequence) → [Nd, H, D], in one SDPA call."""
         num_seqs, num_heads, head_dim = q.shape
@@ -78,7 +83,12 @@ class SdpaBackend:
         k = gather_blocks(k_cache, plan.block_ids, num_seqs, block_size).transpose(1, 2)
         v = gather_blocks(v_cache, plan.block_ids, num_seqs, block_size).transpose(1, 2)
         grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.mask(sliding_window), scale=scale)
+        if alibi_slopes is None and softcap is None:
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.mask(sliding_window), scale=scale)
+        else:
+            # Slopes laid out like the grouped queries: [1, Hkv, G, 1] against positions [Nd, 1, 1, L].
+            slopes = None if alibi_slopes is None else alibi_slopes.view(1, num_kv_heads, -1, 1)
+            out = modified_attention(grouped, k, v, plan, sliding_window, scale, slopes, softcap)
         return out.reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
@@ -92,6 +102,8 @@ class SdpaBackend:
         block_size: int,
         scale: float,
         sliding_window: int | None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One sequence's new tokens → [L, H, D]; causal over its whole context (cached prefix included)."""
         if plan.cache_len:
@@ -100,6 +112,8 @@ class SdpaBackend:
         else:
             # Nothing cached: the new K/V are the whole context, no gather needed.
             k, v = k_new[plan.start : plan.end], v_new[plan.start : plan.end]
+        if alibi_slopes is not None or softcap is not None:
+            return _modified_prefill(q[plan.start : plan.end], k, v, plan, sliding_window, scale, alibi_slopes, softcap)
         mask = plan.mask(sliding_window) if plan.needs_mask(sliding_window) else None
         out = F.scaled_dot_product_attention(
             q[plan.start : plan.end].transpose(0, 1),
@@ -111,3 +125,37 @@ class SdpaBackend:
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(0, 1)
+
+
+def _modified_prefill(q, k, v, plan: PrefillPlan, window, scale, alibi_slopes, softcap) -> torch.Tensor:
+    """q [L, H, D], k/v [C, Hkv, D] → [L, H, D] with ALiBi and/or soft-capping, grouped as in decode."""
+    num_kv_heads, head_dim = k.shape[1], q.shape[2]
+    grouped = q.transpose(0, 1).reshape(num_kv_heads, -1, q.shape[0], head_dim)  # [Hkv, G, L, D]
+    slopes = None if alibi_slopes is None else alibi_slopes.view(num_kv_heads, -1, 1, 1)
+    k, v = k.transpose(0, 1).unsqueeze(1), v.transpose(0, 1).unsqueeze(1)  # [Hkv, 1, C, D]
+    out = modified_attention(grouped, k, v, plan, window, scale, slopes, softcap)
+    return out.reshape(-1, q.shape[0], head_dim).transpose(0, 1)
+
+
+def modified_attention(q, k, v, plan: DecodePlan | PrefillPlan, window, scale, slopes, softcap) -> torch.Tensor:
+    """Attention with ALiBi (`slopes` shaped to broadcast against q's score rows) and/or Gemma 2 soft-capping.
+
+    The mask is built here on every call rather than cached in the plan: under a CUDA graph the plan's
+    positions are static buffers refilled before each replay, so a mask computed at capture would go stale.
+    Without soft-capping, SDPA takes the ALiBi bias as a float mask; soft-capping needs the scores
+    themselves, so that path computes them explicitly (softmax in float32, like Hugging Face's eager path).
+    """
+    allowed = window_mask(plan.query_positions, plan.key_positions, window)
+    bias = None
+    if slopes is not None:
+        distance = (plan.key_positions - plan.query_positions).to(slopes.dtype)
+        bias = torch.where(allowed, slopes * distance, float("-inf")).to(q.dtype)
+    if softcap is None:
+        if q.shape[:-2] != k.shape[:-2]:
+            k, v = k.expand(*q.shape[:-2], *k.shape[-2:]), v.expand(*q.shape[:-2], *v.shape[-2:])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias if bias is not None else scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

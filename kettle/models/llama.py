@@ -16,8 +16,16 @@ from torch import nn
 
 from kettle.layers.attention import AttentionMetadata, paged_attention
 from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
-from kettle.layers.linear import Linear
 from kettle.layers.norm import RMSNorm
+from kettle.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    load_vocab_parallel,
+    query_columns,
+    shard_heads,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.spec import ModelSpec
 from kettle.models.weights import Weights
@@ -67,8 +75,9 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, weights: Weights, prefix: str, spec: ModelSpec, sliding_window: int | None) -> None:
         super().__init__()
-        self.qkv = Linear.load(weights, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
-        self.o_proj = Linear.load(weights, [f"{prefix}.o_proj"])
+        qkv = [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"]
+        self.qkv = ColumnParallelLinear.load_qkv(weights, qkv, spec.head_dim)
+        self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", query_columns(weights, qkv, spec.head_dim))
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.sliding_window = sliding_window
@@ -90,8 +99,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"activation {hidden_act!r} is not supported for the Llama family (only silu)")
-        self.gate_up = Linear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
-        self.down = Linear.load(weights, [f"{prefix}.down_proj"])
+        self.gate_up = ColumnParallelLinear.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -135,14 +144,16 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, weights: Weights) -> None:
         super().__init__()
-        embed = weights.get("model.embed_tokens.weight")
-        head = weights.output_embedding(embed, "lm_head.weight", config.tie_word_embeddings)
-        self.lm_head = Linear(head)
+        # Under tensor parallelism each rank holds a block of the vocabulary (kettle.layers.parallel).
+        self.tp = weights.tp
+        names = ("model.embed_tokens.weight", "lm_head.weight")
+        embed, head, vocab_size = load_vocab_parallel(weights, *names, config.tie_word_embeddings)
+        self.lm_head = vocab_parallel_head(head, vocab_size, self.tp)
         # Tied: the embedding reads the head's storage (a view when the head is kept transposed), never a copy;
         # a oneDNN-packed head has no row view, so there the embedding keeps the checkpoint tensor.
         shared = head is embed and self.lm_head.layout != "onednn"
         self.register_buffer("embed_tokens", self.lm_head.dense_weight if shared else embed, persistent=False)
-        self.spec = build_spec(config, weights.dtype, self.lm_head.out_features)
+        self.spec = shard_heads(build_spec(config, weights.dtype, self.lm_head.out_features), self.tp)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(weights, f"model.layers.{i}", config, self.spec, windows[i])
@@ -152,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             self.spec.head_dim, rope_parameters(config), config.max_position_embeddings, weights.dtype, weights.device
         )
+        if self.rotary.rotary_dim != self.spec.head_dim:  # the attention rotates whole heads (RotaryEmbedding.apply)
+            raise ValueError("partial rotary embeddings are not supported for the Llama family")
 
     @classmethod
     def from_pretrained(cls, path: str, config, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -164,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
-        h, residual = F.embedding(input_ids, self.embed_tokens), None
+        h, residual = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp), None
         cos, sin = self.rotary(positions, meta)
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kettle.shard import distributed
+
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -44,6 +46,9 @@ class Weights:
         self._files = checkpoint_files(self.folder)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
+        # This shard's tensor-parallel rank and group: loaders that support tensor parallelism read only their
+        # slice (`get_slice`); at world size 1 it changes nothing.
+        self.tp = distributed.current()
 
     def __enter__(self) -> Weights:
         return self
@@ -73,6 +78,21 @@ class Weights:
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         tensor = self._handle(self._files[name]).get_tensor(name)
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.to(device=self.device, dtype=dtype)
+
+    def shape(self, name: str) -> list[int]:
+        """A tensor's shape, from the file header (nothing is read)."""
+        if name not in self._files:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+        return list(self._handle(self._files[name]).get_slice(name).get_shape())
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) `start:stop` of a tensor, reading only that part of the file."""
+        if name not in self._files:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+        view = self._handle(self._files[name]).get_slice(name)
+        tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=self.device, dtype=dtype)
 

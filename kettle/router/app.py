@@ -17,6 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kettle
+from kettle import tracing
 from kettle.proto import generate_pb2
 from kettle.router import generate, openai
 from kettle.router import info as info_routes
@@ -31,6 +32,9 @@ from kettle.router.errors import (
 )
 from kettle.router.generation import GenerationService, InferLike, Permits
 from kettle.router.info import HealthCheck
+from kettle.router.request_log import RequestIdMiddleware
+from kettle.router.shutdown import Drain, DrainMiddleware
+from kettle.router.tracing import TracingMiddleware
 from kettle.router.validation import Validation, ValidationLimits
 
 _DESCRIPTION = "Text generation inference with Hugging Face TGI's API."
@@ -46,8 +50,12 @@ def create_app(
     validation: Validation,
     info: generate_pb2.InfoResponse,
     limits: ValidationLimits,
+    drain: Drain | None = None,
 ) -> FastAPI:
-    """The whole HTTP API; `limits` are the token limits chosen at warmup (shown in /info)."""
+    """The whole HTTP API; `limits` are the token limits chosen at warmup (shown in /info).
+
+    `drain` is the graceful-shutdown state the server flips on SIGTERM (see shutdown.py).
+    """
     app = FastAPI(
         title="Kettle",
         version=kettle.__version__,
@@ -66,6 +74,11 @@ def create_app(
     routes = openai.OpenAIRoutes(service, template, config.model_id, config.max_client_batch_size)
     app.include_router(openai.build_router(routes, generation_dependencies(config)))
     app.add_middleware(PayloadLimit, limit=config.payload_limit)
+    app.state.drain = drain or Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(RequestIdMiddleware)
+    if tracing.enabled():  # off: not even a pass-through layer
+        app.add_middleware(TracingMiddleware)
     if config.cors_allow_origin:
         # Added last, so it is the outermost layer: even 413s and 401s carry the CORS headers.
         app.add_middleware(

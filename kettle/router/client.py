@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from kettle import tracing
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 
@@ -107,7 +108,18 @@ class ShardedClient:
             response = await _checked(call)
         finally:
             await master.close()
-        channels = [grpc.aio.insecure_channel(_channel_target(u), options=_CHANNEL_OPTIONS) for u in response.urls]
+        # With tracing on, an interceptor carries each call's trace context to the shards (kettle/tracing.py).
+        channels = [
+            grpc.aio.insecure_channel(
+                _channel_target(u), options=_CHANNEL_OPTIONS, interceptors=tracing.client_interceptors()
+            )
+            for u in response.urls
+        ]
+        try:
+            # Ranks started by another launcher (--nnodes) may open their sockets a little after rank 0.
+            await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), timeout)
+        except TimeoutError:
+            raise ShardError(f"not every shard of {list(response.urls)} answered within {timeout:.0f} s") from None
         return cls(channels)
 
     @property

@@ -33,10 +33,12 @@ class RouterConfig:
     json_output: bool = False
     otlp_endpoint: str | None = None
     otlp_service_name: str = "kettle"
+    prometheus_port: int = 9000  # 0: no separate metrics listener
     disable_grammar_support: bool = False
     tokenizer_config_path: str | None = None
     enable_prefill_logprobs: bool = False
     disable_prefix_caching: bool = False
+    disable_chunked_prefill: bool = False
     graceful_termination_timeout: float = 90.0
     model_sha: str | None = None
     model_pipeline_tag: str = "text-generation"
@@ -49,5 +51,7 @@ class RouterConfig:
         both = self.max_input_tokens is not None and self.max_total_tokens is not None
         if both and self.max_input_tokens >= self.max_total_tokens:
             raise ValueError("--max-input-tokens must be < --max-total-tokens")
+        if not 0 <= self.prometheus_port < 65536:
+            raise ValueError("--prometheus-port must be a TCP port (1-65535) or 0 (off)")
         if not self.waiting_served_ratio >= 0.0:
             raise ValueError("--waiting-served-ratio must be >= 0")

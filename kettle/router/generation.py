@@ -18,7 +18,8 @@ from typing import Protocol, TypeVar
 
 from fastapi import Request
 
-from kettle.router import metrics
+from kettle import tracing
+from kettle.router import metrics, request_log
 from kettle.router.errors import ApiError, Overloaded
 from kettle.router.schemas import GenerateRequest
 from kettle.router.types import IncompleteGeneration, InferEvent, PrefillEvent, Token, TokenEvent, ValidGenerateRequest
@@ -124,7 +125,8 @@ class GenerationService:
             record_failure(exc)
             raise
         try:
-            valid = await self.validation.validate(body, stream=stream, add_special_tokens=add_special_tokens)
+            with tracing.span("validation"):  # a no-op unless tracing is on
+                valid = await self.validation.validate(body, stream=stream, add_special_tokens=add_special_tokens)
         except BaseException as exc:
             self.permits.release()
             record_failure(exc)
@@ -182,12 +184,17 @@ def record_success(valid: ValidGenerateRequest, result: Collected) -> None:
     metrics.REQUEST_MEAN_TIME_PER_TOKEN.observe(times.per_token)
     metrics.REQUEST_INPUT_LENGTH.observe(valid.input_length)
     metrics.REQUEST_GENERATED_TOKENS.observe(generated)
+    durations = {"total": times.total, "validation": valid.validation_time, "queue": times.queue}
+    durations |= {"inference": times.inference, "per_token": times.per_token}
+    request_log.success(valid.input_length, generated, str(result.last.end.finish_reason), durations)
 
 
 def record_failure(exc: BaseException) -> None:
     """Counts a failure by error type; cancellations and vanished clients are not failures of the server."""
     if isinstance(exc, Exception) and not isinstance(exc, ClientClosed):
-        metrics.REQUEST_FAILURE.labels(err=getattr(exc, "error_type", "incomplete_generation")).inc()
+        error_type = getattr(exc, "error_type", "incomplete_generation")
+        metrics.REQUEST_FAILURE.labels(err=error_type).inc()
+        request_log.failure(error_type, str(exc) or type(exc).__name__)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

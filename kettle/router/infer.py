@@ -6,15 +6,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from kettle.router import metrics
 from kettle.router.blocks import Allocator, BlockAllocator
 from kettle.router.client import DUMMY_TOKEN
 from kettle.router.prefix_cache import PrefixCachingAllocator
 from kettle.router.queue import Entry, Queue, batch_proto
 from kettle.router.scheduler import Scheduler, ShardClient
+from kettle.router.tracing import request_ended, request_queued
 from kettle.router.types import (
     IncompleteGeneration,
     InferError,
@@ -43,6 +47,12 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int
     prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes (`--disable-prefix-caching`)
+    # Split long prompts under max_batch_prefill_tokens and run the chunks with the decodes in one forward
+    # (`--disable-chunked-prefill` returns to TGI's v2 rule: whole prefills in their own forward).
+    chunked_prefill: bool = True
+    # Size the chunks that run beside decodes from measured step times (kettle/router/chunk_budget.py);
+    # KETTLE_ADAPTIVE_CHUNKS=0: every step may compute max_batch_prefill_tokens prompt tokens.
+    adaptive_chunks: bool = field(default_factory=lambda: os.environ.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "block_size", "num_blocks"):
@@ -75,9 +85,12 @@ class Infer:
     def __init__(self, client: InferClient, config: SchedulerConfig, allocator: Allocator | None = None) -> None:
         self._client = client
         self._allocator = allocator or make_allocator(config)
-        self._queue = Queue(self._allocator, config.max_batch_total_tokens, config.max_batch_prefill_tokens)
+        self._queue = Queue(
+            self._allocator, config.max_batch_total_tokens, config.max_batch_prefill_tokens, config.chunked_prefill
+        )
         self._scheduler = Scheduler(client, self._queue, self._allocator, config)
         self._task: asyncio.Task | None = None
+        metrics.track_kv_blocks(self._allocator)
 
     @property
     def queue_size(self) -> int:
@@ -106,6 +119,7 @@ class Infer:
         """
         entry = Entry(next(_REQUEST_IDS), request)
         self._queue.append(entry)
+        request_queued(entry.id)  # tracing: a no-op unless it is on
         self._scheduler.wake()
         try:
             while True:
@@ -118,6 +132,7 @@ class Infer:
                 if isinstance(item, TokenEvent) and item.end is not None:
                     return
         finally:
+            request_ended(entry.id, sys.exc_info()[1])
             if not entry.done:
                 entry.cancelled = True
                 self._scheduler.wake()

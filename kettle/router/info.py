@@ -37,7 +37,7 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
     return Info(
         model_id=config.model_id,
         model_sha=config.model_sha,
-        model_pipeline_tag=config.model_pipeline_tag,
+        model_pipeline_tag=_pipeline_tag(config.model_pipeline_tag, info.execution_path),
         model_dtype=info.dtype,
         model_device_type=info.device_type,
         max_concurrent_requests=config.max_concurrent_requests,
@@ -52,7 +52,15 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
         # Build facts, as TGI reads them: set by the image build, absent in a source checkout.
         sha=os.environ.get("GIT_SHA"),
         docker_label=os.environ.get("DOCKER_LABEL"),
+        execution_path=info.execution_path or None,
     )
+
+
+def _pipeline_tag(configured: str | None, execution_path: str) -> str | None:
+    # An encoder-decoder model is a text2text-generation model on the Hub (FLAN-T5's tag), as TGI reports it.
+    if execution_path == "seq2seq" and configured == "text-generation":
+        return "text2text-generation"
+    return configured
 
 
 def build_router(infer: HealthCheck, info: Info) -> APIRouter:

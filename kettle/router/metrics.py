@@ -6,6 +6,7 @@ Request-level metrics are recorded by the route handlers, batch-level ones by th
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -52,6 +53,27 @@ PREFIX_CACHE_HIT_TOKENS = Counter("kettle_prefix_cache_hit_tokens", "Prompt toke
 QUEUE_SIZE = Gauge("tgi_queue_size", "Requests waiting in the queue")
 BATCH_CURRENT_SIZE = Gauge("tgi_batch_current_size", "Requests in the running batch")
 BATCH_CURRENT_MAX_TOKENS = Gauge("tgi_batch_current_max_tokens", "KV tokens reserved by the running batch")
+
+# Kettle's own: the KV block pool, read from the allocator at scrape time. Free counts blocks a new request can
+# take (cached prefix blocks nobody references are evicted on demand, so they count as free).
+KV_BLOCKS_FREE = Gauge("kettle_kv_blocks_free", "KV cache blocks free for new requests")
+KV_BLOCKS_TOTAL = Gauge("kettle_kv_blocks_total", "KV cache blocks in the pool")
+
+
+class _BlockPool(Protocol):
+    @property
+    def free_blocks(self) -> int: ...
+
+    block_size: int
+
+    @property
+    def capacity(self) -> int: ...  # tokens
+
+
+def track_kv_blocks(allocator: _BlockPool) -> None:
+    """Reports `allocator`'s free and total blocks on every scrape (the last allocator given wins)."""
+    KV_BLOCKS_FREE.set_function(lambda: allocator.free_blocks)
+    KV_BLOCKS_TOTAL.set_function(lambda: allocator.capacity // allocator.block_size)
 
 
 # prometheus_client names counter samples `<name>_total`; TGI's exporter (and its dashboards) use `<name>`.

@@ -30,6 +30,8 @@ from kettle.router.generation import Collected, GenerationService, record_failur
 from kettle.router.openai_stream import Meta, chat_chunks, completion_events, openai_error_event
 from kettle.router.schemas import CompatGenerateRequest, ErrorResponse, GenerateRequest
 from kettle.router.streaming import SSEResponse, sse_body
+from kettle.router.tool_stream import call_id
+from kettle.router.tools import parse_output, plan_tools
 from kettle.router.types import ValidGenerateRequest
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (401, 413, 415, 422, 424, 429)}
@@ -51,18 +53,19 @@ class OpenAIRoutes:
     async def chat(self, body: oai.ChatRequest, request: Request) -> Response:
         """A chat completion, JSON or streamed."""
         mapping.check_chat_supported(body)
-        prompt, add_special_tokens = mapping.chat_prompt(self.template, body)
-        generate_body = mapping.chat_request(body, prompt)
+        tools = plan_tools(body.tools, body.tool_choice)
+        prompt, add_special_tokens = mapping.chat_prompt(self.template, body, tools)
+        generate_body = mapping.chat_request(body, prompt, tools)
         valid = await self.service.admit(generate_body, stream=body.stream, add_special_tokens=add_special_tokens)
         meta, logprobs = self.meta("chatcmpl"), bool(body.logprobs)
         if body.stream:
-            chunks = chat_chunks(self.service, valid, meta, _include_usage(body), logprobs)
+            chunks = chat_chunks(self.service, valid, meta, _include_usage(body), logprobs, tools is not None)
             return self._sse(chunks, [valid], prompt)
         try:
             best = (await self.service.run_for(request, valid))[0]
         finally:
             self.service.permits.release()
-        answer = _chat_completion(meta, best, logprobs)
+        answer = _chat_completion(meta, best, logprobs, tools is not None)
         headers = generate.response_headers(self.service.compute_type, generate_body, best)
         return JSONResponse(answer.model_dump(mode="json"), headers=headers)
 
@@ -72,19 +75,19 @@ class OpenAIRoutes:
         valids = await self._admit_all([mapping.completion_request(body, p) for p in prompts], body.stream)
         meta = self.meta("cmpl")
         if body.stream:
-            events = completion_events(self.service, valids, meta, _include_usage(body))
+            events = completion_events(self.service, valids, meta, _include_usage(body), body.logprobs is not None)
             return self._sse(events, valids, "".join(prompts))
         try:
             results = await _run_all(self.service, request, valids)
         finally:
             for _ in valids:
                 self.service.permits.release()
-        choices = [_completion_choice(i, r) for i, r in enumerate(results)]
+        choices = [_completion_choice(i, r, body.logprobs is not None) for i, r in enumerate(results)]
         answer = oai.Completion(**meta.fields(), choices=choices, usage=mapping.usage(results))
         return JSONResponse(answer.model_dump(mode="json"), headers={"x-compute-type": self.service.compute_type})
 
     async def chat_tokenize(self, body: oai.ChatRequest) -> oai.ChatTokenizeResponse:
-        prompt, add_special_tokens = mapping.chat_prompt(self.template, body)
+        prompt, add_special_tokens = mapping.chat_prompt(self.template, body, plan_tools(body.tools, body.tool_choice))
         tokens = await self.service.validation.tokenizers.tokenize(prompt, add_special_tokens)
         return oai.ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
 
@@ -127,21 +130,41 @@ async def _run_all(service: GenerationService, request: Request, valids: Sequenc
     return results
 
 
-def _chat_completion(meta: Meta, best: Collected, logprobs: bool) -> oai.ChatCompletion:
+def _chat_completion(meta: Meta, best: Collected, logprobs: bool, tools: bool) -> oai.ChatCompletion:
     assert best.last is not None and best.last.end is not None
+    message, finish = (
+        oai.AssistantMessage(content=best.last.end.text),
+        mapping.finish_reason(best.last.end.finish_reason),
+    )
+    if tools:
+        message, finish = _tool_message(best.last.end.text, finish)
     choice = oai.ChatChoice(
         index=0,
-        message=oai.AssistantMessage(content=best.last.end.text),
+        message=message,
         logprobs=mapping.token_logprobs(best.tokens, best.top_tokens) if logprobs else None,
-        finish_reason=mapping.finish_reason(best.last.end.finish_reason),
+        finish_reason=finish,
     )
     return oai.ChatCompletion(**meta.fields(), choices=[choice], usage=mapping.usage([best]))
 
 
-def _completion_choice(index: int, result: Collected) -> oai.CompletionChoice:
+def _tool_message(text: str, finish: str) -> tuple[oai.AssistantMessage, Any]:
+    """The answer of a tool output: a text answer for `no_tool`, else one call (finish reason `tool_calls`)."""
+    call = parse_output(text)
+    if call.content is not None:
+        return oai.AssistantMessage(content=call.content), finish
+    function = oai.FunctionCall(name=call.name, arguments=call.arguments)
+    return oai.AssistantMessage(
+        content=None, tool_calls=[oai.ToolCall(id=call_id(), type="function", function=function)]
+    ), "tool_calls"
+
+
+def _completion_choice(index: int, result: Collected, logprobs: bool) -> oai.CompletionChoice:
     assert result.last is not None and result.last.end is not None
     end = result.last.end
-    return oai.CompletionChoice(index=index, text=end.text, finish_reason=mapping.finish_reason(end.finish_reason))
+    choice = oai.CompletionChoice(index=index, text=end.text, finish_reason=mapping.finish_reason(end.finish_reason))
+    if logprobs:
+        choice.logprobs = mapping.completion_logprobs(result.tokens, result.top_tokens)
+    return choice
 
 
 def _parse(model: type[pydantic.BaseModel], data: Any) -> Any:

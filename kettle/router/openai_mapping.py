@@ -7,6 +7,7 @@ cannot express is refused here, with a 422 that says it is not supported.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Literal
@@ -14,25 +15,29 @@ from typing import Literal
 from kettle.router.chat_template import ChatTemplate
 from kettle.router.errors import TemplateError, ValidationError
 from kettle.router.generation import Collected
+from kettle.router.grammar import response_format_grammar
 from kettle.router.openai_schemas import (
     ChatRequest,
     ChoiceLogprobs,
+    CompletionLogprobs,
     CompletionRequest,
     SamplingFields,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
-from kettle.router.schemas import GenerateParameters, GenerateRequest
+from kettle.router.schemas import GenerateParameters, GenerateRequest, Grammar
+from kettle.router.tools import ToolError, ToolPlan, tools_prompt
 from kettle.router.types import FinishReason, Token
 
 OpenAIFinish = Literal["stop", "length"]
 
 
-def chat_prompt(template: ChatTemplate | None, body: ChatRequest) -> tuple[str, bool]:
+def chat_prompt(template: ChatTemplate | None, body: ChatRequest, tools: ToolPlan | None = None) -> tuple[str, bool]:
     """The rendered prompt, and whether the tokenizer should still add its special tokens.
 
-    A template that writes the BOS token itself must not get a second one from the tokenizer.
+    A template that writes the BOS token itself must not get a second one from the tokenizer. Offered tools go
+    to the template as `tools` when it renders them, otherwise (as TGI does) after the last message's content.
     """
     if template is None:
         raise TemplateError("this model has no chat template")
@@ -41,16 +46,26 @@ def chat_prompt(template: ChatTemplate | None, body: ChatRequest) -> tuple[str, 
         fields = message.model_dump(exclude_none=True)
         fields["content"] = message.text() or ""  # templates expect a string, even for tool-call turns
         messages.append(fields)
-    text = template.render(messages)
+    extra = {}
+    if tools is not None:
+        offered = [{"type": "function", "function": f} for f in tools.functions]
+        if "tools" in template.source:
+            extra["tools"] = offered
+        elif messages:
+            messages[-1]["content"] += tools_prompt(offered, body.tool_prompt)
+    text = template.render(messages, **extra)
     adds_bos_itself = bool(template.bos_token) and text.startswith(template.bos_token)
     return text, not adds_bos_itself
 
 
-def chat_request(body: ChatRequest, prompt: str) -> GenerateRequest:
-    """The generate request of a chat body (after `check_chat_supported`)."""
+def chat_request(body: ChatRequest, prompt: str, tools: ToolPlan | None = None) -> GenerateRequest:
+    """The generate request of a chat body (after `check_chat_supported`); tools become a JSON grammar."""
     parameters = _parameters(body, max_tokens=body.max_tokens or body.max_completion_tokens)
     if body.logprobs:
         parameters.top_n_tokens = body.top_logprobs
+    parameters.grammar = response_format_grammar(body.response_format)
+    if tools is not None:
+        parameters.grammar = Grammar(type="json", value=tools.schema)
     return GenerateRequest(inputs=prompt, parameters=parameters)
 
 
@@ -58,6 +73,7 @@ def completion_request(body: CompletionRequest, prompt: str) -> GenerateRequest:
     """The generate request of one prompt of a completions body (after `check_completion_supported`)."""
     parameters = _parameters(body, max_tokens=body.max_tokens)
     parameters.repetition_penalty = body.repetition_penalty
+    parameters.top_n_tokens = body.logprobs
     return GenerateRequest(inputs=prompt, parameters=parameters)
 
 
@@ -73,18 +89,15 @@ def _parameters(body: SamplingFields, max_tokens: int | None) -> GenerateParamet
         seed=body.seed,
         stop=body.stop_list(),
         frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
     )
 
 
 def check_chat_supported(body: ChatRequest) -> None:
-    """422 for chat features not implemented yet."""
+    """422 for chat features not implemented; tools with a response format are TGI's `tool_error`."""
     _check_common(body)
-    if body.tools:
-        raise ValidationError("`tools` are not supported yet")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ValidationError("`tool_choice` is not supported yet")
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise ValidationError("`response_format` is not supported yet")
+    if body.tools and response_format_grammar(body.response_format) is not None:
+        raise ToolError("Grammar and tools are mutually exclusive")
 
 
 def check_completion_supported(body: CompletionRequest, max_prompts: int) -> list[str]:
@@ -92,6 +105,8 @@ def check_completion_supported(body: CompletionRequest, max_prompts: int) -> lis
     _check_common(body)
     if body.suffix is not None:
         raise ValidationError("`suffix` is not supported")
+    if body.logprobs is not None and body.logprobs < 0:
+        raise ValidationError(f"`logprobs` must be >= 0. Given: {body.logprobs}")
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
         raise ValidationError("`prompt` cannot be an empty list")
@@ -105,8 +120,6 @@ def _check_common(body: SamplingFields) -> None:
         raise ValidationError("`n` > 1 is not supported yet")
     if body.logit_bias:
         raise ValidationError("`logit_bias` is not supported yet")
-    if body.presence_penalty:
-        raise ValidationError("`presence_penalty` is not supported yet; use `frequency_penalty`")
 
 
 def finish_reason(reason: FinishReason) -> OpenAIFinish:
@@ -128,6 +141,21 @@ def token_logprobs(tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]
         alternatives = [TopLogprob(token=t.text, logprob=_finite(t.logprob)) for t in tops]
         content.append(TokenLogprob(token=token.text, logprob=_finite(token.logprob), top_logprobs=alternatives))
     return ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(
+    tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]], offset: int = 0
+) -> CompletionLogprobs:
+    """The legacy `logprobs` of completions; `text_offset` counts characters from `offset` (where the tokens'
+    text starts in the choice's text). Special tokens (EOS) have empty text, as in `text`."""
+    texts = ["" if t.special else t.text for t in tokens]
+    offsets = list(itertools.accumulate((len(x) for x in texts[:-1]), initial=offset)) if texts else []
+    return CompletionLogprobs(
+        tokens=texts,
+        token_logprobs=[_finite(t.logprob) for t in tokens],
+        top_logprobs=[{t.text: _finite(t.logprob) for t in tops} for tops in top_tokens],
+        text_offset=offsets,
+    )
 
 
 def _finite(logprob: float | None) -> float | None:

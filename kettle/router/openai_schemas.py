@@ -7,11 +7,11 @@ so a bad value gets the same message on every route.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kettle.router.schemas import SimpleToken
+from kettle.router.schemas import SimpleToken, _OmitsEmpty
 
 
 class TextPart(BaseModel):
@@ -50,7 +50,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, description="Random seed for sampling.", examples=[42])
     stop: str | list[str] | None = Field(None, description="Stop when one of these is generated.")
     frequency_penalty: float | None = Field(None, description="Penalty in [-2, 2] by token frequency.")
-    presence_penalty: float | None = Field(None, description="Not supported: only 0 is accepted.")
+    presence_penalty: float | None = Field(None, description="Penalty in [-2, 2] for every token already generated.")
     n: int | None = Field(None, description="Only 1 is supported.", examples=[1])
     logit_bias: dict[str, float] | None = Field(None, description="Not supported yet.")
     stream: bool = Field(False, description="Answer with server-sent events, ending with `data: [DONE]`.")
@@ -77,15 +77,22 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, description="Alias of `max_tokens`.")
     logprobs: bool | None = Field(None, description="Return the logprob of every generated token.")
     top_logprobs: int | None = Field(None, description="Return this many most likely tokens per step.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported yet.")
-    tool_choice: Any = Field(None, description="Not supported yet.")
-    response_format: dict[str, Any] | None = Field(None, description="Not supported yet.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call (OpenAI format).")
+    tool_choice: Any = Field(
+        None,
+        description="`auto` (default with tools), `none`, `required`, a name, or {type: function, function: {name}}.",
+    )
+    tool_prompt: str | None = Field(None, description="Text after the tools when the template does not render them.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="`text`, `json_object`, `json_schema` (OpenAI or TGI spelling) or {type: regex, value}."
+    )
 
 
 class CompletionRequest(SamplingFields):
     """Body of /v1/completions."""
 
     prompt: str | list[str] = Field(examples=["The capital of France is"])
+    logprobs: int | None = Field(None, description="Return the logprobs of this many most likely tokens per step.")
     repetition_penalty: float | None = Field(None, description="Penalty > 0 for repeated tokens.")
     suffix: str | None = Field(None, description="Not supported.")
 
@@ -111,16 +118,34 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One call of a function; in a stream, the first delta carries id, type and name, the next ones only
+    argument text."""
+
+    index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
+class AssistantMessage(_OmitsEmpty):
+    omit_when_empty: ClassVar[tuple[str, ...]] = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class _Answer(BaseModel):
@@ -136,16 +161,19 @@ class ChatCompletion(_Answer):
     usage: Usage
 
 
-class Delta(BaseModel):
+class Delta(_OmitsEmpty):
+    omit_when_empty: ClassVar[tuple[str, ...]] = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(_Answer):
@@ -154,10 +182,19 @@ class ChatCompletionChunk(_Answer):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs: parallel lists over the generated tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from kettle.router.errors import describe
 from kettle.router.generation import Collected, GenerationService, record_failure, record_success
-from kettle.router.openai_mapping import finish_reason, token_logprobs, usage
+from kettle.router.openai_mapping import completion_logprobs, finish_reason, token_logprobs, usage
 from kettle.router.openai_schemas import (
     ChatCompletionChunk,
     ChunkChoice,
@@ -22,6 +22,7 @@ from kettle.router.openai_schemas import (
     CompletionChoice,
     Delta,
 )
+from kettle.router.tool_stream import ToolStream
 from kettle.router.types import IncompleteGeneration, TokenEvent, ValidGenerateRequest
 
 _DONE = object()  # marks the end of one generation in `merged`
@@ -66,36 +67,58 @@ async def token_events(
 
 
 async def chat_chunks(
-    service: GenerationService, valid: ValidGenerateRequest, meta: Meta, include_usage: bool, logprobs: bool
+    service: GenerationService,
+    valid: ValidGenerateRequest,
+    meta: Meta,
+    include_usage: bool,
+    logprobs: bool,
+    tools: bool = False,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    """The role first, then one content delta per token; the last token's chunk has the finish reason."""
+    """The role first, then one content delta per token; the last token's chunk has the finish reason.
+
+    With tools, the deltas come from `ToolStream` (name, then argument text); tokens that add nothing to send
+    produce no chunk, except the last one, which carries the finish reason."""
     yield ChatCompletionChunk(**meta.fields(), choices=[ChunkChoice(index=0, delta=Delta(content=""))])
-    collected = Collected(valid)
+    collected, tool_stream = Collected(valid), ToolStream() if tools else None
     async with aclosing(token_events(service, valid, collected)) as events:
         async for event in events:
             # Special tokens (EOS) end the answer; their text is not part of it.
-            delta = Delta(content="" if event.token.special else event.token.text)
-            choice = ChunkChoice(index=0, delta=delta)
+            text = "" if event.token.special else event.token.text
+            delta = Delta(content=text) if tool_stream is None else tool_stream.feed(text)
+            if delta is None and event.end is None:
+                continue
+            choice = ChunkChoice(index=0, delta=delta or Delta())
             if logprobs:
                 choice.logprobs = token_logprobs([event.token], [event.top_tokens])
             if event.end is not None:
                 choice.finish_reason = finish_reason(event.end.finish_reason)
+                if tool_stream is not None and tool_stream.called():
+                    choice.finish_reason = "tool_calls"
             yield ChatCompletionChunk(**meta.fields(), choices=[choice])
     if include_usage:
         yield ChatCompletionChunk(**meta.fields(), choices=[], usage=usage([collected]))
 
 
 async def completion_events(
-    service: GenerationService, valids: Sequence[ValidGenerateRequest], meta: Meta, include_usage: bool
+    service: GenerationService,
+    valids: Sequence[ValidGenerateRequest],
+    meta: Meta,
+    include_usage: bool,
+    logprobs: bool = False,
 ) -> AsyncIterator[Completion]:
     """One event per token of any prompt, as they come; `index` tells the prompts apart."""
     collected = [Collected(valid) for valid in valids]
     streams = [_indexed(i, token_events(service, v, c)) for i, (v, c) in enumerate(zip(valids, collected, strict=True))]
+    offsets = [0] * len(valids)  # characters sent so far per prompt, for `text_offset`
     async with aclosing(merged(streams)) as events:
         async for index, event in events:
             text = "" if event.token.special else event.token.text
             reason = finish_reason(event.end.finish_reason) if event.end is not None else None
-            yield Completion(**meta.fields(), choices=[CompletionChoice(index=index, text=text, finish_reason=reason)])
+            choice = CompletionChoice(index=index, text=text, finish_reason=reason)
+            if logprobs:
+                choice.logprobs = completion_logprobs([event.token], [event.top_tokens], offsets[index])
+            offsets[index] += len(text)
+            yield Completion(**meta.fields(), choices=[choice])
     if include_usage:
         yield Completion(**meta.fields(), choices=[], usage=usage(collected))
 

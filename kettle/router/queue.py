@@ -3,6 +3,8 @@
 `Queue.next_batch` follows TGI v3: take entries in arrival order while the prefill budget, the total token
 budget, the batch size and the KV block allocator allow. The first entry that does not fit ends the batch and
 keeps its place (it is never dropped, and nothing behind it jumps ahead, so a large request cannot starve).
+With chunked prefill, the first entry whose prompt exceeds what is left of the prefill budget is taken anyway
+with a first chunk of exactly that much; the scheduler sends the rest of its prompt in the following steps.
 """
 
 from __future__ import annotations
@@ -44,8 +46,19 @@ class Entry:
     allocation: Allocation | None = None
     # Prompt tokens whose K/V are in the cache: the shared prefix at admission, then chunked-prefill progress.
     prefilled_len: int = 0
+    chunk_len: int = 0  # prompt tokens its next forward computes (0 = all that remain)
     cancelled: bool = False  # the client went away: the scheduler drops it at the next step
     done: bool = False  # its last event or its error was sent
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while part of its prompt is still to be computed (a chunked prefill in progress)."""
+        return self.prefilled_len < self.request.input_length
+
+    @property
+    def remaining_prompt(self) -> int:
+        """Prompt tokens not yet in the KV cache."""
+        return self.request.input_length - self.prefilled_len
 
     @property
     def total_tokens(self) -> int:
@@ -91,6 +104,7 @@ class Entry:
                 watermark=p.watermark,
                 grammar=p.grammar,
                 grammar_type=p.grammar_type,
+                presence_penalty=p.presence_penalty,
             ),
             stopping_parameters=generate_pb2.StoppingCriteriaParameters(
                 max_new_tokens=s.max_new_tokens, stop_sequences=s.stop_sequences, ignore_eos_token=s.ignore_eos_token
@@ -100,7 +114,7 @@ class Entry:
             blocks=self.allocation.blocks,
             slots=self.allocation.slots,
             cache_len=self.prefilled_len,
-            chunk_len=0,  # 0 = the whole remaining prompt (no chunking yet)
+            chunk_len=self.chunk_len,
         )
 
 
@@ -129,14 +143,20 @@ class Queue:
 
     `max_total_tokens` / `max_prefill_tokens` are the scheduler's budgets: a request that exceeds them (or the
     allocator's whole capacity) on its own could never run, so `append` rejects it instead of queueing it.
+    With `chunked` prefill a prompt longer than the prefill budget is fine: it is computed in pieces.
     """
 
     def __init__(
-        self, allocator: Allocator, max_total_tokens: int | None = None, max_prefill_tokens: int | None = None
+        self,
+        allocator: Allocator,
+        max_total_tokens: int | None = None,
+        max_prefill_tokens: int | None = None,
+        chunked: bool = False,
     ) -> None:
         self._allocator = allocator
         self._max_total = min(allocator.capacity, max_total_tokens or allocator.capacity)
-        self._max_prefill = max_prefill_tokens
+        self._max_prefill = None if chunked else max_prefill_tokens
+        self._chunked = chunked
         self._entries: deque[Entry] = deque()
         self._batch_ids = itertools.count()
 
@@ -203,20 +223,25 @@ class Queue:
             if allocation is None:
                 break
             # Shared-prefix tokens are not computed again, so they do not count against the prefill budget.
-            prefill = prefill_tokens + entry.request.input_length - allocation.cache_len
-            if prefill > prefill_budget:
+            prompt = entry.request.input_length - allocation.cache_len
+            room = prefill_budget - prefill_tokens
+            if prompt > room and not (self._chunked and room > 0):
                 self._allocator.free(allocation)
                 break
             self._entries.popleft()
             entry.allocation, entry.prefilled_len = allocation, allocation.cache_len
+            # Chunked: every entry says its chunk explicitly; the one that overflows the budget ends the batch.
+            entry.chunk_len = min(prompt, room) if self._chunked else 0
             taken.append(entry)
-            prefill_tokens, total_tokens = prefill, total_tokens + entry.total_tokens
+            prefill_tokens, total_tokens = prefill_tokens + min(prompt, room), total_tokens + entry.total_tokens
+            if prompt > room:
+                break
         return taken
 
     def _put_back(self, entries: list[Entry]) -> None:
         for entry in entries:
             assert entry.allocation is not None
             self._allocator.free(entry.allocation)
-            entry.allocation, entry.prefilled_len = None, 0
+            entry.allocation, entry.prefilled_len, entry.chunk_len = None, 0, 0
         self._entries.extendleft(reversed(entries))
         QUEUE_SIZE.set(len(self._entries))

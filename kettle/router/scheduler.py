@@ -1,8 +1,15 @@
 """The batching loop (continuous batching): one asyncio task that drives the shards.
 
-Each step: schedule (maybe take a new batch from the queue), execute (prefill the new batch, then one decode
-step over everything running) and update (hand the tokens to the request channels, free the blocks of
-finished and abandoned requests). New requests join between decode steps; nothing waits for a batch to end.
+Each step: schedule (maybe take a new batch from the queue), execute and update (hand the tokens to the request
+channels, free the blocks of finished and abandoned requests). New requests join between decode steps; nothing
+waits for a batch to end.
+
+Execute has two shapes. With chunked prefill (the default) a step is ONE forward: at most
+`max_batch_prefill_tokens` new prompt tokens (the next chunk of the prompt being prefilled, then the first
+chunks of newly admitted requests) plus one decode token of every other running request, so a long prompt
+never stalls the running streams for more than one chunk. A request whose prompt is not complete stays in the
+running batch and is never sampled (the shard produces no token for it). Without chunking (TGI's v2 rule) a new
+batch is prefilled whole in its own forward, then everything running decodes one token.
 """
 
 from __future__ import annotations
@@ -11,34 +18,23 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kettle.proto import generate_pb2 as pb
 from kettle.router import metrics
 from kettle.router.blocks import Allocator
+from kettle.router.chunk_budget import ChunkBudget
 from kettle.router.client import StepResult
+from kettle.router.events import generation_events
 from kettle.router.queue import Entry, NextBatch, Queue
-from kettle.router.types import (
-    FinishReason,
-    GeneratedText,
-    GenerationError,
-    InferEvent,
-    PrefillEvent,
-    Token,
-    TokenEvent,
-)
+from kettle.router.tracing import batch_span
+from kettle.router.types import GenerationError
 
 if TYPE_CHECKING:
     from kettle.router.infer import SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-_FINISH_REASONS = {
-    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
-    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
-}
 
 
 class ShardClient(Protocol):
@@ -64,6 +60,7 @@ class Scheduler:
         self._running: dict[int, Entry] = {}
         self._batch: pb.CachedBatch | None = None
         self._waiting_steps = 0  # steps since a batch last joined (TGI's `waiting_tokens`)
+        self._chunks = ChunkBudget(config.max_batch_prefill_tokens, config.adaptive_chunks)
         self._wake = asyncio.Event()
         self.last_call_ok = True  # read by the health check
 
@@ -90,6 +87,8 @@ class Scheduler:
 
     async def step(self) -> bool:
         """One iteration: schedule → execute → update. Returns False when there was nothing to do."""
+        if self._config.chunked_prefill:
+            return await self._mixed_step()
         new = self._schedule()
         batches = [self._batch] if self._batch is not None else []
         if new is not None:
@@ -112,29 +111,96 @@ class Scheduler:
         budget = cfg.max_batch_total_tokens - self.reserved_tokens()
         return self._queue.next_batch(min_size, max_size, cfg.max_batch_prefill_tokens, budget)
 
+    async def _mixed_step(self) -> bool:
+        """Chunked prefill: prompt chunks and the running decodes in one forward (a Prefill with the cached batch
+        when requests join, else a Decode)."""
+        decoding = any(not e.in_prefill for e in self._running.values())
+        budget, chunks = self._continue_prefills(self._chunks.tokens(decoding))
+        new = self._schedule_chunks(budget) if budget > 0 else None
+        if new is None and self._batch is None:
+            self._update_gauges()
+            return False
+        running = self._with_chunks(self._batch, chunks)
+        prefilling = [e for e in self._running.values() if e.in_prefill]
+        if new is None:
+            assert running is not None
+            call, method, batch_ids = self._client.decode([running]), "decode", [running.id]
+        else:
+            self._admit(new)
+            prefilling += new.entries.values()
+            call, method = self._client.prefill(new.batch, running), "prefill"
+            batch_ids = [new.batch.id, *([running.id] if running is not None else [])]
+        prompt_tokens, start = sum(e.chunk_len for e in prefilling), time.monotonic()
+        decoded = await self._execute(method, list(self._running), batch_ids, self._progressed(prefilling, call))
+        self._chunks.observe(time.monotonic() - start, prompt_tokens)
+        self._batch = decoded[0] if decoded else None
+        self._update_gauges()
+        return True
+
+    def _continue_prefills(self, budget: int) -> tuple[int, dict[int, int]]:
+        """The next chunk of every running request whose prompt is incomplete, and what is left of `budget`.
+
+        There is at most one such request: new requests are admitted only from the budget a step has left after
+        the running prefill's chunk, which means that prefill completes in that very step.
+        """
+        chunks: dict[int, int] = {}
+        for entry in self._running.values():
+            if entry.in_prefill:
+                entry.chunk_len = min(entry.remaining_prompt, budget)
+                assert entry.chunk_len > 0, "a running prefill got no tokens of the budget"
+                chunks[entry.id], budget = entry.chunk_len, budget - entry.chunk_len
+        return budget, chunks
+
+    def _schedule_chunks(self, prefill_budget: int) -> NextBatch | None:
+        """New requests for what is left of this step's prefill budget (the last one may get only a chunk).
+
+        No minimum batch size, unlike TGI's v2 rule: a step's cost is bounded by the prefill budget whatever
+        joins, so waiting to gather a bigger batch would only delay first tokens.
+        """
+        cfg, running = self._config, len(self._running)
+        max_size = None if cfg.max_batch_size is None else cfg.max_batch_size - running
+        budget = cfg.max_batch_total_tokens - self.reserved_tokens()
+        return self._queue.next_batch(None, max_size, prefill_budget, budget)
+
+    @staticmethod
+    def _with_chunks(batch: pb.CachedBatch | None, chunks: Mapping[int, int]) -> pb.CachedBatch | None:
+        """The running batch as sent to the shards: with the next chunk of each request still in prefill."""
+        if batch is None or not chunks:
+            return batch
+        sent = pb.CachedBatch()
+        sent.CopyFrom(batch)
+        sent.chunk_lens.update(chunks)
+        return sent
+
     def reserved_tokens(self) -> int:
         """KV tokens the running requests may still fill (prompt + max_new_tokens each)."""
         return sum(e.total_tokens for e in self._running.values())
 
     async def _prefill(self, new: NextBatch) -> list[pb.CachedBatch]:
+        self._admit(new)
+        call = self._progressed(list(new.entries.values()), self._client.prefill(new.batch))
+        return await self._execute("prefill", list(new.entries), [new.batch.id], call)
+
+    def _admit(self, new: NextBatch) -> None:
+        """New entries join the running set as their first forward starts."""
         metrics.BATCH_NEXT_SIZE.observe(len(new.entries))
         now = time.monotonic()
         for entry in new.entries.values():
             entry.started_at = now
         self._running.update(new.entries)
         self._waiting_steps = 1  # TGI counts the prefill itself as the first step
-        call = self._committed(new, self._client.prefill(new.batch))
-        return await self._execute("prefill", list(new.entries), [new.batch.id], call)
 
-    async def _committed(self, new: NextBatch, call: Awaitable[StepResult]) -> StepResult:
-        """Awaits a prefill, then lets later requests reuse the prompt blocks it wrote.
+    async def _progressed(self, prefilling: Iterable[Entry], call: Awaitable[StepResult]) -> StepResult:
+        """Awaits a forward, records the prompt tokens it computed, and lets later requests reuse the prompt
+        blocks of every prompt it completed.
 
-        Not before: a block is shared only once its K/V are really there, so a failed prefill (or a request in
-        the same batch) never reads a block that was never written.
+        Not before the forward succeeded, and not after a mere chunk: a block is shared only once its K/V are
+        really there, so a failed forward (or a request in the same batch) never reads a block never written.
         """
         result = await call
-        for entry in new.entries.values():
-            if entry.allocation is not None:
+        for entry in prefilling:
+            entry.prefilled_len += entry.chunk_len or entry.remaining_prompt
+            if not entry.in_prefill and entry.allocation is not None:
                 self._allocator.commit(entry.allocation)
         return result
 
@@ -143,7 +209,8 @@ class Scheduler:
     ) -> list[pb.CachedBatch]:
         """Awaits one shard call and hands out its results; a failure fails exactly the requests of that call."""
         try:
-            generations, cached = await self._timed(method, call)
+            with batch_span(method, entry_ids):  # a no-op unless tracing is on
+                generations, cached = await self._timed(method, call)
             cached = await self._update(entry_ids, generations, cached)
         except Exception as error:  # any failure (shard, network, bad answer) must end this batch, not the loop
             logger.exception("%s failed for requests %s", method, entry_ids)
@@ -235,36 +302,3 @@ class Scheduler:
         for entry_id in list(self._running):
             self._retire(entry_id).end_without_result()
         self._batch = None
-
-
-def generation_events(generation: pb.Generation, entry: Entry) -> list[InferEvent]:
-    """The events of one shard Generation: the prompt tokens if present, then one TokenEvent per new token."""
-    events: list[InferEvent] = []
-    if generation.prefill_tokens.ids:
-        events.append(PrefillEvent(tuple(_tokens(generation.prefill_tokens))))
-    tokens = _tokens(generation.tokens)
-    finished = generation.HasField("generated_text")
-    for i, token in enumerate(tokens):
-        top = tuple(_tokens(generation.top_tokens[i])) if i < len(generation.top_tokens) else ()
-        if finished and i == len(tokens) - 1:
-            end = _generated_text(generation.generated_text)
-            events.append(TokenEvent(token, top, end, queued_at=entry.queued_at, started_at=entry.started_at))
-        else:
-            events.append(TokenEvent(token, top))
-    return events
-
-
-def _tokens(tokens: pb.Tokens) -> list[Token]:
-    """Tokens from the proto's parallel lists; a NaN logprob (the first prompt token) becomes None."""
-    result = []
-    for i, token_id in enumerate(tokens.ids):
-        logprob = tokens.logprobs[i] if i < len(tokens.logprobs) else math.nan
-        text = tokens.texts[i] if i < len(tokens.texts) else ""
-        special = tokens.is_special[i] if i < len(tokens.is_special) else False
-        result.append(Token(token_id, text, None if math.isnan(logprob) else logprob, special))
-    return result
-
-
-def _generated_text(text: pb.GeneratedText) -> GeneratedText:
-    seed = text.seed if text.HasField("seed") else None
-    return GeneratedText(text.text, text.generated_tokens, _FINISH_REASONS[text.finish_reason], seed)

@@ -55,6 +55,9 @@ class GenerateParameters(_Strict):
     do_sample: bool = Field(False, description="Sample instead of choosing the most likely token.")
     frequency_penalty: float | None = Field(None, description="Penalty in [-2, 2] by token frequency.", examples=[0.1])
     grammar: Grammar | None = Field(None, description="Constrain the output to a grammar.")
+    presence_penalty: float | None = Field(
+        None, description="OpenAI's presence penalty in [-2, 2]: subtracted once per token already generated."
+    )
     max_new_tokens: int | None = Field(None, description="Maximum number of generated tokens.", examples=[20])
     repetition_penalty: float | None = Field(None, description="Penalty > 0 for repeated tokens.", examples=[1.03])
     return_full_text: bool | None = Field(None, description="Prepend the prompt to the generated text.")
@@ -205,3 +208,5 @@ class Info(BaseModel):
     version: str = Field(examples=["0.1.0"])
     sha: str | None = None
     docker_label: str | None = None
+    # Kettle's addition: which code runs the model ("native", "transformers" fallback, or "seq2seq").
+    execution_path: str | None = Field(None, examples=["native"])

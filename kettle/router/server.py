@@ -9,22 +9,21 @@ sizes the KV cache, which gives `max_batch_total_tokens` and the block layout fo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import signal
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
 
+from kettle import tracing
 from kettle.proto import generate_pb2
 from kettle.router.app import create_app
 from kettle.router.client import ShardedClient
 from kettle.router.config import RouterConfig
 from kettle.router.infer import Infer, SchedulerConfig
+from kettle.router.metrics_server import start_metrics_server
+from kettle.router.shutdown import Drain, DrainingServer
 from kettle.router.tokenizer import TokenizerPool
 from kettle.router.validation import Validation, ValidationLimits
 
@@ -34,6 +33,7 @@ DEFAULT_MAX_TOTAL_TOKENS = 4096
 _PREFILL_MARGIN = 50  # TGI's edge over max_input_tokens, for block-size alignment
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length", "n_ctx")
 _UNSET_MODEL_MAX_LENGTH = 10**9  # transformers writes ~1e30 when a tokenizer has no limit
+_CLOSE_SECONDS = 5  # after the drain: closing connections and the lifespan shutdown
 
 
 class StartupError(Exception):
@@ -52,11 +52,15 @@ class TokenLimits:
 
 def run(config: RouterConfig) -> None:
     """Serves until SIGINT/SIGTERM; a startup problem is logged in one line and exits with code 1."""
+    # Before the shard channels exist: they get the trace-context interceptor only when tracing is on.
+    tracing.setup_tracing(config.otlp_endpoint, config.otlp_service_name)
     try:
         asyncio.run(serve(config))
     except StartupError as exc:
         logger.error("%s", exc)
         raise SystemExit(1) from None
+    finally:
+        tracing.shutdown_tracing()
 
 
 async def serve(config: RouterConfig) -> None:
@@ -89,13 +93,28 @@ async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
     await tokenizers.warm()
     validation_limits = ValidationLimits.from_config(config, limits.max_input_tokens, limits.max_total_tokens)
     validation = Validation(validation_limits, tokenizers, grammar_support=not config.disable_grammar_support)
-    app = create_app(config, infer, validation, info, validation_limits)
+    drain = Drain()
+    app = create_app(config, infer, validation, info, validation_limits, drain)
+    _log_serving(config, info, validation_limits)
+    metrics_server = start_metrics_server(config.hostname, config.prometheus_port)
     infer.start()
     try:
-        await _Server(_uvicorn_config(app, config)).serve()
+        await DrainingServer(_uvicorn_config(app, config), drain, config.graceful_termination_timeout).serve()
     finally:
         await infer.stop()
         tokenizers.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+def _log_serving(config: RouterConfig, info: generate_pb2.InfoResponse, limits: ValidationLimits) -> None:
+    logger.info(
+        "Serving %s (%s, %s on %s) at http://%s:%d: max_concurrent_requests=%d, max_batch_size=%s, "
+        "max_best_of=%d, max_client_batch_size=%d, payload_limit=%d",
+        *(config.model_id, info.model_type or "model", info.dtype, info.device_type, config.hostname, config.port),
+        *(config.max_concurrent_requests, config.max_batch_size or "unbounded", limits.max_best_of),
+        *(config.max_client_batch_size, config.payload_limit),
+    )
 
 
 def _scheduler_config(config: RouterConfig, limits: TokenLimits, num_blocks: int, block_size: int) -> SchedulerConfig:
@@ -109,6 +128,7 @@ def _scheduler_config(config: RouterConfig, limits: TokenLimits, num_blocks: int
         block_size=block_size,
         num_blocks=num_blocks,
         prefix_caching=not config.disable_prefix_caching,
+        chunked_prefill=not config.disable_chunked_prefill,
     )
 
 
@@ -117,27 +137,11 @@ def _uvicorn_config(app: object, config: RouterConfig) -> uvicorn.Config:
         app,
         host=config.hostname,
         port=config.port,
-        log_level="info",
+        log_level=logging.getLogger().level,  # LOG_LEVEL, as set up for the whole process
         log_config=None,  # keep the process's logging setup (text or JSON lines)
-        timeout_graceful_shutdown=int(config.graceful_termination_timeout),
+        # The drain (shutdown.py) already waited for the requests in flight; this only bounds the close.
+        timeout_graceful_shutdown=_CLOSE_SECONDS,
     )
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGINT/SIGTERM once it has shut down, which would kill the process before the
-    scheduler stops and the shard channels close; here the signal only starts the graceful shutdown."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 def context_length(config: RouterConfig, info: generate_pb2.InfoResponse) -> int | None:
@@ -181,7 +185,8 @@ def choose_limits(config: RouterConfig, context: int | None) -> TokenLimits:
     if not 0 < max_input < total:
         raise StartupError(f"`max_input_tokens` ({max_input}) must be > 0 and < `max_total_tokens` ({total})")
     prefill = config.max_batch_prefill_tokens or max_input + _PREFILL_MARGIN
-    if prefill < max_input:
+    # With chunked prefill a longer prompt is computed in pieces of the budget; without, it must fit in one.
+    if prefill < max_input and config.disable_chunked_prefill:
         raise StartupError(
             f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: {prefill} and {max_input}"
         )

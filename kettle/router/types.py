@@ -34,6 +34,7 @@ class SamplingParameters:
     watermark: bool = False
     grammar: str = ""
     grammar_type: int = 0  # proto GrammarType
+    presence_penalty: float = 0.0  # OpenAI's; only the OpenAI routes set it
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 from kettle.proto import generate_pb2
 from kettle.router.config import RouterConfig
 from kettle.router.errors import ValidationError
+from kettle.router.grammar import check_grammar
 from kettle.router.schemas import GenerateParameters, GenerateRequest, Grammar
 from kettle.router.tokenizer import TokenizerPool
 from kettle.router.types import SamplingParameters, StoppingParameters, ValidGenerateRequest
@@ -76,6 +77,7 @@ class Validation:
         self._check_counts(p, best_of)
         self._check_inputs(request.inputs, p.truncate)
         grammar, grammar_type = self._grammar(p.grammar)
+        await check_grammar(grammar, grammar_type)  # compiled off the event loop; cached
         encoded = await self.tokenizers.encode(request.inputs, p.truncate, add_special_tokens)
         max_new_tokens = self._check_lengths(len(encoded.ids), p.max_new_tokens)
         if stream:
@@ -110,6 +112,8 @@ class Validation:
             raise ValidationError("`repetition_penalty` must be strictly positive")
         if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
             raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+        if p.presence_penalty is not None and not -2.0 <= p.presence_penalty <= 2.0:
+            raise ValidationError("`presence_penalty` must be >= -2.0 and <= 2.0")
         if p.top_p is not None and not 0.0 < p.top_p < 1.0:
             raise ValidationError("`top_p` must be > 0.0 and < 1.0")
         if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
@@ -180,6 +184,7 @@ def _sampling_parameters(p: GenerateParameters, sampling: bool, grammar: str, gr
         seed=random.getrandbits(64) if p.seed is None else p.seed,
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         frequency_penalty=p.frequency_penalty or 0.0,
+        presence_penalty=p.presence_penalty or 0.0,
         watermark=p.watermark,
         grammar=grammar,
         grammar_type=grammar_type,

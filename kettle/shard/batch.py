@@ -8,7 +8,8 @@ criteria and its detokenizer. Tensors are built per step from this state in one 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,10 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     top_n_tokens: int
     prefill_logprobs: bool
+    # Logprobs of prompt tokens 1.. computed so far (decoder_input_details), gathered chunk by chunk.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    # The request's grammar matcher (llguidance.LLMatcher), advanced with each sampled token; None: no grammar.
+    grammar: Any = None
 
     @property
     def in_prefill(self) -> bool:

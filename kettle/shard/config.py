@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZE = ("fp8",)
+QUANTIZE = ("fp8", "int8", "int4", "gptq", "awq")  # kettle/quantization/config.py says where each runs
 
 
 def parse_graph_buckets(value: str) -> tuple[int, ...]:
@@ -31,7 +31,7 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     trust_remote_code: bool = False
-    quantize: str | None = None  # "fp8" (CUDA only: load_model refuses it on the CPU)
+    quantize: str | None = None  # fp8 (CUDA only), int8/int4/gptq/awq (CPU only): load_model checks the device
     num_threads: int | None = None  # None: all physical cores
     # Share of the machine's available RAM the KV cache may take on the CPU.
     cpu_kv_cache_fraction: float = 0.1
@@ -52,6 +52,9 @@ class ShardConfig:
         if not 0.0 < self.cuda_memory_fraction <= 1.0:
             raise ValueError("--cuda-memory-fraction must be in (0, 1]")
         if self.quantize is not None and self.quantize not in QUANTIZE:
+            from kettle.quantization.config import check_scheme
+
+            check_scheme(self.quantize, "cpu")  # names the alternatives for TGI's values Kettle lacks
             raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")
         if self.cuda_graphs is not None:
             parse_graph_buckets(self.cuda_graphs)

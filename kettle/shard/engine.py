@@ -6,6 +6,7 @@ never touched concurrently.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -13,12 +14,13 @@ import time
 import torch
 
 from kettle.proto import generate_pb2 as pb
+from kettle.shard import distributed
 from kettle.shard.batch import Batch, RequestState
 from kettle.shard.detokenize import IncrementalDetokenizer
 from kettle.shard.runner import ModelRunner, StepResult
 from kettle.shard.sampling import SamplingParams
 from kettle.shard.stopping import StoppingCriteria
-from kettle.shard.warmup import plan_kv_cache
+from kettle.shard.warmup import KVPlan, plan_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class ShardEngine:
         new = Batch(request.batch.id, [self._state(r) for r in request.batch.requests])
         batches = [new]
         if request.HasField("cached_batch"):
-            batches.insert(0, self._take(request.cached_batch.id))
+            batches.insert(0, self._continue(request.cached_batch))
         batch = Batch.concatenate(batches) if len(batches) > 1 else new
         result, kept = self._run(batch)
         return pb.PrefillResponse(
@@ -68,7 +70,7 @@ class ShardEngine:
     def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         """One decode step over the concatenation of the given cached batches."""
         start = time.perf_counter_ns()
-        batches = [self._take(b.id) for b in request.batches]
+        batches = [self._continue(b) for b in request.batches]
         batch = Batch.concatenate(batches) if len(batches) > 1 else batches[0]
         concat_ns = time.perf_counter_ns() - start
         result, kept = self._run(batch)
@@ -83,7 +85,9 @@ class ShardEngine:
 
     def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
         """Keeps only the listed requests of a cached batch."""
-        batch = self._take(request.batch_id).filter(request.request_ids)
+        taken = self._take(request.batch_id)
+        batch = taken.filter(request.request_ids)
+        self.runner.release({r.id for r in taken.requests} - set(request.request_ids))
         if batch is None:
             return pb.FilterBatchResponse()
         self.batches[batch.id] = batch
@@ -92,17 +96,22 @@ class ShardEngine:
     def clear_cache(self, request: pb.ClearCacheRequest) -> None:
         """Drops one cached batch, or all of them."""
         if request.HasField("id"):
-            self.batches.pop(request.id, None)
+            dropped = self.batches.pop(request.id, None)
+            self.runner.release([r.id for r in dropped.requests] if dropped is not None else [])
         else:
             self.batches.clear()
+            self.runner.release(None)
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         """Sizes the KV cache from the memory available, then runs a prefill to prove the model runs."""
         spec, device = self.runner.model.spec, self.runner.device
-        plan = plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
+        plan = self._same_on_all_ranks(
+            plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
+        )
         self.runner.allocate_cache(plan.num_blocks, plan.block_size)
         self._warmup_forward(request.batch, plan.block_size, plan.warmup_tokens)
         self.batches.clear()
+        self.runner.release(None)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             plan.num_blocks,
@@ -125,16 +134,41 @@ class ShardEngine:
         assert self.runner.kv_cache is not None
         return self.runner.kv_cache.block_size
 
+    @staticmethod
+    def _same_on_all_ranks(plan: KVPlan) -> KVPlan:
+        # Ranks see different free memory; with tensor parallelism they must still run the same warmup shapes
+        # (their collectives pair up) and report the same capacity, so all take the smallest plan.
+        tp = distributed.current()
+        if not tp.sharded:
+            return plan
+        blocks, tokens = tp.min_int(plan.num_blocks), tp.min_int(plan.warmup_tokens)
+        return dataclasses.replace(
+            plan, num_blocks=blocks, bytes=plan.bytes // plan.num_blocks * blocks, warmup_tokens=tokens
+        )
+
     def _take(self, batch_id: int) -> Batch:
         batch = self.batches.pop(batch_id, None)
         if batch is None:
             raise KeyError(f"batch {batch_id} not found")
         return batch
 
+    def _continue(self, cached: pb.CachedBatch) -> Batch:
+        """Takes a cached batch for the next step, with the router's next chunk for requests still in prefill."""
+        batch = self._take(cached.id)
+        if cached.chunk_lens:
+            for request in batch.requests:
+                request.chunk_len = cached.chunk_lens.get(request.id, request.chunk_len)
+        return batch
+
     def _run(self, batch: Batch) -> tuple[StepResult, pb.CachedBatch | None]:
         """One step; the batch is cached again without its finished requests. A failure drops the batch."""
-        self._maybe_fail(batch)
-        result = self.runner.step(batch.requests)
+        try:
+            self._maybe_fail(batch)
+            result = self.runner.step(batch.requests)
+        except Exception:
+            self.runner.release([r.id for r in batch.requests])
+            raise
+        self.runner.release(result.finished)
         remaining = [r.id for r in batch.requests if r.id not in result.finished]
         kept = batch.filter(remaining)
         if kept is None:
@@ -178,6 +212,7 @@ class ShardEngine:
             detokenizer=IncrementalDetokenizer(self.runner.vocab.tokenizer, prompt),
             top_n_tokens=request.top_n_tokens,
             prefill_logprobs=request.prefill_logprobs,
+            grammar=self.runner.grammars.matcher(request.parameters),
         )
 
     def _warmup_forward(self, batch: pb.Batch, block_size: int, max_tokens: int) -> None:

@@ -3,7 +3,7 @@
 Each processor is built once per batch composition from the per-request parameters and touches only the rows
 whose parameter is not neutral; a processor with no such row is not built at all (`build` returns None).
 Processors run on float32 scores [B, V] and may modify them in place. The order they are applied in is the
-sampler's business (SPEC §12): watermark → repetition penalty → frequency penalty → (grammar mask) →
+sampler's business (SPEC §12): watermark → repetition penalty → frequency penalty → presence penalty → (grammar mask) →
 temperature → top-k → top-p → typical-p.
 """
 
@@ -126,6 +126,38 @@ class FrequencyPenalty(RowProcessor):
         counts.scatter_add_(1, columns, torch.ones_like(columns, dtype=scores.dtype))
         per_count = self.param / step.history_lens.clamp(min=1).to(scores.dtype).unsqueeze(1)
         return scores.addcmul_(counts[:, :width], per_count, value=-1.0)
+
+
+class PresencePenalty(RowProcessor):
+    """OpenAI's presence penalty: subtracts the penalty once from every token the row has *generated* (the
+    prompt does not count), however many times it appeared."""
+
+    neutral = 0.0
+
+    def __init__(self, values: Sequence[float], prompt_lens: Sequence[int], device: torch.device | str) -> None:
+        super().__init__(values, device)
+        kept = [n for n, v in zip(prompt_lens, values, strict=True) if v != self.neutral]
+        self.prompt_lens = torch.tensor(kept, dtype=torch.long, device=device).unsqueeze(1)
+
+    @classmethod
+    def build(
+        cls, values: Sequence[float], device: torch.device | str, prompt_lens: Sequence[int] | None = None
+    ) -> Self | None:
+        """The processor, or None when no row has a penalty; `prompt_lens` is needed when one has."""
+        if all(v == cls.neutral for v in values):
+            return None
+        if prompt_lens is None:
+            raise ValueError("a presence penalty needs the prompt lengths")
+        return cls(values, prompt_lens, device)
+
+    def process(self, scores: Tensor, step: StepInputs) -> Tensor:
+        # `prompt_lens` holds the active rows only, in the order `Rows.apply` passes them.
+        width = scores.shape[-1]
+        positions = torch.arange(step.history.shape[1], device=scores.device).unsqueeze(0)
+        generated = step.history.masked_fill(positions < self.prompt_lens, -1)
+        present = torch.zeros(scores.shape[0], width + 1, dtype=scores.dtype, device=scores.device)
+        present.scatter_(1, seen_columns(generated, width), 1.0)
+        return scores.addcmul_(present[:, :width], self.param, value=-1.0)
 
 
 class Temperature(RowProcessor):

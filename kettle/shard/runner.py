@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from kettle.layers.attention import AttentionMetadata
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
+from kettle.shard.grammar import Grammars, advance
 from kettle.shard.kv_cache import KVCache
 from kettle.shard.sampling import BatchSampler, SampleOutput, top_tokens
 from kettle.shard.vocab import Vocab
@@ -48,8 +50,13 @@ class ModelRunner:
         self.device = device
         self.watermark_gamma, self.watermark_delta = watermark
         self.kv_cache: KVCache | None = None
-        self._sampler_key: tuple[int, ...] = ()
+        self._sampler_requests: tuple[RequestState, ...] = ()
         self._sampler: BatchSampler | None = None
+        self.grammars = Grammars(vocab.tokenizer, vocab.eos_token_ids)
+
+    def release(self, request_ids: Iterable[int] | None) -> None:
+        """Forgets per-request state kept between steps (None: all). The paged runner keeps none: its K/V
+        lives in router-owned blocks; runners over transformers caches (fallback, seq2seq) override this."""
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """(Re)creates the KV cache with `num_blocks` blocks."""
@@ -106,12 +113,21 @@ class ModelRunner:
         history = lens = None
         if sampler.needs_history:
             history, lens = self._history(requests)
-        return sampler(logits, history, lens, last)
+        # Grammar masks are built for the whole batch in one go, only when some request has a grammar.
+        grammars = [r.grammar for r in requests]
+        mask = None
+        if any(g is not None for g in grammars):
+            mask = self.grammars.mask(grammars, logits.shape[-1], logits.device)
+        return sampler(logits, history, lens, last, mask)
 
     def _batch_sampler(self, requests: list[RequestState], vocab_size: int) -> BatchSampler:
-        # Rebuilt only when the batch composition changes: parameter tensors are built once per batch.
-        key = tuple(r.id for r in requests)
-        if key != self._sampler_key or self._sampler is None:
+        # Rebuilt only when the batch composition changes: parameter tensors are built once per batch. The same
+        # request objects, not the same ids: ids restart from 0 after warmup, and a new request reusing an old
+        # id must not inherit the old one's parameters and generator.
+        same = len(requests) == len(self._sampler_requests) and all(
+            new is old for new, old in zip(requests, self._sampler_requests, strict=True)
+        )
+        if not same or self._sampler is None:
             self._sampler = BatchSampler(
                 [r.params for r in requests],
                 [r.generator for r in requests],
@@ -119,8 +135,9 @@ class ModelRunner:
                 self.device,
                 watermark_gamma=self.watermark_gamma,
                 watermark_delta=self.watermark_delta,
+                prompt_lens=[r.prompt_len for r in requests],
             )
-            self._sampler_key = key
+            self._sampler_requests = tuple(requests)
         return self._sampler
 
     def _history(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,19 +149,33 @@ class ModelRunner:
         return history, lens
 
     def _prefill_logprobs(self, requests, queries, meta, hidden) -> dict[int, pb.Tokens]:
-        """Logprobs of the prompt tokens for the requests that asked (decoder_input_details)."""
+        """Logprobs of the prompt tokens for the requests that asked (decoder_input_details).
+
+        Gathered chunk by chunk (chunked prefill): a chunk's rows score the prompt tokens that follow them, and
+        the whole list goes out with the step that computes the prompt's last token.
+        """
         out: dict[int, pb.Tokens] = {}
         offsets = itertools.accumulate([len(q) for q in queries], initial=0)
         for request, query, offset in zip(requests, queries, offsets, strict=False):
-            if request.prefill_logprobs and request.in_prefill and request.cache_len == 0:
-                out[request.id] = self._prompt_tokens(request, hidden[offset : offset + len(query)])
+            start = request.cache_len
+            # A prefix read from the cache was never scored here: such a request reports no prompt logprobs.
+            if not (request.prefill_logprobs and request.in_prefill and len(request.prompt_logprobs) == start):
+                continue
+            targets = request.all_ids[start + 1 : start + len(query) + 1]  # all_ids is the prompt during prefill
+            request.prompt_logprobs += self._chosen_logprobs(hidden[offset : offset + len(targets)], targets)
+            if start + len(query) == request.prompt_len:
+                out[request.id] = self._prompt_tokens(request)
         return out
 
-    def _prompt_tokens(self, request: RequestState, hidden: torch.Tensor) -> pb.Tokens:
+    def _chosen_logprobs(self, hidden: torch.Tensor, targets: list[int]) -> list[float]:
+        if not targets:
+            return []
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        return logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+
+    def _prompt_tokens(self, request: RequestState) -> pb.Tokens:
         ids = request.all_ids[: request.prompt_len]
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:-1]), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device).unsqueeze(1)).squeeze(1)
-        values = [float("nan"), *chosen.tolist()]
+        values = [float("nan"), *request.prompt_logprobs]
         texts = [self.vocab.token_text(i) for i in ids]
         return pb.Tokens(ids=ids, logprobs=values, texts=texts, is_special=[self.vocab.is_special(i) for i in ids])
 
@@ -182,6 +213,8 @@ class ModelRunner:
         generation = pb.Generation(request_id=request.id, tokens=self._tokens([token], [logprob]), top_tokens=top)
         generation.tokens.texts[0] = text
         reason = request.stopping(token, text)
+        if request.grammar is not None and advance(request.grammar, token) and reason is None:
+            reason = pb.FINISH_REASON_EOS_TOKEN  # the grammar is complete: nothing more may be generated
         if reason is not None:
             generation.generated_text.CopyFrom(
                 pb.GeneratedText(

@@ -18,6 +18,7 @@ from kettle.proto import generate_pb2
 from kettle.shard.logits_process import (
     NEG_INF,
     FrequencyPenalty,
+    PresencePenalty,
     RepetitionPenalty,
     Rows,
     StepInputs,
@@ -46,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     watermark: bool = False
+    presence_penalty: float = 0.0
 
     @classmethod
     def from_proto(cls, p: generate_pb2.NextTokenChooserParameters) -> SamplingParams:
@@ -60,6 +62,7 @@ class SamplingParams:
             repetition_penalty=p.repetition_penalty or 1.0,
             frequency_penalty=p.frequency_penalty,
             watermark=p.watermark,
+            presence_penalty=p.presence_penalty,
         )
 
     @property
@@ -81,6 +84,8 @@ class SampleOutput:
 class BatchSampler:
     """Processes a batch's logits and chooses one token per row.
 
+    `prompt_lens` (per row) is needed only when a row has a presence penalty, which counts generated tokens only.
+
     Greedy rows take the argmax; sampling rows draw from the softmax of their processed scores with their own
     generator (seeded with the request's seed and kept across steps by the caller), by inverse-CDF with one
     uniform per row: a row's draw depends only on its own scores and generator, never on its batch mates.
@@ -95,18 +100,22 @@ class BatchSampler:
         device: torch.device | str,
         watermark_gamma: float = 0.5,
         watermark_delta: float = 2.0,
+        prompt_lens: Sequence[int] | None = None,
     ) -> None:
         if len(generators) != len(params):
             raise ValueError(f"{len(params)} requests but {len(generators)} generators")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.needs_history = any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 for p in params)
+        self.needs_history = any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+        )
         watermark = Watermark.build([p.watermark for p in params], vocab_size, device, watermark_gamma, watermark_delta)
         # The grammar mask goes between these two groups (SPEC §12).
         self._before_mask = _present(
             watermark,
             RepetitionPenalty.build([p.repetition_penalty for p in params], device),
             FrequencyPenalty.build([p.frequency_penalty for p in params], device),
+            PresencePenalty.build([p.presence_penalty for p in params], device, prompt_lens),
         )
         self._after_mask = _present(
             Temperature.build([p.temperature for p in params], device),

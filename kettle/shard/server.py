@@ -14,6 +14,8 @@ import torch
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import ShardConfig
+from kettle.shard.distributed import init_distributed, shutdown
+from kettle.shard.dtype import choose_dtype
 from kettle.shard.engine import ShardEngine
 from kettle.shard.kv_cache import BLOCK_SIZE
 from kettle.shard.runner import ModelRunner
@@ -23,7 +25,6 @@ from kettle.shard.vocab import Vocab
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 256 * 1024 * 1024
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def choose_device() -> torch.device:
@@ -33,29 +34,30 @@ def choose_device() -> torch.device:
     return torch.device("cpu")
 
 
-def choose_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The requested dtype, or the device default: float32 on the CPU (fastest measured here), bf16 on CUDA."""
-    if name is not None:
-        return _DTYPES[name]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     """Loads the model and tokenizer and wires the engine; returns it with the Info the router will ask for."""
     from kettle.models.registry import load_model
 
     device = choose_device()
-    dtype = choose_dtype(config.dtype, device)
+    dtype = choose_dtype(config.dtype, device, config.model_path)
+    # Join the tensor-parallel group before loading: the loaders read only this rank's slices.
+    init_distributed(config.rank, config.world_size, device)
     model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize)
     vocab = Vocab.load(config.model_path, config.trust_remote_code)
     watermark = (config.watermark_gamma, config.watermark_delta)
-    runner = ModelRunner(model, vocab, device, watermark, config.graph_buckets)
+    # Models served through transformers (fallback, seq2seq) bring their own runner; native ones use the paged one.
+    make_runner = getattr(model, "make_runner", None)
+    if make_runner is not None:
+        runner = make_runner(vocab, device, watermark)
+    else:
+        runner = ModelRunner(model, vocab, device, watermark, config.graph_buckets)
+    execution_path = getattr(model, "execution_path", "native")
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
     )
     spec = model.spec
     info = pb.InfoResponse(
-        requires_padding=False,
+        requires_padding=execution_path != "native",
         dtype=str(dtype).removeprefix("torch."),
         device_type=device.type,
         window_size=spec.sliding_window,
@@ -63,14 +65,16 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         max_position_embeddings=spec.max_position_embeddings,
         vocab_size=spec.vocab_size,
         model_type=spec.model_type,
-        execution_path="native",
+        execution_path=execution_path,
     )
     return engine, info
 
 
-def set_threads(num_threads: int | None) -> None:
-    """Sets torch's intra-op threads once: all physical cores unless told otherwise."""
-    threads = num_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+def set_threads(num_threads: int | None, local_shards: int = 1) -> None:
+    """Sets torch's intra-op threads once: unless told otherwise, the physical cores shared out among the
+    shards of this machine (several shards each using every core would fight over them)."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    threads = num_threads or max(1, cores // local_shards)
     torch.set_num_threads(threads)
 
 
@@ -106,5 +110,8 @@ async def _serve(config: ShardConfig) -> None:
 
 def serve(config: ShardConfig) -> None:
     """Blocks serving the shard until SIGTERM/SIGINT."""
-    set_threads(config.num_threads)
-    asyncio.run(_serve(config))
+    set_threads(config.num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
+    try:
+        asyncio.run(_serve(config))
+    finally:
+        shutdown()

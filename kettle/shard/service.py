@@ -11,9 +11,11 @@ import logging
 
 import grpc
 
+from kettle import tracing
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.engine import ShardEngine
+from kettle.shard.tracing import shard_span
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,12 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         self._lock = asyncio.Lock()
 
     async def _call(self, context: grpc.aio.ServicerContext, fn, request):
+        if tracing.enabled():  # the router's trace continues here (its span context is in the call's metadata)
+            with shard_span(context, fn.__name__, request):
+                return await self._locked_call(context, fn, request)
+        return await self._locked_call(context, fn, request)
+
+    async def _locked_call(self, context: grpc.aio.ServicerContext, fn, request):
         async with self._lock:
             try:
                 return await asyncio.to_thread(fn, request)

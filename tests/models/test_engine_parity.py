@@ -18,7 +18,8 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    engine, _info = build_engine(ShardConfig(model_path=str(tiny_llama_path)))
+    # float32 on any device (a GPU defaults to bf16): the results are compared with transformers in fp32.
+    engine, _info = build_engine(ShardConfig(model_path=str(tiny_llama_path), dtype="float32"))
     warm = pb.WarmupRequest(max_input_tokens=200, max_prefill_tokens=256, max_total_tokens=256)
     warm.batch.requests.add(id=0, input_ids=[1, 2, 3]).stopping_parameters.max_new_tokens = 1
     response = engine.warmup(warm)
@@ -133,3 +134,16 @@ def test_stop_sequence_and_eos(engine, hf):
     batch.requests[0].stopping_parameters.stop_sequences.append(stop[-3:] if len(stop) >= 3 else stop)
     tokens = run_to_end(engine, batch)
     assert len(tokens[40]) <= 3
+
+
+def test_a_new_request_reusing_an_id_gets_its_own_sampling(engine, hf):
+    """Ids restart at 0 after warmup: a request that reuses the id of a finished one with other parameters
+    (here hot random sampling, then plain greedy) must not be sampled with the old one's settings."""
+    tokenizer, _ = hf
+    ids = tokenizer(PROMPTS[0]).input_ids
+    hot = make_batch(30, [ids], first_id=40, max_new_tokens=1)
+    hot.requests[0].parameters.do_sample = True
+    hot.requests[0].parameters.temperature = 100.0
+    hot.requests[0].parameters.seed = 7
+    run_to_end(engine, hot)
+    assert run_to_end(engine, make_batch(31, [ids], first_id=40, max_new_tokens=4))[40] == hf_greedy(hf, ids, 4)

@@ -3,6 +3,10 @@
 Request r emits token ids 1, 2, 3, ... (text "t1", "t2", ...) and finishes at its max_new_tokens. Batches are
 kept like the real shards keep them (prefill creates one, decode concatenates into the first id, filter keeps
 some ids, clear drops one), and every prefill checks that no live request was given a KV slot another one writes.
+Prompts are computed like the real shard computes them: `cache_len` on, `chunk_len` tokens per forward (the
+router updates it through `CachedBatch.chunk_lens`), and a request yields its first token only in the forward
+that completes its prompt. `forwards` records, per forward, the prompt tokens each prefilling request
+computed and the requests that decoded.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class FakeClient:
         self.batches: dict[int, list[int]] = {}  # batch id -> request ids, in order
         self.requests: dict[int, pb.Request] = {}
         self.generated: dict[int, int] = {}
+        self.prefilled: dict[int, int] = {}  # request id -> prompt tokens in the (fake) KV cache
+        self.chunk_len: dict[int, int] = {}
+        self.forwards: list[tuple[dict[int, int], list[int]]] = []  # ({id: prompt tokens}, [decoded ids])
         self.fail_next: dict[str, str] = {}  # method -> error message, used once
         self.healthy = True
 
@@ -61,14 +68,43 @@ class FakeClient:
         for request in batch.requests:
             self.requests[request.id] = request
             self.generated[request.id] = 0
-        generations = [self._next_token(r.id, first=True) for r in batch.requests]
-        return generations, self._keep(batch.id, [r.id for r in batch.requests]), None
+            self.prefilled[request.id] = request.cache_len
+            self.chunk_len[request.id] = request.chunk_len
+        ids = [r.id for r in batch.requests]
+        if cached_batch is not None:
+            ids = self._continue(cached_batch) + ids
+        return self._forward(ids), self._keep(batch.id if cached_batch is None else cached_batch.id, ids), None
 
     async def decode(self, batches: Sequence[pb.CachedBatch]):
         await self._enter("decode", [b.id for b in batches])
-        ids = [i for b in batches for i in self.batches.pop(b.id)]
-        generations = [self._next_token(i) for i in ids]
-        return generations, self._keep(batches[0].id, ids), None
+        ids = [i for b in batches for i in self._continue(b)]
+        return self._forward(ids), self._keep(batches[0].id, ids), None
+
+    def _continue(self, cached: pb.CachedBatch) -> list[int]:
+        """Takes a cached batch, applying the router's next chunks."""
+        ids = self.batches.pop(cached.id)
+        for request_id, chunk in cached.chunk_lens.items():
+            assert request_id in ids, "a chunk for a request not in the batch"
+            self.chunk_len[request_id] = chunk
+        return ids
+
+    def _forward(self, ids: list[int]) -> list[pb.Generation]:
+        """One forward: requests in prefill compute their chunk, the others one token; only complete prompts
+        yield a token."""
+        computed, decoded, generations = {}, [], []
+        for i in ids:
+            prompt = len(self.requests[i].input_ids)
+            if self.prefilled[i] < prompt:
+                chunk = self.chunk_len[i] or prompt - self.prefilled[i]
+                computed[i] = min(chunk, prompt - self.prefilled[i])
+                self.prefilled[i] += computed[i]
+                if self.prefilled[i] == prompt:
+                    generations.append(self._next_token(i, first=True))
+            else:
+                decoded.append(i)
+                generations.append(self._next_token(i))
+        self.forwards.append((computed, decoded))
+        return generations
 
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch | None:
         await self._enter("filter", batch_id, list(request_ids))

@@ -146,7 +146,7 @@ def test_max_input_tokens_and_length_together_are_an_error(captured):
     assert "launch" not in captured
 
 
-@pytest.mark.parametrize("flag", ["--sharded", "--otlp-endpoint", "--lora-adapters"])
+@pytest.mark.parametrize("flag", ["--lora-adapters"])
 def test_inactive_flags_are_marked_in_help(flag):
     assert "(not active yet)" in command_params("launch")[flag].help
 
@@ -156,12 +156,33 @@ def test_inactive_flag_table_matches_the_help():
         assert "(not active yet)" in command_params("launch")["--" + name.replace("_", "-")].help
 
 
-@pytest.mark.parametrize("args", [["--num-shard", "2"], ["--sharded", "true"], ["--sharded", "maybe"]])
-def test_flags_not_active_yet_fail_clearly(args, captured):
+@pytest.mark.parametrize("args", [["--sharded", "maybe"], ["--sharded", "false", "--num-shard", "2"]])
+def test_bad_sharding_flags_fail_clearly(args, captured):
     result = runner.invoke(app, ["launch", *args], env=WIDE)
     assert result.exit_code == 2
-    assert "not active yet" in result.output or "true or false" in result.output
+    assert "true or false" in result.output or "contradicts" in result.output
     assert "launch" not in captured
+
+
+def test_num_shard_starts_that_many_ranks(captured):
+    assert runner.invoke(app, ["launch", "--num-shard", "2"], env=WIDE).exit_code == 0
+    config = captured["launch"]
+    assert config.world_size == 2
+    assert [config.shard_config("/m", rank).rank for rank in range(2)] == [0, 1]
+
+
+def test_sharded_without_num_shard_on_the_cpu_asks_for_num_shard(captured, monkeypatch):
+    monkeypatch.setattr("kettle.launcher.config.visible_gpus", lambda: 0)
+    result = runner.invoke(app, ["launch", "--sharded", "true"], env=WIDE)
+    assert result.exit_code == 2
+    assert "--num-shard" in result.output
+    assert "launch" not in captured
+
+
+def test_sharded_alone_uses_every_visible_gpu(captured, monkeypatch):
+    monkeypatch.setattr("kettle.launcher.config.visible_gpus", lambda: 4)
+    assert runner.invoke(app, ["launch", "--sharded", "true"], env=WIDE).exit_code == 0
+    assert captured["launch"].world_size == 4
 
 
 def test_quantize_fp8_on_the_cpu_names_the_alternatives(captured, monkeypatch):
@@ -173,9 +194,9 @@ def test_quantize_fp8_on_the_cpu_names_the_alternatives(captured, monkeypatch):
 
 
 def test_unknown_quantize_method_fails_clearly(captured):
-    result = runner.invoke(app, ["launch", "--quantize", "awq"], env=WIDE)
+    result = runner.invoke(app, ["launch", "--quantize", "eetq"], env=WIDE)
     assert result.exit_code == 2
-    assert "not supported" in result.output and "fp8" in result.output
+    assert "not supported" in result.output and "fp8" in result.output and "int4" in result.output
     assert "launch" not in captured
 
 
@@ -259,3 +280,17 @@ def test_download_weights_reports_a_missing_model_in_one_line(tmp_path):
     result = runner.invoke(app, ["download-weights", str(tmp_path / "missing.gguf")])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
+
+
+def test_nnodes_gives_each_host_its_block_of_ranks():
+    from kettle.launcher.specs import shard_specs
+
+    config = LauncherConfig(num_shard=2, nnodes=2, node_rank=1, master_addr="10.0.0.1")
+    envs = [spec.env for spec in shard_specs(config, "/m")]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("2", "0", "4", "2"),
+        ("3", "1", "4", "2"),
+    ]
+    assert all(e["MASTER_ADDR"] == "10.0.0.1" for e in envs)
+    with pytest.raises(ValueError, match="--node-rank"):
+        LauncherConfig(nnodes=2, node_rank=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -149,3 +150,25 @@ def test_scheduler_config_is_validated():
         SchedulerConfig(
             max_batch_prefill_tokens=1, max_batch_total_tokens=5, max_batch_size=0, block_size=4, num_blocks=4
         )
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_prompt_longer_than_the_prefill_budget_runs_only_with_chunked_prefill(chunked):
+    async def main():
+        config = replace(CONFIG, max_batch_prefill_tokens=8, chunked_prefill=chunked)
+        client = FakeClient()
+        infer = Infer(client, config, BlockAllocator(config.num_blocks, config.block_size))
+        infer.start()
+        request = make_request(input_len=20, max_new=3)
+        try:
+            tokens = [e.token.id async for e in infer.generate(request) if isinstance(e, TokenEvent)]
+        finally:
+            await infer.stop()
+        assert tokens == [1, 2, 3] and [sum(f[0].values()) for f in client.forwards[:3]] == [8, 8, 4]
+
+    assert CONFIG.chunked_prefill, "chunked prefill is on by default"
+    if chunked:
+        asyncio.run(main())
+    else:
+        with pytest.raises(CapacityError, match="`inputs` tokens must be <= 8"):
+            asyncio.run(main())

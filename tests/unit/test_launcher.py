@@ -106,9 +106,9 @@ def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handl
 
     monkeypatch.setattr(launcher_main, "resolve_model", missing)
     monkeypatch.setattr(launcher_main, "setup_logging", lambda _json: None)
-    code = launcher_main.launch(LauncherConfig(otlp_endpoint="http://collector:4317"))
+    code = launcher_main.launch(LauncherConfig(lora_adapters="org/adapter"))
     assert code == 1
-    assert "--otlp-endpoint is not active yet" in caplog.text
+    assert "--lora-adapters is not active yet" in caplog.text
     assert "Model 'x' is missing" in caplog.text
 
 

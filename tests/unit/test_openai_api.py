@@ -187,9 +187,19 @@ VALIDATION = "validation"
     [
         ("/v1/chat/completions", {"messages": USER, "n": 2}, "`n` > 1 is not supported yet"),
         ("/v1/chat/completions", {"messages": USER, "logit_bias": {"1": 2.0}}, "`logit_bias` is not supported yet"),
-        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, "`tools` are not supported yet"),
-        ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, "not supported yet"),
-        ("/v1/chat/completions", {"messages": USER, "presence_penalty": 0.5}, "`presence_penalty` is not supported"),
+        ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}}, "`response_format` type"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "regex", "value": "a(b"}},
+            "grammar is not valid: at 1(8): invalid regex",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+            "grammar is not valid: ",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "presence_penalty": 2.5}, "`presence_penalty` must be >= -2.0"),
+        ("/v1/completions", {"prompt": "a", "logprobs": -1}, "`logprobs` must be >= 0. Given: -1"),
         ("/v1/chat/completions", {"messages": USER, "temperature": -1}, TEMPERATURE_ERROR),
         ("/v1/completions", {"prompt": "a", "suffix": "b"}, "`suffix` is not supported"),
         ("/v1/completions", {"prompt": []}, "`prompt` cannot be an empty list"),
@@ -247,3 +257,73 @@ def test_api_key_covers_openai_generation_routes(make_client):
     assert client.get("/v1/models").status_code == 200
     authorized = client.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer secret"})
     assert authorized.status_code == 200
+
+
+def test_completions_logprobs(make_client):
+    infer = FakeInfer()
+    client = make_client(infer)
+    choice = client.post("/v1/completions", json={"prompt": "a", "logprobs": 1}).json()["choices"][0]
+    assert infer.requests[0].top_n_tokens == 1
+    assert choice["logprobs"] == {
+        "tokens": ["The", " capital", " is"],
+        "token_logprobs": [-0.5, -0.5, -0.5],
+        "top_logprobs": [{"The": -0.5, "x": -3.0}, {" capital": -0.5, "x": -3.0}, {" is": -0.5, "x": -3.0}],
+        "text_offset": [0, 3, 11],
+    }
+    frames = sse_frames(client.post("/v1/completions", json={"prompt": "a", "logprobs": 0, "stream": True}).text)
+    streamed = [f["choices"][0]["logprobs"] for f in frames[:-1]]
+    assert [(lp["tokens"], lp["text_offset"]) for lp in streamed] == [
+        (["The"], [0]),
+        ([" capital"], [3]),
+        ([" is"], [11]),
+    ]
+    plain = client.post("/v1/completions", json={"prompt": "a"}).json()["choices"][0]
+    assert plain["logprobs"] is None
+
+
+def test_response_format_and_presence_penalty_reach_the_request(make_client):
+    infer = FakeInfer()
+    client = make_client(infer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        {"type": "json_schema", "value": {"name": "x", "schema": schema}},
+        {"type": "regex", "value": "[ab]+"},
+        {"type": "text"},
+    ]
+    for response_format in formats:
+        body = {"messages": USER, "response_format": response_format, "presence_penalty": 0.5}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    grammars = [(r.parameters.grammar_type, r.parameters.grammar) for r in infer.requests]
+    assert grammars == [
+        (1, '{"type": "object"}'),
+        (1, json.dumps(schema)),
+        (1, json.dumps(schema)),
+        (2, "[ab]+"),
+        (0, ""),
+    ]
+    assert {r.parameters.presence_penalty for r in infer.requests} == {0.5}
+
+
+def test_disabled_grammar_support_refuses_response_format(model_folder, tiny_tokenizer):
+    pool = TokenizerPool(lambda: copy.deepcopy(tiny_tokenizer), workers=1)
+    try:
+        client = TestClient(
+            create_app(
+                RouterConfig(master_shard_uds_path="/tmp/none", tokenizer_name=str(model_folder), model_id="t"),
+                FakeInfer(),
+                Validation(LIMITS, pool, grammar_support=False),
+                INFO,
+                LIMITS,
+            )
+        )
+        body = {"messages": USER, "response_format": {"type": "json_object"}}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 422
+        assert response.json() == {
+            "error": "Input validation error: grammar is not supported",
+            "error_type": "validation",
+        }
+    finally:
+        pool.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -213,3 +214,53 @@ def test_a_failed_prefill_caches_nothing():
         assert client.requests[2].cache_len == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_allocate_commit_free_never_frees_or_corrupts_a_referenced_block(seed):
+    """Random traffic over a small cache (so eviction is frequent), checked against a model of the blocks:
+    a referenced block is never free, evictable or handed out fresh, reference counts equal the live
+    allocations holding a block, and a hit block holds exactly the tokens of the prompt that asks for it."""
+    rng = random.Random(seed)
+    allocator = PrefixCachingAllocator(24, BS)
+    heads = [prompt(12, start=100 * k) for k in range(1, 4)]  # a few shared heads, so hits and sharing happen
+    live: list[tuple] = []  # (allocation, prompt, committed)
+    content: dict[int, tuple[int, ...]] = {}  # block -> the prompt tokens it holds once written
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.45:
+            ids = rng.choice(heads)[: rng.randint(1, 12)] + prompt(rng.randint(0, 9), start=rng.choice([7, 5000]))
+            allocation = allocator.allocate(len(ids) + rng.randint(1, 6), ids, reuse=rng.random() < 0.9)
+            if allocation is not None:
+                for i, block in enumerate(allocation.blocks[: allocation.cache_len // BS]):
+                    assert content[block] == ids[i * BS : (i + 1) * BS], "a hit returned another prompt's block"
+                live.append((allocation, ids, False))
+        elif action < 0.7 and live:
+            i = rng.randrange(len(live))
+            allocation, ids, committed = live[i]
+            if not committed:  # its prefill "writes" the prompt blocks from cache_len on
+                for j, block in enumerate(allocation.blocks):
+                    if j * BS >= allocation.cache_len and (j + 1) * BS <= len(ids):
+                        content[block] = ids[j * BS : (j + 1) * BS]
+                allocator.commit(allocation)
+                live[i] = (allocation, ids, True)
+        elif live:
+            allocator.free(live.pop(rng.randrange(len(live)))[0])
+        _check_invariants(allocator, [a for a, _, _ in live])
+    for allocation, _, _ in live:
+        allocator.free(allocation)
+    assert allocator.free_blocks == 24
+
+
+def _check_invariants(allocator: PrefixCachingAllocator, live: list) -> None:
+    holders: dict[int, int] = {}
+    for allocation in live:
+        for block in allocation.blocks:
+            holders[block] = holders.get(block, 0) + 1
+    assert allocator._refs == holders, "reference counts differ from the live allocations"
+    assert not set(holders) & (set(allocator._free) | set(allocator._evictable)), "a referenced block was freed"
+    assert len(holders) + allocator.free_blocks == allocator.num_blocks
+    for allocation in live:  # blocks written by one request (past its hit) are nobody else's
+        written = set(allocation.blocks[allocation.cache_len // BS :])
+        others = {b for other in live if other is not allocation for b in other.blocks}
+        assert not written & others or all(b in allocator._hash_of for b in written & others)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kettle.router.blocks import BlockAllocator
 from kettle.router.infer import SchedulerConfig
 from kettle.router.queue import Entry, Queue
@@ -15,10 +17,12 @@ BIG = 10_000
 
 
 def setup(client: FakeClient, num_blocks: int = 64, **limits) -> tuple[Scheduler, Queue, BlockAllocator]:
-    limits = {"max_batch_prefill_tokens": BIG, "max_batch_total_tokens": BIG, "waiting_served_ratio": 0.0} | limits
+    """Most tests here pin TGI's v2 rule (chunking off); tests/unit/test_chunked_prefill.py covers chunking."""
+    defaults = {"max_batch_prefill_tokens": BIG, "max_batch_total_tokens": BIG, "waiting_served_ratio": 0.0}
+    limits = defaults | {"chunked_prefill": False} | limits
     config = SchedulerConfig(block_size=4, num_blocks=num_blocks, **limits)
     allocator = BlockAllocator(num_blocks, 4)
-    queue = Queue(allocator, config.max_batch_total_tokens, config.max_batch_prefill_tokens)
+    queue = Queue(allocator, config.max_batch_total_tokens, config.max_batch_prefill_tokens, config.chunked_prefill)
     return Scheduler(client, queue, allocator, config), queue, allocator
 
 
@@ -229,10 +233,12 @@ def test_failed_prefill_of_a_new_batch_keeps_the_running_batch():
     asyncio.run(main())
 
 
-def test_all_blocks_return_to_the_pool_after_a_mixed_run():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_all_blocks_return_to_the_pool_after_a_mixed_run(chunked):
     async def main():
         client = FakeClient()
-        scheduler, queue, allocator = setup(client, num_blocks=16, max_batch_prefill_tokens=16, max_batch_size=4)
+        limits = {"max_batch_prefill_tokens": 3 if chunked else 16, "max_batch_size": 4, "chunked_prefill": chunked}
+        scheduler, queue, allocator = setup(client, num_blocks=16, **limits)
         entries = [make_entry(i, input_len=1 + i % 5, max_new=1 + (7 * i) % 9) for i in range(20)]
         for entry in entries:
             queue.append(entry)

@@ -1,0 +1,164 @@
+"""The causal-LM shell shared by every native family beyond Llama: embedding, layers over the paged KV cache,
+final norm, and an LM head (tied or not, with or without a bias; vocabulary-parallel under tensor
+parallelism, as Llama's).
+
+A family subclass reads its checkpoint names and config facts in `__init__` (`load_embeddings`, then `spec`,
+`layers`, `norm` and, with RoPE, `rotary`) and inherits `from_pretrained`, the forward and the float32 logits.
+`CausalLM` drives layers that add their own residuals; `DecoderLM` drives layers that carry the residual
+stream to the next norm (kettle/models/decoder.py). Hooks: `embed` (learned positions, scaling, a norm) and
+`finish` (what follows the last layer). `load_llama_layout` and `llama_block` build the parts that
+families saved in Llama's naming share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kettle.layers.attention import AttentionMetadata
+from kettle.layers.linear import Linear
+from kettle.layers.parallel import load_vocab_parallel, vocab_parallel_embedding, vocab_parallel_head
+from kettle.layers.rotary import RotaryEmbedding
+from kettle.models.blocks import load_qkv
+from kettle.models.decoder import Attention, PreNormLayer
+from kettle.models.spec import ModelSpec
+from kettle.models.weights import Weights
+from kettle.shard.kv_cache import KVCache
+
+NormLoader = Callable[[str], nn.Module]  # checkpoint name (without ".weight") → the norm
+
+
+def decoder_spec(config, dtype: torch.dtype, vocab_size: int, windows=(None,), **given) -> ModelSpec:
+    """A ModelSpec from the config's standard names (transformers maps GPT-2's n_head, n_layer... onto them);
+    `given` overrides any field a family names differently or fixes (e.g. num_kv_heads=1 for multi-query)."""
+    heads = given.pop("num_heads", None) or config.num_attention_heads
+    facts = {
+        "num_layers": given.pop("num_layers", None) or config.num_hidden_layers,
+        "num_kv_heads": given.pop("num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": given.pop("head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "max_position_embeddings": given.pop("max_position_embeddings", None) or config.max_position_embeddings,
+    }
+    return ModelSpec(
+        model_type=config.model_type,
+        num_heads=heads,
+        hidden_size=config.hidden_size,
+        vocab_size=vocab_size,
+        sliding_window=windows[0] if len(set(windows)) == 1 else None,
+        dtype=dtype,
+        **facts,
+        **given,
+    )
+
+
+def rotary_embedding(spec: ModelSpec, params: dict, weights: Weights, **options) -> RotaryEmbedding:
+    """RoPE tables over the spec's head size and trained length, in the model's dtype and device."""
+    return RotaryEmbedding(
+        spec.head_dim, params, spec.max_position_embeddings, weights.dtype, weights.device, **options
+    )
+
+
+class CausalLM(nn.Module):
+    """Embedding → layers (each `layer(h, cos, sin, k_cache, v_cache, meta) → h`) → final norm → LM head."""
+
+    spec: ModelSpec
+    rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
+    embed_scale: torch.Tensor | None = None  # Gemma multiplies embeddings by sqrt(hidden)
+
+    def load_embeddings(self, weights: Weights, embed: str, head: str, tied: bool, head_bias: str | None = None):
+        """Loads the input embedding and the LM head and returns the vocabulary size; tied, the embedding reads
+        the head's storage (no copy). Under tensor parallelism each rank holds a block of the vocabulary."""
+        self.tp = weights.tp
+        embed_weight, head_weight, vocab_size = load_vocab_parallel(weights, embed, head, tied)
+        bias = weights.get_optional(head_bias) if head_bias else None
+        self.lm_head = vocab_parallel_head(head_weight, vocab_size, self.tp, bias)
+        # A oneDNN-packed head has no row view, so there the embedding keeps the checkpoint tensor.
+        shared = head_weight is embed_weight and self.lm_head.layout != "onednn"
+        self.register_buffer("embed_tokens", self.lm_head.dense_weight if shared else embed_weight, persistent=False)
+        return vocab_size
+
+    def load_llama_layout(
+        self,
+        config,
+        weights: Weights,
+        rope: dict,
+        windows: list[int | None] | None = None,
+        head_bias: str | None = None,
+    ) -> None:
+        """Embeddings, spec, RoPE and layers of a checkpoint laid out like Llama's ("model.embed_tokens",
+        "lm_head", "model.layers.{i}"); each layer comes from the family's `load_layer(weights, prefix, config,
+        window)`. The family then loads its final `norm`. `windows`: each layer's sliding window (default none)."""
+        windows = windows or [None] * config.num_hidden_layers
+        tied = getattr(config, "tie_word_embeddings", True)
+        vocab = self.load_embeddings(weights, "model.embed_tokens.weight", "lm_head.weight", tied, head_bias)
+        self.spec = decoder_spec(config, weights.dtype, vocab, windows)
+        self.rotary = rotary_embedding(self.spec, rope, weights)
+        self.layers = nn.ModuleList(
+            self.load_layer(weights, f"model.layers.{i}", config, window) for i, window in enumerate(windows)
+        )
+
+    def load_layer(self, weights: Weights, prefix: str, config, window: int | None) -> nn.Module:
+        """One layer under `prefix` (families that use `load_llama_layout` say how)."""
+        raise NotImplementedError(f"{type(self).__name__} builds its layers itself")
+
+    @classmethod
+    def from_pretrained(cls, path: str, config, dtype: torch.dtype, device: torch.device) -> CausalLM:
+        """Loads the checkpoint in `path` (safetensors) for an already parsed transformers `config`."""
+        with Weights(path, dtype, device) as weights:
+            return cls(config, weights).eval()
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → the first layer's input [T, hidden]."""
+        h = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
+        return h if self.embed_scale is None else h * self.embed_scale
+
+    def rope(self, positions: torch.Tensor, meta: AttentionMetadata):
+        """(cos, sin) for the step's positions, or (None, None) without RoPE."""
+        return (None, None) if self.rotary is None else self.rotary(positions, meta)
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's output → final hidden states."""
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        h, (cos, sin) = self.embed(input_ids, positions), self.rope(positions, meta)
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            h = layer(h, cos, sin, k_cache, v_cache, meta)
+        return self.finish(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab] in float32 (sampling and logprobs want full precision)."""
+        return self.lm_head(hidden).float()
+
+
+class DecoderLM(CausalLM):
+    """A CausalLM whose layers carry the residual stream: `layer(h, residual, cos, sin, ...) → (h, residual)`,
+    the last residual add done by the final norm (`add_forward`)."""
+
+    def llama_block(
+        self, weights: Weights, prefix: str, norm: NormLoader, mlp: nn.Module, window=None, qk_norms=None
+    ) -> PreNormLayer:
+        """A layer named like Llama's (`self_attn.{q,k,v,o}_proj`, `input_layernorm`, `post_attention_layernorm`,
+        each norm loaded by `norm(name)`) around the family's MLP, with RoPE from `self.rotary`."""
+        attn = f"{prefix}.self_attn"
+        o_proj = Linear.load(weights, [f"{attn}.o_proj"])
+        attention = Attention(load_qkv(weights, attn), o_proj, self.spec, self.rotary.rotate_fn, window, qk_norms)
+        return PreNormLayer(
+            norm(f"{prefix}.input_layernorm"), attention, norm(f"{prefix}.post_attention_layernorm"), mlp
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
+        h, residual, (cos, sin) = self.embed(input_ids, positions), None, self.rope(positions, meta)
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
+        return self.norm.add_forward(h, residual)[0]

@@ -1,0 +1,67 @@
+"""GPT-2 over a paged KV cache: learned absolute positions, pre-norm LayerNorm blocks, fused c_attn.
+
+GPT-2 checkpoints store every projection as a `Conv1D`, whose weight is [in, out] (the transpose of a
+Linear's); they are transposed once at load. OpenAI's original checkpoints are saved without the
+"transformer." prefix, transformers' own with it: both load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kettle.layers.activation import activation
+from kettle.layers.linear import Linear
+from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm
+from kettle.models.decoder import Attention, SequentialBlock
+from kettle.models.decoder_lm import CausalLM, decoder_spec
+from kettle.models.spec import ModelSpec
+from kettle.models.weights import Weights
+
+
+def load_conv1d(weights: Weights, prefix: str) -> Linear:
+    """A GPT-2 Conv1D (weight [in, out]) as a Linear (weight [out, in])."""
+    return Linear(weights.get(f"{prefix}.weight").t().contiguous(), weights.get_optional(f"{prefix}.bias"))
+
+
+def attention_scale(config, head_dim: int, layer: int) -> float:
+    """1/sqrt(head_dim) unless `scale_attn_weights` is off; divided by layer + 1 when asked (GPT-2 variants)."""
+    scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scale /= layer + 1
+    return scale
+
+
+def gpt2_block(weights: Weights, prefix: str, config, spec: ModelSpec, layer: int) -> SequentialBlock:
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x)); attention without RoPE (learned positions)."""
+    eps, scale = config.layer_norm_epsilon, attention_scale(config, spec.head_dim, layer)
+    attn = Attention(
+        load_conv1d(weights, f"{prefix}.attn.c_attn"), load_conv1d(weights, f"{prefix}.attn.c_proj"), spec, None,
+        scale=scale,
+    )  # fmt: skip
+    fc, proj = load_conv1d(weights, f"{prefix}.mlp.c_fc"), load_conv1d(weights, f"{prefix}.mlp.c_proj")
+    mlp = DenseMLP(fc, proj, activation(config.activation_function))
+    return SequentialBlock(
+        load_layer_norm(weights, f"{prefix}.ln_1", eps), attn, load_layer_norm(weights, f"{prefix}.ln_2", eps), mlp
+    )
+
+
+class GPT2ForCausalLM(CausalLM):
+    """GPT-2 built directly from a checkpoint's tensors."""
+
+    def __init__(self, config, weights: Weights) -> None:
+        super().__init__()
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not a causal LM Kettle serves")
+        prefix = checkpoint_prefix(weights, "wte.weight", ("transformer.", ""))
+        vocab = self.load_embeddings(weights, f"{prefix}wte.weight", "lm_head.weight", config.tie_word_embeddings)
+        self.wpe = nn.Parameter(weights.get(f"{prefix}wpe.weight"), requires_grad=False)
+        self.spec = decoder_spec(config, weights.dtype, vocab, num_kv_heads=config.n_head)
+        self.layers = nn.ModuleList(
+            gpt2_block(weights, f"{prefix}h.{i}", config, self.spec, i) for i in range(config.n_layer)
+        )
+        self.norm = load_layer_norm(weights, f"{prefix}ln_f", config.layer_norm_epsilon)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings plus learned absolute positions."""
+        return super().embed(input_ids, positions) + self.wpe[positions]

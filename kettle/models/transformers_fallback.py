@@ -1,0 +1,141 @@
+"""Models Kettle has no native implementation for, run through transformers itself.
+
+Any `AutoModelForCausalLM` is served by `TransformersCausalLM` (driven by `FallbackRunner`, padded batches over
+transformers' own KV cache) and any encoder-decoder model by `TransformersSeq2SeqLM` (see `seq2seq.py`). Both
+expose the `spec` the shard sizes its KV budget from, and `execution_path` for `/info`.
+
+Before transformers sees a checkpoint, `check_loadable` turns its two unhelpful failures into one clear line
+each: a model that ships its own code (`auto_map`) without `--trust-remote-code`, and a model type transformers
+does not know at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from kettle.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+def check_loadable(path: str, trust_remote_code: bool) -> None:
+    """Raises ValueError with an actionable message when transformers could not load `path` as asked."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return  # let transformers report the missing file with its own words
+    settings = json.loads(config_file.read_text())
+    model_type = settings.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        return  # transformers' own code serves it; a shipped auto_map is ignored without the flag
+    if settings.get("auto_map"):
+        if not trust_remote_code:
+            raise ValueError(
+                f"model type {model_type!r} needs the custom code shipped with the model (config.json auto_map): "
+                "pass --trust-remote-code to run it"
+            )
+        return
+    raise ValueError(
+        f"model type {model_type!r} has no native implementation and is unknown to transformers {__version__} "
+        "(no auto_map in config.json): it cannot be served"
+    )
+
+
+def spec_from_config(config, dtype: torch.dtype, decoder_layers_factor: int = 1) -> ModelSpec:
+    """A `ModelSpec` read from any transformers config (names differ per family: best effort, with defaults).
+
+    `decoder_layers_factor` counts the K/V sets per layer the KV budget must hold (2 for self + cross).
+    """
+    text = config.get_text_config(decoder=True)
+    hidden = _first(text, ("hidden_size", "d_model", "n_embd"), 0)
+    heads = _first(text, ("num_attention_heads", "num_heads", "n_head", "decoder_attention_heads"), 1)
+    kv_heads = _first(text, ("num_key_value_heads", "num_kv_heads"), heads) or heads
+    layers = _first(text, ("num_hidden_layers", "num_decoder_layers", "decoder_layers", "n_layer", "num_layers"), 1)
+    head_dim = getattr(text, "head_dim", None) or _first(text, ("d_kv",), 0) or max(1, hidden // max(1, heads))
+    return ModelSpec(
+        model_type=config.model_type,
+        num_layers=layers * decoder_layers_factor,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        vocab_size=_first(text, ("vocab_size",), 0),
+        max_position_embeddings=_first(text, ("max_position_embeddings", "n_positions", "max_length"), 0),
+        sliding_window=None,
+        dtype=dtype,
+    )
+
+
+def _first(config, names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def accepts(module: torch.nn.Module, argument: str) -> bool:
+    """Whether `module.forward` takes `argument` by name."""
+    return argument in inspect.signature(module.forward).parameters
+
+
+class TransformersCausalLM:
+    """A transformers causal LM behind the shard's model interface (driven by `FallbackRunner`)."""
+
+    execution_path = "transformers"
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model = model
+        self.config = model.config
+        self.spec = spec_from_config(model.config, dtype)
+        self.takes_positions = accepts(model, "position_ids")
+        self.takes_logits_to_keep = accepts(model, "logits_to_keep")
+        self.pad_token_id = _pad_id(model.config)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        logger.info("No native implementation of %r: serving it through transformers", model.config.model_type)
+        return cls(model.to(device).eval(), dtype)
+
+    def compute_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The runner already holds logits (transformers computes them): identity, so shared code applies."""
+        return logits.float()
+
+    def make_runner(self, vocab, device: torch.device, watermark: tuple[float, float]):
+        from kettle.shard.fallback_runner import FallbackRunner
+
+        return FallbackRunner(self, vocab, device, watermark)
+
+
+def _pad_id(config) -> int:
+    """The id fed at padded positions (masked out, so any valid id works): pad, else EOS, else BOS, else 0.
+
+    Only ids inside the embedding count: configs carry defaults of their family's full vocabulary."""
+    text = config.get_text_config(decoder=True)
+    vocab_size = getattr(text, "vocab_size", None) or 0
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(text, name, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and 0 <= value < vocab_size:
+            return value
+    return 0
+
+
+def load_transformers_model(
+    path: str, config, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+):
+    """The fallback for `config`: the seq2seq path for encoder-decoder models, the causal one otherwise."""
+    if getattr(config, "is_encoder_decoder", False):
+        from kettle.models.seq2seq import TransformersSeq2SeqLM
+
+        return TransformersSeq2SeqLM.from_pretrained(path, dtype, device, trust_remote_code)
+    return TransformersCausalLM.from_pretrained(path, dtype, device, trust_remote_code)

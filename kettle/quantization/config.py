@@ -1,0 +1,75 @@
+"""The `--quantize` values and their knobs: which ones run where, and the environment switches."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Weight-only schemes served on the CPU by PyTorch's packed kernels; gptq/awq load into the int4 path.
+CPU_SCHEMES = ("int8", "int4", "gptq", "awq")
+CUDA_SCHEMES = ("fp8",)
+# TGI's other values: accepted by the flag's vocabulary, refused with a clear message (see `check_scheme`).
+UNSUPPORTED = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "marlin", "exl2")
+ALL_SCHEMES = CPU_SCHEMES + CUDA_SCHEMES + UNSUPPORTED
+
+DEFAULT_INT4_GROUP_SIZE = 128
+DEFAULT_LM_HEAD = "int8"  # int4 heads cost accuracy: see README (quantization)
+# The packed kernels' activation dtype. Measured on this AVX2 CPU (bench/quant_kernels.py): with float32
+# activations both kernels fall back to a path 4-50x slower than float32 oneDNN; with bfloat16 they beat it
+# at 1-8 rows (int4 ~2x, int8 ~1.5x). Inputs are cast per call and outputs cast back to the model's dtype.
+KERNEL_ACT_DTYPE = torch.bfloat16
+# Above this many rows, a dense float32 GEMM on the weight dequantized for the call beats the packed kernels
+# (measured ~0.4x of float32 at 256 rows, against 0.5-0.9x for dequantize + GEMM).
+DEFAULT_DENSE_ROWS = 128
+
+
+def int4_group_size() -> int | None:
+    """`KETTLE_INT4_GROUP_SIZE` (32, 64, 128 or 256) for `--quantize int4`; unset: None, meaning 128 unless a
+    weight already lies on a finer 4-bit grid (`kettle.quantization.int4.native_group_size`)."""
+    value = os.environ.get("KETTLE_INT4_GROUP_SIZE")
+    if value is None:
+        return None
+    if value not in ("32", "64", "128", "256"):
+        raise ValueError(f"KETTLE_INT4_GROUP_SIZE must be 32, 64, 128 or 256, got {value!r}")
+    return int(value)
+
+
+def lm_head_scheme(method: str) -> str | None:
+    """How `--quantize int8|int4` stores the LM head: `KETTLE_QUANT_LM_HEAD` = int8, int4, or dense (0)."""
+    value = os.environ.get("KETTLE_QUANT_LM_HEAD", DEFAULT_LM_HEAD)
+    if value not in ("int8", "int4", "dense", "0"):
+        raise ValueError(f"KETTLE_QUANT_LM_HEAD must be int8, int4 or dense, got {value!r}")
+    if value in ("dense", "0"):
+        return None
+    return "int8" if method == "int8" else value
+
+
+def dense_rows_threshold() -> int:
+    """Calls with more rows than this use a dense float32 GEMM on the dequantized weight instead of the packed
+    kernel (`KETTLE_QUANT_DENSE_ROWS`, default 128; 0 turns the dense path off)."""
+    rows = int(os.environ.get("KETTLE_QUANT_DENSE_ROWS", str(DEFAULT_DENSE_ROWS)))
+    return rows if rows > 0 else 1 << 62
+
+
+def check_scheme(quantize: str | None, device_type: str) -> None:
+    """Raises a ValueError naming the working alternatives when `quantize` cannot run on `device_type`."""
+    if quantize is None:
+        return
+    cpu = ", ".join(CPU_SCHEMES)
+    if quantize not in ALL_SCHEMES:
+        raise ValueError(f"--quantize {quantize} is unknown: use one of {', '.join(ALL_SCHEMES)}")
+    if quantize in UNSUPPORTED:
+        raise ValueError(
+            f"--quantize {quantize} is not supported by Kettle (it needs CUDA kernels Kettle does not ship): "
+            f"on the CPU use --quantize int8 or int4 (or serve a GPTQ/AWQ checkpoint: {cpu}); "
+            "on an NVIDIA Hopper GPU use --quantize fp8"
+        )
+    if quantize in CUDA_SCHEMES and device_type != "cuda":
+        raise ValueError(
+            f"--quantize {quantize} needs an NVIDIA GPU (Hopper or newer): on the CPU use --quantize int8 or int4 "
+            f"(or serve a GPTQ/AWQ checkpoint with {cpu}), or run without --quantize with --dtype float32 "
+            "(the CPU default) or --dtype bfloat16"
+        )
+    if quantize in CPU_SCHEMES and device_type != "cpu":
+        raise ValueError(f"--quantize {quantize} runs on the CPU only: on an NVIDIA GPU use --quantize fp8")

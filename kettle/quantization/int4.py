@@ -1,0 +1,155 @@
+"""Group-wise int4 weight-only linear layers for the CPU, on PyTorch's packed int4 kernel.
+
+Each group of `group_size` consecutive input channels of one output channel has its own scale and zero, and
+the weight is w = (q - 8) · scale + zero with q in 0..15 (the float-zero form of PyTorch's int4 kernels).
+`torch.ops.aten._weight_int4pack_mm_for_cpu` streams the packed nibbles (half a byte a weight, an eighth of
+float32) and dequantizes them in registers. It accepts float32 activations, but on this AVX2 CPU only its
+bfloat16 path is fast (measured: bench/quant_kernels.py), so activations are cast to bfloat16 per call and
+the output back; the scales and zeros are kept in bfloat16 too (the kernel wants the activations' dtype).
+
+Checkpoints quantized elsewhere (GPTQ, AWQ) reach this layer through `Int4Linear.from_qparams`: their
+w = s · (q - z) is the same function with scale = s and zero = s · (8 - z).
+
+Large prefills can be faster on a dense float32 GEMM than on the packed kernel (it is a decode kernel): with
+`dense_rows` set, a call with more rows dequantizes the weight for that call only (never kept).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, KERNEL_ACT_DTYPE, dense_rows_threshold
+
+# Group sizes the packed CPU kernel implements; a checkpoint's larger group is split into these (exactly: the
+# sub-groups repeat its scale and zero).
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+# The packing interleaves output channels in blocks of 32 (two of 16 per byte); N must be a multiple of 16.
+_PACK_BLOCK = 32
+
+
+def kernel_group_size(in_features: int, wanted: int) -> int:
+    """The largest kernel group size ≤ `wanted` that divides both `in_features` and `wanted`.
+
+    SmolLM2's hidden size 576 is not a multiple of 128, so its layers get 64 under the default of 128.
+    """
+    for size in KERNEL_GROUP_SIZES:
+        if size <= wanted and in_features % size == 0 and wanted % size == 0:
+            return size
+    raise ValueError(f"int4: no group size in {KERNEL_GROUP_SIZES} divides in_features={in_features} and {wanted}")
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q int32 [N, K] in 0..15, scale [K/g, N], zero [K/g, N]), asymmetric min/max per group."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-10)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    zero = low + 8 * scale  # q = 0 decodes to the group's minimum
+    return q.reshape(n, k), scale.t().contiguous(), zero.t().contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `_convert_weight_to_int4pack_for_cpu`: packed [N, K/2] uint8 → q int32 [N, K].
+
+    The layout (measured on torch 2.13): output channels in blocks of 32, each block stored as [K, 16] bytes
+    with channel j in the low nibble and j + 16 in the high one; a last block of 16 is stored [K, 8] with
+    channels 2j and 2j + 1 in the low and high nibbles of byte j.
+    """
+    flat = packed.reshape(-1).to(torch.int32)
+    full = n // _PACK_BLOCK * _PACK_BLOCK
+    main = flat[: full * k // 2].view(full // _PACK_BLOCK, k, _PACK_BLOCK // 2)
+    q = torch.cat([main & 0xF, main >> 4], dim=-1).permute(0, 2, 1).reshape(full, k)
+    if full == n:
+        return q
+    tail = flat[full * k // 2 :].view(k, 8)
+    tail = torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, 16).t()
+    return torch.cat([q, tail])
+
+
+def native_group_size(weight: torch.Tensor) -> int | None:
+    """32 or 64 when the weight already lies on a 4-bit min/max grid with groups of that size (a 4-bit
+    checkpoint dequantized, e.g. the bundled Q4_1 GGUF): quantizing with that group size is then lossless,
+    where a coarser group would round the grid again (measured on the bundled model: mean KL to float32
+    0.0006 with groups of 32, 0.63 with 64). A sample of 16 rows decides."""
+    sample = weight[:16].float()
+    for size in (32, 64):
+        if sample.shape[1] % size:
+            continue
+        q, scale, zero = quantize_int4(sample, size)
+        rebuilt = ((q.view(q.shape[0], -1, size) - 8) * scale.t()[..., None] + zero.t()[..., None]).view_as(sample)
+        steps = scale.t().repeat_interleave(size, dim=1)
+        if ((rebuilt - sample).abs() <= 0.01 * steps).all():
+            return size
+    return None
+
+
+class Int4Linear(nn.Module):
+    """y = x Wᵀ (+ b) with W [out, in] group-wise int4; same call shape as `kettle.layers.linear.Linear`."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+        act_dtype: torch.dtype = KERNEL_ACT_DTYPE,
+    ) -> None:
+        super().__init__()
+        n, k = q.shape
+        if n % 16:
+            raise ValueError(f"int4: out_features must be a multiple of 16 for the packed kernel, got {n}")
+        self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
+        self.act_dtype = act_dtype
+        self.dense_rows = dense_rows_threshold()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+        scale_zero = torch.stack([scale, zero], dim=-1).to(act_dtype).contiguous()
+        self.register_buffer("scale_zero", scale_zero, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int | None = 128, **kwargs
+    ) -> Int4Linear:
+        """Quantizes a dense [out, in] weight with groups of `group_size` (or the largest kernel size dividing it);
+        `group_size=None` keeps a weight's own 4-bit grid (`native_group_size`), else uses 128."""
+        wanted = group_size or native_group_size(weight) or DEFAULT_INT4_GROUP_SIZE
+        size = kernel_group_size(weight.shape[1], wanted)
+        q, scale, zero = quantize_int4(weight, size)
+        return cls(q, scale, zero, size, bias, **kwargs)
+
+    @classmethod
+    def from_qparams(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bias=None
+    ) -> Int4Linear:
+        """From q [N, K] (0..15) and scale/zero [K/g, N] in the float-zero form; a group size the kernel lacks
+        is split into kernel-sized groups sharing its scale and zero (an exact rewrite)."""
+        size = kernel_group_size(q.shape[1], group_size)
+        repeat = group_size // size
+        return cls(q, scale.repeat_interleave(repeat, 0), zero.repeat_interleave(repeat, 0), size, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor (for large prefills and for checks)."""
+        q = unpack_int4(self.packed, self.out_features, self.in_features).float()
+        scale, zero = self.scale_zero.float().unbind(-1)  # [K/g, N] each
+        groups = (q.view(self.out_features, -1, self.group_size) - 8) * scale.t()[..., None] + zero.t()[..., None]
+        return groups.view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > self.dense_rows:
+            y = F.linear(rows.float(), self.dequantized()).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.to(self.act_dtype), self.packed, self.group_size, self.scale_zero
+            ).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"

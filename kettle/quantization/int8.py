@@ -1,0 +1,87 @@
+"""Per-channel int8 weight-only linear layers for the CPU, on PyTorch's `_weight_int8pack_mm` kernel.
+
+Each output channel keeps one float32 scale (absmax / 127, symmetric); the kernel reads a byte per weight
+(a quarter of float32); its fast path takes bfloat16 activations (cast per call; kettle/quantization/config.py).
+Large prefills can use a dense float32 GEMM on the
+weight dequantized for that call when `dense_rows` says so (measured in bench/quant_kernels.py).
+
+An int8 [vocab, hidden] LM head quantized per output channel is also a per-row quantized embedding table:
+`embed` gathers rows of it, so a tied embedding needs no float copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kettle.quantization.config import KERNEL_ACT_DTYPE, dense_rows_threshold
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q int8 [N, K], scale float32 [N]) with weight ≈ q · scale[:, None]."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-10) / 127
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class Int8Linear(nn.Module):
+    """y = x Wᵀ (+ b) with W [out, in] int8 and one scale per output channel; same call shape as `Linear`."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        act_dtype: torch.dtype = KERNEL_ACT_DTYPE,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = (int(d) for d in q.shape)
+        self.dense_rows = dense_rows_threshold()
+        self.act_dtype = act_dtype
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale.float(), persistent=False)
+        # The kernel wants the scales in the activations' dtype.
+        self.register_buffer("kernel_scale", scale.to(act_dtype), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs) -> Int8Linear:
+        """Quantizes a dense [out, in] weight per output channel."""
+        return cls(*quantize_int8(weight), bias, **kwargs)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor."""
+        return self.q.float() * self.scale[:, None]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32: the embedding lookup of a tied, int8-quantized table."""
+        return self.q[ids].float() * self.scale[ids, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > self.dense_rows:
+            y = F.linear(rows.float(), self.dequantized())
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(self.act_dtype), self.q, self.kernel_scale)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table kept in int8 with one scale per row; `forward(ids)` returns float32 rows."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scale = quantize_int8(weight)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].float() * self.scale[ids, None]

@@ -1,0 +1,143 @@
+"""Weight-only quantization applied while a model loads, so model files need no change.
+
+`load_model` resolves the scheme (`resolve_scheme`: the `--quantize` flag and the checkpoint's own
+`quantization_config`), then loads the model inside `quantizing(scheme)`. While that scope is active,
+`Linear.load` asks `load_linear` first: each projection is quantized as it is read (int8/int4), or built
+from the checkpoint's packed tensors (GPTQ/AWQ), so the float32 weights of the whole model never sit in
+memory at once. `finish` then quantizes the LM head, which the models build directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kettle.models.weights import Weights
+from kettle.quantization.awq import AwqFormat
+from kettle.quantization.config import check_scheme, int4_group_size, lm_head_scheme
+from kettle.quantization.gptq import GptqFormat
+from kettle.quantization.int4 import Int4Linear
+from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.qparams import QParams
+
+PREQUANTIZED = {"gptq": GptqFormat, "awq": AwqFormat}
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What load-time quantization does: `method` int8/int4/gptq/awq, the int4 group size, the checkpoint
+    format for gptq/awq, and the LM head's scheme (`KETTLE_QUANT_LM_HEAD`; None keeps it dense)."""
+
+    method: str
+    group_size: int | None = None
+    checkpoint: GptqFormat | AwqFormat | None = None
+    head: str | None = None
+
+
+_ACTIVE: ContextVar[Scheme | None] = ContextVar("kettle_quantization", default=None)
+
+
+def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | None:
+    """The scheme for `--quantize` and the checkpoint's `quantization_config`, or None for plain loading;
+    raises a ValueError naming the alternatives for a value that cannot run here."""
+    qconfig = getattr(config, "quantization_config", None)
+    qconfig = qconfig.to_dict() if hasattr(qconfig, "to_dict") else qconfig
+    method = (qconfig or {}).get("quant_method")
+    if method is not None and method not in PREQUANTIZED:
+        raise ValueError(f"checkpoint quantization {method!r} is not supported (supported: gptq, awq)")
+    if method is not None and quantize not in (None, method):
+        raise ValueError(f"the checkpoint is already {method}-quantized: use --quantize {method} or no --quantize")
+    if quantize in PREQUANTIZED and method is None:
+        raise ValueError(f"--quantize {quantize} needs a {quantize} checkpoint (quantization_config in config.json)")
+    quantize = quantize or method
+    check_scheme(quantize, device_type)
+    if quantize in (None, "fp8"):
+        return None
+    from kettle.shard import distributed
+
+    if distributed.current().world_size > 1:  # the tensor-parallel loaders slice dense weights only
+        raise ValueError(f"--quantize {quantize} runs on one shard: use --num-shard 1")
+    if quantize in PREQUANTIZED:  # the head stays as the checkpoint has it (these formats leave it dense)
+        return Scheme(quantize, checkpoint=PREQUANTIZED[quantize].from_config(qconfig))
+    return Scheme(quantize, int4_group_size(), head=lm_head_scheme(quantize))
+
+
+@contextmanager
+def quantizing(scheme: Scheme | None) -> Iterator[None]:
+    """Makes `Linear.load` quantize the projections it loads, for the duration of the block."""
+    token = _ACTIVE.set(scheme)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def load_linear(weights: Weights, prefixes: list[str]) -> nn.Module | None:
+    """The fused projections `prefixes` quantized under the active scheme; None when none is active (or the
+    checkpoint left these projections unquantized), for `Linear.load` to load them dense."""
+    scheme = _ACTIVE.get()
+    if scheme is None:
+        return None
+    biases = [weights.get_optional(f"{prefix}.bias") for prefix in prefixes]
+    if scheme.checkpoint is not None:
+        if not all(scheme.checkpoint.is_quantized(weights, prefix) for prefix in prefixes):
+            return None
+        qparams = QParams.concat([scheme.checkpoint.load(weights, prefix) for prefix in prefixes])
+        return Int4Linear.from_qparams(
+            qparams.q, qparams.scale, qparams.zero, qparams.group_size, _fused_bias(biases, qparams.q)
+        )
+    weight = torch.cat([weights.get(f"{prefix}.weight") for prefix in prefixes])
+    return quantize_weight(scheme, weight, _fused_bias(biases, weight))
+
+
+def quantize_weight(scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A dense [out, in] weight as an `Int8Linear` or `Int4Linear`; int8 for a shape the int4 kernel cannot
+    take (out_features not a multiple of 16, e.g. GPT-2's 50257-row head, or in_features not of 32)."""
+    out_features, in_features = weight.shape
+    if scheme.method == "int8" or out_features % 16 or in_features % 32:
+        return Int8Linear.from_weight(weight, bias)
+    return Int4Linear.from_weight(weight, bias, scheme.group_size)
+
+
+def _fused_bias(biases: list[torch.Tensor | None], stacked: torch.Tensor) -> torch.Tensor | None:
+    if all(bias is None for bias in biases):
+        return None
+    if any(bias is None for bias in biases):
+        raise ValueError("quantized fused projections with a bias on only some of them are not supported")
+    bias = torch.cat(biases)
+    if bias.shape[0] != stacked.shape[0]:
+        raise ValueError(f"fused bias has {bias.shape[0]} entries for {stacked.shape[0]} output channels")
+    return bias
+
+
+def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
+    """Quantizes the model's dense LM head under `scheme` (its tied embedding keeps its own float table)."""
+    from kettle.layers.linear import Linear
+
+    head = getattr(model, "lm_head", None)
+    if scheme is None:
+        return model
+    if scheme.head is not None and isinstance(head, Linear):
+        weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
+        bias = None if head.bias is None else head.bias.data
+        model.lm_head = quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
+    release_freed_memory()
+    groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear)})
+    logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, scheme.head)
+    return model
+
+
+def release_freed_memory() -> None:
+    """Hands the float32 weights freed while quantizing back to the OS. glibc keeps freed heap memory for
+    reuse (its mmap threshold grows after the first large free), which kept ~300 MiB of a quantized
+    SmolLM2 resident; malloc_trim returns it. A no-op where glibc is absent."""
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -1,0 +1,111 @@
+"""Constrained decoding on the shard (SPEC §7, §12): per-request grammar matchers and the batch's token mask.
+
+The engine is llguidance (see bench/grammar_engines.py for the comparison with xgrammar and outlines-core):
+near-zero grammar compile time (its lexer is built lazily while masking), masks of a few hundred µs per row
+on the bundled model's 49k vocabulary, JSON Schema and regular expressions with precise error messages, and
+no dependency beyond itself.
+
+Each request with a grammar owns an `LLMatcher`, advanced only with the tokens it actually sampled (a prefill
+chunk that is not the prompt's last one samples nothing, so it never reaches the matcher). Per step, the
+masks of all constrained rows are computed in one call into one int32 bitmask, copied to the device once and
+unpacked there into the [B, V] bool mask that `BatchSampler` applies.
+
+Ending: where the grammar may stop but could go on, EOS is among the allowed tokens and the model chooses.
+Where nothing can follow (the JSON object is closed), the matcher stops and the request ends at once with
+finish reason `eos_token`. TGI instead spends one more forward on a forced EOS token; skipping it saves that
+step and the answer is the same, except that `generated_tokens` does not count a final EOS.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from kettle.grammar import grammar_text
+from kettle.proto import generate_pb2
+
+# Matchers computed in parallel per step; 1 keeps the shard's CPU budget predictable on small machines.
+_THREADS_ENV = "KETTLE_GRAMMAR_THREADS"
+_LAZY_ENV = "KETTLE_GRAMMAR_LAZY"
+_BITS = 32
+
+
+class Grammars:
+    """The shard's grammar support: the llguidance view of the tokenizer, new matchers, and the per-step mask.
+
+    The tokenizer view takes ~2 s to build for a 49k vocabulary; it is built in a background thread from the
+    start, so the first grammar request does not pay for it (KETTLE_GRAMMAR_LAZY=1: build on first use)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        # The grammar ends on one EOS id; it must be one the stopping criteria stop on.
+        own = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id = own if own in eos_token_ids or not eos_token_ids else min(eos_token_ids)
+        self._executor = llguidance.LLExecutor(num_threads=int(os.environ.get(_THREADS_ENV, "1")))
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._built: Future[llguidance.LLTokenizer] | None = None
+        self._prototype = lru_cache(maxsize=64)(self._prototype)  # type: ignore[method-assign]
+        if os.environ.get(_LAZY_ENV) != "1":
+            self._start_build()
+
+    def _start_build(self) -> Future[llguidance.LLTokenizer]:
+        if self._built is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tokenizer")
+            self._built = pool.submit(
+                llguidance.hf.from_tokenizer, self._tokenizer, n_vocab=len(self._tokenizer), eos_token=self.eos_token_id
+            )
+            pool.shutdown(wait=False)
+        return self._built
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        return self._start_build().result()
+
+    def matcher(self, parameters: generate_pb2.NextTokenChooserParameters) -> llguidance.LLMatcher | None:
+        """A fresh matcher for a request's grammar, or None when it has none."""
+        if parameters.grammar_type == generate_pb2.GRAMMAR_TYPE_NONE:
+            return None
+        return self._prototype(parameters.grammar_type, parameters.grammar).deep_copy()
+
+    def _prototype(self, grammar_type: int, text: str) -> llguidance.LLMatcher:
+        # Copying a compiled matcher is ~100x cheaper than building one (measured: 5 µs vs 4 ms on the bundled
+        # model) and shares the lexer work done so far, so matchers are cached per grammar (LRU) and copied.
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(grammar_type, text))
+        if matcher.is_error():
+            raise ValueError(f"grammar is not valid: {matcher.get_error()}")
+        return matcher
+
+    def mask(self, matchers: Sequence[llguidance.LLMatcher | None], width: int, device: torch.device) -> torch.Tensor:
+        """[B, width] bool, True = allowed. Rows without a matcher allow everything; constrained rows allow
+        nothing past the tokenizer's vocabulary (the columns of a padded lm_head)."""
+        vocab = self.ll_tokenizer.vocab_size
+        bitmask = torch.full((len(matchers), -(-vocab // _BITS)), -1, dtype=torch.int32)
+        constrained = [(m, row) for row, m in enumerate(matchers) if m is not None]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, bitmask)
+        mask = self._unpack(bitmask.to(device, non_blocking=True), min(vocab, width))
+        if width > vocab:
+            free = torch.tensor([m is None for m in matchers], device=device).unsqueeze(1)
+            mask = torch.cat([mask, free.expand(-1, width - vocab)], dim=1)
+        # A matcher in an error state allows nothing; let it end instead of sampling from all -inf.
+        mask[:, self.eos_token_id] |= ~mask.any(dim=-1)
+        return mask
+
+    def _unpack(self, bitmask: torch.Tensor, width: int) -> torch.Tensor:
+        shifts = self._shifts.get(bitmask.device)
+        if shifts is None:
+            shifts = self._shifts[bitmask.device] = torch.arange(_BITS, dtype=torch.int32, device=bitmask.device)
+        return ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :width].bool()
+
+
+def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
+    """Feeds a sampled token to the matcher; True when the grammar is finished (the request must stop)."""
+    matcher.consume_token(token)
+    return matcher.is_stopped() or matcher.is_error()
