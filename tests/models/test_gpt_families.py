@@ -20,15 +20,6 @@ from tests.models.drive import new_cache, scattered_tables, step
 from tests.models.family_parity import _prompts, _reference, assert_parity, save_tiny, tiny_settings
 
 
-@pytest.fixture(scope="module", autouse=True)
-def few_threads():
-    """The machine is shared: one thread is plenty for models this size."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def common(settings: dict) -> dict:
     return dict(
         vocab_size=settings["vocab_size"],

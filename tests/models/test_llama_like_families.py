@@ -17,15 +17,6 @@ from tests.models.family_parity import MEASURED_FILE, assert_parity, save_tiny, 
 from tests.models.test_gpt_families import gpt2_names
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The machine is shared: one thread is plenty for models this size."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def llama_names(settings: dict, **extra) -> dict:
     """The tiny shape as Llama-style configs name it (`tiny_settings`), with the family's own settings on top."""
     return settings | extra

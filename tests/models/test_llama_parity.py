@@ -17,15 +17,6 @@ VARIANTS = ["llama", "tied", "llama3_rope", "dynamic_rope", "qwen2", "mistral_sl
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def few_threads():
-    """The machine is shared: one thread is plenty for models this size."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module", params=VARIANTS)
 def models(request, tmp_path_factory):
     """(Kettle model, transformers model, prompt token ids) for one variant."""

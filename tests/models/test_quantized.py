@@ -29,14 +29,6 @@ INT8_RTOL = 0.08
 BUNDLED_MEAN_KL = 0.05
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"), intermediate_size=256)
