@@ -10,20 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kettle.proto import generate_pb2 as pb
-from kettle.shard.config import ShardConfig
-from kettle.shard.server import build_engine
+from tests.models.engine_driver import warm_engine
 
 LONG = "The capital of France is Paris. The capital of Germany is Berlin. Hello world! How are you today?"
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    # float32 on any device (a GPU defaults to bf16): the results are compared with transformers in fp32.
-    engine, _info = build_engine(ShardConfig(model_path=str(tiny_llama_path), dtype="float32"))
-    warm = pb.WarmupRequest(max_input_tokens=200, max_prefill_tokens=256, max_total_tokens=256)
-    warm.batch.requests.add(id=0, input_ids=[1, 2, 3]).stopping_parameters.max_new_tokens = 1
-    engine.warmup(warm)
-    return engine
+    return warm_engine(tiny_llama_path)[0]
 
 
 @pytest.fixture(scope="module")

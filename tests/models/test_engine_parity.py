@@ -9,22 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kettle.proto import generate_pb2 as pb
-from kettle.shard.config import ShardConfig
-from kettle.shard.server import build_engine
+from tests.models.engine_driver import make_batch, run_to_end, warm_engine
 
 PROMPTS = ["The capital of France is", "Hello", "def add(a, b):\n    return a + b\n", "你好，世界！今天"]
-BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    # float32 on any device (a GPU defaults to bf16): the results are compared with transformers in fp32.
-    engine, _info = build_engine(ShardConfig(model_path=str(tiny_llama_path), dtype="float32"))
-    warm = pb.WarmupRequest(max_input_tokens=200, max_prefill_tokens=256, max_total_tokens=256)
-    warm.batch.requests.add(id=0, input_ids=[1, 2, 3]).stopping_parameters.max_new_tokens = 1
-    response = engine.warmup(warm)
-    assert response.num_blocks * response.block_size == response.max_supported_total_tokens
-    return engine
+    return warm_engine(tiny_llama_path)[0]
 
 
 @pytest.fixture(scope="module")
@@ -32,33 +24,6 @@ def hf(tiny_llama_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     return tokenizer, model
-
-
-def make_batch(batch_id: int, prompts: list[list[int]], first_id: int, max_new_tokens: int, **extra) -> pb.Batch:
-    batch = pb.Batch(id=batch_id)
-    next_block = first_id * 64
-    for i, ids in enumerate(prompts):
-        n_blocks = math.ceil((len(ids) + max_new_tokens) / BLOCK)
-        request = batch.requests.add(id=first_id + i, input_ids=ids, **extra)
-        request.stopping_parameters.max_new_tokens = max_new_tokens
-        request.stopping_parameters.ignore_eos_token = True
-        request.blocks.extend(range(next_block, next_block + n_blocks))
-        next_block += n_blocks
-    return batch
-
-
-def run_to_end(engine, batch: pb.Batch) -> dict[int, list[int]]:
-    tokens: dict[int, list[int]] = {}
-    response = engine.prefill(pb.PrefillRequest(batch=batch))
-    cached = response.batch if response.HasField("batch") else None
-    for g in response.generations:
-        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
-    while cached is not None:
-        response = engine.decode(pb.DecodeRequest(batches=[cached]))
-        for g in response.generations:
-            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
-        cached = response.batch if response.HasField("batch") else None
-    return tokens
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:

@@ -11,14 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kettle.models.registry import ARCHITECTURES, load_model
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.fallback_runner import FallbackRunner
-from tests.models.fallback_helpers import (
-    PROMPTS,
-    join_mid_batch,
-    make_batch,
-    make_tiny_gpt_neo,
-    run_to_end,
-    warm_engine,
-)
+from tests.models.engine_driver import join_mid_batch, make_batch, run_to_end, warm_engine
+from tests.models.fallback_helpers import PROMPTS, make_tiny_gpt_neo
 
 NEW_TOKENS = 10
 

@@ -10,7 +10,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.seq2seq_runner import Seq2SeqRunner
-from tests.models.fallback_helpers import PROMPTS, join_mid_batch, make_batch, make_tiny_t5, run_to_end, warm_engine
+from tests.models.engine_driver import join_mid_batch, make_batch, run_to_end, warm_engine
+from tests.models.fallback_helpers import PROMPTS, make_tiny_t5
 
 NEW_TOKENS = 10
 
