@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Extra arguments for `make serve` / `make bench`, e.g. `make serve ARGS="--port 8080"`.
 ARGS ?=
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test lint format bench bench-peers clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ format: install
 
 bench: install
 	$(BIN)/python bench/compare.py $(ARGS)
+
+# The engines a user would pick instead of Kettle, benchmark-only (not in pyproject.toml): neither pulls torch.
+# llama-cpp-python builds llama.cpp from source the first time (~5 min).
+bench-peers: install
+	$(BIN)/python -m pip install ctranslate2 llama-cpp-python
+	$(BIN)/python bench/peers.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
