@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from kettle.hub import resolve_model
 from tests.fixtures import make_tiny_llama
-from tests.models.fallback_helpers import make_batch, run_to_end, warm_engine
+from tests.models.engine_driver import make_batch, run_to_end, warm_engine
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
