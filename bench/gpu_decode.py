@@ -8,10 +8,14 @@ decode steps as the shard runs them (host metadata build + forward + logits + ar
 the loop), eager and with the decode CUDA graph, and the graph replay alone (CUDA events). Achieved
 bandwidth = (weights read once + every sequence's KV) / step time; the embedding table is not counted
 (a step reads B rows of it). transformers runs the same steps with its DynamicCache at batch 1 and 32.
-fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32.
+fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32, and so are the
+weight-only int8 (per-channel, Triton GEMV) and int4 (groups of 128, PyTorch's tinygemm) models that
+`--quantize int8|int4` loads (LM head int8, KETTLE_QUANT_LM_HEAD's default); their %bw counts the bytes of
+the quantized weights (packed values + scales/zeros).
 
     python3 bench/gpu_decode.py --out $OUT
     KETTLE_FUSED_KERNELS=0 python3 bench/gpu_decode.py --batch 1 32   # the same without the fused kernels
+    python3 bench/gpu_decode.py --sampling --batch 1 32   # the shard's sampling step: host sync or none
 """
 
 from __future__ import annotations
@@ -194,7 +198,11 @@ def main() -> None:
     parser.add_argument("--hf-steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-fp8", action="store_true")
+    parser.add_argument(
+        "--weight-only", nargs="*", default=["int8", "int4"], choices=["int8", "int4"], help="none: skip them"
+    )
     parser.add_argument("--profile", action="store_true", help="only: GPU time per kernel of the graphed steps")
+    parser.add_argument("--sampling", action="store_true", help="only: the sampling step, with and without sync")
     parser.add_argument("--via-disk", action="store_true", help="save safetensors and load with load_model")
     parser.add_argument("--out", default=None, help="folder for the JSON results")
     args = parser.parse_args()
@@ -209,6 +217,9 @@ def main() -> None:
     hf, config, model, _keep = build_models(args, dtype)
     if args.profile:
         return profile_kernels(model, args)
+    if args.sampling:
+        results["sampling"] = bench_sampling(model, args)
+        return save(results, args.out)
     backend = get_backend(device_type="cuda").name
     print(f"models built in {time.perf_counter() - start:.1f} s; attention backend {backend}", flush=True)
     results["attention"] = {}
@@ -234,8 +245,13 @@ def main() -> None:
         print(f"transformers batch {b:3d}: {s * 1e3:8.3f} ms/step {b / s:9.1f} tok/s", flush=True)
     if not args.no_fp8:
         results.update(bench_fp8(model, config, _keep, ids, args, copy_bw))
+        torch.cuda.empty_cache()
+    for method in args.weight_only:
+        results[method] = bench_weight_only(method, model, config, _keep, ids, args, copy_bw)
+        torch.cuda.empty_cache()
     del hf
     summarize(results, wbytes, kv_token, copy_bw)
+    summarize_weight_only(results, args.weight_only, kv_token, copy_bw)
     save(results, args.out)
 
 
@@ -259,6 +275,56 @@ def profile_kernels(model, args) -> None:
             print(f"\nbatch {batch}, {label}: kernels take {total / 1e3:.3f} ms of GPU time per step")
             for e in sorted(events, key=lambda e: -e.device_time_total)[:16]:
                 print(f"{e.device_time_total / 10 / 1e3:7.3f} ms {e.count / 10:6.1f}x  {e.key[:90]}")
+
+
+def bench_sampling(model, args) -> dict:
+    """A graphed decode step followed by the shard's sampling (temperature 0.8, top-p 0.9, one seeded CUDA
+    generator per row) and the step's one device→host copy, at batch 1 and 32. The previous tokens the sampler
+    reads are built either with a blocking host→device copy, as the runner did (the host waits for the forward
+    before it can queue the sampler), or pinned and non-blocking (`device_tensor`, what it does now)."""
+    out = {}
+    for batch in (b for b in (1, 32) if b in args.batch):
+        out[batch] = sampling_at(model, batch, args)
+        torch.cuda.empty_cache()
+    return out
+
+
+def sampling_at(model, batch: int, args) -> dict:
+    from kettle.shard.logits_process import device_tensor
+    from kettle.shard.sampling import BatchSampler, SamplingParams
+
+    run = KettleDecode(model, batch, args.context, 4 * (args.steps + args.warmup) + 64)
+    run.capture()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, do_sample=True, seed=i) for i in range(batch)]
+    generators = [torch.Generator(device="cuda").manual_seed(i) for i in range(batch)]
+    sampler = BatchSampler(params, generators, model.spec.vocab_size, "cuda")
+    previous = list(range(batch))
+
+    @torch.inference_mode()
+    def step(blocking: bool) -> None:
+        meta = AttentionMetadata.build([1] * batch, [run.len] * batch, run.tables, BLOCK_SIZE, "cuda")
+        logits = run.graphs.run(run.tokens, meta).logits
+        if blocking:
+            last = torch.tensor(previous, dtype=torch.long, device="cuda")
+        else:
+            last = device_tensor(previous, torch.long, "cuda")
+        sampled = sampler(logits, None, None, last)
+        torch.stack([sampled.next_ids.double(), sampled.chosen_logprobs.double()]).tolist()
+        run.tokens, run.len = sampled.next_ids, run.len + 1
+
+    result = {
+        "blocking_s": wall_per_call(lambda: step(True), args.steps, args.warmup),
+        "async_s": wall_per_call(lambda: step(False), args.steps, args.warmup),
+        "blocking_again_s": wall_per_call(lambda: step(True), args.steps, args.warmup),
+        "graph_only_s": wall_per_call(lambda: run.step(True), args.steps, args.warmup),
+    }
+    print(
+        f"sampling batch {batch:3d}: graph step + argmax {result['graph_only_s'] * 1e3:.3f} ms; + sampling, "
+        f"blocking H2D {result['blocking_s'] * 1e3:.3f} / {result['blocking_again_s'] * 1e3:.3f} ms, "
+        f"non-blocking {result['async_s'] * 1e3:.3f} ms",
+        flush=True,
+    )
+    return result
 
 
 def save(results: dict, out: str | None) -> None:
@@ -285,6 +351,74 @@ def bench_fp8(model, config, source, ids, args, copy_bw: float) -> dict:
     for r in out["fp8"]:
         print("\n".join(describe("fp8", r, out["fp8_weight_bytes"], model.spec.kv_bytes_per_token, copy_bw)))
     return out
+
+
+def quantized_weight_bytes(model) -> int:
+    """`weight_bytes` plus what the weight-only layers keep as buffers and read each step: packed values and
+    scales (int4: scale/zero pairs), not the int8 layers' CPU-kernel copy of the scales."""
+    from kettle.quantization.int4 import Int4Linear
+    from kettle.quantization.int8 import Int8Linear
+
+    total = weight_bytes(model)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            tensors = (module.packed, module.scale_zero)
+        elif isinstance(module, Int8Linear):
+            tensors = (module.q, module.scale)
+        else:
+            continue
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def load_weight_only(method: str, config, source):
+    """The model `--quantize method` serves: through load_model from disk, else quantized as it is built."""
+    os.environ.setdefault("KETTLE_CUDA_WEIGHT_ONLY", "1")  # opt-in on CUDA until measured
+    if isinstance(source, str):
+        from kettle.models.registry import load_model
+
+        return load_model(source, torch.bfloat16, "cuda", quantize=method)
+    from kettle.quantization.config import lm_head_scheme
+    from kettle.quantization.loading import Scheme, finish, quantizing
+
+    scheme = Scheme(method, None, head=lm_head_scheme(method))
+    with quantizing(scheme):
+        model = LlamaForCausalLM(config, source).eval()
+    return finish(model, scheme)
+
+
+def bench_weight_only(method: str, model, config, source, ids, args, copy_bw: float) -> dict:
+    start = time.perf_counter()
+    quantized = load_weight_only(method, config, source)
+    out: dict = {"load_s": time.perf_counter() - start, "weight_bytes": quantized_weight_bytes(quantized)}
+    out["logits_rel_err"] = relative_error(last_logits(quantized, ids), last_logits(model, ids))
+    x = torch.randn(4, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out["qkv_rel_err"] = relative_error(quantized.layers[0].attn.qkv(x), model.layers[0].attn.qkv(x))
+    out["runs"] = [bench_kettle(quantized, b, args, ("graph", "eager")) for b in (1, 32) if b in args.batch]
+    for r in out["runs"]:
+        print("\n".join(describe(method, r, out["weight_bytes"], model.spec.kv_bytes_per_token, copy_bw)), flush=True)
+    return out
+
+
+def summarize_weight_only(results: dict, methods: list[str], kv_token: int, copy_bw: float) -> None:
+    by_batch = {r["batch"]: r for r in results["kettle"]}
+    for method in methods:
+        q = results[method]
+        print(
+            f"{method}: weights {q['weight_bytes'] / 1e9:.2f} GB (bf16 {results['weight_bytes'] / 1e9:.2f}), "
+            f"rel err vs bf16: qkv {q['qkv_rel_err']:.4f}, logits after 32 random layers {q['logits_rel_err']:.3f}"
+        )
+        print("batch | eager ms | graph ms | replay ms | graph tok/s | graph %bw | replay %bw | bf16/quant graph")
+        for r in q["runs"]:
+            batch, step_bytes = r["batch"], q["weight_bytes"] + r["batch"] * r["context"] * kv_token
+            base = by_batch.get(batch)
+            ratio = f"{base['graph_s'] / r['graph_s']:.2f}x" if base else "-"
+            print(
+                f"{batch:5d} | {r['eager_s'] * 1e3:8.2f} | {r['graph_s'] * 1e3:8.2f} | {r['replay_s'] * 1e3:9.2f} | "
+                f"{batch / r['graph_s']:11.1f} | {100 * step_bytes / r['graph_s'] / copy_bw:9.1f} | "
+                f"{100 * step_bytes / r['replay_s'] / copy_bw:10.1f} | {ratio}"
+            )
 
 
 if __name__ == "__main__":

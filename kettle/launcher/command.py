@@ -38,7 +38,8 @@ Quantize = Annotated[
     option(
         "--quantize",
         "Weight quantization: int8, int4 (CPU; group size KETTLE_INT4_GROUP_SIZE, default 128), gptq, awq "
-        "(4-bit checkpoints, CPU; found from config.json too), fp8 (NVIDIA Hopper GPUs).",
+        "(4-bit checkpoints, CPU; found from config.json too), fp8 (NVIDIA Hopper GPUs). int8/int4/gptq/awq on CUDA: "
+        "experimental, opt-in with KETTLE_CUDA_WEIGHT_ONLY=1.",
         MODEL,
     ),
 ]

@@ -6,7 +6,8 @@ import os
 
 import torch
 
-# Weight-only schemes served on the CPU by PyTorch's packed kernels; gptq/awq load into the int4 path.
+# Weight-only schemes served by PyTorch's packed kernels on the CPU and, on NVIDIA GPUs, by its tinygemm int4
+# kernel and a Triton int8 GEMV (kettle/quantization/int4.py, int8.py); gptq/awq load into the int4 path.
 CPU_SCHEMES = ("int8", "int4", "gptq", "awq")
 CUDA_SCHEMES = ("fp8",)
 # TGI's other values: accepted by the flag's vocabulary, refused with a clear message (see `check_scheme`).
@@ -22,6 +23,19 @@ KERNEL_ACT_DTYPE = torch.bfloat16
 # Above this many rows, a dense float32 GEMM on the weight dequantized for the call beats the packed kernels
 # (measured ~0.4x of float32 at 256 rows, against 0.5-0.9x for dequantize + GEMM).
 DEFAULT_DENSE_ROWS = 128
+
+
+def cuda_weight_only() -> bool:
+    """Whether int8/int4/gptq/awq may run on CUDA (`KETTLE_CUDA_WEIGHT_ONLY=1`). Off by default: these CUDA
+    paths were written and checked on the CPU (packing, Triton interpreter) but have not yet run on a GPU, so
+    until they are measured there the default stays the clear refusal that names fp8."""
+    return os.environ.get("KETTLE_CUDA_WEIGHT_ONLY", "0") == "1"
+
+
+def int8_gemv_rows() -> int:
+    """On CUDA, int8 calls with at most this many rows use the Triton GEMV that reads the int8 weight
+    (`KETTLE_INT8_GEMV_ROWS`, default 64); more rows multiply a bf16 copy dequantized for the call."""
+    return int(os.environ.get("KETTLE_INT8_GEMV_ROWS", "64"))
 
 
 def int4_group_size() -> int | None:
@@ -47,7 +61,8 @@ def lm_head_scheme(method: str) -> str | None:
 
 def dense_rows_threshold() -> int:
     """Calls with more rows than this use a dense float32 GEMM on the dequantized weight instead of the packed
-    kernel (`KETTLE_QUANT_DENSE_ROWS`, default 128; 0 turns the dense path off)."""
+    kernel (`KETTLE_QUANT_DENSE_ROWS`, default 128; 0 turns the dense path off). On CUDA the same threshold
+    sends int4 calls from tinygemm to a GEMM in the model dtype (not yet measured there)."""
     rows = int(os.environ.get("KETTLE_QUANT_DENSE_ROWS", str(DEFAULT_DENSE_ROWS)))
     return rows if rows > 0 else 1 << 62
 
@@ -71,5 +86,10 @@ def check_scheme(quantize: str | None, device_type: str) -> None:
             f"(or serve a GPTQ/AWQ checkpoint with {cpu}), or run without --quantize with --dtype float32 "
             "(the CPU default) or --dtype bfloat16"
         )
-    if quantize in CPU_SCHEMES and device_type != "cpu":
-        raise ValueError(f"--quantize {quantize} runs on the CPU only: on an NVIDIA GPU use --quantize fp8")
+    if quantize in CPU_SCHEMES and device_type not in ("cpu", "cuda"):
+        raise ValueError(f"--quantize {quantize} runs on the CPU and on NVIDIA GPUs only, not on {device_type}")
+    if quantize in CPU_SCHEMES and device_type == "cuda" and not cuda_weight_only():
+        raise ValueError(
+            f"--quantize {quantize} on a GPU is experimental (set KETTLE_CUDA_WEIGHT_ONLY=1 to try it): "
+            "on an NVIDIA GPU use --quantize fp8"
+        )

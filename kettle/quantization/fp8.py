@@ -48,8 +48,9 @@ if triton is not None:
         x_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Axis 0 walks row blocks, so the programs that share a weight tile run next to each other (L2 hits).
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -93,12 +94,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M ≤ 16, K] (bf16/fp16) @ (weight [N, K] fp8 * scale [N])ᵀ → [M, N] in x's dtype."""
+    """x [M, K] (bf16/fp16) @ (weight [N, K] * scale [N])ᵀ → [M, N] in x's dtype, for small M (decode).
+
+    The weight may be fp8 or int8 (`kettle.quantization.int8` on CUDA): the kernel widens it to x's dtype in
+    registers. Rows go in blocks of 16; M > 16 runs ⌈M/16⌉ programs per weight tile, which read it from L2."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     n, k = weight.shape
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_kernel[grid](x, weight, scale, y, x.shape[0], n, k, x.stride(0), y.stride(0), BLOCK_M=16)
+    rows = x.shape[0]
+    grid = lambda meta: (triton.cdiv(rows, 16), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    _gemv_kernel[grid](x, weight, scale, y, rows, n, k, x.stride(0), y.stride(0), BLOCK_M=16)
     return y
 
 

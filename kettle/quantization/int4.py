@@ -1,4 +1,4 @@
-"""Group-wise int4 weight-only linear layers for the CPU, on PyTorch's packed int4 kernel.
+"""Group-wise int4 weight-only linear layers on PyTorch's packed int4 kernels (CPU, and CUDA's tinygemm).
 
 Each group of `group_size` consecutive input channels of one output channel has its own scale and zero, and
 the weight is w = (q - 8) · scale + zero with q in 0..15 (the float-zero form of PyTorch's int4 kernels).
@@ -12,6 +12,12 @@ w = s · (q - z) is the same function with scale = s and zero = s · (8 - z).
 
 Large prefills can be faster on a dense float32 GEMM than on the packed kernel (it is a decode kernel): with
 `dense_rows` set, a call with more rows dequantizes the weight for that call only (never kept).
+
+On a CUDA device the same parameters go to PyTorch's tinygemm kernel (`_convert_weight_to_int4pack` /
+`_weight_int4pack_mm`, bfloat16 only, tensor cores on sm80+): the weight is packed where it lies and the
+function w = (q - 8) · scale + zero is the same. tinygemm is a decode kernel (tiles of 16 rows, far below
+cuBLAS on a long prefill), so there too calls with more than `dense_rows` rows multiply a dense copy
+dequantized for the call (`unpack_int4_cuda` inverts tinygemm's tiling with tensor ops).
 """
 
 from __future__ import annotations
@@ -27,6 +33,40 @@ from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, KERNEL_ACT_DTYPE
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 # The packing interleaves output channels in blocks of 32 (two of 16 per byte); N must be a multiple of 16.
 _PACK_BLOCK = 32
+
+
+# tinygemm tiles K by 16 × inner_k_tiles (2, 4 or 8); 8 gives its widest (16-byte) loads.
+CUDA_INNER_K_TILES = (8, 4, 2)
+
+
+def cuda_inner_k_tiles(in_features: int) -> int:
+    """The widest tinygemm inner k-tiling that divides `in_features` (any multiple of 32 has one)."""
+    for tiles in CUDA_INNER_K_TILES:
+        if in_features % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(f"int4 on CUDA: in_features must be a multiple of 32, got {in_features}")
+
+
+def pack_int4_cuda(q: torch.Tensor) -> torch.Tensor:
+    """q int32 [N, K] (0..15) on a CUDA device → tinygemm's layout: two values a byte (even k in the high
+    nibble, as `_convert_weight_to_int4pack` expects since torch 2.5), then its tensor-core tiling."""
+    pairs = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, cuda_inner_k_tiles(q.shape[1]))
+
+
+def unpack_int4_cuda(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `_convert_weight_to_int4pack` (CUDA): packed int32 [N/8, K/(16·T), 32, T/2] → q [N, K].
+
+    Read off PyTorch's `matrix_to_m16n8k16_Bint4_layout` (aten/src/ATen/native/cuda/int4mm.cu): lane t of a
+    warp holds output channel 8·tile + t // 4; word j of the lane packs inner k-tiles 2j and 2j + 1; nibble
+    4h + 2c + d (h = 0 the even input channel, 1 the odd one) holds input channel
+    16·(T·outer + 2j + c) + 8d + 2·(t % 4) + h. So the nibbles, viewed [tile, outer, t//4, t%4, j, h, c, d],
+    only need a permutation to [tile, t//4 | outer, j, c, d, t%4, h] = [N, K]."""
+    tiles, outer, _, words = packed.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift: the mask drops the sign bits
+    nibbles = nibbles.view(tiles, outer, 8, 4, words, 2, 2, 2)
+    return nibbles.permute(0, 2, 1, 4, 6, 7, 3, 5).reshape(n, k)
 
 
 def kernel_group_size(in_features: int, wanted: int) -> int:
@@ -103,11 +143,15 @@ class Int4Linear(nn.Module):
         if n % 16:
             raise ValueError(f"int4: out_features must be a multiple of 16 for the packed kernel, got {n}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
-        self.act_dtype = act_dtype
+        self.on_cuda = q.is_cuda
+        self.act_dtype = torch.bfloat16 if self.on_cuda else act_dtype  # tinygemm computes in bfloat16 only
         self.dense_rows = dense_rows_threshold()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        if self.on_cuda:
+            packed = pack_int4_cuda(q.to(torch.int32))
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
-        scale_zero = torch.stack([scale, zero], dim=-1).to(act_dtype).contiguous()
+        scale_zero = torch.stack([scale, zero], dim=-1).to(self.act_dtype).contiguous()
         self.register_buffer("scale_zero", scale_zero, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
@@ -134,14 +178,29 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor (for large prefills and for checks)."""
-        q = unpack_int4(self.packed, self.out_features, self.in_features).float()
+        unpack = unpack_int4_cuda if self.on_cuda else unpack_int4
+        q = unpack(self.packed, self.out_features, self.in_features).float()
         scale, zero = self.scale_zero.float().unbind(-1)  # [K/g, N] each
         groups = (q.view(self.out_features, -1, self.group_size) - 8) * scale.t()[..., None] + zero.t()[..., None]
         return groups.view(self.out_features, self.in_features)
 
+    def _cuda_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W in `dtype` [out, in] on the GPU, for one large call (addcmul rounds once, from float32)."""
+        n, k = self.out_features, self.in_features
+        q = unpack_int4_cuda(self.packed, n, k).view(n, -1, self.group_size).to(dtype) - 8
+        # [N, K/g, 1] each, contiguous: the output then takes q's (contiguous) layout, not the scales' transposed one.
+        scale, zero = (t.t().contiguous().unsqueeze(-1) for t in self.scale_zero.to(dtype).unbind(-1))
+        return torch.addcmul(zero, q, scale).reshape(n, k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.dense_rows:
+        if self.on_cuda and rows.shape[0] > self.dense_rows:
+            y = F.linear(rows, self._cuda_dense_weight(rows.dtype))
+        elif self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(
+                rows.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self.scale_zero
+            ).to(x.dtype)
+        elif rows.shape[0] > self.dense_rows:
             y = F.linear(rows.float(), self.dequantized()).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -149,6 +208,8 @@ class Int4Linear(nn.Module):
             ).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
+            if self.on_cuda:  # the float32 bias must not promote a bfloat16 model's activations
+                y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,9 +1,13 @@
-"""Per-channel int8 weight-only linear layers for the CPU, on PyTorch's `_weight_int8pack_mm` kernel.
+"""Per-channel int8 weight-only linear layers: PyTorch's `_weight_int8pack_mm` on the CPU, Triton on CUDA.
 
 Each output channel keeps one float32 scale (absmax / 127, symmetric); the kernel reads a byte per weight
 (a quarter of float32); its fast path takes bfloat16 activations (cast per call; kettle/quantization/config.py).
 Large prefills can use a dense float32 GEMM on the
 weight dequantized for that call when `dense_rows` says so (measured in bench/quant_kernels.py).
+
+On CUDA, PyTorch's `_weight_int8pack_mm` is a naive one-thread-per-output kernel on float32 activations, so
+decode-sized calls use the Triton GEMV of `kettle.quantization.fp8` instead (it widens int8 to bf16 in
+registers exactly as it widens fp8), and larger calls a bf16 GEMM on the weight dequantized for the call.
 
 An int8 [vocab, hidden] LM head quantized per output channel is also a per-row quantized embedding table:
 `embed` gathers rows of it, so a tied embedding needs no float copy.
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kettle.quantization.config import KERNEL_ACT_DTYPE, dense_rows_threshold
+from kettle.quantization.config import KERNEL_ACT_DTYPE, dense_rows_threshold, int8_gemv_rows
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +49,8 @@ class Int8Linear(nn.Module):
         # The kernel wants the scales in the activations' dtype.
         self.register_buffer("kernel_scale", scale.to(act_dtype), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.on_cuda = q.is_cuda
+        self.gemv_rows = int8_gemv_rows()
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs) -> Int8Linear:
@@ -60,6 +66,8 @@ class Int8Linear(nn.Module):
         return self.q[ids].float() * self.scale[ids, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda:
+            return self._cuda_forward(x)
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > self.dense_rows:
             y = F.linear(rows.float(), self.dequantized())
@@ -68,6 +76,19 @@ class Int8Linear(nn.Module):
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kettle.quantization.fp8 import fp8_gemv, triton
+
+        rows = x.reshape(-1, self.in_features)
+        # tl.dot would round float32 activations to tf32: a float32 model takes the dense path.
+        if triton is not None and rows.shape[0] <= self.gemv_rows and rows.dtype in (torch.bfloat16, torch.float16):
+            y = fp8_gemv(rows, self.q, self.scale)
+        else:
+            y = F.linear(rows, self.q.to(rows.dtype) * self.scale.to(rows.dtype)[:, None])
+        if self.bias is not None:
+            y = (y + self.bias).to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -130,6 +130,8 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
         bias = None if head.bias is None else head.bias.data
         model.lm_head = quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
     release_freed_memory()
+    if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
+        torch.cuda.empty_cache()
     groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear)})
     logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, scheme.head)
     return model

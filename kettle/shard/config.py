@@ -31,7 +31,7 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     trust_remote_code: bool = False
-    quantize: str | None = None  # fp8 (CUDA only), int8/int4/gptq/awq (CPU only): load_model checks the device
+    quantize: str | None = None  # fp8 (CUDA only), int8/int4/gptq/awq (CPU; CUDA opt-in): load_model checks the device
     num_threads: int | None = None  # None: all physical cores
     # Share of the machine's available RAM the KV cache may take on the CPU.
     cpu_kv_cache_fraction: float = 0.1

@@ -9,6 +9,7 @@ temperature → top-k → top-p → typical-p.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -19,6 +20,21 @@ from torch import Tensor
 # Kirchenbauer et al.'s hash key: the previous token id times this seeds the green-list permutation.
 WATERMARK_HASH_KEY = 15485863
 NEG_INF = float("-inf")
+# A host→GPU copy from pageable memory (`torch.tensor(values, device="cuda")`) waits for the whole stream: a
+# tensor built after the step's forward was queued stalls the host until the forward ends. Copies from pinned
+# memory, non-blocking, queue behind it instead. KETTLE_ASYNC_H2D=0 goes back to the plain copies.
+ASYNC_H2D = os.environ.get("KETTLE_ASYNC_H2D", "1") != "0"
+
+
+def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)`, without a host sync on CUDA (see ASYNC_H2D).
+
+    The pinned staging buffer stays reserved until the copy has run: PyTorch's caching host allocator records
+    the copy's stream on it."""
+    device = torch.device(device)
+    if device.type != "cuda" or not ASYNC_H2D:
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -43,7 +59,7 @@ class Rows:
     def __init__(self, active: Sequence[bool], device: torch.device | str) -> None:
         positions = [i for i, on in enumerate(active) if on]
         self.count = len(positions)
-        self.index = None if self.count == len(active) else torch.tensor(positions, dtype=torch.long, device=device)
+        self.index = None if self.count == len(active) else device_tensor(positions, torch.long, device)
 
     def apply(self, scores: Tensor, step: StepInputs, fn: Callable[[Tensor, StepInputs], Tensor]) -> Tensor:
         """Runs `fn` on the active rows only and writes its result back into `scores`."""
@@ -63,7 +79,7 @@ class RowProcessor:
         self.rows = Rows(active, device)
         kept = [self.transform(v) for v, on in zip(values, active, strict=True) if on]
         # Column vector so it broadcasts over the vocabulary.
-        self.param = torch.tensor(kept, dtype=torch.float32, device=device).unsqueeze(1)
+        self.param = device_tensor(kept, torch.float32, device).unsqueeze(1)
 
     @classmethod
     def build(cls, values: Sequence[float], device: torch.device | str) -> Self | None:
@@ -137,7 +153,7 @@ class PresencePenalty(RowProcessor):
     def __init__(self, values: Sequence[float], prompt_lens: Sequence[int], device: torch.device | str) -> None:
         super().__init__(values, device)
         kept = [n for n, v in zip(prompt_lens, values, strict=True) if v != self.neutral]
-        self.prompt_lens = torch.tensor(kept, dtype=torch.long, device=device).unsqueeze(1)
+        self.prompt_lens = device_tensor(kept, torch.long, device).unsqueeze(1)
 
     @classmethod
     def build(
@@ -176,7 +192,7 @@ class TopK(RowProcessor):
         super().__init__(values, device)
         ks = [int(k) for k in values if k != self.neutral]
         self.max_k = max(ks)
-        self.kth = torch.tensor(ks, dtype=torch.long, device=device).sub_(1).unsqueeze(1)
+        self.kth = device_tensor(ks, torch.long, device).sub_(1).unsqueeze(1)
 
     def process(self, scores: Tensor, step: StepInputs) -> Tensor:
         width = scores.shape[-1]

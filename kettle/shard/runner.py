@@ -19,7 +19,8 @@ from kettle.shard.batch import RequestState
 from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.grammar import Grammars, advance
 from kettle.shard.kv_cache import KVCache
-from kettle.shard.sampling import BatchSampler, SampleOutput, top_tokens
+from kettle.shard.logits_process import device_tensor
+from kettle.shard.sampling import BatchSampler, SampleOutput, top_token_table, top_tokens_from_rows
 from kettle.shard.vocab import Vocab
 
 
@@ -83,7 +84,9 @@ class ModelRunner:
         ready = [i for i, r in enumerate(requests) if not r.in_prefill]
         if not ready:
             return StepResult([], set(), time.perf_counter_ns() - start, 0)
-        rows = meta.last_token_indices[ready] if len(ready) < len(requests) else meta.last_token_indices
+        rows = meta.last_token_indices
+        if len(ready) < len(requests):
+            rows = rows.index_select(0, device_tensor(ready, torch.long, rows.device))
         sampled = self._sample([requests[i] for i in ready], self.model.compute_logits(hidden[rows]))
         forward_ns = time.perf_counter_ns() - start
         result = self._update([requests[i] for i in ready], sampled, prefill_logprobs)
@@ -101,7 +104,7 @@ class ModelRunner:
             self.kv_cache.block_size,
             self.device,
         )
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(queries)), dtype=torch.long, device=self.device)
+        input_ids = device_tensor(list(itertools.chain.from_iterable(queries)), torch.long, self.device)
         replayed = self.graphs.run(input_ids, meta) if self.graphs is not None else None
         if replayed is not None:
             return meta, replayed.hidden
@@ -109,7 +112,8 @@ class ModelRunner:
 
     def _sample(self, requests: list[RequestState], logits: torch.Tensor) -> SampleOutput:
         sampler = self._batch_sampler(requests, logits.shape[-1])
-        last = torch.tensor([r.all_ids[-1] for r in requests], dtype=torch.long, device=self.device)
+        # Built without a host sync (device_tensor): the forward is queued, the sampler's kernels queue behind it.
+        last = device_tensor([r.all_ids[-1] for r in requests], torch.long, self.device)
         history = lens = None
         if sampler.needs_history:
             history, lens = self._history(requests)
@@ -144,8 +148,8 @@ class ModelRunner:
         """Prompt + output ids padded with -1, for the repetition and frequency penalties."""
         width = max(len(r.all_ids) for r in requests)
         rows = [r.all_ids + [-1] * (width - len(r.all_ids)) for r in requests]
-        history = torch.tensor(rows, dtype=torch.long, device=self.device)
-        lens = torch.tensor([len(r.all_ids) for r in requests], dtype=torch.long, device=self.device)
+        history = device_tensor(rows, torch.long, self.device)
+        lens = device_tensor([len(r.all_ids) for r in requests], torch.long, self.device)
         return history, lens
 
     def _prefill_logprobs(self, requests, queries, meta, hidden) -> dict[int, pb.Tokens]:
@@ -181,10 +185,14 @@ class ModelRunner:
 
     def _update(self, requests: list[RequestState], sampled: SampleOutput, prefill: dict) -> StepResult:
         """Appends the chosen tokens, applies stopping and detokenizes: the only per-request Python loop."""
-        # One host transfer for the chosen ids and their logprobs (float64 holds every id exactly).
-        chosen = torch.stack([sampled.next_ids.double(), sampled.chosen_logprobs.double()]).tolist()
-        ids, logprobs = [int(i) for i in chosen[0]], chosen[1]
-        tops = self._top_tokens(requests, sampled)
+        # One host transfer for the chosen ids, their logprobs (float64 holds every id exactly) and the top
+        # tokens the requests asked for: the step's only device→host sync.
+        counts = [r.top_n_tokens for r in requests]
+        table = top_token_table(sampled.logprobs, counts) if any(counts) else None
+        columns = [sampled.next_ids.double().unsqueeze(1), sampled.chosen_logprobs.double().unsqueeze(1)]
+        host = torch.cat(columns if table is None else [*columns, table], dim=1).tolist()
+        ids, logprobs = [int(row[0]) for row in host], [row[1] for row in host]
+        tops = self._top_tokens(counts, [row[2:] for row in host] if table is not None else [])
         generations, finished = [], set()
         for i, request in enumerate(requests):
             generation = self._advance(request, ids[i], logprobs[i], tops[i])
@@ -195,11 +203,11 @@ class ModelRunner:
             generations.append(generation)
         return StepResult(generations, finished, 0, 0)
 
-    def _top_tokens(self, requests: list[RequestState], sampled: SampleOutput) -> list[list[pb.Tokens]]:
-        counts = [r.top_n_tokens for r in requests]
-        if not any(counts):
-            return [[] for _ in requests]
-        tops = top_tokens(sampled.logprobs, counts)
+    def _top_tokens(self, counts: list[int], rows: list[list[float]]) -> list[list[pb.Tokens]]:
+        """Each request's top tokens from its row of `top_token_table` (no rows: nobody asked)."""
+        if not rows:
+            return [[] for _ in counts]
+        tops = top_tokens_from_rows(rows, counts)
         return [[self._tokens(ids, values)] if ids else [] for ids, values in tops]
 
     def _tokens(self, ids: list[int], logprobs: list[float]) -> pb.Tokens:

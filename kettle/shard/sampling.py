@@ -192,14 +192,28 @@ def top_tokens(logprobs: Tensor, n: Sequence[int]) -> list[tuple[list[int], list
     (up to TIE_SLACK extra); n = 0 gives empty lists and -inf entries are never listed.
 
     One topk over the widest request and one host transfer for the whole batch."""
+    table = top_token_table(logprobs, n)
+    return top_tokens_from_rows([] if table is None else table.tolist(), n)
+
+
+def top_token_table(logprobs: Tensor, n: Sequence[int]) -> Tensor | None:
+    """The device half of `top_tokens`: [B, 2k] float64, each row's k best logprobs then their ids (float64
+    holds both exactly, so one transfer carries both, and it can share the step's one transfer); None when no
+    row asks."""
     widest = min(max(n, default=0), logprobs.shape[-1])
     if widest == 0:
-        return [([], []) for _ in n]
+        return None
     k = min(widest + TIE_SLACK, logprobs.shape[-1])
     values, ids = torch.topk(logprobs, k, dim=-1)
-    # float64 holds both the float32 values and the ids exactly, so one transfer carries both.
-    host = torch.cat([values.double(), ids.double()], dim=1).tolist()
-    return [_row_top(row[:k], row[k:], count) for row, count in zip(host, n, strict=True)]
+    return torch.cat([values.double(), ids.double()], dim=1)
+
+
+def top_tokens_from_rows(rows: list[list[float]], n: Sequence[int]) -> list[tuple[list[int], list[float]]]:
+    """The host half of `top_tokens`, from the rows of `top_token_table` (an empty list when it was None)."""
+    if not rows:
+        return [([], []) for _ in n]
+    k = len(rows[0]) // 2
+    return [_row_top(row[:k], row[k:], count) for row, count in zip(rows, n, strict=True)]
 
 
 def _row_top(values: list[float], ids: list[float], n: int) -> tuple[list[int], list[float]]:

@@ -111,9 +111,13 @@ def test_values_without_a_cpu_kernel_name_the_alternatives(value):
     assert "int8" in message and "int4" in message and value in message
 
 
-def test_cpu_schemes_are_refused_on_cuda():
+def test_cpu_schemes_are_refused_on_cuda_unless_switched_on(monkeypatch):
+    monkeypatch.delenv("KETTLE_CUDA_WEIGHT_ONLY", raising=False)
     with pytest.raises(ValueError, match="fp8"):
         check_scheme("int4", "cuda")
+    monkeypatch.setenv("KETTLE_CUDA_WEIGHT_ONLY", "1")
+    for value in ("int8", "int4", "gptq", "awq"):
+        check_scheme(value, "cuda")
 
 
 @pytest.mark.parametrize("value", ["int8", "int4", "gptq", "awq"])
