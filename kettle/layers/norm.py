@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.layers.cuda_fused import add_rms_norm, fused_enabled, unit_stride
 
 
@@ -24,12 +25,17 @@ class RMSNorm(nn.Module):
         self.shape = (int(weight.shape[0]),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.fits(x, self.weight):  # one C call instead of PyTorch's ~8 ops, whose fixed cost dominates decode
+            return ops.rms_norm(x, None, self.weight, self.eps)[0]
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): a block's residual add and the next norm, fused on CUDA."""
+        """(norm(residual + x), residual + x): a block's residual add and the next norm, fused on CUDA and on
+        the CPU (Kettle's kernels, float32)."""
         if fused_enabled(x) and unit_stride(x, residual):
             return add_rms_norm(x, residual, self.weight, self.eps)
+        if ops.fits(x, residual, self.weight):
+            return ops.rms_norm(x, residual, self.weight, self.eps)
         total = residual + x
         return self(total), total
 

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.cuda_fused import fused_enabled, rope_qk, unit_stride
 
@@ -183,4 +184,6 @@ class RotaryEmbedding:
         """Rotates x [T, heads, D] (halves layout, like Hugging Face checkpoints): x·cos + swap_halves(x)·±sin."""
         if fused_enabled(x) and unit_stride(x, cos, sin):
             return rope_qk(x, cos, sin)  # one kernel on CUDA instead of mul, roll and addcmul
+        if ops.rope_fits(x, cos, sin):
+            return ops.rope(x, cos, sin)  # the same in one C call on the CPU (float32)
         return (x * cos).addcmul_(x.roll(x.shape[-1] // 2, dims=-1), sin)

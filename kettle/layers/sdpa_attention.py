@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata, DecodePlan, PrefillPlan, window_mask
 
 
@@ -77,8 +78,13 @@ class SdpaBackend:
         alibi_slopes: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """q [Nd, H, D] (one token per sequence) → [Nd, H, D], in one SDPA call."""
+        """q [Nd, H, D] (one token per sequence) → [Nd, H, D], in one SDPA call (or Kettle's CPU kernel)."""
         num_seqs, num_heads, head_dim = q.shape
+        if alibi_slopes is None and softcap is None and _cpu_kernel_fits(q, k_cache):
+            # Reads each sequence's K/V in place: no gathered copy of every context, no padded mask.
+            tables = plan.block_ids.view(num_seqs, plan.num_blocks)
+            positions = plan.query_positions.view(num_seqs)
+            return ops.paged_decode(q, k_cache, v_cache, tables, positions, block_size, scale, sliding_window)
         num_kv_heads = k_cache.shape[1]
         k = gather_blocks(k_cache, plan.block_ids, num_seqs, block_size).transpose(1, 2)
         v = gather_blocks(v_cache, plan.block_ids, num_seqs, block_size).transpose(1, 2)
@@ -125,6 +131,11 @@ class SdpaBackend:
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(0, 1)
+
+
+def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether Kettle's CPU decode kernel takes these tensors (float32 on the CPU, kernels built and on)."""
+    return q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and ops.available()
 
 
 def _modified_prefill(q, k, v, plan: PrefillPlan, window, scale, alibi_slopes, softcap) -> torch.Tensor:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.layers.activation import activation
 from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
 from kettle.layers.linear import Linear
@@ -99,5 +100,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up(x)
         if self.silu and fused_enabled(gate_up) and unit_stride(gate_up):
             return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0), as in LlamaMLP
+        if self.silu and ops.fits(gate_up):
+            return self.down(ops.silu_mul(gate_up))  # one C call on the CPU (off: KETTLE_CPU_KERNELS=0)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata, paged_attention
 from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
 from kettle.layers.norm import RMSNorm
@@ -106,6 +107,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up(x)
         if fused_enabled(gate_up) and unit_stride(gate_up):
             return self.down(silu_mul(gate_up))  # one kernel on CUDA instead of silu, then mul
+        if ops.fits(gate_up):
+            return self.down(ops.silu_mul(gate_up))  # and one C call on the CPU (float32)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 

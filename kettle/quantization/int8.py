@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.quantization.config import KERNEL_ACT_DTYPE, dense_rows_threshold, int8_gemv_rows
 
 
@@ -51,6 +52,8 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.on_cuda = q.is_cuda
         self.gemv_rows = int8_gemv_rows()
+        # Kettle's CPU kernel takes float32 activations (no bfloat16 casts); KETTLE_CPU_KERNELS=0 turns it off.
+        self.cpu_kernel = not q.is_cuda and self.in_features % 16 == 0 and ops.available()
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs) -> Int8Linear:
@@ -71,6 +74,8 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > self.dense_rows:
             y = F.linear(rows.float(), self.dequantized())
+        elif self.cpu_kernel:
+            return ops.q8_linear(rows.float(), self.q, self.scale, self.bias).to(x.dtype).view(*x.shape[:-1], -1)
         else:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(self.act_dtype), self.q, self.kernel_scale)
         y = y.to(x.dtype)

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.models.weights import Weights
 from kettle.quantization.awq import AwqFormat
 from kettle.quantization.config import check_scheme, int4_group_size, lm_head_scheme
 from kettle.quantization.gptq import GptqFormat
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.qparams import QParams
 
 PREQUANTIZED = {"gptq": GptqFormat, "awq": AwqFormat}
@@ -91,7 +93,7 @@ def load_linear(weights: Weights, prefixes: list[str]) -> nn.Module | None:
         if not all(scheme.checkpoint.is_quantized(weights, prefix) for prefix in prefixes):
             return None
         qparams = QParams.concat([scheme.checkpoint.load(weights, prefix) for prefix in prefixes])
-        return Int4Linear.from_qparams(
+        return int4_class(qparams.q).from_qparams(
             qparams.q, qparams.scale, qparams.zero, qparams.group_size, _fused_bias(biases, qparams.q)
         )
     weight = torch.cat([weights.get(f"{prefix}.weight") for prefix in prefixes])
@@ -104,7 +106,13 @@ def quantize_weight(scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | N
     out_features, in_features = weight.shape
     if scheme.method == "int8" or out_features % 16 or in_features % 32:
         return Int8Linear.from_weight(weight, bias)
-    return Int4Linear.from_weight(weight, bias, scheme.group_size)
+    return int4_class(weight).from_weight(weight, bias, scheme.group_size)
+
+
+def int4_class(weight: torch.Tensor) -> type[Int4Linear] | type[Q4Linear]:
+    """Kettle's own CPU kernel layout for a CPU weight when the kernels built here, else PyTorch's packed
+    kernels (`Int4Linear`, also the CUDA path)."""
+    return Q4Linear if weight.device.type == "cpu" and ops.available() else Int4Linear
 
 
 def _fused_bias(biases: list[torch.Tensor | None], stacked: torch.Tensor) -> torch.Tensor | None:
@@ -132,7 +140,7 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     release_freed_memory()
     if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
         torch.cuda.empty_cache()
-    groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear)})
+    groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear | Q4Linear)})
     logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, scheme.head)
     return model
 

@@ -1,0 +1,98 @@
+"""Builds and loads Kettle's CPU kernels (cpu_kernels.c) the first time a process needs them.
+
+The shared library is compiled with the machine's C compiler into `$KETTLE_CACHE/kernels/cpu-<key>/`, keyed by
+the source, the flags and the compiler, so later processes only load it (~1 ms). It links the OpenMP runtime
+PyTorch loaded (`libgomp.so.1`, same soname) so its parallel loops share PyTorch's threads instead of starting
+a second pool that would fight it for the cores.
+
+`KETTLE_CPU_KERNELS=0` turns the kernels off (PyTorch's own ops are used instead). Without a compiler, or on a
+CPU without AVX2/FMA/F16C, `library()` returns None and the same PyTorch ops are used, with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from kettle.hub.cache import build_once, cache_root
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+ENV_SWITCH = "KETTLE_CPU_KERNELS"
+log = logging.getLogger(__name__)
+
+_int, _ptr = ctypes.c_int64, ctypes.c_void_p
+SIGNATURES = {
+    "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
+    "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
+}
+SIGNATURES["kettle_q4_linear_i8"] = SIGNATURES["kettle_q4_linear"]
+SIGNATURES["kettle_q8_linear_i8"] = SIGNATURES["kettle_q8_linear"]
+# q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, threads
+SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
+SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int]
+# x, residual, weight, rows, dim, eps, out, total, threads
+SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
+SIGNATURES["kettle_silu_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
+# x, stride, cos, sin, rows, heads, dim, out, threads
+SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
+RETURNS_STATUS = ("kettle_q4_linear_i8", "kettle_q8_linear_i8", "kettle_paged_decode")
+
+
+def enabled() -> bool:
+    """False when `KETTLE_CPU_KERNELS=0`."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built first if needed; None when switched off or it cannot be built here."""
+    if not enabled():
+        return None
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if missing or compiler is None:
+        log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
+        return None
+    try:
+        folder = build_once(cache_root() / "kernels" / f"cpu-{_key(compiler)}", _compiler(compiler), "cpu_kernels.c")
+        lib = ctypes.CDLL(str(folder / "libkettle_cpu.so"))
+    except (OSError, subprocess.CalledProcessError) as error:
+        log.warning("CPU kernels failed to build or load (%s): using PyTorch's kernels", error)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int if name in RETURNS_STATUS else None
+    return lib
+
+
+def _compiler(compiler: str):
+    def build(out: Path) -> None:
+        command = [compiler, *FLAGS, str(SOURCE), "-o", str(out / "libkettle_cpu.so"), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+
+    return build
+
+
+def _key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode())
+    return digest.hexdigest()[:12]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

@@ -1,0 +1,445 @@
+/* Kettle's CPU decode kernels (AVX2 + FMA + F16C), built on first use by kettle/kernels/build.py.
+ *
+ * Decode on a CPU reads every weight once per step for a handful of activation rows, so these kernels stream
+ * the quantized weights once per tile of rows and dequantize them in registers, with float32 activations
+ * (PyTorch's packed int4/int8 kernels want bfloat16 activations for their fast path, converted in software on
+ * AVX2, and cost a cast each way per call). Threads split the output channels; the OpenMP runtime is the one
+ * PyTorch loaded (same soname), so both share one thread pool.
+ *
+ * Q4 layout (kettle/kernels/q4.py packs it): weight [N, K], K a multiple of 32, in blocks of 32 input channels;
+ * block b of row n is 16 bytes at qw[n*K/2 + b*16], byte j = q[b*32 + j] | q[b*32 + 16 + j] << 4, q in 0..15.
+ * Group g (a multiple of 32) of row n has a float16 scale and minimum at [n*K/g + k/g]: w = q*scale + minimum.
+ *
+ * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_TILE 4
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 weights of one Q4 block as four float vectors, dequantized with the group's scale and minimum. */
+static inline void q4_block(const uint8_t *src, __m256 scale, __m256 minimum, __m256 w[4]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), scale, minimum);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), scale, minimum);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), scale, minimum);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), scale, minimum);
+}
+
+/* One output channel for `tile` activation rows (tile is a compile-time constant at each call site). */
+static inline __attribute__((always_inline)) void q4_row(
+    const float *x, int64_t ldx, int tile, int64_t k, int group, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, float *out
+) {
+    __m256 acc[MAX_TILE][2];
+    for (int m = 0; m < tile; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const int blocks_per_group = group / 32;
+    for (int64_t g = 0; g < k / group; g++) {
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[g]));
+        const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(mins[g]));
+        for (int b = 0; b < blocks_per_group; b++) {
+            const int64_t col = (g * blocks_per_group + b) * 32;
+            __m256 w[4];
+            q4_block(qw + col / 2, scale, minimum, w);
+            for (int m = 0; m < tile; m++) {
+                const float *xr = x + m * ldx + col;
+                /* Two chains per row: at tile 1 the FMA latency would otherwise bound the loop. */
+                acc[m][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[m][1]);
+                acc[m][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+/* y[M, N] = x[M, K] · Wᵀ (+ bias) for a Q4 weight; rows of x and y are ldx / ldy floats apart. */
+void kettle_q4_linear(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
+) {
+    const int64_t groups = k / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row_q = qw + j * (k / 2);
+        const uint16_t *row_s = scales + j * groups, *row_m = mins + j * groups;
+        const float b = bias ? bias[j] : 0.0f;
+        float out[MAX_TILE];
+        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
+            const float *xt = x + m0 * ldx;
+            const int64_t left = rows - m0;
+            if (left >= 4) q4_row(xt, ldx, 4, k, group, row_q, row_s, row_m, out);
+            else if (left == 3) q4_row(xt, ldx, 3, k, group, row_q, row_s, row_m, out);
+            else if (left == 2) q4_row(xt, ldx, 2, k, group, row_q, row_s, row_m, out);
+            else q4_row(xt, ldx, 1, k, group, row_q, row_s, row_m, out);
+            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++) y[(m0 + m) * ldy + j] = out[m] + b;
+        }
+    }
+}
+
+/* One int8 output channel for `tile` activation rows. */
+static inline __attribute__((always_inline)) void q8_row(
+    const float *x, int64_t ldx, int tile, int64_t k, const int8_t *qw, float *out
+) {
+    __m256 acc[MAX_TILE][2];
+    for (int m = 0; m < tile; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t col = 0; col < k; col += 16) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(qw + col));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+        for (int m = 0; m < tile; m++) {
+            const float *xr = x + m * ldx + col;
+            acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[m][1]);
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+/* y[M, N] = x[M, K] · Wᵀ (+ bias) for a per-channel int8 weight (K a multiple of 16). */
+void kettle_q8_linear(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
+    const float *bias, float *y, int64_t ldy, int threads
+) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *row_q = qw + j * k;
+        const float b = bias ? bias[j] : 0.0f;
+        float out[MAX_TILE];
+        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
+            const float *xt = x + m0 * ldx;
+            const int64_t left = rows - m0;
+            if (left >= 4) q8_row(xt, ldx, 4, k, row_q, out);
+            else if (left == 3) q8_row(xt, ldx, 3, k, row_q, out);
+            else if (left == 2) q8_row(xt, ldx, 2, k, row_q, out);
+            else q8_row(xt, ldx, 1, k, row_q, out);
+            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++)
+                y[(m0 + m) * ldy + j] = out[m] * scales[j] + b;
+        }
+    }
+}
+
+/* ---- int8-activation variants: activations quantized per block of 32 (absmax / 127), integer dot products.
+ * Each block costs a few integer instructions instead of a float dequantization, at a relative error of
+ * about 1e-3 on the outputs (the same scheme as llama.cpp's Q8 activations). */
+
+typedef struct {
+    int8_t *q;     /* [rows, K] */
+    float *scale;  /* [rows, K/32] */
+    float *sum;    /* [rows, K/32]: the exact float sum of each block (for the Q4 minimum term) */
+} QuantizedRows;
+
+static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, QuantizedRows *out) {
+    const int64_t blocks = k / 32;
+    out->q = aligned_alloc(32, (size_t)(rows * k + 32));
+    out->scale = malloc(sizeof(float) * (size_t)(rows * blocks));
+    out->sum = malloc(sizeof(float) * (size_t)(rows * blocks));
+    if (!out->q || !out->scale || !out->sum) return -1;
+    for (int64_t m = 0; m < rows; m++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *src = x + m * ldx + b * 32;
+            float amax = 0.0f, total = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                const float v = src[i];
+                amax = fmaxf(amax, fabsf(v));
+                total += v;
+            }
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *dst = out->q + m * k + b * 32;
+            for (int i = 0; i < 32; i++) dst[i] = (int8_t)lrintf(src[i] * inv);
+            out->scale[m * blocks + b] = d;
+            out->sum[m * blocks + b] = total;
+        }
+    }
+    return 0;
+}
+
+static void free_rows(QuantizedRows *rows) {
+    free(rows->q);
+    free(rows->scale);
+    free(rows->sum);
+}
+
+/* Sum of the 8 int32 lanes of maddubs(u, s) pairs, as floats: the integer dot product of one block. */
+static inline __m256 block_dot(__m256i u, __m256i s) {
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void q4_row_i8(
+    const QuantizedRows *xq, int64_t row0, int tile, int64_t k, int group, const uint8_t *qw,
+    const uint16_t *scales, const uint16_t *mins, float *out
+) {
+    const int64_t blocks = k / 32;
+    const int blocks_per_group = group / 32;
+    __m256 acc[MAX_TILE];
+    float offset[MAX_TILE];
+    for (int m = 0; m < tile; m++) acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t g = b / blocks_per_group;
+        const float scale = _cvtsh_ss(scales[g]), minimum = _cvtsh_ss(mins[g]);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(qw + b * 16));
+        const __m256i w = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask)
+        );
+        for (int m = 0; m < tile; m++) {
+            const int64_t r = row0 + m;
+            const __m256i x = _mm256_load_si256((const __m256i *)(xq->q + r * k + b * 32));
+            const float d = xq->scale[r * blocks + b];
+            acc[m] = _mm256_fmadd_ps(block_dot(w, x), _mm256_set1_ps(d * scale), acc[m]);
+            offset[m] += minimum * xq->sum[r * blocks + b];
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]) + offset[m];
+}
+
+/* `kettle_q4_linear` with int8 activations. Returns -1 when out of memory (nothing written). */
+int kettle_q4_linear_i8(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
+) {
+    QuantizedRows xq;
+    if (quantize_rows(x, ldx, rows, k, &xq)) return free_rows(&xq), -1;
+    const int64_t groups = k / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row_q = qw + j * (k / 2);
+        const uint16_t *row_s = scales + j * groups, *row_m = mins + j * groups;
+        const float b = bias ? bias[j] : 0.0f;
+        float out[MAX_TILE];
+        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
+            const int64_t left = rows - m0;
+            if (left >= 4) q4_row_i8(&xq, m0, 4, k, group, row_q, row_s, row_m, out);
+            else if (left == 3) q4_row_i8(&xq, m0, 3, k, group, row_q, row_s, row_m, out);
+            else if (left == 2) q4_row_i8(&xq, m0, 2, k, group, row_q, row_s, row_m, out);
+            else q4_row_i8(&xq, m0, 1, k, group, row_q, row_s, row_m, out);
+            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++) y[(m0 + m) * ldy + j] = out[m] + b;
+        }
+    }
+    free_rows(&xq);
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void q8_row_i8(
+    const QuantizedRows *xq, int64_t row0, int tile, int64_t k, const int8_t *qw, float *out
+) {
+    const int64_t blocks = k / 32;
+    __m256 acc[MAX_TILE];
+    for (int m = 0; m < tile; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(qw + b * 32));
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        for (int m = 0; m < tile; m++) {
+            const int64_t r = row0 + m;
+            const __m256i x = _mm256_load_si256((const __m256i *)(xq->q + r * k + b * 32));
+            const __m256 dot = block_dot(magnitude, _mm256_sign_epi8(x, w));
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xq->scale[r * blocks + b]), acc[m]);
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
+}
+
+/* `kettle_q8_linear` with int8 activations (K a multiple of 32). Returns -1 when out of memory. */
+int kettle_q8_linear_i8(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
+    const float *bias, float *y, int64_t ldy, int threads
+) {
+    QuantizedRows xq;
+    if (quantize_rows(x, ldx, rows, k, &xq)) return free_rows(&xq), -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *row_q = qw + j * k;
+        const float b = bias ? bias[j] : 0.0f;
+        float out[MAX_TILE];
+        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
+            const int64_t left = rows - m0;
+            if (left >= 4) q8_row_i8(&xq, m0, 4, k, row_q, out);
+            else if (left == 3) q8_row_i8(&xq, m0, 3, k, row_q, out);
+            else if (left == 2) q8_row_i8(&xq, m0, 2, k, row_q, out);
+            else q8_row_i8(&xq, m0, 1, k, row_q, out);
+            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++)
+                y[(m0 + m) * ldy + j] = out[m] * scales[j] + b;
+        }
+    }
+    free_rows(&xq);
+    return 0;
+}
+
+/* ---- element-wise kernels of a decoder layer (float32): each replaces a chain of PyTorch ops whose fixed
+ * per-op cost dominates at decode sizes. Rows run in parallel only when there is enough work to pay for it. */
+
+#define PARALLEL_ELEMENTS 65536
+
+/* e^x for 8 floats (Cephes' polynomial on a range-reduced argument; relative error ~2e-7). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* out = x · rsqrt(mean(x²) + eps) · weight per row of `dim`; with `residual`, x is first replaced by
+ * residual + x, which is also written to `total` (the residual stream the next block adds to). */
+void kettle_rms_norm(
+    const float *x, const float *residual, const float *weight, int64_t rows, int64_t dim, float eps, float *out,
+    float *total, int threads
+) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *dst = out + r * dim;
+        if (residual) {
+            float *sum = total + r * dim;
+            for (int64_t i = 0; i < dim; i++) sum[i] = residual[r * dim + i] + xr[i];
+            xr = sum;
+        }
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float squares = hsum(acc);
+        for (; i < dim; i++) squares += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (i = 0; i < dim; i++) dst[i] = xr[i] * inv * weight[i];
+    }
+}
+
+/* out [T, I] = silu(gate) · up for gate_up [T, 2I] (gate first, as the fused projection stores them). */
+void kettle_silu_mul(const float *gate_up, int64_t rows, int64_t inner, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inner >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inner, *up = gate + inner;
+        float *dst = out + r * inner;
+        int64_t i = 0;
+        for (; i + 8 <= inner; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+        }
+        for (; i < inner; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* RoPE in the halves layout: out[t, h, i] = x[t, h, i] · cos[t, i] + x[t, h, (i + D/2) % D] · sin[t, i], with
+ * sin already signed; x rows are `stride` floats apart (a view into the fused qkv output), out is contiguous. */
+void kettle_rope(
+    const float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t dim,
+    float *out, int threads
+) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * dim >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *src = x + t * stride + h * dim;
+            float *dst = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) dst[i] = src[i] * c[i] + src[i + half] * s[i];
+            for (int64_t i = half; i < dim; i++) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+        }
+    }
+}
+
+/* ---- paged decode attention (float32): one new query token per sequence, its K/V read in place from the
+ * paged cache (no gather of the context into a contiguous copy). Work items are (sequence, KV head) pairs;
+ * the `group` query heads sharing a KV head are scored together so each K/V row is loaded once. */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float total = hsum(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* q [S, H, D], caches [slots, Hkv, D], tables [S, max_blocks], positions [S] (of the new token; the context
+ * is positions + 1 long),
+ * out [S, H, D]. `window` > 0 keeps only the last `window` positions. Returns -1 when out of memory. */
+int kettle_paged_decode(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *tables, int64_t max_blocks,
+    const int64_t *positions, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+    float scale, int64_t window, float *out, int threads
+) {
+    const int64_t group = heads / kv_heads;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * (longest + 1)));
+        if (!scores) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < seqs * kv_heads; item++) {
+            if (!scores) continue;
+            const int64_t s = item / kv_heads, h = item % kv_heads, len = positions[s] + 1;
+            const int64_t first = window > 0 && len > window ? len - window : 0, span = len - first;
+            const int64_t *table = tables + s * max_blocks;
+            const float *qs = q + (s * heads + h * group) * dim;
+            for (int64_t t = first; t < len; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                const float *key = k_cache + (slot * kv_heads + h) * dim;
+                for (int64_t g = 0; g < group; g++) scores[g * span + t - first] = dot_f32(qs + g * dim, key, dim) * scale;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *row = scores + g * span, top = -INFINITY, total = 0.0f;
+                for (int64_t i = 0; i < span; i++) top = fmaxf(top, row[i]);
+                int64_t i = 0;
+                __m256 sums = _mm256_setzero_ps();
+                for (; i + 8 <= span; i += 8) {
+                    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(top)));
+                    _mm256_storeu_ps(row + i, e);
+                    sums = _mm256_add_ps(sums, e);
+                }
+                total = hsum(sums);
+                for (; i < span; i++) total += (row[i] = expf(row[i] - top));
+                const float inv = 1.0f / total;
+                for (i = 0; i < span; i++) row[i] *= inv;
+                float *dst = out + (s * heads + h * group + g) * dim;
+                for (int64_t d = 0; d < dim; d++) dst[d] = 0.0f;
+            }
+            for (int64_t t = first; t < len; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                const float *value = v_cache + (slot * kv_heads + h) * dim;
+                for (int64_t g = 0; g < group; g++)
+                    axpy_f32(out + (s * heads + h * group + g) * dim, scores[g * span + t - first], value, dim);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

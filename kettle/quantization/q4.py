@@ -1,0 +1,83 @@
+"""Group-wise int4 weight-only linear layers on Kettle's own CPU kernel (kettle/kernels/cpu_kernels.c).
+
+The same quantization as `Int4Linear` (w = (q - 8) · scale + zero per group of input channels), stored for a
+kernel that takes float32 activations: PyTorch's packed int4 kernel is fast only with bfloat16 activations on
+AVX2, which costs two casts per call and rounds the activations (measured in bench/quant_kernels.py). Each
+row keeps its nibbles in blocks of 32 input channels (byte j holds channels j and j + 16) and a float16 scale
+and minimum per group, 0.625 bytes a weight at group size 64.
+
+Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernels build here
+(`kettle.kernels.ops.available()`); `KETTLE_CPU_KERNELS=0` selects `Int4Linear` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kettle.kernels import ops
+from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, dense_rows_threshold
+from kettle.quantization.int4 import kernel_group_size, native_group_size, quantize_int4
+
+BLOCK = 32
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 → [N, K/2] uint8 with byte j of each 32-block = q[j] | q[j + 16] << 4."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_q4`: [N, K/2] uint8 → q [N, K] int32."""
+    n, half = packed.shape
+    blocks = packed.view(n, half // (BLOCK // 2), BLOCK // 2).to(torch.int32)
+    return torch.stack([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
+
+
+class Q4Linear(nn.Module):
+    """y = x Wᵀ (+ b) with W [out, in] group-wise int4 on Kettle's CPU kernel; same call shape as `Linear`."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bias=None) -> None:
+        super().__init__()
+        n, k = q.shape
+        if k % group_size or group_size % BLOCK:
+            raise ValueError(f"int4: group size {group_size} must be a multiple of {BLOCK} dividing {k}")
+        self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
+        self.dense_rows = dense_rows_threshold()
+        self.register_buffer("packed", pack_q4(q), persistent=False)
+        scale, zero = scale.float().t(), zero.float().t()  # [N, K/g]
+        self.register_buffer("scales", scale.to(torch.float16).contiguous(), persistent=False)
+        self.register_buffer("mins", (zero - 8 * scale).to(torch.float16).contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias=None, group_size: int | None = 128) -> Q4Linear:
+        """Quantizes a dense [out, in] weight (group_size None: the weight's own 4-bit grid, else 128)."""
+        wanted = group_size or native_group_size(weight) or DEFAULT_INT4_GROUP_SIZE
+        size = kernel_group_size(weight.shape[1], wanted)  # the same groups as `Int4Linear`
+        return cls(*quantize_int4(weight, size), size, bias)
+
+    @classmethod
+    def from_qparams(cls, q, scale, zero, group_size: int, bias=None) -> Q4Linear:
+        """From q [N, K] (0..15) and scale/zero [K/g, N] in the float-zero form (GPTQ/AWQ checkpoints)."""
+        return cls(q, scale, zero, group_size, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
+        q = unpack_q4(self.packed).float().view(self.out_features, -1, self.group_size)
+        weight = q * self.scales.float()[..., None] + self.mins.float()[..., None]
+        return weight.view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > self.dense_rows:
+            y = F.linear(rows.float(), self.dequantized(), self.bias)
+        else:
+            y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}, kernel=kettle"

@@ -1,0 +1,114 @@
+"""Kettle's CPU kernels (kettle/kernels/cpu_kernels.c) against the PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kettle.kernels import build, ops
+from kettle.layers.attention import AttentionMetadata
+from kettle.layers.rotary import RotaryEmbedding
+from kettle.layers.sdpa_attention import SdpaBackend
+from kettle.quantization.int8 import quantize_int8
+from kettle.quantization.q4 import Q4Linear, pack_q4, unpack_q4
+
+CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
+# int8 activations (per block of 32, absmax scaling): measured ≤ 1.5e-2 of the largest output on random data.
+INT8_ACTIVATION_RTOL = 3e-2
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def test_the_kernels_build_here_and_switch_off(monkeypatch):
+    build.library.cache_clear()
+    assert ops.available()
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    build.library.cache_clear()
+    try:
+        assert not ops.available()
+    finally:
+        monkeypatch.delenv(build.ENV_SWITCH)
+        build.library.cache_clear()
+
+
+def test_q4_packing_round_trips():
+    q = torch.randint(0, 16, (48, 128), dtype=torch.int32)
+    assert torch.equal(unpack_q4(pack_q4(q)), q)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_q4_linear_is_its_dequantized_weight(monkeypatch, group_size, rows):
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(80, 256) * 0.05, torch.randn(80), torch.randn(rows, 256)
+    layer = Q4Linear.from_weight(weight, bias, group_size)
+    expected = F.linear(x, layer.dequantized(), bias)
+    monkeypatch.setattr(ops, "INT8_ACTIVATIONS", False)
+    assert relative(layer(x), expected) < 1e-5
+    monkeypatch.setattr(ops, "INT8_ACTIVATIONS", True)
+    assert relative(layer(x), expected) < INT8_ACTIVATION_RTOL
+    # The dequantized weight is the quantization of the original: within half a step of every group.
+    assert relative(layer.dequantized(), weight) < 0.2
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_q8_linear_is_its_dequantized_weight(monkeypatch, rows):
+    torch.manual_seed(rows)
+    q, scale = quantize_int8(torch.randn(64, 96))
+    x, bias = torch.randn(rows, 96), torch.randn(64)
+    expected = F.linear(x, q.float() * scale[:, None], bias)
+    monkeypatch.setattr(ops, "INT8_ACTIVATIONS", False)
+    assert relative(ops.q8_linear(x, q, scale, bias), expected) < 1e-5
+    monkeypatch.setattr(ops, "INT8_ACTIVATIONS", True)
+    assert relative(ops.q8_linear(x, q, scale, bias), expected) < INT8_ACTIVATION_RTOL
+
+
+@pytest.mark.parametrize(("lens", "window"), [([5, 40, 130, 17], None), ([100, 50, 7], 32), ([1], None)])
+def test_paged_decode_matches_sdpa_over_scattered_blocks(monkeypatch, lens, window):
+    torch.manual_seed(len(lens))
+    block_size, heads, kv_heads, dim = 16, 6, 2, 32
+    blocks = sum(-(-n // block_size) for n in lens) + 3
+    order = torch.randperm(blocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(order[used : used + -(-n // block_size)])
+        used += len(tables[-1])
+    k_cache, v_cache = torch.randn(2, blocks * block_size, kv_heads, dim).unbind(0)
+    meta = AttentionMetadata.build([1] * len(lens), [n - 1 for n in lens], tables, block_size, "cpu")
+    q = torch.randn(len(lens), heads, dim)
+    got = SdpaBackend.decode(q, k_cache, v_cache, meta.decode, block_size, dim**-0.5, window)
+    monkeypatch.setattr(ops, "available", lambda: False)  # the SDPA path over gathered blocks
+    expected = SdpaBackend.decode(q, k_cache, v_cache, meta.decode, block_size, dim**-0.5, window)
+    assert relative(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 300])  # 300 × 576 elements: the parallel path
+def test_rms_norm_with_and_without_the_residual_add(rows):
+    x, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576), torch.rand(576)
+    out, total = ops.rms_norm(x, None, weight, 1e-5)
+    assert total is None and relative(out, F.rms_norm(x, (576,), weight, 1e-5)) < 1e-5
+    out, total = ops.rms_norm(x, residual, weight, 1e-5)
+    assert torch.allclose(total, x + residual)
+    assert relative(out, F.rms_norm(x + residual, (576,), weight, 1e-5)) < 1e-5
+
+
+def test_silu_mul_matches_torch():
+    gate_up = torch.randn(3, 2 * 100) * 8  # wide range: the vector exp's clamps and tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert relative(ops.silu_mul(gate_up), F.silu(gate) * up) < 1e-5
+
+
+def test_rope_reads_a_view_of_the_fused_qkv_output():
+    qkv = torch.randn(5, 6 + 2, 64)
+    x = qkv[:, :6]  # rows 8 heads apart: not contiguous
+    angles = torch.rand(5, 1, 32) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    assert ops.rope_fits(x, cos, sin)
+    expected = (x * cos).addcmul_(x.roll(32, dims=-1), sin)
+    assert relative(RotaryEmbedding.apply(x, cos, sin), expected) < 1e-6
