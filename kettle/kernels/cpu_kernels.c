@@ -6,8 +6,9 @@
  * AVX2, and cost a cast each way per call). Threads split the output channels; the OpenMP runtime is the one
  * PyTorch loaded (same soname), so both share one thread pool.
  *
- * Q4 layout (kettle/kernels/q4.py packs it): weight [N, K], K a multiple of 32, in blocks of 32 input channels;
- * block b of row n is 16 bytes at qw[n*K/2 + b*16], byte j = q[b*32 + j] | q[b*32 + 16 + j] << 4, q in 0..15.
+ * Q4 layout (kettle/quantization/q4.py packs it): weight [N, K], K a multiple of 64, in chunks of 64 input
+ * channels; chunk c of row n is 32 bytes at qw[n*K/2 + c*32], byte j = q[c*64 + j] | q[c*64 + 32 + j] << 4,
+ * q in 0..15, so one 32-byte load and a mask (or shift and mask) give 32 consecutive weights in order.
  * Group g (a multiple of 32) of row n has a float16 scale and minimum at [n*K/g + k/g]: w = q*scale + minimum.
  *
  * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
@@ -26,33 +27,36 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The 32 weights of one Q4 block as four float vectors, dequantized with the group's scale and minimum. */
-static inline void q4_block(const uint8_t *src, __m256 scale, __m256 minimum, __m256 w[4]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+/* 32 weights in 0..15 (one byte each) as four float vectors, dequantized with a group's scale and minimum. */
+static inline void q4_dequant(__m256i q, __m256 scale, __m256 minimum, __m256 w[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), scale, minimum);
     w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), scale, minimum);
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), scale, minimum);
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), scale, minimum);
 }
 
-/* One output channel for `tile` activation rows (tile is a compile-time constant at each call site). */
+/* The two 32-weight halves of one Q4 chunk, one byte a weight. */
+static inline void q4_chunk(const uint8_t *src, __m256i halves[2]) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)src), mask = _mm256_set1_epi8(0x0F);
+    halves[0] = _mm256_and_si256(bytes, mask);
+    halves[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+}
+
+/* One output channel for `tile` float32 activation rows (tile is a compile-time constant at each call site). */
 static inline __attribute__((always_inline)) void q4_row(
     const float *x, int64_t ldx, int tile, int64_t k, int group, const uint8_t *qw, const uint16_t *scales,
     const uint16_t *mins, float *out
 ) {
     __m256 acc[MAX_TILE][2];
     for (int m = 0; m < tile; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const int blocks_per_group = group / 32;
-    for (int64_t g = 0; g < k / group; g++) {
-        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[g]));
-        const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(mins[g]));
-        for (int b = 0; b < blocks_per_group; b++) {
-            const int64_t col = (g * blocks_per_group + b) * 32;
+    for (int64_t c = 0; c < k / 64; c++) {
+        __m256i halves[2];
+        q4_chunk(qw + c * 32, halves);
+        for (int h = 0; h < 2; h++) {
+            const int64_t col = c * 64 + h * 32, g = col / group;
             __m256 w[4];
-            q4_block(qw + col / 2, scale, minimum, w);
+            q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(_cvtsh_ss(mins[g])), w);
             for (int m = 0; m < tile; m++) {
                 const float *xr = x + m * ldx + col;
                 /* Two chains per row: at tile 1 the FMA latency would otherwise bound the loop. */
@@ -139,29 +143,37 @@ void kettle_q8_linear(
 typedef struct {
     int8_t *q;     /* [rows, K] */
     float *scale;  /* [rows, K/32] */
-    float *sum;    /* [rows, K/32]: the exact float sum of each block (for the Q4 minimum term) */
+    float *sum;    /* [rows, K/group]: the exact float sum of each weight group's inputs (the minimum term) */
 } QuantizedRows;
 
-static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, QuantizedRows *out) {
-    const int64_t blocks = k / 32;
+static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, QuantizedRows *out) {
+    const int64_t blocks = k / 32, groups = k / group;
     out->q = aligned_alloc(32, (size_t)(rows * k + 32));
     out->scale = malloc(sizeof(float) * (size_t)(rows * blocks));
-    out->sum = malloc(sizeof(float) * (size_t)(rows * blocks));
+    out->sum = calloc((size_t)(rows * groups), sizeof(float));
     if (!out->q || !out->scale || !out->sum) return -1;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = 0; m < rows; m++) {
         for (int64_t b = 0; b < blocks; b++) {
             const float *src = x + m * ldx + b * 32;
-            float amax = 0.0f, total = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                const float v = src[i];
-                amax = fmaxf(amax, fabsf(v));
-                total += v;
-            }
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *dst = out->q + m * k + b * 32;
-            for (int i = 0; i < 32; i++) dst[i] = (int8_t)lrintf(src[i] * inv);
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
+            const __m256 amax8 = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))
+            );
+            __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+            amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+            amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
+            const float d = _mm_cvtss_f32(amax4) / 127.0f;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m256i q[4];  /* rounded to nearest, as lrintf */
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_store_si256((__m256i *)(out->q + m * k + b * 32), _mm256_permutevar8x32_epi32(packed, order));
             out->scale[m * blocks + b] = d;
-            out->sum[m * blocks + b] = total;
+            out->sum[m * groups + b * 32 / group] += hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
         }
     }
     return 0;
@@ -179,32 +191,43 @@ static inline __m256 block_dot(__m256i u, __m256i s) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+/* One Q4 output channel for `tile` int8 activation rows: Σ_groups scale · Σ_blocks d_x · (q · x_q), plus
+ * minimum · Σ x per group. */
 static inline __attribute__((always_inline)) void q4_row_i8(
     const QuantizedRows *xq, int64_t row0, int tile, int64_t k, int group, const uint8_t *qw,
     const uint16_t *scales, const uint16_t *mins, float *out
 ) {
-    const int64_t blocks = k / 32;
+    const int64_t blocks = k / 32, groups = k / group;
     const int blocks_per_group = group / 32;
-    __m256 acc[MAX_TILE];
+    __m256 total[MAX_TILE], acc[MAX_TILE];
     float offset[MAX_TILE];
-    for (int m = 0; m < tile; m++) acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t g = b / blocks_per_group;
-        const float scale = _cvtsh_ss(scales[g]), minimum = _cvtsh_ss(mins[g]);
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(qw + b * 16));
-        const __m256i w = _mm256_set_m128i(
-            _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask)
-        );
-        for (int m = 0; m < tile; m++) {
-            const int64_t r = row0 + m;
-            const __m256i x = _mm256_load_si256((const __m256i *)(xq->q + r * k + b * 32));
-            const float d = xq->scale[r * blocks + b];
-            acc[m] = _mm256_fmadd_ps(block_dot(w, x), _mm256_set1_ps(d * scale), acc[m]);
-            offset[m] += minimum * xq->sum[r * blocks + b];
+    for (int m = 0; m < tile; m++) total[m] = acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
+    int64_t g = 0;
+    int in_group = 0;
+    for (int64_t c = 0; c < k / 64; c++) {
+        __m256i halves[2];
+        q4_chunk(qw + c * 32, halves);
+        for (int h = 0; h < 2; h++) {
+            const int64_t block = 2 * c + h;
+            for (int m = 0; m < tile; m++) {
+                const int64_t r = row0 + m;
+                const __m256i x = _mm256_load_si256((const __m256i *)(xq->q + r * k + block * 32));
+                const __m256 d = _mm256_broadcast_ss(xq->scale + r * blocks + block);
+                acc[m] = _mm256_fmadd_ps(block_dot(halves[h], x), d, acc[m]);
+            }
+            if (++in_group == blocks_per_group) { /* the group is complete: apply its scale and minimum */
+                const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[g]));
+                const float minimum = _cvtsh_ss(mins[g]);
+                for (int m = 0; m < tile; m++) {
+                    total[m] = _mm256_fmadd_ps(acc[m], scale, total[m]);
+                    acc[m] = _mm256_setzero_ps();
+                    offset[m] += minimum * xq->sum[(row0 + m) * groups + g];
+                }
+                g++, in_group = 0;
+            }
         }
     }
-    for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]) + offset[m];
+    for (int m = 0; m < tile; m++) out[m] = hsum(total[m]) + offset[m];
 }
 
 /* `kettle_q4_linear` with int8 activations. Returns -1 when out of memory (nothing written). */
@@ -213,7 +236,7 @@ int kettle_q4_linear_i8(
     const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
 ) {
     QuantizedRows xq;
-    if (quantize_rows(x, ldx, rows, k, &xq)) return free_rows(&xq), -1;
+    if (quantize_rows(x, ldx, rows, k, group, &xq)) return free_rows(&xq), -1;
     const int64_t groups = k / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
@@ -247,7 +270,7 @@ static inline __attribute__((always_inline)) void q8_row_i8(
             const int64_t r = row0 + m;
             const __m256i x = _mm256_load_si256((const __m256i *)(xq->q + r * k + b * 32));
             const __m256 dot = block_dot(magnitude, _mm256_sign_epi8(x, w));
-            acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xq->scale[r * blocks + b]), acc[m]);
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(xq->scale + r * blocks + b), acc[m]);
         }
     }
     for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
@@ -259,7 +282,7 @@ int kettle_q8_linear_i8(
     const float *bias, float *y, int64_t ldy, int threads
 ) {
     QuantizedRows xq;
-    if (quantize_rows(x, ldx, rows, k, &xq)) return free_rows(&xq), -1;
+    if (quantize_rows(x, ldx, rows, k, k, &xq)) return free_rows(&xq), -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const int8_t *row_q = qw + j * k;

@@ -26,7 +26,7 @@ from kettle.quantization.config import check_scheme, int4_group_size, lm_head_sc
 from kettle.quantization.gptq import GptqFormat
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
-from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q4 import CHUNK, Q4Linear
 from kettle.quantization.qparams import QParams
 
 PREQUANTIZED = {"gptq": GptqFormat, "awq": AwqFormat}
@@ -112,7 +112,8 @@ def quantize_weight(scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | N
 def int4_class(weight: torch.Tensor) -> type[Int4Linear] | type[Q4Linear]:
     """Kettle's own CPU kernel layout for a CPU weight when the kernels built here, else PyTorch's packed
     kernels (`Int4Linear`, also the CUDA path)."""
-    return Q4Linear if weight.device.type == "cpu" and ops.available() else Int4Linear
+    fits = weight.device.type == "cpu" and weight.shape[1] % CHUNK == 0
+    return Q4Linear if fits and ops.available() else Int4Linear
 
 
 def _fused_bias(biases: list[torch.Tensor | None], stacked: torch.Tensor) -> torch.Tensor | None:

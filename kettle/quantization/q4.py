@@ -3,8 +3,8 @@
 The same quantization as `Int4Linear` (w = (q - 8) · scale + zero per group of input channels), stored for a
 kernel that takes float32 activations: PyTorch's packed int4 kernel is fast only with bfloat16 activations on
 AVX2, which costs two casts per call and rounds the activations (measured in bench/quant_kernels.py). Each
-row keeps its nibbles in blocks of 32 input channels (byte j holds channels j and j + 16) and a float16 scale
-and minimum per group, 0.625 bytes a weight at group size 64.
+row keeps its nibbles in chunks of 64 input channels (byte j holds channels j and j + 32, so one 32-byte load
+gives 32 weights in order) and a float16 scale and minimum per group, 0.5625 bytes a weight at group size 64.
 
 Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernels build here
 (`kettle.kernels.ops.available()`); `KETTLE_CPU_KERNELS=0` selects `Int4Linear` instead.
@@ -20,21 +20,22 @@ from kettle.kernels import ops
 from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, dense_rows_threshold
 from kettle.quantization.int4 import kernel_group_size, native_group_size, quantize_int4
 
-BLOCK = 32
+BLOCK = 32  # input channels per activation block and the smallest group
+CHUNK = 64  # input channels per 32-byte load of packed weights
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] in 0..15 → [N, K/2] uint8 with byte j of each 32-block = q[j] | q[j + 16] << 4."""
+    """q [N, K] in 0..15 → [N, K/2] uint8 with byte j of each 64-chunk = q[j] | q[j + 32] << 4."""
     n, k = q.shape
-    blocks = q.to(torch.uint8).view(n, k // BLOCK, 2, BLOCK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    chunks = q.to(torch.uint8).view(n, k // CHUNK, 2, CHUNK // 2)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
 def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_q4`: [N, K/2] uint8 → q [N, K] int32."""
     n, half = packed.shape
-    blocks = packed.view(n, half // (BLOCK // 2), BLOCK // 2).to(torch.int32)
-    return torch.stack([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
+    chunks = packed.view(n, half // (CHUNK // 2), CHUNK // 2).to(torch.int32)
+    return torch.stack([chunks & 0xF, chunks >> 4], dim=2).reshape(n, half * 2)
 
 
 class Q4Linear(nn.Module):
@@ -43,8 +44,8 @@ class Q4Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bias=None) -> None:
         super().__init__()
         n, k = q.shape
-        if k % group_size or group_size % BLOCK:
-            raise ValueError(f"int4: group size {group_size} must be a multiple of {BLOCK} dividing {k}")
+        if k % group_size or group_size % BLOCK or k % CHUNK:
+            raise ValueError(f"int4: in_features {k} must be a multiple of {CHUNK}, group size {group_size} of {BLOCK}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
         self.dense_rows = dense_rows_threshold()
         self.register_buffer("packed", pack_q4(q), persistent=False)
