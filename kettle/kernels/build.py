@@ -33,8 +33,8 @@ SIGNATURES = {
     "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
     "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
 }
-SIGNATURES["kettle_q4_linear_i8"] = SIGNATURES["kettle_q4_linear"]
-SIGNATURES["kettle_q8_linear_i8"] = SIGNATURES["kettle_q8_linear"]
+SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear"]
+SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
 SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int]
@@ -43,7 +43,7 @@ SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _
 SIGNATURES["kettle_silu_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
 # x, stride, cos, sin, rows, heads, dim, out, threads
 SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
-RETURNS_STATUS = ("kettle_q4_linear_i8", "kettle_q8_linear_i8", "kettle_paged_decode")
+RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_paged_decode")
 
 
 def enabled() -> bool:

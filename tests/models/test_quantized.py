@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kettle.kernels import ops
 from kettle.models.registry import load_model
 from kettle.quantization.awq import ORDER
 from kettle.quantization.int4 import Int4Linear
@@ -28,14 +27,6 @@ INT8_RTOL = 0.08
 # On the bundled model, mean KL divergence of the quantized next-token distributions from float32's
 # (measured: int8 0.010, int4 0.002 — its weights come from a Q4_1 GGUF, whose grid int4 keeps exactly).
 BUNDLED_MEAN_KL = 0.05
-
-
-@pytest.fixture
-def float_activations(monkeypatch):
-    """Kettle's int4 CPU kernel with float32 activations: exactly the dequantized weights' products. Its default
-    int8 activations add ~1% per layer, which this tiny model's random weights amplify past EXACT_RTOL; their
-    effect on a real model is the bundled-model test's KL bound, and per layer tests/unit/test_cpu_kernels.py."""
-    monkeypatch.setattr(ops, "INT8_ACTIVATIONS", False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +59,7 @@ def test_int8_logits_stay_near_float32(tiny):
     assert relative_error(kettle_logits(quantized, prompts), reference) < INT8_RTOL
 
 
-def test_int4_model_matches_its_dequantized_weights(tiny, float_activations):
+def test_int4_model_matches_its_dequantized_weights(tiny):
     """Kettle's int4 model against transformers running the weights int4 quantization rounds to (4 bits
     of random weights move this tiny model's logits by up to 70%, so float32 is no reference here)."""
     from transformers import AutoModelForCausalLM
@@ -146,7 +137,7 @@ def make_prequantized(source: Path, target: Path, method: str, group: int = 32) 
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_prequantized_checkpoint_matches_its_dequantized_reference(tiny, tmp_path, method, float_activations):
+def test_prequantized_checkpoint_matches_its_dequantized_reference(tiny, tmp_path, method):
     from transformers import AutoModelForCausalLM
 
     dequantized = make_prequantized(tiny, tmp_path / method, method)
