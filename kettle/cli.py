@@ -167,6 +167,7 @@ def benchmark(
         str | None, typer.Option(help="Socket of a running shard (default: start one).")
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="dtype of the shard it starts.")] = None,
+    quantize: Annotated[str | None, typer.Option(help="--quantize of the shard it starts (int8, int4, ...).")] = None,
 ) -> None:
     """Measure prefill and decode latency and throughput per batch size, talking to a shard directly."""
     from kettle.bench.config import DEFAULT_BATCH_SIZES, BenchmarkConfig
@@ -183,6 +184,7 @@ def benchmark(
         warmups=warmups,
         master_shard_uds_path=master_shard_uds_path,
         dtype=dtype,
+        quantize=quantize,
     )
     from kettle.bench.benchmark import run
 

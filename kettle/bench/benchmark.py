@@ -123,6 +123,7 @@ def _own_shard(config: BenchmarkConfig) -> Iterator[str]:
     uds = os.path.join(tempfile.mkdtemp(prefix="kettle-bench-"), "shard")
     argv = [sys.executable, "-m", "kettle.cli", "serve", path, "--uds-path", uds]
     argv += ["--dtype", config.dtype] if config.dtype else []
+    argv += ["--quantize", config.quantize] if config.quantize else []
     shard = subprocess.Popen(argv)
     try:
         yield f"{uds}-0"
@@ -143,7 +144,7 @@ async def _main(config: BenchmarkConfig, uds: str) -> str:
         from kettle.hub import resolve_model
 
         model_path = str(resolve_model(config.model_id).path)
-    return render(results, config, weight_bytes(Path(model_path), info.dtype))
+    return render(results, config, weight_bytes(Path(model_path), info.dtype, config.quantize))
 
 
 def run(config: BenchmarkConfig) -> None:

@@ -24,6 +24,7 @@ class BenchmarkConfig:
     warmups: int = 1
     master_shard_uds_path: str | None = None  # a running shard's rank-0 socket
     dtype: str | None = None  # of the shard the benchmark starts; None: the device's default
+    quantize: str | None = None  # `--quantize` of the shard the benchmark starts
 
     def __post_init__(self) -> None:
         if not self.batch_sizes:
