@@ -1,10 +1,12 @@
 /* Kettle's CPU decode kernels (AVX2 + FMA + F16C), built on first use by kettle/kernels/build.py.
  *
  * Decode on a CPU reads every weight once per step for a handful of activation rows, so these kernels stream
- * the quantized weights once per tile of rows and dequantize them in registers, with float32 activations
- * (PyTorch's packed int4/int8 kernels want bfloat16 activations for their fast path, converted in software on
- * AVX2, and cost a cast each way per call). Threads split the output channels; the OpenMP runtime is the one
- * PyTorch loaded (same soname), so both share one thread pool.
+ * the quantized weights once per tile of up to MAX_TILE rows and unpack them in registers. The activations
+ * arrive in float32 (PyTorch's packed int4/int8 kernels want bfloat16 for their fast path, converted in software
+ * on AVX2, a cast each way per call) and are either used as they are (`*_linear`, exact to the dequantized
+ * weights) or quantized to int16 per block of 32 for integer dot products (`*_linear_qa`, the default).
+ * Threads split the output channels; the OpenMP runtime is the one PyTorch loaded (same soname), so both share
+ * one thread pool.
  *
  * Q4 layout (kettle/quantization/q4.py packs it): weight [N, K], K a multiple of 64, in chunks of 64 input
  * channels; chunk c of row n is 32 bytes at qw[n*K/2 + c*32], byte j = q[c*64 + j] | q[c*64 + 32 + j] << 4,
