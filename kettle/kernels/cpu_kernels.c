@@ -22,6 +22,18 @@
 
 #define MAX_TILE 4
 
+/* Runs ROW(tile) over the activation rows in tiles of up to MAX_TILE, each tile size a compile-time constant at
+ * its call (so the row functions unroll over it), then STORE(m) for each row m of the tile: m0 is its first. */
+#define FOR_EACH_TILE(rows, ROW, STORE)                                                                       \
+    for (int64_t m0 = 0; m0 < (rows); m0 += MAX_TILE) {                                                      \
+        const int64_t tile = (rows) - m0 < MAX_TILE ? (rows) - m0 : MAX_TILE;                                \
+        if (tile == 4) ROW(4);                                                                                \
+        else if (tile == 3) ROW(3);                                                                           \
+        else if (tile == 2) ROW(2);                                                                           \
+        else ROW(1);                                                                                          \
+        for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
+    }
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -84,15 +96,11 @@ void kettle_q4_linear(
         const uint16_t *row_s = scales + j * groups, *row_m = mins + j * groups;
         const float b = bias ? bias[j] : 0.0f;
         float out[MAX_TILE];
-        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
-            const float *xt = x + m0 * ldx;
-            const int64_t left = rows - m0;
-            if (left >= 4) q4_row(xt, ldx, 4, k, group, row_q, row_s, row_m, out);
-            else if (left == 3) q4_row(xt, ldx, 3, k, group, row_q, row_s, row_m, out);
-            else if (left == 2) q4_row(xt, ldx, 2, k, group, row_q, row_s, row_m, out);
-            else q4_row(xt, ldx, 1, k, group, row_q, row_s, row_m, out);
-            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++) y[(m0 + m) * ldy + j] = out[m] + b;
-        }
+#define ROW(t) q4_row(x + m0 * ldx, ldx, t, k, group, row_q, row_s, row_m, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
     }
 }
 
@@ -125,16 +133,11 @@ void kettle_q8_linear(
         const int8_t *row_q = qw + j * k;
         const float b = bias ? bias[j] : 0.0f;
         float out[MAX_TILE];
-        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
-            const float *xt = x + m0 * ldx;
-            const int64_t left = rows - m0;
-            if (left >= 4) q8_row(xt, ldx, 4, k, row_q, out);
-            else if (left == 3) q8_row(xt, ldx, 3, k, row_q, out);
-            else if (left == 2) q8_row(xt, ldx, 2, k, row_q, out);
-            else q8_row(xt, ldx, 1, k, row_q, out);
-            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++)
-                y[(m0 + m) * ldy + j] = out[m] * scales[j] + b;
-        }
+#define ROW(t) q8_row(x + m0 * ldx, ldx, t, k, row_q, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scales[j] + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
     }
 }
 
@@ -251,14 +254,11 @@ int kettle_q4_linear_qa(
         const uint16_t *row_s = scales + j * groups, *row_m = mins + j * groups;
         const float b = bias ? bias[j] : 0.0f;
         float out[MAX_TILE];
-        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
-            const int64_t left = rows - m0;
-            if (left >= 4) q4_row_qa(&xq, m0, 4, k, group, row_q, row_s, row_m, out);
-            else if (left == 3) q4_row_qa(&xq, m0, 3, k, group, row_q, row_s, row_m, out);
-            else if (left == 2) q4_row_qa(&xq, m0, 2, k, group, row_q, row_s, row_m, out);
-            else q4_row_qa(&xq, m0, 1, k, group, row_q, row_s, row_m, out);
-            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++) y[(m0 + m) * ldy + j] = out[m] + b;
-        }
+#define ROW(t) q4_row_qa(&xq, m0, t, k, group, row_q, row_s, row_m, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
     }
     free_rows(&xq);
     return 0;
@@ -295,15 +295,11 @@ int kettle_q8_linear_qa(
         const int8_t *row_q = qw + j * k;
         const float b = bias ? bias[j] : 0.0f;
         float out[MAX_TILE];
-        for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE) {
-            const int64_t left = rows - m0;
-            if (left >= 4) q8_row_qa(&xq, m0, 4, k, row_q, out);
-            else if (left == 3) q8_row_qa(&xq, m0, 3, k, row_q, out);
-            else if (left == 2) q8_row_qa(&xq, m0, 2, k, row_q, out);
-            else q8_row_qa(&xq, m0, 1, k, row_q, out);
-            for (int64_t m = 0; m < (left < MAX_TILE ? left : MAX_TILE); m++)
-                y[(m0 + m) * ldy + j] = out[m] * scales[j] + b;
-        }
+#define ROW(t) q8_row_qa(&xq, m0, t, k, row_q, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scales[j] + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
     }
     free_rows(&xq);
     return 0;
