@@ -80,7 +80,7 @@ class SdpaBackend:
     ) -> torch.Tensor:
         """q [Nd, H, D] (one token per sequence) → [Nd, H, D], in one SDPA call (or Kettle's CPU kernel)."""
         num_seqs, num_heads, head_dim = q.shape
-        if alibi_slopes is None and softcap is None and _cpu_kernel_fits(q, k_cache):
+        if alibi_slopes is None and softcap is None and _cpu_kernel_fits(q, k_cache, v_cache):
             # Reads each sequence's K/V in place: no gathered copy of every context, no padded mask.
             tables = plan.block_ids.view(num_seqs, plan.num_blocks)
             positions = plan.query_positions.view(num_seqs)
@@ -133,9 +133,11 @@ class SdpaBackend:
         return out.transpose(0, 1)
 
 
-def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether Kettle's CPU decode kernel takes these tensors (float32 on the CPU, kernels built and on)."""
-    return q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and ops.available()
+def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether Kettle's CPU decode kernel takes these tensors (float32 on the CPU, caches contiguous as
+    KVCache allocates them, kernels built and on)."""
+    caches_dense = k_cache.is_contiguous() and v_cache.is_contiguous()
+    return ops.fits(q, k_cache, v_cache) and caches_dense
 
 
 def _modified_prefill(q, k, v, plan: PrefillPlan, window, scale, alibi_slopes, softcap) -> torch.Tensor:
