@@ -8,6 +8,8 @@ same decode steps with transformers (DynamicCache, same batch and context), inte
 Kettle's so both see the same machine load, and prints the ratio.
 
     .venv/bin/python bench/model_decode.py ~/.cache/kettle/<model> --dtype bfloat16 --batch 1 16
+    .venv/bin/python bench/model_decode.py ~/.cache/kettle/<model> --quantize int4 --compare-transformers
+    KETTLE_CPU_KERNELS=0 .venv/bin/python bench/model_decode.py ...   # PyTorch's ops instead of Kettle's kernels
 """
 
 from __future__ import annotations
@@ -76,9 +78,16 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.data_ptr() if tensor.layout == torch.strided and not tensor.is_mkldnn else id(tensor)
 
 
+# Buffers that hold quantized weights (kettle/quantization): read once per step like parameters.
+QUANTIZED_BUFFERS = {"packed", "scales", "mins", "q", "scale", "scale_zero"}
+
+
 def bytes_per_step(model, batch: int, context: int) -> int:
-    """Weights (tied head counted once) plus every sequence's KV, each read once per step."""
-    params = {_storage_key(p): p.numel() * p.element_size() for p in model.parameters()}
+    """Weights (tied head counted once, quantized ones at their stored width) plus every sequence's KV, each
+    read once per step."""
+    tensors = list(model.parameters())
+    tensors += [b for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] in QUANTIZED_BUFFERS]
+    params = {_storage_key(t): t.numel() * t.element_size() for t in tensors}
     return sum(params.values()) + batch * context * model.spec.kv_bytes_per_token
 
 
@@ -91,13 +100,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="Kettle's weights quantized at load")
+    parser.add_argument("--compare-transformers", action="store_true", help="against transformers in --dtype")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.path, dtype, "cpu")
-    print(f"{model.spec.model_type} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads")
+    model = load_model(args.path, dtype, "cpu", quantize=args.quantize)
+    scheme = f" --quantize {args.quantize}" if args.quantize else ""
+    print(f"{model.spec.model_type} {args.dtype}{scheme}, context {args.context}, {torch.get_num_threads()} threads")
     for batch in args.batch:
         fns = [kettle_decode(model, batch, args.context, args.steps + args.warmup)]
         if args.compare_transformers:
