@@ -7,10 +7,11 @@
 Engines: transformers `generate` (fp32; 16 streams = one batch of 16), CTranslate2 int8 (the bundled model
 converted once with its transformers converter), llama.cpp through llama-cpp-python on the bundled GGUF (batch 1
 only: its Python API decodes one sequence), and Kettle over HTTP (bf16/fp32 as it serves by default, and with
-`--quantize int4`). Each peer runs in its own subprocess at each `--threads` count; the table keeps each engine's
-fastest. An engine whose package is missing is skipped with a line saying so. Prompts are compare.py's, rendered
-with the chat template; stream i gets prompt i. decode tok/s is measured the way kettle.bench.loadgen does:
-the tokens after each stream's first, over the time from the first first-token to the last token.
+`--quantize int4` and `int8`). Each peer runs in its own subprocess at each `--threads` count; the table keeps
+each engine's fastest. An engine whose package is missing is skipped with a line saying so. Prompts are
+compare.py's, rendered with the chat template; stream i gets prompt i. decode tok/s is measured the way
+kettle.bench.loadgen does: the tokens after each stream's first, over the time from the first first-token to the
+last token.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from compare import chat_prompts
 PEER_PACKAGES = {"transformers": "transformers", "ctranslate2": "ctranslate2", "llama.cpp": "llama_cpp"}
 # llama-cpp-python's high-level API decodes one sequence at a time, so it gets no batched row.
 SINGLE_STREAM_ONLY = {"llama.cpp"}
-ENGINES = ("transformers", "ctranslate2", "llama.cpp", "kettle", "kettle-int4")
+ENGINES = ("transformers", "ctranslate2", "llama.cpp", "kettle", "kettle-int4", "kettle-int8")
 LABELS = {
     "transformers": "transformers generate (fp32)",
     "ctranslate2": "CTranslate2 (int8)",
     "llama.cpp": "llama.cpp (GGUF Q4_1)",
     "kettle": "kettle",
     "kettle-int4": "kettle --quantize int4",
+    "kettle-int8": "kettle --quantize int8",
 }
 
 
@@ -252,7 +254,7 @@ def main() -> None:
     rows: list[Row] = []
     for engine in args.engines.split(","):
         if engine.startswith("kettle"):
-            flags = ["--quantize", "int4"] if engine == "kettle-int4" else []
+            flags = ["--quantize", engine.removeprefix("kettle-")] if engine != "kettle" else []
             rows += kettle_rows(engine, flags, threads, streams, args.max_new_tokens)
         elif importlib.util.find_spec(PEER_PACKAGES[engine]) is None:
             print(f"skipped {engine}: `{PEER_PACKAGES[engine]}` is not installed (`make bench-peers` installs it)")
