@@ -19,7 +19,7 @@ from kettle.shard.dtype import choose_dtype
 from kettle.shard.engine import ShardEngine
 from kettle.shard.kv_cache import BLOCK_SIZE
 from kettle.shard.runner import ModelRunner
-from kettle.shard.service import ShardService
+from kettle.shard.service import ShardService, on_engine_thread
 from kettle.shard.vocab import Vocab
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def set_threads(num_threads: int | None, local_shards: int = 1) -> None:
 
 
 async def _serve(config: ShardConfig) -> None:
-    engine, info = build_engine(config)
+    engine, info = await on_engine_thread(build_engine, config)  # the thread every later model call runs on
     urls = [f"unix://{config.uds_path}-{rank}" for rank in range(config.world_size)]
     server = grpc.aio.server(
         options=[("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
