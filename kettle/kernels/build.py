@@ -43,6 +43,8 @@ SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _
 SIGNATURES["kettle_silu_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
 # x, stride, cos, sin, rows, heads, dim, out, threads
 SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
+# packed, scales, mins, n, k, group, out, threads
+SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, _ptr, ctypes.c_int]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_paged_decode")
 
 

@@ -104,6 +104,27 @@ void kettle_q4_linear(
     }
 }
 
+/* W [N, K] float32 from its Q4 form, for the dense GEMM of large prefills (parallel over rows). */
+void kettle_q4_dequantize(
+    const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, float *out,
+    int threads
+) {
+    const int64_t groups = k / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t c = 0; c < k / 64; c++) {
+            __m256i halves[2];
+            q4_chunk(qw + j * (k / 2) + c * 32, halves);
+            for (int h = 0; h < 2; h++) {
+                const int64_t col = c * 64 + h * 32, g = j * groups + col / group;
+                __m256 w[4];
+                q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(_cvtsh_ss(mins[g])), w);
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + j * k + col + 8 * i, w[i]);
+            }
+        }
+    }
+}
+
 /* One int8 output channel for `tile` activation rows. */
 static inline __attribute__((always_inline)) void q8_row(
     const float *x, int64_t ldx, int tile, int64_t k, const int8_t *qw, float *out

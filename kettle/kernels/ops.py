@@ -51,6 +51,17 @@ def q4_linear(
     return y
 
 
+def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The Q4 weight as a dense float32 [N, K] tensor (large prefills multiply it with a float32 GEMM)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(n, k, dtype=torch.float32)
+    library().kettle_q4_dequantize(
+        packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group_size, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for W = q [N, K] int8 · scales [N] float32: [M, N] float32."""
     rows, k = x.shape

@@ -112,3 +112,10 @@ def test_rope_reads_a_view_of_the_fused_qkv_output():
     assert ops.rope_fits(x, cos, sin)
     expected = (x * cos).addcmul_(x.roll(32, dims=-1), sin)
     assert relative(RotaryEmbedding.apply(x, cos, sin), expected) < 1e-6
+
+
+def test_q4_dequantize_matches_the_unpacked_weight(monkeypatch):
+    layer = Q4Linear.from_weight(torch.randn(40, 192) * 0.05, group_size=64)
+    fast = layer.dequantized()
+    monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path
+    assert torch.allclose(fast, layer.dequantized(), rtol=1e-6, atol=1e-7)  # fma vs mul + add: last bit
