@@ -221,17 +221,28 @@ static inline __m256 block_dot(__m256i w_lo, __m256i w_hi, const int16_t *x) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
 }
 
-/* One Q4 output channel for `tile` quantized activation rows: Σ_groups scale · Σ_blocks d_x · (q · x_q), plus
- * minimum · Σ x per group. */
+/* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step. */
+static inline float minimum_term(const uint16_t *mins, const float *sums, int64_t groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g))), _mm256_loadu_ps(sums + g), acc);
+    float total = hsum(acc);
+    for (; g < groups; g++) total += _cvtsh_ss(mins[g]) * sums[g];
+    return total;
+}
+
+/* One Q4 output channel for `tile` quantized activation rows: Σ_blocks (d_x · scale_g) · (q · x_q), plus the
+ * minimums' term. The weight scale is folded into each row's activation scale per block (one multiply) rather
+ * than applied at each group's end: with the 32-wide groups of Q4_1 checkpoints that flush was every block. */
 static inline __attribute__((always_inline)) void q4_row_qa(
     const QuantizedRows *xq, int64_t row0, int tile, int64_t k, int group, const uint8_t *qw,
     const uint16_t *scales, const uint16_t *mins, float *out
 ) {
     const int64_t blocks = k / 32, groups = k / group;
     const int blocks_per_group = group / 32;
-    __m256 total[MAX_TILE], acc[MAX_TILE];
-    float offset[MAX_TILE];
-    for (int m = 0; m < tile; m++) total[m] = acc[m] = _mm256_setzero_ps(), offset[m] = 0.0f;
+    __m256 total[MAX_TILE];
+    for (int m = 0; m < tile; m++) total[m] = _mm256_setzero_ps();
     int64_t g = 0;
     int in_group = 0;
     for (int64_t c = 0; c < k / 64; c++) {
@@ -241,24 +252,16 @@ static inline __attribute__((always_inline)) void q4_row_qa(
             const int64_t block = 2 * c + h;
             const __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(halves[h]));
             const __m256i w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(halves[h], 1));
+            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[g]));
             for (int m = 0; m < tile; m++) {
                 const int64_t r = row0 + m;
-                const __m256 d = _mm256_broadcast_ss(xq->scale + r * blocks + block);
-                acc[m] = _mm256_fmadd_ps(block_dot(w_lo, w_hi, xq->q + r * k + block * 32), d, acc[m]);
+                const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(xq->scale + r * blocks + block), scale);
+                total[m] = _mm256_fmadd_ps(block_dot(w_lo, w_hi, xq->q + r * k + block * 32), d, total[m]);
             }
-            if (++in_group == blocks_per_group) { /* the group is complete: apply its scale and minimum */
-                const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[g]));
-                const float minimum = _cvtsh_ss(mins[g]);
-                for (int m = 0; m < tile; m++) {
-                    total[m] = _mm256_fmadd_ps(acc[m], scale, total[m]);
-                    acc[m] = _mm256_setzero_ps();
-                    offset[m] += minimum * xq->sum[(row0 + m) * groups + g];
-                }
-                g++, in_group = 0;
-            }
+            if (++in_group == blocks_per_group) g++, in_group = 0;
         }
     }
-    for (int m = 0; m < tile; m++) out[m] = hsum(total[m]) + offset[m];
+    for (int m = 0; m < tile; m++) out[m] = hsum(total[m]) + minimum_term(mins, xq->sum + (row0 + m) * groups, groups);
 }
 
 /* `kettle_q4_linear` with quantized activations. Returns -1 when out of memory (nothing written). */
