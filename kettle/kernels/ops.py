@@ -1,8 +1,8 @@
 """Tensor-level calls into Kettle's CPU kernels (kettle/kernels/cpu_kernels.c), one ctypes call each.
 
-Callers check `available()` once (at load time) and keep PyTorch's ops as the other path. The wrappers take
-contiguous float32 activations and write into a fresh output tensor; the kernels parallelise over output
-channels with PyTorch's own thread count.
+Callers check `available()` (or `fits`, which also checks device and dtype; the build is cached, so a check is a
+dictionary lookup) and keep PyTorch's ops as the other path. The wrappers take float32 tensors, write into a
+fresh output tensor, and pass PyTorch's thread count to the kernels' parallel loops.
 """
 
 from __future__ import annotations
