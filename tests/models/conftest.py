@@ -1,9 +1,13 @@
-"""Fixtures for the model tests: every module runs torch with one thread."""
+"""Fixtures for the model tests: every module runs torch with one thread; the tiny Llama's warmed engine and
+its transformers twin for the engine tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.models.engine_driver import warm_engine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -13,3 +17,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    """A warmed ShardEngine on the tiny Llama (one per module)."""
+    return warm_engine(tiny_llama_path)[0]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_path):
+    """The tiny Llama's tokenizer and transformers model, float32."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    return tokenizer, model

@@ -7,24 +7,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kettle.proto import generate_pb2 as pb
-from tests.models.engine_driver import warm_engine
 
 LONG = "The capital of France is Paris. The capital of Germany is Berlin. Hello world! How are you today?"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
-    return warm_engine(tiny_llama_path)[0]
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
-    return tokenizer, model
 
 
 def request(batch: pb.Batch, request_id: int, ids: list[int], first_block: int, **extra) -> pb.Request:

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kettle.proto import generate_pb2 as pb
-from tests.models.engine_driver import make_batch, run_to_end, warm_engine
+from tests.models.engine_driver import make_batch, run_to_end
 
 PROMPTS = ["The capital of France is", "Hello", "def add(a, b):\n    return a + b\n", "你好，世界！今天"]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
-    return warm_engine(tiny_llama_path)[0]
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
-    return tokenizer, model
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
