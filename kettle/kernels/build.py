@@ -1,4 +1,4 @@
-"""Builds and loads Kettle's CPU kernels (cpu_kernels.c) the first time a process needs them.
+"""Builds and loads Kettle's CPU kernels (cpu_kernels.c, decoder_step.c) the first time a process needs them.
 
 The shared library is compiled with the machine's C compiler into `$KETTLE_CACHE/kernels/cpu-<key>/`, keyed by
 the source, the flags and the compiler, so later processes only load it (~1 ms). It links the OpenMP runtime
@@ -22,7 +22,9 @@ from pathlib import Path
 
 from kettle.hub.cache import build_once, cache_root
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FOLDER = Path(__file__).parent
+SOURCES = (FOLDER / "cpu_kernels.c", FOLDER / "decoder_step.c")
+HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ENV_SWITCH = "KETTLE_CPU_KERNELS"
@@ -45,7 +47,10 @@ SIGNATURES["kettle_silu_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
 SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
 # packed, scales, mins, n, k, group, out, threads
 SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, _ptr, ctypes.c_int]
-RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_paged_decode")
+# model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
+SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
+SIGNATURES["kettle_decoder_step"] += [ctypes.c_int]
+RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_paged_decode", "kettle_decoder_step")
 
 
 def enabled() -> bool:
@@ -64,7 +69,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
         return None
     try:
-        folder = build_once(cache_root() / "kernels" / f"cpu-{_key(compiler)}", _compiler(compiler), "cpu_kernels.c")
+        folder = build_once(cache_root() / "kernels" / f"cpu-{_key(compiler)}", _compiler(compiler), "the CPU kernels")
         lib = ctypes.CDLL(str(folder / "libkettle_cpu.so"))
     except (OSError, subprocess.CalledProcessError) as error:
         log.warning("CPU kernels failed to build or load (%s): using PyTorch's kernels", error)
@@ -78,7 +83,7 @@ def library() -> ctypes.CDLL | None:
 
 def _compiler(compiler: str):
     def build(out: Path) -> None:
-        command = [compiler, *FLAGS, str(SOURCE), "-o", str(out / "libkettle_cpu.so"), "-lm"]
+        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out / "libkettle_cpu.so"), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
 
     return build
@@ -86,7 +91,8 @@ def _compiler(compiler: str):
 
 def _key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode())
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode())
     return digest.hexdigest()[:12]
 
 

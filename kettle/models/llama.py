@@ -10,11 +10,14 @@ A forward takes the flat tokens of every sequence in the step ([T]) and returns 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.kernels.decoder_step import DecoderStep
 from kettle.layers.attention import AttentionMetadata, paged_attention
 from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
 from kettle.layers.norm import RMSNorm
@@ -175,6 +178,11 @@ class LlamaForCausalLM(nn.Module):
         with Weights(path, dtype, device) as weights:
             return cls(config, weights).eval()
 
+    @functools.cached_property
+    def cpu_decoder_step(self) -> DecoderStep | None:
+        """The fused CPU decode step for this model, built on first use (after quantization), or None."""
+        return DecoderStep.build(self)
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -182,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         h, residual = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp), None
         cos, sin = self.rotary(positions, meta)
+        step = self.cpu_decoder_step
+        if step is not None and step.fits(kv_cache, meta):
+            return step(h, cos, sin, kv_cache, meta)  # every layer in one C call (kettle/kernels/decoder_step.py)
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
         return self.norm.add_forward(h, residual)[0]

@@ -1,0 +1,365 @@
+/* Building blocks of Kettle's CPU kernels (AVX2 + FMA + F16C), shared by the op-at-a-time entry points
+ * (cpu_kernels.c) and the fused decoder step (decoder_step.c). Everything here works on one row, one output
+ * channel or one attention item: the callers own the loops, and with them the threads.
+ *
+ * Q4 layout (kettle/quantization/q4.py packs it): weight [N, K], K a multiple of 64, in chunks of 64 input
+ * channels; chunk c of row n is 32 bytes at qw[n*K/2 + c*32], byte j = q[c*64 + j] | q[c*64 + 32 + j] << 4,
+ * q in 0..15, so one 32-byte load and a mask (or shift and mask) give 32 consecutive weights in order.
+ * Group g (a multiple of 32) of row n has a float16 scale and minimum at [n*K/g + k/g]: w = q*scale + minimum.
+ *
+ * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
+ */
+#ifndef KETTLE_KERNELS_H
+#define KETTLE_KERNELS_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_TILE 4
+
+/* Runs ROW(tile) over the activation rows in tiles of up to MAX_TILE, each tile size a compile-time constant at
+ * its call (so the row functions unroll over it), then STORE(m) for each row m of the tile: m0 is its first. */
+#define FOR_EACH_TILE(rows, ROW, STORE)                                                                       \
+    for (int64_t m0 = 0; m0 < (rows); m0 += MAX_TILE) {                                                      \
+        const int64_t tile = (rows) - m0 < MAX_TILE ? (rows) - m0 : MAX_TILE;                                \
+        if (tile == 4) ROW(4);                                                                                \
+        else if (tile == 3) ROW(3);                                                                           \
+        else if (tile == 2) ROW(2);                                                                           \
+        else ROW(1);                                                                                          \
+        for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
+    }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 weights in 0..15 (one byte each) as four float vectors, dequantized with a group's scale and minimum. */
+static inline void q4_dequant(__m256i q, __m256 scale, __m256 minimum, __m256 w[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), scale, minimum);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), scale, minimum);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), scale, minimum);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), scale, minimum);
+}
+
+/* The two 32-weight halves of one Q4 chunk, one byte a weight. */
+static inline void q4_chunk(const uint8_t *src, __m256i halves[2]) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)src), mask = _mm256_set1_epi8(0x0F);
+    halves[0] = _mm256_and_si256(bytes, mask);
+    halves[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+}
+
+/* One output channel for `tile` float32 activation rows (tile is a compile-time constant at each call site). */
+static inline __attribute__((always_inline)) void q4_row(
+    const float *x, int64_t ldx, int tile, int64_t k, int group, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, float *out
+) {
+    __m256 acc[MAX_TILE][2];
+    for (int m = 0; m < tile; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k / 64; c++) {
+        __m256i halves[2];
+        q4_chunk(qw + c * 32, halves);
+        for (int h = 0; h < 2; h++) {
+            const int64_t col = c * 64 + h * 32, g = col / group;
+            __m256 w[4];
+            q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(_cvtsh_ss(mins[g])), w);
+            for (int m = 0; m < tile; m++) {
+                const float *xr = x + m * ldx + col;
+                /* Two chains per row: at tile 1 the FMA latency would otherwise bound the loop. */
+                acc[m][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[m][1]);
+                acc[m][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+/* One int8 output channel for `tile` activation rows. */
+static inline __attribute__((always_inline)) void q8_row(
+    const float *x, int64_t ldx, int tile, int64_t k, const int8_t *qw, float *out
+) {
+    __m256 acc[MAX_TILE][2];
+    for (int m = 0; m < tile; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t col = 0; col < k; col += 16) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(qw + col));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+        for (int m = 0; m < tile; m++) {
+            const float *xr = x + m * ldx + col;
+            acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[m][1]);
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+/* ---- int16 activations: quantized per block of 32 (absmax / 32767) for integer dot products (`madd_epi16`:
+ * products of 16-bit pairs summed into 32-bit lanes, exact). A block costs a few integer instructions instead
+ * of a float dequantization per weight, and the activations keep ~15 bits: the outputs move by ~1e-5 relative.
+ * (8-bit activations, llama.cpp's choice, were ~1.3x faster again here but moved the bundled model's int4
+ * next-token distribution 26x further from float32's: outlier channels.) */
+
+typedef struct {
+    int16_t *q;    /* [rows, K], 32-byte aligned */
+    float *scale;  /* [rows, K/32] */
+    float *sum;    /* [rows, K/group]: the exact float sum of each weight group's inputs (the minimum term) */
+} QuantizedRows;
+
+static inline void free_rows(QuantizedRows *rows) {
+    free(rows->q);
+    free(rows->scale);
+    free(rows->sum);
+}
+
+/* Room for `rows` rows of up to `k` channels; -1 when out of memory. */
+static inline int alloc_rows(int64_t rows, int64_t k, QuantizedRows *out) {
+    out->q = aligned_alloc(32, sizeof(int16_t) * (size_t)(rows * k + 32));
+    out->scale = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    out->sum = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    return out->q && out->scale && out->sum ? 0 : -1;
+}
+
+/* Row `r` of `out` (laid out for K = k) from x[k]: int16 values, a scale per block, a float sum per group. */
+static inline void quantize_row(const float *x, int64_t k, int64_t group, QuantizedRows *out, int64_t r) {
+    const int64_t blocks = k / 32, groups = k / group;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    float *sums = out->sum + r * groups;
+    for (int64_t g = 0; g < groups; g++) sums[g] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *src = x + b * 32;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
+        const __m256 amax8 = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))
+        );
+        __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+        amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
+        const float d = _mm_cvtss_f32(amax4) / 32767.0f;
+        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4]; /* rounded to nearest */
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        /* packs works within 128-bit lanes: [0-3, 8-11 | 4-7, 12-15]; the permute restores the order. */
+        int16_t *dst = out->q + r * k + b * 32;
+        _mm256_store_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+        _mm256_store_si256((__m256i *)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+        out->scale[r * blocks + b] = d;
+        sums[b * 32 / group] += hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    }
+}
+
+/* The integer dot product of one block of 32 weights (as two vectors of 16 int16) with 32 int16 activations. */
+static inline __m256 block_dot(__m256i w_lo, __m256i w_hi, const int16_t *x) {
+    const __m256i lo = _mm256_madd_epi16(w_lo, _mm256_load_si256((const __m256i *)x));
+    const __m256i hi = _mm256_madd_epi16(w_hi, _mm256_load_si256((const __m256i *)(x + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+
+/* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step. */
+static inline float minimum_term(const uint16_t *mins, const float *sums, int64_t groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g))), _mm256_loadu_ps(sums + g), acc);
+    float total = hsum(acc);
+    for (; g < groups; g++) total += _cvtsh_ss(mins[g]) * sums[g];
+    return total;
+}
+
+/* One Q4 output channel for `tile` quantized activation rows: Σ_blocks (d_x · scale_g) · (q · x_q), plus the
+ * minimums' term. The weight scale is folded into each row's activation scale per block (one multiply) rather
+ * than applied at each group's end: with the 32-wide groups of Q4_1 checkpoints that flush was every block. */
+static inline __attribute__((always_inline)) void q4_row_qa(
+    const QuantizedRows *xq, int64_t row0, int tile, int64_t k, int group, const uint8_t *qw,
+    const uint16_t *scales, const uint16_t *mins, float *out
+) {
+    const int64_t blocks = k / 32, groups = k / group;
+    const int blocks_per_group = group / 32;
+    __m256 total[MAX_TILE];
+    for (int m = 0; m < tile; m++) total[m] = _mm256_setzero_ps();
+    int64_t g = 0;
+    int in_group = 0;
+    for (int64_t c = 0; c < k / 64; c++) {
+        __m256i halves[2];
+        q4_chunk(qw + c * 32, halves);
+        for (int h = 0; h < 2; h++) {
+            const int64_t block = 2 * c + h;
+            const __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(halves[h]));
+            const __m256i w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(halves[h], 1));
+            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[g]));
+            for (int m = 0; m < tile; m++) {
+                const int64_t r = row0 + m;
+                const __m256 d = _mm256_mul_ps(_mm256_broadcast_ss(xq->scale + r * blocks + block), scale);
+                total[m] = _mm256_fmadd_ps(block_dot(w_lo, w_hi, xq->q + r * k + block * 32), d, total[m]);
+            }
+            if (++in_group == blocks_per_group) g++, in_group = 0;
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(total[m]) + minimum_term(mins, xq->sum + (row0 + m) * groups, groups);
+}
+
+static inline __attribute__((always_inline)) void q8_row_qa(
+    const QuantizedRows *xq, int64_t row0, int tile, int64_t k, const int8_t *qw, float *out
+) {
+    const int64_t blocks = k / 32;
+    __m256 acc[MAX_TILE];
+    for (int m = 0; m < tile; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(qw + b * 32));
+        const __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+        const __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+        for (int m = 0; m < tile; m++) {
+            const int64_t r = row0 + m;
+            const __m256 d = _mm256_broadcast_ss(xq->scale + r * blocks + b);
+            acc[m] = _mm256_fmadd_ps(block_dot(w_lo, w_hi, xq->q + r * k + b * 32), d, acc[m]);
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
+}
+
+/* ---- element-wise rows of a decoder layer (float32) ---- */
+
+/* e^x for 8 floats (Cephes' polynomial on a range-reduced argument; relative error ~2e-7). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* dst = x · rsqrt(mean(x²) + eps) · weight over `dim`; with `residual`, x is first replaced by residual + x,
+ * which is also written to `total` (the residual stream the next block adds to; it may be `residual` itself). */
+static inline void rms_norm_row(
+    const float *x, const float *residual, const float *weight, int64_t dim, float eps, float *dst, float *total
+) {
+    if (residual) {
+        for (int64_t i = 0; i < dim; i++) total[i] = residual[i] + x[i];
+        x = total;
+    }
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float squares = hsum(acc);
+    for (; i < dim; i++) squares += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+    for (i = 0; i < dim; i++) dst[i] = x[i] * inv * weight[i];
+}
+
+/* dst[I] = silu(gate) · up for one row of gate_up [2I] (gate first, as the fused projection stores them). */
+static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst) {
+    const float *gate = gate_up, *up = gate_up + inner;
+    int64_t i = 0;
+    for (; i + 8 <= inner; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < inner; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* RoPE in the halves layout for `heads` heads of one token: dst[h, i] = src[h, i] · cos[i] +
+ * src[h, (i + D/2) % D] · sin[i], with sin already signed; heads are `dim` floats apart in both. */
+static inline void rope_row(const float *src, const float *cos, const float *sin, int64_t heads, int64_t dim, float *dst) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++, src += dim, dst += dim) {
+        for (int64_t i = 0; i < half; i++) dst[i] = src[i] * cos[i] + src[i + half] * sin[i];
+        for (int64_t i = half; i < dim; i++) dst[i] = src[i] * cos[i] + src[i - half] * sin[i];
+    }
+}
+
+/* ---- paged decode attention (float32): one new query token per sequence, its K/V read in place from the
+ * paged cache (no gather of the context into a contiguous copy). Work items are (sequence, KV head) pairs;
+ * the `group` query heads sharing a KV head are scored together so each K/V row is loaded once. */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float total = hsum(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* The shape of one paged decode attention call. */
+typedef struct {
+    const float *k_cache, *v_cache; /* [slots, kv_heads, dim] */
+    const int64_t *tables;          /* [seqs, max_blocks] */
+    const int64_t *positions;       /* [seqs]: of the new token; the context is position + 1 long */
+    int64_t max_blocks, heads, kv_heads, dim, block_size, window; /* window > 0: the last `window` positions */
+    float scale;
+} PagedDecode;
+
+/* The longest context of the call, which sizes each thread's scores (group · (longest + 1) floats). */
+static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
+    return longest;
+}
+
+/* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. */
+static inline void attend_item(const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out) {
+    const int64_t group = p->heads / p->kv_heads, dim = p->dim, len = p->positions[s] + 1;
+    const int64_t first = p->window > 0 && len > p->window ? len - p->window : 0, span = len - first;
+    const int64_t *table = p->tables + s * p->max_blocks;
+    const float *qs = q + (s * p->heads + h * group) * dim;
+    for (int64_t t = first; t < len; t++) {
+        const int64_t slot = table[t / p->block_size] * p->block_size + t % p->block_size;
+        const float *key = p->k_cache + (slot * p->kv_heads + h) * dim;
+        for (int64_t g = 0; g < group; g++) scores[g * span + t - first] = dot_f32(qs + g * dim, key, dim) * p->scale;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *row = scores + g * span, top = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < span; i++) top = fmaxf(top, row[i]);
+        int64_t i = 0;
+        __m256 sums = _mm256_setzero_ps();
+        for (; i + 8 <= span; i += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(row + i, e);
+            sums = _mm256_add_ps(sums, e);
+        }
+        total = hsum(sums);
+        for (; i < span; i++) total += (row[i] = expf(row[i] - top));
+        const float inv = 1.0f / total;
+        for (i = 0; i < span; i++) row[i] *= inv;
+        float *dst = out + (s * p->heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; d++) dst[d] = 0.0f;
+    }
+    for (int64_t t = first; t < len; t++) {
+        const int64_t slot = table[t / p->block_size] * p->block_size + t % p->block_size;
+        const float *value = p->v_cache + (slot * p->kv_heads + h) * dim;
+        for (int64_t g = 0; g < group; g++)
+            axpy_f32(out + (s * p->heads + h * group + g) * dim, scores[g * span + t - first], value, dim);
+    }
+}
+
+#endif
