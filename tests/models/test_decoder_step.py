@@ -1,0 +1,76 @@
+"""The fused CPU decode step (kettle/kernels/decoder_step.c) against the same model run layer by layer.
+
+Both paths run the same kernels in the same order on each output channel, row and attention item, so their
+logits are not just close but equal, whatever the threads' split of the work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kettle.kernels import decoder_step, ops
+from kettle.layers.attention import AttentionMetadata
+from kettle.models.registry import load_model
+from tests.models.drive import BLOCK_SIZE, make_variant, new_cache, scattered_tables, step
+from tests.unit.test_cpu_kernels import CAN_BUILD
+
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
+PROMPTS = [[3, 17, 5, 9, 11], [8] * 23, [40, 41, 42], list(range(10, 47))]
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    # Two threads, so the step's barriers and the split of channels between threads are exercised.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
+    """Prefills PROMPTS, then decodes them together greedily; the logits of every decode step [steps, S, V]."""
+    model.__dict__.pop("cpu_decoder_step", None)
+    if not fused:
+        model.__dict__["cpu_decoder_step"] = None  # the cached property, overridden: layer by layer
+    tables, num_blocks = scattered_tables([len(p) + steps for p in PROMPTS])
+    cache = new_cache(model, num_blocks)
+    logits, meta = step(model, cache, PROMPTS, [0] * len(PROMPTS), tables)
+    tokens, out = logits[meta.last_token_indices].argmax(-1), []
+    for i in range(steps):
+        logits, _ = step(model, cache, [[t] for t in tokens.tolist()], [len(p) + i for p in PROMPTS], tables)
+        out.append(logits)
+        tokens = logits.argmax(-1)
+    model.__dict__.pop("cpu_decoder_step", None)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding"])
+def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, variant, quantize):
+    """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head) and Mistral (a sliding window of 8,
+    shorter than the contexts), over scattered block tables."""
+    model = load_model(str(make_variant(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
+    assert model.cpu_decoder_step is not None
+    fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    assert torch.equal(fused, reference)
+
+
+def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch):
+    path = str(make_variant(tmp_path, "llama"))
+    assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # float32 weights
+    model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
+    monkeypatch.setenv(decoder_step.ENV_SWITCH, "0")
+    assert model.cpu_decoder_step is None
+    monkeypatch.delenv(decoder_step.ENV_SWITCH)
+    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)  # the exact float32-activation kernels instead
+    assert decoder_step.DecoderStep.build(model) is None
+    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
+    fused = decoder_step.DecoderStep.build(model)
+    cache = new_cache(model, 8)
+    decode = AttentionMetadata.build([1, 1], [3, 5], [[1, 2], [3, 4]], BLOCK_SIZE, "cpu")
+    prefill = AttentionMetadata.build([1, 4], [3, 0], [[1, 2], [3, 4]], BLOCK_SIZE, "cpu")
+    assert fused.fits(cache, decode)
+    assert not fused.fits(cache, prefill)  # a prompt in the step: the layer-by-layer forward runs it
+    fused.max_rows = 1
+    assert not fused.fits(cache, decode)  # more rows than the packed kernels take (`dense_rows`)
