@@ -326,19 +326,10 @@ static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
     return longest;
 }
 
-/* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. */
-static inline void attend_item(const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out) {
-    const int64_t group = p->heads / p->kv_heads, dim = p->dim, len = p->positions[s] + 1;
-    const int64_t first = p->window > 0 && len > p->window ? len - p->window : 0, span = len - first;
-    const int64_t *table = p->tables + s * p->max_blocks;
-    const float *qs = q + (s * p->heads + h * group) * dim;
-    for (int64_t t = first; t < len; t++) {
-        const int64_t slot = table[t / p->block_size] * p->block_size + t % p->block_size;
-        const float *key = p->k_cache + (slot * p->kv_heads + h) * dim;
-        for (int64_t g = 0; g < group; g++) scores[g * span + t - first] = dot_f32(qs + g * dim, key, dim) * p->scale;
-    }
+/* The softmax of each of the `group` rows of `span` scores, in place. */
+static inline void softmax_rows(float *scores, int64_t group, int64_t span) {
     for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * span, top = -INFINITY, total = 0.0f;
+        float *row = scores + g * span, top = -INFINITY;
         for (int64_t i = 0; i < span; i++) top = fmaxf(top, row[i]);
         int64_t i = 0;
         __m256 sums = _mm256_setzero_ps();
@@ -347,19 +338,66 @@ static inline void attend_item(const PagedDecode *p, const float *q, int64_t s, 
             _mm256_storeu_ps(row + i, e);
             sums = _mm256_add_ps(sums, e);
         }
-        total = hsum(sums);
+        float total = hsum(sums);
         for (; i < span; i++) total += (row[i] = expf(row[i] - top));
         const float inv = 1.0f / total;
         for (i = 0; i < span; i++) row[i] *= inv;
+    }
+}
+
+/* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. The context is
+ * walked block by block (one table lookup per block, no division per position); `dim` is a compile-time
+ * constant where the caller dispatches on the common head sizes, so the dot products unroll and each 64-wide
+ * slice of an output head accumulates in registers over the whole context. */
+static inline __attribute__((always_inline)) void attend_dim(
+    const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out, const int64_t dim
+) {
+    const int64_t group = p->heads / p->kv_heads, len = p->positions[s] + 1, bs = p->block_size;
+    const int64_t first = p->window > 0 && len > p->window ? len - p->window : 0, span = len - first;
+    const int64_t stride = p->kv_heads * dim; /* floats from one slot to the next */
+    const int64_t *table = p->tables + s * p->max_blocks;
+    const float *qs = q + (s * p->heads + h * group) * dim;
+    for (int64_t b = first / bs; b * bs < len; b++) {
+        const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const float *keys = p->k_cache + table[b] * bs * stride + h * dim; /* position b·bs + i at keys + i·stride */
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t g = 0; g < group; g++)
+                scores[g * span + t - first] = dot_f32(qs + g * dim, keys + (t - b * bs) * stride, dim) * p->scale;
+    }
+    softmax_rows(scores, group, span);
+    for (int64_t g = 0; g < group; g++) {
+        const float *weights = scores + g * span - first;
         float *dst = out + (s * p->heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; d++) dst[d] = 0.0f;
+        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            const int64_t width = dim - d0 < 64 ? dim - d0 : 64;
+            if (width < 64) { /* a head size that is not a multiple of 64: the remainder row by row */
+                for (int64_t d = 0; d < width; d++) dst[d0 + d] = 0.0f;
+                for (int64_t t = first; t < len; t++) {
+                    const int64_t slot = table[t / bs] * bs + t % bs;
+                    axpy_f32(dst + d0, weights[t], p->v_cache + (slot * p->kv_heads + h) * dim + d0, width);
+                }
+                continue;
+            }
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t b = first / bs; b * bs < len; b++) {
+                const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+                const float *values = p->v_cache + table[b] * bs * stride + h * dim + d0;
+                for (int64_t t = t0; t < t1; t++) {
+                    const __m256 w = _mm256_set1_ps(weights[t]);
+                    const float *row = values + (t - b * bs) * stride;
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
+                }
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + d0 + 8 * i, acc[i]);
+        }
     }
-    for (int64_t t = first; t < len; t++) {
-        const int64_t slot = table[t / p->block_size] * p->block_size + t % p->block_size;
-        const float *value = p->v_cache + (slot * p->kv_heads + h) * dim;
-        for (int64_t g = 0; g < group; g++)
-            axpy_f32(out + (s * p->heads + h * group + g) * dim, scores[g * span + t - first], value, dim);
-    }
+}
+
+static inline void attend_item(const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out) {
+    if (p->dim == 64) attend_dim(p, q, s, h, scores, out, 64);
+    else if (p->dim == 128) attend_dim(p, q, s, h, scores, out, 128);
+    else attend_dim(p, q, s, h, scores, out, p->dim);
 }
 
 #endif

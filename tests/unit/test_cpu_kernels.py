@@ -69,10 +69,12 @@ def test_q8_linear_is_its_dequantized_weight(monkeypatch, rows):
     assert relative(ops.q8_linear(x, q, scale, bias), expected) < QUANTIZED_ACTIVATION_RTOL
 
 
+# Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one.
+@pytest.mark.parametrize("dim", [32, 64, 80, 128])
 @pytest.mark.parametrize(("lens", "window"), [([5, 40, 130, 17], None), ([100, 50, 7], 32), ([1], None)])
-def test_paged_decode_matches_sdpa_over_scattered_blocks(monkeypatch, lens, window):
+def test_paged_decode_matches_sdpa_over_scattered_blocks(monkeypatch, lens, window, dim):
     torch.manual_seed(len(lens))
-    block_size, heads, kv_heads, dim = 16, 6, 2, 32
+    block_size, heads, kv_heads = 16, 6, 2
     blocks = sum(-(-n // block_size) for n in lens) + 3
     order = torch.randperm(blocks).tolist()
     tables, used = [], 0
