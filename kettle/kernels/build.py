@@ -35,8 +35,8 @@ SIGNATURES = {
     "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
     "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
 }
-SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear"]
-SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
+SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear_tiled"] = SIGNATURES["kettle_q4_linear"]
+SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear_tiled"] = SIGNATURES["kettle_q8_linear"]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
 SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int]
@@ -50,7 +50,8 @@ SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int
 # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int]
-RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_paged_decode", "kettle_decoder_step")
+RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_tiled", "kettle_q8_linear_tiled")
+RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step")
 
 
 def enabled() -> bool:

@@ -36,20 +36,9 @@ void kettle_q4_dequantize(
     const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, float *out,
     int threads
 ) {
-    const int64_t groups = k / group;
+    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        for (int64_t c = 0; c < k / 64; c++) {
-            __m256i halves[2];
-            q4_chunk(qw + j * (k / 2) + c * 32, halves);
-            for (int h = 0; h < 2; h++) {
-                const int64_t col = c * 64 + h * 32, g = j * groups + col / group;
-                __m256 w[4];
-                q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(_cvtsh_ss(mins[g])), w);
-                for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + j * k + col + 8 * i, w[i]);
-            }
-        }
-    }
+    for (int64_t j = 0; j < n; j++) q4_dequant_row(&w, j, out + j * k);
 }
 
 /* y[M, N] = x[M, K] · Wᵀ (+ bias) for a per-channel int8 weight (K a multiple of 16). */
@@ -68,6 +57,39 @@ void kettle_q8_linear(
 #undef ROW
 #undef STORE
     }
+}
+
+/* y = x Wᵀ (+ bias) over the float32 tiles (kernels.h), channel pairs split across threads; -1 when out of memory. */
+static int linear_tiled(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *buffer = malloc(sizeof(float) * (size_t)(TILE_CHANNELS * w->k));
+        failed = buffer == NULL;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (w->n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
+            if (buffer) linear_channels_f32(w, p, x, ldx, rows, y, ldy, buffer);
+        free(buffer);
+    }
+    return failed ? -1 : 0;
+}
+
+/* `kettle_q4_linear` over the float32 tiles, for several rows. */
+int kettle_q4_linear_tiled(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
+) {
+    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
+    return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+}
+
+/* `kettle_q8_linear` over the float32 tiles, for several rows. */
+int kettle_q8_linear_tiled(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
+    const float *bias, float *y, int64_t ldy, int threads
+) {
+    const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
+    return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
 }
 
 /* x [rows, K] (rows ldx floats apart) quantized for a weight with groups of `group`; -1 when out of memory. */

@@ -13,17 +13,6 @@
 
 #include "kernels.h"
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
-
-/* One projection y = x Wᵀ (+ bias) over quantized activations. */
-typedef struct {
-    int64_t kind, group, n, k; /* group: Q4's group size (Q8: k) */
-    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8 */
-    const void *scales;        /* Q4: [N, K/group] float16; Q8: [N] float32 */
-    const uint16_t *mins;      /* Q4: [N, K/group] float16 */
-    const float *bias;         /* [N] or NULL */
-} Linear;
-
 typedef struct {
     const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
     Linear qkv, o, gate_up, down;        /* qkv rows: [q heads; k heads; v heads]; gate_up: [gate; up] */
@@ -32,10 +21,18 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
+    int64_t float_rows_q4, float_rows_q8; /* from these many rows on, projections run the float32 tiles */
     float eps, scale;
     const Layer *layers;
     const float *final_norm;
 } Decoder;
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
+static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
+    return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
+}
 
 /* The step's activations, one allocation (rows = sequences). */
 typedef struct {
@@ -61,11 +58,17 @@ static void free_scratch(Scratch *s) {
     free_rows(&s->xq);
 }
 
-/* y [rows, N] = xq · Wᵀ (+ bias), the output channels split across the team (an orphaned `omp for`, whose
- * closing barrier makes y complete for the next stage). */
-static void linear(const Linear *w, const QuantizedRows *xq, int64_t rows, float *y) {
+/* y [rows, N] = x · Wᵀ (+ bias), the output channels split across the team (an orphaned `omp for`, whose
+ * closing barrier makes y complete for the next stage): float32 tiles from `float_rows_*` rows on (x [rows, K]),
+ * else integer dot products with the rows quantized in xq. `buffer`: this thread's TILE_CHANNELS·K floats. */
+static void linear(const Decoder *m, const Linear *w, const float *x, const QuantizedRows *xq, int64_t rows, float *y,
+                   float *buffer) {
     const int64_t n = w->n, k = w->k;
-    if (w->kind == LINEAR_Q4) {
+    if (float_tiles(m, w, rows)) {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
+            linear_channels_f32(w, p, x, k, rows, y, n, buffer);
+    } else if (w->kind == LINEAR_Q4) {
         const int group = (int)w->group;
         const int64_t groups = k / group;
 #pragma omp for schedule(static)
@@ -106,7 +109,7 @@ static void add_norm(const Decoder *m, Scratch *s, const float *block_out, const
         float *residual = s->residual + r * dim, *x = s->x + r * dim;
         if (block_out) rms_norm_row(block_out + r * dim, residual, weight, dim, m->eps, x, residual);
         else rms_norm_row(residual, NULL, weight, dim, m->eps, x, NULL);
-        quantize_row(x, dim, next->group, &s->xq, r);
+        if (!float_tiles(m, next, rows)) quantize_row(x, dim, next->group, &s->xq, r);
     }
 }
 
@@ -123,8 +126,10 @@ static void rope_and_store(const Decoder *m, Scratch *s, const float *cos, const
     }
 }
 
-/* Rows of `x` [rows, dim] quantized for the projection `next`. */
-static void quantize_for(const float *x, int64_t dim, const Linear *next, QuantizedRows *xq, int64_t rows) {
+/* Rows of `x` [rows, dim] quantized for the projection `next` (when it takes quantized rows). */
+static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Linear *next, QuantizedRows *xq,
+                         int64_t rows) {
+    if (float_tiles(m, next, rows)) return;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, dim, next->group, xq, r);
 }
@@ -133,7 +138,7 @@ static void silu_for(const Decoder *m, Scratch *s, const Linear *next, int64_t r
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         silu_mul_row(s->gate_up + r * 2 * m->inner, m->inner, s->act + r * m->inner);
-        quantize_row(s->act + r * m->inner, m->inner, next->group, &s->xq, r);
+        if (!float_tiles(m, next, rows)) quantize_row(s->act + r * m->inner, m->inner, next->group, &s->xq, r);
     }
 }
 
@@ -146,18 +151,18 @@ static void attention(const Decoder *m, Scratch *s, const PagedDecode *p, float 
 /* One layer, run by every thread of the team. */
 static void layer_step(const Decoder *m, const Layer *l, Scratch *s, float *k_cache, float *v_cache,
                        const PagedDecode *shape, const float *cos, const float *sin, const int64_t *slots,
-                       float *scores, int64_t rows) {
+                       float *scores, float *buffer, int64_t rows) {
     PagedDecode p = *shape;
     p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window;
-    linear(&l->qkv, &s->xq, rows, s->qkv);
+    linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
     rope_and_store(m, s, cos, sin, slots, k_cache, v_cache, rows);
     attention(m, s, &p, scores, rows);
-    quantize_for(s->attn, m->heads * m->head_dim, &l->o, &s->xq, rows);
-    linear(&l->o, &s->xq, rows, s->out);
+    quantize_for(m, s->attn, m->heads * m->head_dim, &l->o, &s->xq, rows);
+    linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
     add_norm(m, s, s->out, l->post_norm, &l->gate_up, rows);
-    linear(&l->gate_up, &s->xq, rows, s->gate_up);
+    linear(m, &l->gate_up, s->x, &s->xq, rows, s->gate_up, buffer);
     silu_for(m, s, &l->down, rows);
-    linear(&l->down, &s->xq, rows, s->out);
+    linear(m, &l->down, s->act, &s->xq, rows, s->out, buffer);
 }
 
 /* embedded [rows, hidden] (one new token per sequence) → out [rows, hidden], the final norm's output; writes each
@@ -168,8 +173,11 @@ int kettle_decoder_step(
     const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
     const int64_t *positions, float *out, int threads
 ) {
-    const int64_t scores_size = m->heads / m->kv_heads * (longest_context(positions, rows) + 1);
-    float *scores = malloc(sizeof(float) * (size_t)(threads * scores_size)); /* a row of scores per thread */
+    /* Per thread: attention scores, then the dequantized weight rows of one float32 tile. */
+    const int64_t widest = max64(max64(m->hidden, m->inner), m->heads * m->head_dim);
+    const int64_t scores_size = (m->heads / m->kv_heads * (longest_context(positions, rows) + 1) + 7) / 8 * 8;
+    const int64_t per_thread = scores_size + TILE_CHANNELS * widest;
+    float *scores = malloc(sizeof(float) * (size_t)(threads * per_thread));
     Scratch s;
     if (!scores || alloc_scratch(m, rows, &s)) return free(scores), -1;
     memcpy(s.residual, embedded, sizeof(float) * (size_t)(rows * m->hidden));
@@ -177,11 +185,11 @@ int kettle_decoder_step(
                                m->block_size, 0, m->scale};
 #pragma omp parallel num_threads(threads)
     {
-        float *own = scores + omp_get_thread_num() * scores_size;
+        float *own = scores + omp_get_thread_num() * per_thread, *buffer = own + scores_size;
         for (int64_t i = 0; i < m->num_layers; i++) {
             const Layer *l = m->layers + i;
             add_norm(m, &s, i ? s.out : NULL, l->input_norm, &l->qkv, rows);
-            layer_step(m, l, &s, k_caches[i], v_caches[i], &shape, cos, sin, slots, own, rows);
+            layer_step(m, l, &s, k_caches[i], v_caches[i], &shape, cos, sin, slots, own, buffer, rows);
         }
     }
     for (int64_t r = 0; r < rows; r++)

@@ -43,7 +43,8 @@ class _Layer(ctypes.Structure):
 
 class _Decoder(ctypes.Structure):
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
-    _fields_ += [("block_size", _int), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int)]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr)]
 
 
@@ -79,7 +80,8 @@ class DecoderStep:
         self._layers = (_Layer * len(layers))(*layers)
         self.decoder = _Decoder(
             spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            first.mlp.gate_up.out_features // 2, 0, first.input_norm.eps, first.attn.scale, self._layers,
+            first.mlp.gate_up.out_features // 2, 0, ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS, first.input_norm.eps,
+            first.attn.scale, self._layers,
             model.norm.weight.data_ptr(),
         )  # fmt: skip
         self.max_rows = min(

@@ -45,11 +45,16 @@ def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("float_rows", [None, 2])
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding"])
-def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, variant, quantize):
+def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize, float_rows):
     """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head) and Mistral (a sliding window of 8,
-    shorter than the contexts), over scattered block tables."""
+    shorter than the contexts), over scattered block tables; projections over int16 rows (4 sequences are
+    below the float32 tiles' thresholds) and over the float32 tiles (`float_rows` 2)."""
+    if float_rows is not None:
+        monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", float_rows)
+        monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", float_rows)
     model = load_model(str(make_variant(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step is not None
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)

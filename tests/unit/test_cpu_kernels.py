@@ -53,6 +53,8 @@ def test_q4_linear_is_its_dequantized_weight(monkeypatch, group_size, rows):
     assert relative(layer(x), expected) < 1e-5
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
     assert relative(layer(x), expected) < QUANTIZED_ACTIVATION_RTOL
+    monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 1)  # the float32 tiles: 80 channels, not a multiple of 3
+    assert relative(layer(x), expected) < 1e-5
     # The dequantized weight is the quantization of the original: within half a step of every group.
     assert relative(layer.dequantized(), weight) < 0.2
 
@@ -67,6 +69,8 @@ def test_q8_linear_is_its_dequantized_weight(monkeypatch, rows):
     assert relative(ops.q8_linear(x, q, scale, bias), expected) < 1e-5
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
     assert relative(ops.q8_linear(x, q, scale, bias), expected) < QUANTIZED_ACTIVATION_RTOL
+    monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", 1)  # the float32 tiles
+    assert relative(ops.q8_linear(x, q, scale, bias), expected) < 1e-5
 
 
 # Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one.
