@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Enough text for a byte-level BPE that covers English words, Chinese and emoji.
@@ -92,3 +94,16 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     ).save_pretrained(path)
     (path / "kettle_test_model.json").write_text(json.dumps({"seed": seed}))
     return path
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch (and Kettle's CPU kernels) with `count` threads inside the block, the previous count after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -7,16 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.fixtures import torch_threads
 from tests.models.engine_driver import warm_engine
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The machine is shared (CI has 2 cores): one thread is plenty for models this size."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

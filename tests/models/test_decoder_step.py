@@ -12,6 +12,7 @@ import torch
 from kettle.kernels import decoder_step, ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
+from tests.fixtures import torch_threads
 from tests.models.drive import BLOCK_SIZE, make_variant, new_cache, scattered_tables, step
 from tests.unit.test_cpu_kernels import CAN_BUILD
 
@@ -22,10 +23,8 @@ PROMPTS = [[3, 17, 5, 9, 11], [8] * 23, [40, 41, 42], list(range(10, 47))]
 @pytest.fixture(autouse=True)
 def two_threads():
     # Two threads, so the step's barriers and the split of channels between threads are exercised.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:

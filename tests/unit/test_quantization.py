@@ -13,6 +13,7 @@ from kettle.quantization.config import UNSUPPORTED, check_scheme
 from kettle.quantization.int4 import Int4Linear, kernel_group_size, quantize_int4, unpack_int4
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.qparams import QParams, unpack_nibbles
+from tests.fixtures import torch_threads
 
 # The packed kernels take bfloat16 activations (kettle/quantization/config.py): relative error ~2^-8 per
 # input, accumulated in float32, so outputs match the dequantized float32 product to about 1%.
@@ -21,10 +22,8 @@ KERNEL_RTOL = 0.02
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def close(y: torch.Tensor, reference: torch.Tensor) -> float:
