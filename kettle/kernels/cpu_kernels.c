@@ -104,21 +104,11 @@ int kettle_q4_linear_qa(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
     const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
 ) {
+    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
     QuantizedRows xq;
     if (quantize_rows(x, ldx, rows, k, group, &xq)) return free_rows(&xq), -1;
-    const int64_t groups = k / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *row_q = qw + j * (k / 2);
-        const uint16_t *row_s = scales + j * groups, *row_m = mins + j * groups;
-        const float b = bias ? bias[j] : 0.0f;
-        float out[MAX_TILE];
-#define ROW(t) q4_row_qa(&xq, m0, t, k, group, row_q, row_s, row_m, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
-        FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-    }
+    for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
     free_rows(&xq);
     return 0;
 }
@@ -128,19 +118,11 @@ int kettle_q8_linear_qa(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
     const float *bias, float *y, int64_t ldy, int threads
 ) {
+    const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
     QuantizedRows xq;
     if (quantize_rows(x, ldx, rows, k, k, &xq)) return free_rows(&xq), -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *row_q = qw + j * k;
-        const float b = bias ? bias[j] : 0.0f;
-        float out[MAX_TILE];
-#define ROW(t) q8_row_qa(&xq, m0, t, k, row_q, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scales[j] + b
-        FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-    }
+    for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
     free_rows(&xq);
     return 0;
 }

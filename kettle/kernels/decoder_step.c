@@ -68,34 +68,9 @@ static void linear(const Decoder *m, const Linear *w, const float *x, const Quan
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
             linear_channels_f32(w, p, x, k, rows, y, n, buffer);
-    } else if (w->kind == LINEAR_Q4) {
-        const int group = (int)w->group;
-        const int64_t groups = k / group;
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
-            const uint16_t *row_s = (const uint16_t *)w->scales + j * groups, *row_m = w->mins + j * groups;
-            const float b = w->bias ? w->bias[j] : 0.0f;
-            float out[MAX_TILE];
-#define ROW(t) q4_row_qa(xq, m0, t, k, group, row_q, row_s, row_m, out)
-#define STORE(m) y[(m0 + m) * n + j] = out[m] + b
-            FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-        }
     } else {
-        const float *scales = w->scales;
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            const int8_t *row_q = (const int8_t *)w->weight + j * k;
-            const float b = w->bias ? w->bias[j] : 0.0f;
-            float out[MAX_TILE];
-#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, out)
-#define STORE(m) y[(m0 + m) * n + j] = out[m] * scales[j] + b
-            FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-        }
+        for (int64_t j = 0; j < n; j++) linear_channel_qa(w, xq, rows, j, y, n);
     }
 }
 

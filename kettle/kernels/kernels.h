@@ -31,6 +31,17 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
+
+/* One quantized projection y = x Wᵀ (+ bias). */
+typedef struct {
+    int64_t kind, group, n, k; /* group: Q4's group size (Q8: k) */
+    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8 */
+    const void *scales;        /* Q4: [N, K/group] float16; Q8: [N] float32 */
+    const uint16_t *mins;      /* Q4: [N, K/group] float16 */
+    const float *bias;         /* [N] or NULL */
+} Linear;
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -233,22 +244,39 @@ static inline __attribute__((always_inline)) void q8_row_qa(
     for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
 }
 
+/* Output channel j of `w` for every row quantized in xq: y[m, j] (rows of y ldy floats apart), with the
+ * channel's bias and, for int8, its scale. */
+static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j, float *y,
+                                     int64_t ldy) {
+    const int64_t k = w->k;
+    const float b = w->bias ? w->bias[j] : 0.0f;
+    float out[MAX_TILE];
+    if (w->kind == LINEAR_Q4) {
+        const int group = (int)w->group;
+        const int64_t groups = k / group;
+        const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
+        const uint16_t *row_s = (const uint16_t *)w->scales + j * groups, *row_m = w->mins + j * groups;
+#define ROW(t) q4_row_qa(xq, m0, t, k, group, row_q, row_s, row_m, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
+    } else {
+        const int8_t *row_q = (const int8_t *)w->weight + j * k;
+        const float scale = ((const float *)w->scales)[j];
+#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scale + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
+    }
+}
+
 /* ---- float32 tiles for several activation rows: each output channel's weights are dequantized once into a
- * per-thread buffer, then every row multiplies them in float32 (exact to the dequantized weights), two channels
- * and four rows at a time in eight accumulators. From a few rows on this beats the quantized-activation dot
- * products, whose per-block conversions and scale products grow with the rows while the float32 tile costs
- * one FMA per 8 weights and row (thresholds measured in kettle/kernels/ops.py). */
-
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
-
-/* One quantized projection y = x Wᵀ (+ bias). */
-typedef struct {
-    int64_t kind, group, n, k; /* group: Q4's group size (Q8: k) */
-    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8 */
-    const void *scales;        /* Q4: [N, K/group] float16; Q8: [N] float32 */
-    const uint16_t *mins;      /* Q4: [N, K/group] float16 */
-    const float *bias;         /* [N] or NULL */
-} Linear;
+ * per-thread buffer, then every row multiplies them in float32 (exact to the dequantized weights), three channels
+ * by four rows at a time. From a few rows on this beats the quantized-activation dot products, whose per-block
+ * conversions and scale products grow with the rows while the float32 tile costs one FMA per 8 weights and row
+ * (thresholds measured in kettle/kernels/ops.py). */
 
 /* Row j of a Q4 weight as K floats. */
 static inline void q4_dequant_row(const Linear *w, int64_t j, float *dst) {
