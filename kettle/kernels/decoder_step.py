@@ -62,12 +62,11 @@ def _linear(module: nn.Module) -> _Linear | None:
     module = getattr(module, "linear", module)
     bias = _ptr_of(module.bias)
     if isinstance(module, Q4Linear):
-        packed, scales, mins = module.packed, module.scales, module.mins
-        return _Linear(LINEAR_Q4, module.group_size, *packed.shape[:1], module.in_features, packed.data_ptr(),
-                       scales.data_ptr(), mins.data_ptr(), bias)  # fmt: skip
+        weights = (module.packed.data_ptr(), module.scales.data_ptr(), module.mins.data_ptr())
+        return _Linear(LINEAR_Q4, module.group_size, module.out_features, module.in_features, *weights, bias)
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
-        k = module.in_features
-        return _Linear(LINEAR_Q8, k, module.out_features, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)
+        n, k = module.out_features, module.in_features
+        return _Linear(LINEAR_Q8, k, n, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)
     return None
 
 
@@ -78,12 +77,12 @@ class DecoderStep:
     def __init__(self, model: nn.Module, layers: list[_Layer]) -> None:
         spec, first = model.spec, model.layers[0]
         self._layers = (_Layer * len(layers))(*layers)
-        self.decoder = _Decoder(
-            spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            first.mlp.gate_up.out_features // 2, 0, ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS, first.input_norm.eps,
-            first.attn.scale, self._layers,
-            model.norm.weight.data_ptr(),
-        )  # fmt: skip
+        shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        inner = first.mlp.gate_up.out_features // 2
+        rows = (ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS)
+        eps_scale = (first.input_norm.eps, first.attn.scale)  # RMSNorm epsilon, attention scale
+        # block_size (0 here) is set from each step's metadata.
+        self.decoder = _Decoder(*shape, inner, 0, *rows, *eps_scale, self._layers, model.norm.weight.data_ptr())
         self.max_rows = min(
             getattr(m, "dense_rows", 1 << 62) for m in model.modules() if isinstance(m, Q4Linear | Int8Linear)
         )

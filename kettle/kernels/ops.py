@@ -14,7 +14,7 @@ import torch
 from kettle.kernels.build import library
 
 # Activations quantized to int16 per block of 32 for integer dot products in the int4/int8 GEMVs: faster than
-# dequantizing every weight to float on AVX2, at ~1e-5 relative error on the outputs (cpu_kernels.c says why not
+# dequantizing every weight to float on AVX2, at ~1e-5 relative error on the outputs (kernels.h says why not
 # int8). `KETTLE_QUANTIZED_ACTIVATIONS=0`: float32 activations, exactly the dequantized weights' products.
 QUANTIZED_ACTIVATIONS = os.environ.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0"
 # From these many activation rows on, the int4/int8 kernels dequantize each output channel once and multiply every
