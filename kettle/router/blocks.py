@@ -45,6 +45,10 @@ class Allocator(Protocol):
 
     def free(self, allocation: Allocation) -> None: ...
 
+    def references(self) -> dict[int, int]:
+        """Each block some allocation holds, with how many hold it (checked by the block ledger)."""
+        ...
+
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `n_tokens` tokens."""
@@ -97,6 +101,9 @@ class BlockAllocator:
 
     def commit(self, allocation: Allocation) -> None:
         """Nothing to do: no block is ever shared."""
+
+    def references(self) -> dict[int, int]:
+        return dict.fromkeys(self._used, 1)
 
     def free(self, allocation: Allocation) -> None:
         """Returns the blocks of `allocation`; freeing a block twice is a bug and raises."""

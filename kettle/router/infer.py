@@ -53,6 +53,8 @@ class SchedulerConfig:
     # Size the chunks that run beside decodes from measured step times (kettle/router/chunk_budget.py);
     # KETTLE_ADAPTIVE_CHUNKS=0: every step may compute max_batch_prefill_tokens prompt tokens.
     adaptive_chunks: bool = field(default_factory=lambda: os.environ.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0")
+    # /health turns 503 when work waits and the loop has not moved for this long (or 4x its slowest step).
+    stall_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "block_size", "num_blocks"):
@@ -138,7 +140,12 @@ class Infer:
                 self._scheduler.wake()
 
     async def health(self) -> bool:
-        """True when every shard answers and, if the last shard call failed, a real forward works again."""
+        """True when the batching loop makes progress, every shard answers and, if the last shard call failed, a
+        real forward works again."""
+        stall = self._loop_stall()
+        if stall is not None:
+            logger.error("unhealthy: %s", stall)
+            return False
         try:
             await self._client.health()
             if not self._scheduler.last_call_ok:
@@ -147,6 +154,11 @@ class Infer:
             logger.warning("health check failed", exc_info=True)
             return False
         return True
+
+    def _loop_stall(self) -> str | None:
+        if self._task is not None and self._task.done():
+            return "the scheduler loop has ended"
+        return self._scheduler.stall()
 
     async def _probe(self) -> None:
         """A one-token prefill of a single request through every shard.
@@ -167,6 +179,7 @@ class Infer:
         entry.allocation = self._allocator.allocate(entry.total_tokens)
         if entry.allocation is None:
             raise RuntimeError("no free KV block for the health probe")
+        self._scheduler.ledger.lent.add(entry.allocation)
         try:
             _, cached, _ = await self._client.prefill(batch_proto(self._queue.new_batch_id(), [entry]))
             if cached is not None:  # a one-token request ends at prefill; drop the batch if a shard kept it
@@ -174,4 +187,5 @@ class Infer:
             self._scheduler.last_call_ok = True
         finally:
             self._allocator.free(entry.allocation)
+            self._scheduler.ledger.lent.discard(entry.allocation)
             self._scheduler.wake()  # the probe's block may be what a queued request was waiting for

@@ -58,6 +58,9 @@ BATCH_CURRENT_MAX_TOKENS = Gauge("tgi_batch_current_max_tokens", "KV tokens rese
 # take (cached prefix blocks nobody references are evicted on demand, so they count as free).
 KV_BLOCKS_FREE = Gauge("kettle_kv_blocks_free", "KV cache blocks free for new requests")
 KV_BLOCKS_TOTAL = Gauge("kettle_kv_blocks_total", "KV cache blocks in the pool")
+# Kettle's own: steps after which the referenced KV blocks differed from the live requests' blocks (a leak or a
+# double free). Always 0 in a healthy server; tests assert it.
+KV_LEDGER_VIOLATIONS = Counter("kettle_kv_ledger_violations", "Steps after which the KV block ledger did not balance")
 
 
 class _BlockPool(Protocol):

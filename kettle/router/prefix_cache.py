@@ -132,6 +132,10 @@ class PrefixCachingAllocator:
             self._cached[block_hash] = block
             self._hash_of[block] = block_hash
 
+    def references(self) -> dict[int, int]:
+        """Referenced blocks and their counts; cached blocks nobody references are not among them."""
+        return dict(self._refs)
+
     def free(self, allocation: Allocation) -> None:
         """Drops one reference to each block; unreferenced committed blocks stay cached, the others are freed.
 

@@ -34,6 +34,17 @@ class CapacityError(InferError):
         Exception.__init__(self, f"Input validation error: {message}")
 
 
+class UnplaceableRequest(CapacityError):
+    """A request the shards cannot be sent (its blocks or its proto could not be built): it fails alone.
+
+    Validation refuses such requests at the edge; this is the backstop that keeps one of them from failing, or
+    wedging, the batch it would have joined.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"the request cannot be scheduled ({type(error).__name__}: {error})")
+
+
 @dataclass(eq=False)
 class Entry:
     """One request from arrival to its last token: the request, its response channel and its KV blocks."""
@@ -49,6 +60,8 @@ class Entry:
     chunk_len: int = 0  # prompt tokens its next forward computes (0 = all that remain)
     cancelled: bool = False  # the client went away: the scheduler drops it at the next step
     done: bool = False  # its last event or its error was sent
+    sent: bool = False  # a shard call that includes it has started: from then on a failed step fails it
+    requeued: int = 0  # times a failed step put it back in the queue (it had not reached a shard)
 
     @property
     def in_prefill(self) -> bool:
@@ -126,9 +139,11 @@ class NextBatch:
     batch: generate_pb2.Batch
 
 
-def batch_proto(batch_id: int, entries: list[Entry]) -> generate_pb2.Batch:
-    """A proto batch of entries that hold their blocks."""
-    requests = [e.to_proto() for e in entries]
+def batch_proto(
+    batch_id: int, entries: list[Entry], requests: list[generate_pb2.Request] | None = None
+) -> generate_pb2.Batch:
+    """A proto batch of entries that hold their blocks (`requests`: their protos, when already built)."""
+    requests = [e.to_proto() for e in entries] if requests is None else requests
     return generate_pb2.Batch(
         id=batch_id,
         requests=requests,
@@ -203,8 +218,37 @@ class Queue:
             self._put_back(taken)
             return None
         QUEUE_SIZE.set(len(self._entries))
+        taken, requests = self._encoded(taken)
+        if not taken:
+            return None
         PREFIX_CACHE_HIT_TOKENS.inc(sum(e.prefilled_len for e in taken))
-        return NextBatch({e.id: e for e in taken}, batch_proto(self.new_batch_id(), taken))
+        return NextBatch({e.id: e for e in taken}, batch_proto(self.new_batch_id(), taken, requests))
+
+    def _encoded(self, taken: list[Entry]) -> tuple[list[Entry], list[generate_pb2.Request]]:
+        """The entries whose shard request could be built, with those requests; the others fail alone."""
+        kept, requests = [], []
+        for entry in taken:
+            try:
+                requests.append(entry.to_proto())
+            except Exception as error:  # a value the proto cannot carry: this request's fault, not the batch's
+                self._reject(entry, error)
+                continue
+            kept.append(entry)
+        return kept, requests
+
+    def _reject(self, entry: Entry, error: Exception) -> None:
+        if entry.allocation is not None:
+            self._allocator.free(entry.allocation)
+            entry.allocation = None
+        entry.fail(UnplaceableRequest(error))
+
+    def requeue(self, entries: list[Entry]) -> None:
+        """Puts entries that never reached a shard back at the head of the line, in order, without blocks."""
+        for entry in entries:
+            assert entry.allocation is None, "entries go back to the queue only after their blocks were freed"
+            entry.prefilled_len, entry.chunk_len, entry.started_at, entry.requeued = 0, 0, None, entry.requeued + 1
+        self._entries.extendleft(reversed(entries))
+        QUEUE_SIZE.set(len(self._entries))
 
     def _take(self, max_size: int | None, prefill_budget: int, token_budget: int) -> list[Entry]:
         taken: list[Entry] = []
@@ -219,7 +263,12 @@ class Queue:
                 break
             # Prompt logprobs need every prompt token computed, so such a request may not reuse a prefix.
             reuse = not entry.request.decoder_input_details
-            allocation = self._allocator.allocate(entry.total_tokens, entry.request.input_ids, reuse)
+            try:
+                allocation = self._allocator.allocate(entry.total_tokens, entry.request.input_ids, reuse)
+            except Exception as error:  # left at the head it would fail every later step: it leaves the line
+                self._entries.popleft()
+                self._reject(entry, error)
+                continue
             if allocation is None:
                 break
             # Shared-prefix tokens are not computed again, so they do not count against the prefill budget.

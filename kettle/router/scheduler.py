@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from kettle.proto import generate_pb2 as pb
 from kettle.router import metrics
+from kettle.router.block_ledger import BlockLedger
 from kettle.router.blocks import Allocator
 from kettle.router.chunk_budget import ChunkBudget
 from kettle.router.client import StepResult
 from kettle.router.events import generation_events
+from kettle.router.liveness import Liveness
 from kettle.router.queue import Entry, NextBatch, Queue
 from kettle.router.tracing import batch_span
 from kettle.router.types import GenerationError
@@ -63,6 +65,8 @@ class Scheduler:
         self._chunks = ChunkBudget(config.max_batch_prefill_tokens, config.adaptive_chunks)
         self._wake = asyncio.Event()
         self.last_call_ok = True  # read by the health check
+        self.ledger = BlockLedger(allocator)
+        self.liveness = Liveness(config.stall_timeout)
 
     @property
     def running(self) -> int:
@@ -70,18 +74,32 @@ class Scheduler:
 
     def wake(self) -> None:
         """Tells an idle loop that the queue changed."""
+        if not self._running and len(self._queue) <= 1:  # work just reached an idle server
+            self.liveness.work_arrived()
         self._wake.set()
 
+    def stall(self) -> str | None:
+        """Why the loop counts as wedged (for /health), or None."""
+        return self.liveness.stall(has_work=bool(self._running) or len(self._queue) > 0)
+
     async def run(self) -> None:
-        """The loop: step while there is work, sleep until `wake` when there is none."""
+        """The loop: step while there is work, sleep until `wake` when there is none.
+
+        The step's outcome is settled here, in one place: whatever a step raised, every request it held gets an
+        answer (or goes back to the queue if no shard ever saw it) and its blocks return to the pool; then the
+        block ledger is checked against the live requests.
+        """
         while True:
             self._wake.clear()  # before looking at the queue, so an append during the step is not missed
+            self.liveness.step_started()
             try:
                 busy = await self.step()
-            except Exception as error:  # a bug must not leave every request hanging: fail the running ones
+            except Exception as error:
                 logger.exception("scheduler step failed")
-                await self._fail(list(self._running), [self._batch.id] if self._batch else [], error)
-                self._batch, busy = None, True
+                await self._fail_step(error)
+                busy = True
+            self.liveness.step_ended(busy)
+            self.ledger.check(self._running.values())
             if not busy:
                 await self._wake.wait()
 
@@ -89,7 +107,7 @@ class Scheduler:
         """One iteration: schedule → execute → update. Returns False when there was nothing to do."""
         if self._config.chunked_prefill:
             return await self._mixed_step()
-        new = self._schedule()
+        new = self._own(self._schedule())
         batches = [self._batch] if self._batch is not None else []
         if new is not None:
             batches += await self._prefill(new)
@@ -116,12 +134,12 @@ class Scheduler:
         when requests join, else a Decode)."""
         decoding = any(not e.in_prefill for e in self._running.values())
         budget, chunks = self._continue_prefills(self._chunks.tokens(decoding))
-        new = self._schedule_chunks(budget) if budget > 0 else None
+        prefilling = [e for e in self._running.values() if e.in_prefill]
+        new = self._own(self._schedule_chunks(budget) if budget > 0 else None)
         if new is None and self._batch is None:
             self._update_gauges()
             return False
         running = self._with_chunks(self._batch, chunks)
-        prefilling = [e for e in self._running.values() if e.in_prefill]
         if new is None:
             assert running is not None
             call, method, batch_ids = self._client.decode([running]), "decode", [running.id]
@@ -181,13 +199,19 @@ class Scheduler:
         call = self._progressed(list(new.entries.values()), self._client.prefill(new.batch))
         return await self._execute("prefill", list(new.entries), [new.batch.id], call)
 
+    def _own(self, new: NextBatch | None) -> NextBatch | None:
+        """Entries taken from the queue belong to the running set at once, before anything else can fail: from
+        here on a failed step answers for them and `_retire` is the one place that frees their blocks."""
+        if new is not None:
+            self._running.update(new.entries)
+        return new
+
     def _admit(self, new: NextBatch) -> None:
-        """New entries join the running set as their first forward starts."""
+        """New entries start their first forward: from now on a shard has seen them."""
         metrics.BATCH_NEXT_SIZE.observe(len(new.entries))
         now = time.monotonic()
         for entry in new.entries.values():
-            entry.started_at = now
-        self._running.update(new.entries)
+            entry.started_at, entry.sent = now, True
         self._waiting_steps = 1  # TGI counts the prefill itself as the first step
 
     async def _progressed(self, prefilling: Iterable[Entry], call: Awaitable[StepResult]) -> StepResult:
@@ -279,7 +303,18 @@ class Scheduler:
             entry.allocation = None
         return entry
 
-    async def _fail(self, entry_ids: Iterable[int], batch_ids: Iterable[int], error: Exception) -> None:
+    async def _fail_step(self, error: Exception) -> None:
+        """A step failed outside a shard call: requests no shard has seen go back to the queue (once: a request
+        that fails two steps is failed, so a poison request cannot loop), every other one fails with a 424, and
+        the shards drop every batch (they held only the requests now failed)."""
+        unsent = [e for e in self._running.values() if not e.sent and e.requeued == 0]
+        for entry in unsent:
+            self._retire(entry.id)
+        self._queue.requeue(unsent)
+        await self._fail(list(self._running), [None], error)
+        self._batch = None
+
+    async def _fail(self, entry_ids: Iterable[int], batch_ids: Iterable[int | None], error: Exception) -> None:
         """Ends the given requests with a 424, frees their blocks and drops their batches on the shards."""
         failure = GenerationError(str(error) or type(error).__name__)
         for entry_id in entry_ids:
@@ -289,7 +324,7 @@ class Scheduler:
             try:
                 await self._client.clear_cache(batch_id)
             except Exception:  # the shard may be gone; its batch is dropped on our side either way
-                logger.exception("clear_cache(%d) failed", batch_id)
+                logger.exception("clear_cache(%s) failed", batch_id)
 
     def _update_gauges(self) -> None:
         metrics.BATCH_CURRENT_SIZE.set(len(self._running))
