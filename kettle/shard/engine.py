@@ -2,14 +2,18 @@
 
 Synchronous and single-threaded by design: the gRPC service runs it in one worker thread, so model state is
 never touched concurrently.
+
+A failed call (a request the engine cannot take, a forward, sampling, detokenization or stop matching that
+raises) drops every batch it took and releases the runner's state for every request in them: the router fails
+those requests and owns their KV blocks, so nothing of theirs may outlive the call here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -23,9 +27,6 @@ from kettle.shard.stopping import StoppingCriteria
 from kettle.shard.warmup import KVPlan, plan_kv_cache
 
 logger = logging.getLogger(__name__)
-
-# Test hook for fault tests: a forward fails when its batch holds a request whose prompt contains this text.
-_FAIL_ENV = "KETTLE_TEST_FAIL_PROMPT"
 
 
 class ShardEngine:
@@ -45,19 +46,14 @@ class ShardEngine:
         self.rank = rank
         self.world_size = world_size
         self.batches: dict[int, Batch] = {}
-        self._fail_prompt = os.environ.get(_FAIL_ENV) or None
-        self._failing: set[int] = set()
 
     # --- protocol calls -------------------------------------------------------------------------------
 
     def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """Computes the prompts of a new batch, together with a cached batch's decodes when given."""
         start = time.perf_counter_ns()
-        new = Batch(request.batch.id, [self._state(r) for r in request.batch.requests])
-        batches = [new]
-        if request.HasField("cached_batch"):
-            batches.insert(0, self._continue(request.cached_batch))
-        batch = Batch.concatenate(batches) if len(batches) > 1 else new
+        cached = [request.cached_batch] if request.HasField("cached_batch") else []
+        batch = self._assemble(cached, request.batch)
         result, kept = self._run(batch)
         return pb.PrefillResponse(
             generations=result.generations,
@@ -70,8 +66,7 @@ class ShardEngine:
     def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         """One decode step over the concatenation of the given cached batches."""
         start = time.perf_counter_ns()
-        batches = [self._continue(b) for b in request.batches]
-        batch = Batch.concatenate(batches) if len(batches) > 1 else batches[0]
+        batch = self._assemble(request.batches)
         concat_ns = time.perf_counter_ns() - start
         result, kept = self._run(batch)
         return pb.DecodeResponse(
@@ -152,6 +147,22 @@ class ShardEngine:
             raise KeyError(f"batch {batch_id} not found")
         return batch
 
+    def _assemble(self, cached: Sequence[pb.CachedBatch], new: pb.Batch | None = None) -> Batch:
+        """The cached batches taken for this step, then the new one, as one batch (in that order).
+
+        If any part cannot be built, everything already taken is released before the error goes up: a batch
+        taken from `self.batches` and never run must not leave the runner's state for its requests behind.
+        """
+        batches: list[Batch] = []
+        try:
+            batches += [self._continue(b) for b in cached]
+            if new is not None:
+                batches.append(Batch(new.id, [self._state(r) for r in new.requests]))
+            return Batch.concatenate(batches) if len(batches) > 1 else batches[0]
+        except Exception:
+            self.runner.release([r.id for b in batches for r in b.requests])
+            raise
+
     def _continue(self, cached: pb.CachedBatch) -> Batch:
         """Takes a cached batch for the next step, with the router's next chunk for requests still in prefill."""
         batch = self._take(cached.id)
@@ -163,7 +174,6 @@ class ShardEngine:
     def _run(self, batch: Batch) -> tuple[StepResult, pb.CachedBatch | None]:
         """One step; the batch is cached again without its finished requests. A failure drops the batch."""
         try:
-            self._maybe_fail(batch)
             result = self.runner.step(batch.requests)
         except Exception:
             self.runner.release([r.id for r in batch.requests])
@@ -182,18 +192,12 @@ class ShardEngine:
             result.generations = [g for g in result.generations if g.request_id % self.world_size == self.rank]
         return result
 
-    def _maybe_fail(self, batch: Batch) -> None:
-        if any(r.id in self._failing for r in batch.requests):
-            raise RuntimeError(f"injected failure ({_FAIL_ENV})")
-
     def _state(self, request: pb.Request) -> RequestState:
         params = SamplingParams.from_proto(request.parameters)
         stopping = request.stopping_parameters
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(params.seed)
         prompt = list(request.input_ids)
-        if self._fail_prompt is not None and self._fail_prompt in request.inputs:
-            self._failing.add(request.id)
         return RequestState(
             id=request.id,
             all_ids=prompt.copy(),

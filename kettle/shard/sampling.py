@@ -154,6 +154,10 @@ class BatchSampler:
             scores = scores.masked_fill_(~token_mask[:, : self.vocab_size], NEG_INF)
         for processor in self._after_mask:
             scores = processor(scores, step)
+        if self._before_mask or self._after_mask:
+            # A tiny temperature or penalty can overflow a score to +inf, and log_softmax then makes the row NaN
+            # (inf - inf): capped, the row keeps its most likely tokens and one request cannot fail the batch.
+            scores = scores.clamp_(max=_FLOAT32_MAX)
         return scores
 
     def _choose(self, scores: Tensor, logprobs: Tensor) -> Tensor:
@@ -172,6 +176,7 @@ class BatchSampler:
 
 
 Processor = Callable[[Tensor, StepInputs], Tensor]
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _present(*processors: Processor | None) -> list[Processor]:

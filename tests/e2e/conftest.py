@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kettle.bench.process import KettleServer
-
-FAIL_PROMPT = "KETTLE-FAIL-THIS-BATCH"
+from tests.e2e.kv_pool import assert_pool_whole
+from tests.faults import fault_env
 
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_path):
-    """The real launcher → shard → router serving the tiny Llama, with a fault hook on FAIL_PROMPT."""
+    """The real launcher → shard → router serving the tiny Llama, with fault injection (tests/faults.py)."""
     server = KettleServer(
         str(tiny_llama_path),
         "--max-concurrent-requests",
@@ -22,8 +22,11 @@ def tiny_server(tiny_llama_path):
         "256",
         "--max-best-of",
         "3",
-        env={"KETTLE_TEST_FAIL_PROMPT": FAIL_PROMPT},
+        env=fault_env(),
     )
     yield server
-    code = server.stop()
+    try:
+        assert_pool_whole(server.url)  # after every test of the session: no block leaked
+    finally:
+        code = server.stop()
     assert code == 0, f"launcher exited with {code}:\n{server.logs()}"

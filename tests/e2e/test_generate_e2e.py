@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.conftest import FAIL_PROMPT
+from tests.faults import fault_prompt
 
 PROMPTS = [
     "The capital of France is",
@@ -141,7 +141,7 @@ def test_protocol_errors(tiny_server):
 
 
 def test_shard_failure_fails_only_its_batch(tiny_server):
-    failed = generate(tiny_server.url, f"Hello {FAIL_PROMPT}", max_new_tokens=4)
+    failed = generate(tiny_server.url, fault_prompt("decode"), max_new_tokens=4)
     assert failed.status_code == 424
     assert failed.json()["error_type"] == "generation"
     assert failed.json()["error"].startswith("Request failed during generation: ")

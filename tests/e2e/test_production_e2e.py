@@ -18,8 +18,8 @@ import pytest
 
 from kettle.bench.process import KettleServer, free_port
 from tests.e2e.otlp_receiver import OtlpReceiver
+from tests.faults import fault_env, fault_prompt
 
-FAIL_PROMPT = "KETTLE-PRODUCTION-FAIL"
 MAX_TOTAL_TOKENS = 512
 SPEC_METRICS = {
     "counter": [
@@ -63,7 +63,7 @@ def prod(tiny_llama_path, receiver):
         *("--max-concurrent-requests", "16", "--graceful-termination-timeout", "60", "--json-output"),
         *("--otlp-endpoint", receiver.endpoint, "--prometheus-port", str(prometheus_port)),
         # Export spans every 200 ms instead of 5 s, so the trace test does not wait.
-        env={"KETTLE_TEST_FAIL_PROMPT": FAIL_PROMPT, "OTEL_BSP_SCHEDULE_DELAY": "200", "LOG_LEVEL": "INFO"},
+        env={**fault_env(), "OTEL_BSP_SCHEDULE_DELAY": "200", "LOG_LEVEL": "INFO"},
     )
     server.prometheus_url = f"http://127.0.0.1:{prometheus_port}/metrics"
     yield server
@@ -120,7 +120,7 @@ def test_limits_are_enforced_before_scheduling(prod):
 
 
 def test_a_failed_stream_fails_alone_and_the_server_keeps_serving(prod):
-    body = {"inputs": f"Hi {FAIL_PROMPT}", "parameters": {"max_new_tokens": 4}}
+    body = {"inputs": fault_prompt("prefill", "Hi"), "parameters": {"max_new_tokens": 4}}
     with httpx.stream("POST", f"{prod.url}/generate_stream", json=body, timeout=60) as response:
         events = [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data:")]
     assert events[-1]["error_type"] == "generation"
