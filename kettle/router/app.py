@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hmac
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.params import Depends as DependsParam
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kettle
@@ -73,7 +73,10 @@ def create_app(
     template = ChatTemplate.load(Path(config.tokenizer_name), config.tokenizer_config_path)
     routes = openai.OpenAIRoutes(service, template, config.model_id, config.max_client_batch_size)
     app.include_router(openai.build_router(routes, generation_dependencies(config)))
+    app.add_middleware(InternalErrors)
     app.add_middleware(PayloadLimit, limit=config.payload_limit)
+    if config.api_key:  # outside the payload limit: a client without the key gets 401 before any byte is read
+        app.add_middleware(ApiKeyGate, key=config.api_key)
     app.state.drain = drain or Drain()
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(RequestIdMiddleware)
@@ -88,22 +91,66 @@ def create_app(
 
 
 def generation_dependencies(config: RouterConfig) -> list[DependsParam]:
-    """Checks on every generation route: the API key (when set), then a JSON content type."""
-    checks = [Depends(_api_key_check(config.api_key))] if config.api_key else []
-    return [*checks, Depends(require_json)]
+    """Checks on every generation route: a JSON content type. With `--api-key` the routes also declare the
+    bearer scheme, for /docs; `ApiKeyGate` checks the key, before the body is read."""
+    scheme = [Depends(_BEARER)] if config.api_key else []
+    return [*scheme, Depends(require_json)]
 
 
-# Module level: the dependency's annotation below is a string (postponed evaluation) resolved in these globals.
 _BEARER = HTTPBearer(auto_error=False, description="The server's `--api-key`.")
 
 
-def _api_key_check(key: str):
-    async def require_api_key(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
-        # Constant-time comparison: the key must not leak through response timing.
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key.encode()):
-            raise Unauthorized()
+class ApiKeyGate:
+    """401 for a POST (every generation route, and nothing else) without `Authorization: Bearer <key>`.
 
-    return require_api_key
+    An ASGI layer rather than a route dependency: FastAPI reads and parses the body before it runs dependencies,
+    so an unauthenticated client could make the server parse megabytes and get 400 or 413 instead of 401.
+    """
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self._key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not self._authorized(scope):
+            await error_response(Unauthorized())(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        # Constant-time comparison: the key must not leak through response timing.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+class InternalErrors:
+    """Any exception a route lets escape becomes a 500 in TGI's error shape, and the connection stays usable.
+
+    Starlette's outermost handler would answer plain text and re-raise, and the server then drops the
+    connection without `Connection: close`, so a keep-alive client's next request fails too.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as error:
+            if started:  # half an answer is out: only closing the connection can tell the client
+                raise
+            await error_response(error)(scope, receive, send)
 
 
 async def require_json(request: Request) -> None:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from kettle.router import schemas
 from kettle.router.generation import Collected, GenerationService, Times, record_failure, record_success
+from kettle.router.json_body import CheckedRoute
 from kettle.router.streaming import SSEResponse, sse_body
 from kettle.router.types import IncompleteGeneration, Token, TokenEvent, ValidGenerateRequest
 
@@ -166,7 +167,7 @@ def _stream_response(
 
 def build_router(service: GenerationService, dependencies: Sequence[Depends] = ()) -> APIRouter:
     """The generate routes; `dependencies` (API key, JSON content type) apply to all of them."""
-    router = APIRouter(dependencies=list(dependencies), tags=["Text Generation Inference"])
+    router = APIRouter(dependencies=list(dependencies), tags=["Text Generation Inference"], route_class=CheckedRoute)
 
     @router.post("/generate", response_model=schemas.GenerateResponse, responses=_ERROR_RESPONSES)
     async def generate(body: schemas.GenerateRequest, request: Request) -> JSONResponse:

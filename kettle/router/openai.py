@@ -27,6 +27,7 @@ from kettle.router import openai_schemas as oai
 from kettle.router.chat_template import ChatTemplate
 from kettle.router.errors import ValidationError
 from kettle.router.generation import Collected, GenerationService, record_failure, record_success, until_disconnect
+from kettle.router.json_body import CheckedRoute
 from kettle.router.openai_stream import Meta, chat_chunks, completion_events, openai_error_event
 from kettle.router.schemas import CompatGenerateRequest, ErrorResponse, GenerateRequest
 from kettle.router.streaming import SSEResponse, sse_body
@@ -177,7 +178,7 @@ def _parse(model: type[pydantic.BaseModel], data: Any) -> Any:
 
 def build_router(routes: OpenAIRoutes, dependencies: Sequence[Depends] = ()) -> APIRouter:
     """The OpenAI routes; `dependencies` (API key, JSON content type) apply to the POST ones."""
-    router = APIRouter(tags=["OpenAI"])
+    router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
     checked = list(dependencies)
 
     @router.post("/v1/chat/completions", dependencies=checked, response_model=oai.ChatCompletion, responses=_ERRORS)

@@ -60,7 +60,8 @@ def chat_prompt(template: ChatTemplate | None, body: ChatRequest, tools: ToolPla
 
 def chat_request(body: ChatRequest, prompt: str, tools: ToolPlan | None = None) -> GenerateRequest:
     """The generate request of a chat body (after `check_chat_supported`); tools become a JSON grammar."""
-    parameters = _parameters(body, max_tokens=body.max_tokens or body.max_completion_tokens)
+    max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+    parameters = _parameters(body, max_tokens=max_tokens)
     if body.logprobs:
         parameters.top_n_tokens = body.top_logprobs
     parameters.grammar = response_format_grammar(body.response_format)
@@ -120,6 +121,11 @@ def _check_common(body: SamplingFields) -> None:
         raise ValidationError("`n` > 1 is not supported yet")
     if body.logit_bias:
         raise ValidationError("`logit_bias` is not supported yet")
+    # 0 is not "unset": OpenAI refuses it, and treating it as absent would generate to the end of the context.
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(body, name, None)
+        if value is not None and value <= 0:
+            raise ValidationError(f"`{name}` must be strictly positive")
 
 
 def finish_reason(reason: FinishReason) -> OpenAIFinish:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kettle.router.schemas import SimpleToken, _OmitsEmpty
+from kettle.router.schemas import UINT32_MAX, UINT64_MAX, SimpleToken, _OmitsEmpty
 
 
 class TextPart(BaseModel):
@@ -44,14 +44,16 @@ class SamplingFields(BaseModel):
     """The fields chat and completions share; every one may be absent."""
 
     model: str | None = Field(None, description="Ignored: this server runs one model.", examples=["tgi"])
-    max_tokens: int | None = Field(None, description="Maximum number of generated tokens.", examples=[32])
+    max_tokens: int | None = Field(
+        None, le=UINT32_MAX, description="Maximum number of generated tokens.", examples=[32]
+    )
     temperature: float | None = Field(None, description="0 is greedy; absent or > 0 samples.", examples=[1.0])
     top_p: float | None = Field(None, description="Nucleus sampling mass in (0, 1].", examples=[0.95])
-    seed: int | None = Field(None, ge=0, description="Random seed for sampling.", examples=[42])
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX, description="Random seed for sampling.", examples=[42])
     stop: str | list[str] | None = Field(None, description="Stop when one of these is generated.")
     frequency_penalty: float | None = Field(None, description="Penalty in [-2, 2] by token frequency.")
     presence_penalty: float | None = Field(None, description="Penalty in [-2, 2] for every token already generated.")
-    n: int | None = Field(None, description="Only 1 is supported.", examples=[1])
+    n: int | None = Field(None, le=UINT32_MAX, description="Only 1 is supported.", examples=[1])
     logit_bias: dict[str, float] | None = Field(None, description="Not supported yet.")
     stream: bool = Field(False, description="Answer with server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
@@ -74,9 +76,9 @@ class ChatRequest(SamplingFields):
     """Body of /v1/chat/completions and /chat_tokenize."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, description="Alias of `max_tokens`.")
+    max_completion_tokens: int | None = Field(None, le=UINT32_MAX, description="Alias of `max_tokens`.")
     logprobs: bool | None = Field(None, description="Return the logprob of every generated token.")
-    top_logprobs: int | None = Field(None, description="Return this many most likely tokens per step.")
+    top_logprobs: int | None = Field(None, le=UINT32_MAX, description="Return this many most likely tokens per step.")
     tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call (OpenAI format).")
     tool_choice: Any = Field(
         None,
@@ -92,7 +94,9 @@ class CompletionRequest(SamplingFields):
     """Body of /v1/completions."""
 
     prompt: str | list[str] = Field(examples=["The capital of France is"])
-    logprobs: int | None = Field(None, description="Return the logprobs of this many most likely tokens per step.")
+    logprobs: int | None = Field(
+        None, le=UINT32_MAX, description="Return the logprobs of this many most likely tokens per step."
+    )
     repetition_penalty: float | None = Field(None, description="Penalty > 0 for repeated tokens.")
     suffix: str | None = Field(None, description="Not supported.")
 

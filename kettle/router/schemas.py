@@ -12,7 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from kettle.router.types import FinishReason
 
-_UINT64_MAX = 2**64 - 1
+UINT64_MAX = 2**64 - 1
+# The shards' protocol carries these counts as uint32: a larger value is refused here, naming the field, instead
+# of failing the batch it would have joined.
+UINT32_MAX = 2**32 - 1
 
 
 class _Strict(BaseModel):
@@ -48,7 +51,7 @@ class GenerateParameters(_Strict):
     """Generation parameters; every one may be absent (SPEC §2)."""
 
     best_of: int | None = Field(
-        None, description="Generate this many sampled sequences, return the best.", examples=[1]
+        None, le=UINT32_MAX, description="Generate this many sampled sequences, return the best.", examples=[1]
     )
     decoder_input_details: bool = Field(False, description="Return the prompt tokens with their logprobs.")
     details: bool = Field(False, description="Return tokens, logprobs and the finish reason.", examples=[True])
@@ -58,16 +61,22 @@ class GenerateParameters(_Strict):
     presence_penalty: float | None = Field(
         None, description="OpenAI's presence penalty in [-2, 2]: subtracted once per token already generated."
     )
-    max_new_tokens: int | None = Field(None, description="Maximum number of generated tokens.", examples=[20])
+    max_new_tokens: int | None = Field(
+        None, le=UINT32_MAX, description="Maximum number of generated tokens.", examples=[20]
+    )
     repetition_penalty: float | None = Field(None, description="Penalty > 0 for repeated tokens.", examples=[1.03])
     return_full_text: bool | None = Field(None, description="Prepend the prompt to the generated text.")
-    seed: int | None = Field(None, ge=0, le=_UINT64_MAX, description="Random seed for sampling.", examples=[None])
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX, description="Random seed for sampling.", examples=[None])
     stop: list[str] = Field(default_factory=list, description="Stop when one of these is generated.")
     temperature: float | None = Field(None, description="Temperature > 0 of the sampling.", examples=[0.5])
-    top_k: int | None = Field(None, description="Keep the k most likely tokens.", examples=[10])
-    top_n_tokens: int | None = Field(None, description="Return this many most likely tokens per step.", examples=[5])
+    top_k: int | None = Field(None, le=UINT32_MAX, description="Keep the k most likely tokens.", examples=[10])
+    top_n_tokens: int | None = Field(
+        None, le=UINT32_MAX, description="Return this many most likely tokens per step.", examples=[5]
+    )
     top_p: float | None = Field(None, description="Nucleus sampling mass in (0, 1).", examples=[0.95])
-    truncate: int | None = Field(None, description="Keep only the last N prompt tokens.", examples=[None])
+    truncate: int | None = Field(
+        None, le=UINT32_MAX, description="Keep only the last N prompt tokens.", examples=[None]
+    )
     typical_p: float | None = Field(None, description="Typical decoding mass in (0, 1).", examples=[0.95])
     watermark: bool = Field(False, description="Add a green-list watermark (Kirchenbauer et al.).")
     adapter_id: str | None = Field(None, description="LoRA adapter; absent means the base model.")

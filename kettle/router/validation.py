@@ -110,6 +110,8 @@ class Validation:
             raise ValidationError("`temperature` must be strictly positive")
         if p.repetition_penalty is not None and not p.repetition_penalty > 0:
             raise ValidationError("`repetition_penalty` must be strictly positive")
+        _check_float32("temperature", p.temperature)
+        _check_float32("repetition_penalty", p.repetition_penalty)
         if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
             raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
         if p.presence_penalty is not None and not -2.0 <= p.presence_penalty <= 2.0:
@@ -171,6 +173,17 @@ class Validation:
                 raise ValidationError("grammar of type `regex` needs a string value")
             return grammar.value, generate_pb2.GRAMMAR_TYPE_REGEX
         return _json_schema_text(grammar), generate_pb2.GRAMMAR_TYPE_JSON
+
+
+# The shards compute in float32: a positive value beyond these ends is infinite or 0 there, and would turn
+# the row's probabilities into NaN (Infinity and 1e400 parse as floats in JSON).
+_FLOAT32_MAX = 3.4028234e38
+_FLOAT32_TINY = 1.1754944e-38
+
+
+def _check_float32(name: str, value: float | None) -> None:
+    if value is not None and not _FLOAT32_TINY <= value <= _FLOAT32_MAX:
+        raise ValidationError(f"`{name}` must be finite and representable as a float32. Given: {value}")
 
 
 def _sampling_parameters(p: GenerateParameters, sampling: bool, grammar: str, grammar_type: int) -> SamplingParameters:
