@@ -22,6 +22,8 @@ dequantized for the call (`unpack_int4_cuda` inverts tinygemm's tiling with tens
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,8 +33,9 @@ from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, KERNEL_ACT_DTYPE
 # Group sizes the packed CPU kernel implements; a checkpoint's larger group is split into these (exactly: the
 # sub-groups repeat its scale and zero).
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
-# The packing interleaves output channels in blocks of 32 (two of 16 per byte); N must be a multiple of 16.
-_PACK_BLOCK = 32
+# The CPU packing's candidate layouts as (channels a block, whether a full block splits it in halves), see
+# `cpu_pack_layout`; every layout stores a last block of any multiple of 16 channels, so N must be one.
+_CPU_PACK_LAYOUTS = ((64, True), (32, True), (32, False))
 
 
 # tinygemm tiles K by 16 × inner_k_tiles (2, 4 or 8); 8 gives its widest (16-byte) loads.
@@ -91,22 +94,47 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return q.reshape(n, k), scale.t().contiguous(), zero.t().contiguous()
 
 
+@functools.cache
+def cpu_pack_layout() -> tuple[int, bool]:
+    """(block, split): how `_convert_weight_to_int4pack_for_cpu` lays out output channels in this process.
+
+    The layout follows the ATen CPU kernel that torch dispatches to (ATEN_CPU_CAPABILITY, or the CPU's best),
+    not the torch version: AVX512 packs blocks of 64 channels, AVX2 blocks of 32, both split in halves; the
+    non-vectorized kernel (DEFAULT, MSVC builds, non-x86) pairs neighbours in blocks of 32 (int4mm_kernel.cpp,
+    `weight_to_int4pack_kernel`). Found once by packing a probe and keeping the candidate that unpacks it."""
+    probe = torch.randint(0, 16, (64 + 16, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    for layout in _CPU_PACK_LAYOUTS:
+        if torch.equal(_unpack_int4_layout(packed, *probe.shape, *layout), probe):
+            return layout
+    raise RuntimeError(f"int4: unknown layout from _convert_weight_to_int4pack_for_cpu (torch {torch.__version__})")
+
+
+def _unpack_int4_layout(packed: torch.Tensor, n: int, k: int, block: int, split: bool) -> torch.Tensor:
+    """Output channels in blocks of `block` (a last one of n % block), each stored [K, channels/2] bytes: a full
+    block with `split` holds channel j in byte j's low nibble and j + block/2 in its high one; any other block
+    holds channels 2j and 2j + 1 in byte j's low and high nibbles."""
+    flat = packed.reshape(-1).to(torch.int32)
+    full = n // block * block
+    main = flat[: full * k // 2].view(full // block, k, block // 2)
+    halves = [main & 0xF, main >> 4]
+    nibbles = torch.cat(halves, dim=-1) if split else torch.stack(halves, dim=-1).reshape(-1, k, block)
+    q = nibbles.permute(0, 2, 1).reshape(full, k)
+    if full == n:
+        return q
+    tail = flat[full * k // 2 :].view(k, (n - full) // 2)
+    tail = torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, n - full).t()
+    return torch.cat([q, tail])
+
+
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The inverse of `_convert_weight_to_int4pack_for_cpu`: packed [N, K/2] uint8 → q int32 [N, K].
 
-    The layout (measured on torch 2.13): output channels in blocks of 32, each block stored as [K, 16] bytes
-    with channel j in the low nibble and j + 16 in the high one; a last block of 16 is stored [K, 8] with
-    channels 2j and 2j + 1 in the low and high nibbles of byte j.
+    The layout is not fixed: `_convert_weight_to_int4pack_for_cpu` packs for the CPU kernel torch dispatches to
+    (blocks of 64 channels under AVX512, 32 under AVX2, neighbour pairs without vectorization), and its matmul
+    reads that back; a fixed AVX2 inverse decoded AVX512 packs into the wrong channels (`cpu_pack_layout`).
     """
-    flat = packed.reshape(-1).to(torch.int32)
-    full = n // _PACK_BLOCK * _PACK_BLOCK
-    main = flat[: full * k // 2].view(full // _PACK_BLOCK, k, _PACK_BLOCK // 2)
-    q = torch.cat([main & 0xF, main >> 4], dim=-1).permute(0, 2, 1).reshape(full, k)
-    if full == n:
-        return q
-    tail = flat[full * k // 2 :].view(k, 8)
-    tail = torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, 16).t()
-    return torch.cat([q, tail])
+    return _unpack_int4_layout(packed, n, k, *cpu_pack_layout())
 
 
 def native_group_size(weight: torch.Tensor) -> int | None:
