@@ -68,7 +68,11 @@ class CheckedRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = json.loads(await self.body())  # a decode error stays FastAPI's 400
+            raw = await self.body()
+            try:
+                body = json.loads(raw)  # a decode error stays FastAPI's 400
+            except RecursionError:  # nesting deeper than the parser's stack: a bad body, not a server error
+                raise ValueError("the JSON body is nested too deeply") from None
             where = lone_surrogate_at(body)
             if where is not None:
                 raise InvalidText(where)

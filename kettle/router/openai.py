@@ -32,7 +32,7 @@ from kettle.router.openai_stream import Meta, chat_chunks, completion_events, op
 from kettle.router.schemas import CompatGenerateRequest, ErrorResponse, GenerateRequest
 from kettle.router.streaming import SSEResponse, sse_body
 from kettle.router.tool_stream import call_id
-from kettle.router.tools import parse_output, plan_tools
+from kettle.router.tools import check_tool_schemas, parse_output, plan_tools
 from kettle.router.types import ValidGenerateRequest
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (401, 413, 415, 422, 424, 429)}
@@ -54,6 +54,7 @@ class OpenAIRoutes:
     async def chat(self, body: oai.ChatRequest, request: Request) -> Response:
         """A chat completion, JSON or streamed."""
         mapping.check_chat_supported(body)
+        await asyncio.to_thread(check_tool_schemas, body.tools)  # compiling a large schema must not stall the loop
         tools = plan_tools(body.tools, body.tool_choice)
         prompt, add_special_tokens = mapping.chat_prompt(self.template, body, tools)
         generate_body = mapping.chat_request(body, prompt, tools)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kettle.grammar import GRAMMAR_TYPE_JSON, grammar_text
 from kettle.router.errors import ApiError
 
 NO_TOOL = "no_tool"
@@ -84,6 +85,49 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan
     if not named:
         raise ToolError(f"Tool choice '{choice}' not found in provided tools")
     return ToolPlan((named[0],))
+
+
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+
+
+def check_tool_schemas(tools: list[dict[str, Any]] | None) -> None:
+    """422 `tool_error` for a tool whose parameters the grammar engine cannot compile, whatever `tool_choice`
+    says: refused up front, not after generating (the engine builds parts of a schema lazily, and ignores types
+    it does not know)."""
+    for tool in tools or ():
+        function = _function(tool)
+        name, parameters = function["name"], function["parameters"]
+        unknown = _unknown_type(parameters)
+        if unknown is not None:
+            raise ToolError(f"the parameters of `{name}` are not a valid JSON Schema: unknown type {unknown!r}")
+        try:
+            grammar_text(GRAMMAR_TYPE_JSON, json.dumps(parameters))
+        except ValueError as error:
+            raise ToolError(f"the parameters of `{name}` are not a valid JSON Schema: {error}") from None
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of name -> schema.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _unknown_type(schema: Any) -> Any:
+    """The first `type` value in `schema` or its subschemas that is not a JSON Schema type, or None."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [] if kind is None else [kind]
+        bad = [k for k in kinds if not isinstance(k, str) or k not in _JSON_TYPES]
+        if bad:
+            return bad[0]
+        stack.extend(node[k] for k in _SUBSCHEMA if k in node)
+        stack.extend(v for k in _SUBSCHEMA_LISTS if isinstance(node.get(k), list) for v in node[k])
+        stack.extend(v for k in _SUBSCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values())
+    return None
 
 
 def tools_prompt(tools: list[dict[str, Any]], tool_prompt: str | None) -> str:

@@ -39,6 +39,12 @@ POISONS = [
     ("/generate", '{"inputs":"Hi","parameters":{"top_n_tokens":4294967296}}', "top_n_tokens"),
     ("/generate", '{"inputs":"Hi","parameters":{"truncate":4294967296}}', "truncate"),
     ("/generate", '{"inputs":"Hi", "parameters": ' + "[" * 5000 + "]" * 5000 + "}", None),
+    (
+        "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":"Hi"}],"tool_choice":"none","tools":[{"type":"function",'
+        '"function":{"name":"f","parameters":{"type":"object","properties":{"a":{"type":"notatype"}}}}}]}',
+        "`f`",
+    ),
 ]
 
 
