@@ -14,7 +14,7 @@ from kettle.layers.norm import RMSNorm
 from kettle.models.blocks import GatedMLP
 from kettle.models.decoder import Attention, PreNormLayer
 from kettle.models.decoder_lm import DecoderLM
-from kettle.models.llama import rope_parameters
+from kettle.models.hf_config import rope_parameters
 from kettle.models.weights import Weights
 
 

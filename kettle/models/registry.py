@@ -63,7 +63,7 @@ ARCHITECTURES.update(
     }
 )
 
-# RoPE families beyond Llama, one file each (pieces shared through kettle/models/decoder.py).
+# RoPE families beyond Llama, one file each (pieces shared through kettle/models/decoder.py and blocks.py).
 ARCHITECTURES.update(
     {
         "mixtral": _native("mixtral", "MixtralForCausalLM"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kettle.models.blocks import DenseMLP, load_layer_norm
 from kettle.models.decoder import PreNormLayer
 from kettle.models.decoder_lm import DecoderLM
-from kettle.models.llama import rope_parameters
+from kettle.models.hf_config import rope_parameters
 from kettle.models.weights import Weights
 
 
