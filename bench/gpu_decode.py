@@ -42,9 +42,9 @@ from gpu_report import describe, summarize
 from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata, get_backend
 from kettle.models.llama import LlamaForCausalLM
-from kettle.shard import distributed
 from kettle.shard.cuda_graphs import DecodeGraphs
-from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+from kettle.tensors import distributed
+from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 LLAMA2_7B = dict(
     hidden_size=4096,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 # The batch size oneDNN lays packed weights out for; any number of rows works with them.
 _PACK_ROWS = 16

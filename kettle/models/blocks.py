@@ -23,7 +23,7 @@ from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
 from kettle.layers.linear import Linear
 from kettle.layers.norm import LayerNorm, RMSNorm
 from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 def checkpoint_prefix(weights: Weights, name: str, prefixes: Sequence[str]) -> str:

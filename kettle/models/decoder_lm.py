@@ -23,16 +23,15 @@ from kettle.layers.parallel import (
     RowParallelLinear,
     load_vocab_parallel,
     query_columns,
-    shard_heads,
     vocab_parallel_embedding,
     vocab_parallel_head,
 )
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.decoder import Attention, PreNormLayer
 from kettle.models.decoder_step import DecoderStep
-from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
-from kettle.shard.kv_cache import KVCache
+from kettle.models.spec import ModelSpec, shard_heads
+from kettle.tensors.kv_cache import KVCache
+from kettle.tensors.weights import Weights
 
 NormLoader = Callable[[str], nn.Module]  # checkpoint name (without ".weight") → the norm
 

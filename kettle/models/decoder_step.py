@@ -30,7 +30,7 @@ from kettle.models.blocks import GatedMLP
 from kettle.models.decoder import Attention, PreNormLayer
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
-from kettle.shard.kv_cache import KVCache
+from kettle.tensors.kv_cache import KVCache
 
 ENV_SWITCH = "KETTLE_CPU_DECODER_STEP"
 

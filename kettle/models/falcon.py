@@ -25,7 +25,7 @@ from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec, rotary_embedding
 from kettle.models.hf_config import rope_parameters
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 @dataclass(frozen=True)

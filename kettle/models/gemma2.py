@@ -22,7 +22,7 @@ from kettle.models.decoder_lm import CausalLM
 from kettle.models.gemma import gemma_norm
 from kettle.models.hf_config import rope_parameters
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 def layer_windows(config) -> list[int | None]:

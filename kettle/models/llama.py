@@ -16,7 +16,7 @@ from kettle.models.blocks import GatedMLP, rms_norm_loader
 from kettle.models.decoder import PreNormLayer
 from kettle.models.decoder_lm import DecoderLM, NormLoader
 from kettle.models.hf_config import layer_windows, rope_parameters
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -18,7 +18,7 @@ from torch import nn
 from kettle.layers.linear import Linear
 from kettle.models.blocks import GatedMLP
 from kettle.models.llama import LlamaForCausalLM
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 def load_experts(weights: Weights, prefix: str, num_experts: int, hidden_act: str) -> tuple[str, list[GatedMLP]]:

@@ -8,7 +8,7 @@ import torch
 
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.spec import ModelSpec
-from kettle.shard.kv_cache import KVCache
+from kettle.tensors.kv_cache import KVCache
 
 
 class CausalLM(Protocol):
@@ -80,7 +80,7 @@ ARCHITECTURES.update(
 
 def check_tensor_parallel(model_type: str, world_size: int | None = None) -> None:
     """Refuses a sharded run of a family that has no tensor-parallel implementation, naming it."""
-    from kettle.shard import distributed
+    from kettle.tensors import distributed
 
     world_size = distributed.current().world_size if world_size is None else world_size
     if world_size > 1 and model_type not in TENSOR_PARALLEL:

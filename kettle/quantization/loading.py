@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.models.weights import Weights
 from kettle.quantization.awq import AwqFormat
 from kettle.quantization.config import check_scheme, int4_group_size, lm_head_scheme
 from kettle.quantization.gptq import GptqFormat
@@ -28,6 +27,7 @@ from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import CHUNK, Q4Linear
 from kettle.quantization.qparams import QParams
+from kettle.tensors.weights import Weights
 
 PREQUANTIZED = {"gptq": GptqFormat, "awq": AwqFormat}
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | N
     check_scheme(quantize, device_type)
     if quantize in (None, "fp8"):
         return None
-    from kettle.shard import distributed
+    from kettle.tensors import distributed
 
     if distributed.current().world_size > 1:  # the tensor-parallel loaders slice dense weights only
         raise ValueError(f"--quantize {quantize} runs on one shard: use --num-shard 1")

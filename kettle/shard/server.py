@@ -14,13 +14,13 @@ import torch
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import ShardConfig
-from kettle.shard.distributed import init_distributed, shutdown
 from kettle.shard.dtype import choose_dtype
 from kettle.shard.engine import ShardEngine
-from kettle.shard.kv_cache import BLOCK_SIZE
 from kettle.shard.runner import ModelRunner
 from kettle.shard.service import ShardService, on_engine_thread
 from kettle.shard.vocab import Vocab
+from kettle.tensors.distributed import init_distributed, shutdown
+from kettle.tensors.kv_cache import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 

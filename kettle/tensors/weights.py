@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kettle.shard import distributed
+from kettle.tensors import distributed
 
 INDEX_FILE = "model.safetensors.index.json"
 
