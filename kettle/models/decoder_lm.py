@@ -31,7 +31,7 @@ from kettle.models.decoder import Attention, PreNormLayer
 from kettle.models.decoder_step import DecoderStep
 from kettle.models.spec import ModelSpec, shard_heads
 from kettle.tensors.kv_cache import KVCache
-from kettle.tensors.weights import Weights
+from kettle.tensors.weights import LinearLoader, Weights
 
 NormLoader = Callable[[str], nn.Module]  # checkpoint name (without ".weight") → the norm
 
@@ -110,9 +110,12 @@ class CausalLM(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} builds its layers itself")
 
     @classmethod
-    def from_pretrained(cls, path: str, config, dtype: torch.dtype, device: torch.device) -> CausalLM:
-        """Loads the checkpoint in `path` (safetensors) for an already parsed transformers `config`."""
-        with Weights(path, dtype, device) as weights:
+    def from_pretrained(
+        cls, path: str, config, dtype: torch.dtype, device: torch.device, quantize: LinearLoader | None = None
+    ) -> CausalLM:
+        """Loads the checkpoint in `path` (safetensors) for an already parsed transformers `config`; `quantize`
+        loads each projection under a quantization scheme (`Weights`)."""
+        with Weights(path, dtype, device, quantize) as weights:
             return cls(config, weights).eval()
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

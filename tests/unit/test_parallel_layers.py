@@ -198,7 +198,7 @@ def test_heads_split_with_their_kv_heads_or_replicate_them():
 
 
 def test_families_without_tensor_parallelism_are_refused_by_name(tmp_path):
-    from kettle.models.registry import check_tensor_parallel_folder
+    from kettle.catalog import check_tensor_parallel_folder
 
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="'gpt2' does not support tensor parallelism"):
