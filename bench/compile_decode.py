@@ -65,7 +65,7 @@ from model_decode import timed
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
-from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 _REAL_LIBRARY = ops.library
 DYNAMIC = {"true": True, "false": False, "auto": None}

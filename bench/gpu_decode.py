@@ -42,9 +42,9 @@ from gpu_report import describe, summarize
 from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata, get_backend
 from kettle.models.llama import LlamaForCausalLM
-from kettle.shard import distributed
 from kettle.shard.cuda_graphs import DecodeGraphs
-from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+from kettle.tensors import distributed
+from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 LLAMA2_7B = dict(
     hidden_size=4096,
@@ -64,6 +64,7 @@ class StateDictWeights:
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         self.tensors, self.dtype, self.device = tensors, dtype, device
+        self.quantize = None  # set while a quantized model is built from these tensors
         self.tp = distributed.current()  # one rank: the benchmark measures a single device
 
     def has(self, name: str) -> bool:
@@ -379,11 +380,12 @@ def load_weight_only(method: str, config, source):
 
         return load_model(source, torch.bfloat16, "cuda", quantize=method)
     from kettle.quantization.config import lm_head_scheme
-    from kettle.quantization.loading import Scheme, finish, quantizing
+    from kettle.quantization.loading import Scheme, finish
 
     scheme = Scheme(method, None, head=lm_head_scheme(method))
-    with quantizing(scheme):
-        model = LlamaForCausalLM(config, source).eval()
+    source.quantize = scheme.load_linear
+    model = LlamaForCausalLM(config, source).eval()
+    source.quantize = None
     return finish(model, scheme)
 
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kettle.shard.kv_cache import BLOCK_SIZE
+from kettle.tensors.kv_cache import BLOCK_SIZE
 
 
 def copy_bandwidth(gib: int = 2) -> float:

@@ -23,7 +23,7 @@ import torch
 from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
-from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 
 def timed(fns: list, steps: int, warmup: int) -> list[float]:

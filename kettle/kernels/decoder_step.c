@@ -6,7 +6,8 @@
  * SmolLM2 int4: more than half of a single-stream step outside the kernels). Here one parallel region spans
  * the step and the stages are separated by the team's barriers; the activations stay in one scratch buffer.
  * The stages are exactly the op-at-a-time kernels' (kernels.h), in the same order, so both paths compute the
- * same numbers. kettle/kernels/decoder_step.py describes the model's weights to it.
+ * same numbers. kettle/models/decoder_step.py describes the model's weights to it (through the ctypes
+ * structures of kettle/kernels/decoder_step.py).
  */
 #include <omp.h>
 #include <string.h>

@@ -127,7 +127,7 @@ class LauncherConfig:
             )
 
     def _check_quantize(self) -> None:
-        from kettle.quantization.config import check_scheme
+        from kettle.catalog import check_scheme
 
         # The shard runs on CUDA when a GPU is visible, else on the CPU (kettle.shard.server.choose_device).
         check_scheme(self.quantize, "cuda" if self.quantize and cuda_available() else "cpu")

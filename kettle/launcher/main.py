@@ -32,14 +32,14 @@ def launch(config: LauncherConfig) -> int:
         return 130
     try:
         # Custom code without --trust-remote-code, or a type nobody knows: one line here, not a shard traceback.
-        from kettle.models.transformers_fallback import check_loadable
+        from kettle.catalog import check_loadable
 
         check_loadable(str(model.path), config.trust_remote_code)
     except ValueError as error:
         log.error("%s", error)
         return 1
     if config.world_size > 1:
-        from kettle.models.registry import check_tensor_parallel_folder
+        from kettle.catalog import check_tensor_parallel_folder
 
         try:
             check_tensor_parallel_folder(str(model.path), config.world_size)

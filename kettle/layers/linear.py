@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 # The batch size oneDNN lays packed weights out for; any number of rows works with them.
 _PACK_ROWS = 16
@@ -89,12 +89,11 @@ class Linear(nn.Module):
     def load(cls, weights: Weights, prefixes: list[str]) -> nn.Module:
         """The projections named by `prefixes` ("<prefix>.weight", optional "<prefix>.bias"), fused in order.
 
-        Under load-time quantization (`kettle.quantization.loading.quantizing`) this is an `Int8Linear` or
-        `Int4Linear` with the same call shape instead, quantized as it is read or built from GPTQ/AWQ tensors.
+        When the checkpoint is read under a quantization scheme (`weights.quantize`) this is what the scheme
+        loads instead (an int8/int4 linear with the same call shape), quantized as it is read or built from
+        GPTQ/AWQ tensors.
         """
-        from kettle.quantization.loading import load_linear  # lazy: the quantization package imports this one
-
-        quantized = load_linear(weights, prefixes)
+        quantized = weights.quantize(weights, prefixes) if weights.quantize is not None else None
         if quantized is not None:
             return quantized
         parts = [weights.get(f"{prefix}.weight") for prefix in prefixes]

@@ -22,7 +22,6 @@ model is bit-identical and runs no extra code.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,9 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.layers.linear import Linear, fuse_biases
-from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
-from kettle.shard.distributed import TensorParallel
+from kettle.tensors.distributed import TensorParallel
+from kettle.tensors.weights import Weights
 
 Rows = tuple[int, int]
 
@@ -72,14 +70,6 @@ def head_split(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSpl
     head, part = divmod(tp.rank, sharing)
     start = head * group + part * (group // sharing)
     return HeadSplit((start, start + group // sharing), (head, head + 1))
-
-
-def shard_heads(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
-    """The spec as one rank sees it: its own query and KV heads (the KV cache is sized from these)."""
-    if not tp.sharded:
-        return spec
-    split = head_split(spec.num_heads, spec.num_kv_heads, tp)
-    return dataclasses.replace(spec, num_heads=split.q[1] - split.q[0], num_kv_heads=split.kv[1] - split.kv[0])
 
 
 def _checkpoint_heads(weights: Weights, qkv_prefixes: list[str], head_dim: int) -> HeadSplit:

@@ -1,4 +1,4 @@
-"""Loading helpers and MLPs shared by every native family beyond Llama.
+"""Loading helpers and MLPs shared by every native family.
 
 - `checkpoint_prefix`: the same architecture is saved with or without its base-model prefix ("transformer.",
   "model.decoder." ...) depending on which class wrote it; loaders probe once instead of guessing.
@@ -22,7 +22,8 @@ from kettle.layers.activation import activation
 from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
 from kettle.layers.linear import Linear
 from kettle.layers.norm import LayerNorm, RMSNorm
-from kettle.models.weights import Weights
+from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from kettle.tensors.weights import Weights
 
 
 def checkpoint_prefix(weights: Weights, name: str, prefixes: Sequence[str]) -> str:
@@ -81,7 +82,7 @@ class DenseMLP(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) from one fused gate_up projection (SiLU: Mixtral experts, Phi-3; tanh-GELU:
+    """down(act(gate(x)) * up(x)) from one fused gate_up projection (SiLU: Llama, Mixtral experts, Phi-3; tanh-GELU:
     Gemma, Gemma 2)."""
 
     def __init__(self, gate_up: Linear, down: Linear, hidden_act: str) -> None:
@@ -92,14 +93,16 @@ class GatedMLP(nn.Module):
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, hidden_act: str, names=("gate_proj", "up_proj", "down_proj")):
-        """From separate gate/up projections (fused here) and a down projection under `prefix`."""
+        """From separate gate/up projections (fused here) and a down projection under `prefix`; under tensor
+        parallelism gate/up hold this rank's rows and down the matching columns."""
         gate, up, down = (f"{prefix}.{name}" for name in names)
-        return cls(Linear.load(weights, [gate, up]), Linear.load(weights, [down]), hidden_act)
+        gate_up = ColumnParallelLinear.load(weights, [gate, up])
+        return cls(gate_up, RowParallelLinear.load(weights, down), hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if self.silu and fused_enabled(gate_up) and unit_stride(gate_up):
-            return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0), as in LlamaMLP
+            return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0)
         if self.silu and ops.fits(gate_up):
             return self.down(ops.silu_mul(gate_up))  # one C call on the CPU (off: KETTLE_CPU_KERNELS=0)
         gate, up = gate_up.chunk(2, dim=-1)

@@ -17,7 +17,7 @@ from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, l
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 # ALiBi has no trained length limit; BLOOM was trained on 2048-token sequences.
 DEFAULT_MAX_POSITIONS = 2048

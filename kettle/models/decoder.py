@@ -1,9 +1,9 @@
-"""Attention and residual layers shared by Kettle's families beyond Llama.
+"""Attention and residual layers shared by Kettle's native families.
 
 `Attention` is one fused-qkv attention for them all; each family passes only the options it has (RoPE
 through `rotate`, per-head q/k norms, a sliding window, ALiBi slopes, a score soft-cap, qkv clipping, its own
 scale). Two layer contracts:
-- `PreNormLayer` / `ParallelLayer` follow the Llama layer's (kettle/models/llama.py): they receive the
+- `PreNormLayer` / `ParallelLayer` (Llama's block and its relatives): they receive the
   previous layer's output `h` with the residual stream it has not been added to yet (None for the first
   layer) and return the same pair, so each residual add is done by the norm that reads the sum
   (`add_forward`, one fused kernel on CUDA for RMSNorm). `DecoderLM` drives them.

@@ -1,6 +1,5 @@
-"""The causal-LM shell shared by every native family beyond Llama: embedding, layers over the paged KV cache,
-final norm, and an LM head (tied or not, with or without a bias; vocabulary-parallel under tensor
-parallelism, as Llama's).
+"""The causal-LM shell shared by every native family: embedding, layers over the paged KV cache, final norm,
+and an LM head (tied or not, with or without a bias; vocabulary-parallel under tensor parallelism).
 
 A family subclass reads its checkpoint names and config facts in `__init__` (`load_embeddings`, then `spec`,
 `layers`, `norm` and, with RoPE, `rotary`) and inherits `from_pretrained`, the forward and the float32 logits.
@@ -12,20 +11,27 @@ families saved in Llama's naming share.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kettle.layers.attention import AttentionMetadata
-from kettle.layers.linear import Linear
-from kettle.layers.parallel import load_vocab_parallel, vocab_parallel_embedding, vocab_parallel_head
+from kettle.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    load_vocab_parallel,
+    query_columns,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
 from kettle.layers.rotary import RotaryEmbedding
-from kettle.models.blocks import load_qkv
 from kettle.models.decoder import Attention, PreNormLayer
-from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
-from kettle.shard.kv_cache import KVCache
+from kettle.models.decoder_step import DecoderStep
+from kettle.models.spec import ModelSpec, shard_heads
+from kettle.tensors.kv_cache import KVCache
+from kettle.tensors.weights import LinearLoader, Weights
 
 NormLoader = Callable[[str], nn.Module]  # checkpoint name (without ".weight") → the norm
 
@@ -92,7 +98,8 @@ class CausalLM(nn.Module):
         windows = windows or [None] * config.num_hidden_layers
         tied = getattr(config, "tie_word_embeddings", True)
         vocab = self.load_embeddings(weights, "model.embed_tokens.weight", "lm_head.weight", tied, head_bias)
-        self.spec = decoder_spec(config, weights.dtype, vocab, windows)
+        # Under tensor parallelism the spec counts this rank's heads (the KV cache is sized from it).
+        self.spec = shard_heads(decoder_spec(config, weights.dtype, vocab, windows), weights.tp)
         self.rotary = rotary_embedding(self.spec, rope, weights)
         self.layers = nn.ModuleList(
             self.load_layer(weights, f"model.layers.{i}", config, window) for i, window in enumerate(windows)
@@ -103,9 +110,12 @@ class CausalLM(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} builds its layers itself")
 
     @classmethod
-    def from_pretrained(cls, path: str, config, dtype: torch.dtype, device: torch.device) -> CausalLM:
-        """Loads the checkpoint in `path` (safetensors) for an already parsed transformers `config`."""
-        with Weights(path, dtype, device) as weights:
+    def from_pretrained(
+        cls, path: str, config, dtype: torch.dtype, device: torch.device, quantize: LinearLoader | None = None
+    ) -> CausalLM:
+        """Loads the checkpoint in `path` (safetensors) for an already parsed transformers `config`; `quantize`
+        loads each projection under a quantization scheme (`Weights`)."""
+        with Weights(path, dtype, device, quantize) as weights:
             return cls(config, weights).eval()
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -139,16 +149,25 @@ class CausalLM(nn.Module):
 
 class DecoderLM(CausalLM):
     """A CausalLM whose layers carry the residual stream: `layer(h, residual, cos, sin, ...) → (h, residual)`,
-    the last residual add done by the final norm (`add_forward`)."""
+    the last residual add done by the final norm (`add_forward`). Where its blocks are ones Kettle's fused CPU
+    decode step runs, decode-only steps take that one call instead of the layers."""
+
+    @functools.cached_property
+    def cpu_decoder_step(self) -> DecoderStep | None:
+        """The fused CPU decode step for this model, built on first use (after quantization), or None."""
+        return DecoderStep.build(self)
 
     def llama_block(
         self, weights: Weights, prefix: str, norm: NormLoader, mlp: nn.Module, window=None, qk_norms=None
     ) -> PreNormLayer:
         """A layer named like Llama's (`self_attn.{q,k,v,o}_proj`, `input_layernorm`, `post_attention_layernorm`,
-        each norm loaded by `norm(name)`) around the family's MLP, with RoPE from `self.rotary`."""
-        attn = f"{prefix}.self_attn"
-        o_proj = Linear.load(weights, [f"{attn}.o_proj"])
-        attention = Attention(load_qkv(weights, attn), o_proj, self.spec, self.rotary.rotate_fn, window, qk_norms)
+        each norm loaded by `norm(name)`) around the family's MLP, with RoPE from `self.rotary`. The attention
+        projections read this rank's heads only under tensor parallelism."""
+        attn, head_dim = f"{prefix}.self_attn", self.spec.head_dim
+        qkv = [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]
+        o_proj = RowParallelLinear.load(weights, f"{attn}.o_proj", query_columns(weights, qkv, head_dim))
+        qkv_proj = ColumnParallelLinear.load_qkv(weights, qkv, head_dim)
+        attention = Attention(qkv_proj, o_proj, self.spec, self.rotary.rotate_fn, window, qk_norms)
         return PreNormLayer(
             norm(f"{prefix}.input_layernorm"), attention, norm(f"{prefix}.post_attention_layernorm"), mlp
         )
@@ -159,6 +178,9 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         h, residual, (cos, sin) = self.embed(input_ids, positions), None, self.rope(positions, meta)
+        step = self.cpu_decoder_step
+        if step is not None and step.fits(kv_cache, meta):
+            return step(h, cos, sin, kv_cache, meta)  # every layer in one C call
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
         return self.norm.add_forward(h, residual)[0]

@@ -23,9 +23,9 @@ from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, per_head_to_grouped
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec, rotary_embedding
-from kettle.models.llama import rope_parameters
+from kettle.models.hf_config import rope_parameters
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 @dataclass(frozen=True)

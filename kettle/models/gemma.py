@@ -16,8 +16,8 @@ from kettle.layers.norm import RMSNorm
 from kettle.models.blocks import GatedMLP
 from kettle.models.decoder import PreNormLayer
 from kettle.models.decoder_lm import DecoderLM
-from kettle.models.llama import rope_parameters
-from kettle.models.weights import Weights
+from kettle.models.hf_config import rope_parameters
+from kettle.tensors.weights import Weights
 
 
 def gemma_norm(weights: Weights, name: str, eps: float) -> RMSNorm:

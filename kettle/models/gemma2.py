@@ -20,9 +20,9 @@ from kettle.models.blocks import GatedMLP, load_qkv
 from kettle.models.decoder import Attention
 from kettle.models.decoder_lm import CausalLM
 from kettle.models.gemma import gemma_norm
-from kettle.models.llama import rope_parameters
+from kettle.models.hf_config import rope_parameters
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 def layer_windows(config) -> list[int | None]:

@@ -16,7 +16,7 @@ from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 def load_conv1d(weights: Weights, prefix: str) -> Linear:

@@ -13,12 +13,12 @@ from torch import nn
 
 from kettle.layers.activation import activation
 from kettle.layers.linear import Linear
-from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear, attention_columns, shard_heads
+from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear, attention_columns
 from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, load_per_head_qkv
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
-from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.models.spec import ModelSpec, shard_heads
+from kettle.tensors.weights import Weights
 
 
 def load_attention(weights: Weights, prefix: str, config, spec: ModelSpec) -> Attention:

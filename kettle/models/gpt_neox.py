@@ -17,8 +17,8 @@ from kettle.layers.linear import Linear
 from kettle.models.blocks import DenseMLP, load_layer_norm, load_per_head_qkv
 from kettle.models.decoder import Attention, ParallelLayer, PreNormLayer
 from kettle.models.decoder_lm import DecoderLM, decoder_spec, rotary_embedding
-from kettle.models.llama import rope_parameters
-from kettle.models.weights import Weights
+from kettle.models.hf_config import rope_parameters
+from kettle.tensors.weights import Weights
 
 
 class GPTNeoXForCausalLM(DecoderLM):

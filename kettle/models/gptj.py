@@ -15,7 +15,7 @@ from kettle.layers.linear import Linear
 from kettle.models.blocks import DenseMLP, load_layer_norm, load_qkv
 from kettle.models.decoder import Attention, ParallelLayer
 from kettle.models.decoder_lm import DecoderLM, decoder_spec, rotary_embedding
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 
 class GPTJForCausalLM(DecoderLM):

@@ -16,12 +16,9 @@ import torch
 from torch import nn
 
 from kettle.layers.linear import Linear
-from kettle.layers.norm import RMSNorm
-from kettle.models.blocks import GatedMLP, rms_norm_loader
-from kettle.models.decoder import PreNormLayer
-from kettle.models.decoder_lm import DecoderLM
-from kettle.models.llama import layer_windows, rope_parameters
-from kettle.models.weights import Weights
+from kettle.models.blocks import GatedMLP
+from kettle.models.llama import LlamaForCausalLM
+from kettle.tensors.weights import Weights
 
 
 def load_experts(weights: Weights, prefix: str, num_experts: int, hidden_act: str) -> tuple[str, list[GatedMLP]]:
@@ -92,14 +89,8 @@ class SparseMoE(nn.Module):
         return out
 
 
-class MixtralForCausalLM(DecoderLM):
-    """Mixtral built directly from a checkpoint's tensors."""
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral built directly from a checkpoint's tensors: Mistral's layers around routed experts."""
 
-    def __init__(self, config, weights: Weights) -> None:
-        super().__init__()
-        self.load_llama_layout(config, weights, rope_parameters(config), layer_windows(config))
-        self.norm = RMSNorm(weights.get("model.norm.weight"), config.rms_norm_eps)
-
-    def load_layer(self, weights: Weights, prefix: str, config, window: int | None) -> PreNormLayer:
-        norm = rms_norm_loader(weights, config.rms_norm_eps)
-        return self.llama_block(weights, prefix, norm, SparseMoE(weights, prefix, config), window)
+    def load_mlp(self, weights: Weights, prefix: str, config) -> SparseMoE:
+        return SparseMoE(weights, prefix, config)

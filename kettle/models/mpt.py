@@ -17,7 +17,7 @@ from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import LinearLoader, Weights
 
 
 def check_supported(config) -> None:
@@ -72,6 +72,8 @@ class MptForCausalLM(CausalLM):
         self.norm = load_layer_norm(weights, f"{prefix}norm_f", config.layer_norm_epsilon)
 
     @classmethod
-    def from_pretrained(cls, path: str, config, dtype: torch.dtype, device: torch.device) -> MptForCausalLM:
+    def from_pretrained(
+        cls, path: str, config, dtype: torch.dtype, device: torch.device, quantize: LinearLoader | None = None
+    ) -> MptForCausalLM:
         check_supported(config)  # before reading any tensor
-        return super().from_pretrained(path, config, dtype, device)
+        return super().from_pretrained(path, config, dtype, device, quantize)

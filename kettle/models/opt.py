@@ -18,7 +18,7 @@ from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_qkv
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
 from kettle.models.spec import ModelSpec
-from kettle.models.weights import Weights
+from kettle.tensors.weights import Weights
 
 POSITION_OFFSET = 2  # OPT's learned position table starts two rows in (a fairseq legacy)
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which OPT uses

@@ -13,8 +13,8 @@ from kettle.layers.linear import Linear
 from kettle.models.blocks import DenseMLP, load_layer_norm, load_qkv
 from kettle.models.decoder import Attention, ParallelLayer
 from kettle.models.decoder_lm import DecoderLM
-from kettle.models.llama import rope_parameters
-from kettle.models.weights import Weights
+from kettle.models.hf_config import rope_parameters
+from kettle.tensors.weights import Weights
 
 
 class PhiForCausalLM(DecoderLM):

@@ -45,11 +45,6 @@ class TransformersSeq2SeqLM:
         """The encoder's last hidden states [B, S, d] of (right-padded) prompts."""
         return self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    def make_runner(self, vocab, device: torch.device, watermark: tuple[float, float]):
-        from kettle.shard.seq2seq_runner import Seq2SeqRunner
-
-        return Seq2SeqRunner(self, vocab, device, watermark)
-
 
 def decoder_start_id(model) -> int:
     """The generation config's decoder start token, else the model config's, else pad (T5's convention)."""

@@ -4,47 +4,20 @@ Any `AutoModelForCausalLM` is served by `TransformersCausalLM` (driven by `Fallb
 transformers' own KV cache) and any encoder-decoder model by `TransformersSeq2SeqLM` (see `seq2seq.py`). Both
 expose the `spec` the shard sizes its KV budget from, and `execution_path` for `/info`.
 
-Before transformers sees a checkpoint, `check_loadable` turns its two unhelpful failures into one clear line
-each: a model that ships its own code (`auto_map`) without `--trust-remote-code`, and a model type transformers
-does not know at all.
+Before transformers sees a checkpoint, `kettle.catalog.check_loadable` turns its two unhelpful failures into
+one clear line each (custom code without `--trust-remote-code`, a model type transformers does not know).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
-from pathlib import Path
 
 import torch
 
 from kettle.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-
-def check_loadable(path: str, trust_remote_code: bool) -> None:
-    """Raises ValueError with an actionable message when transformers could not load `path` as asked."""
-    from transformers import CONFIG_MAPPING, __version__
-
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return  # let transformers report the missing file with its own words
-    settings = json.loads(config_file.read_text())
-    model_type = settings.get("model_type")
-    if model_type in CONFIG_MAPPING:
-        return  # transformers' own code serves it; a shipped auto_map is ignored without the flag
-    if settings.get("auto_map"):
-        if not trust_remote_code:
-            raise ValueError(
-                f"model type {model_type!r} needs the custom code shipped with the model (config.json auto_map): "
-                "pass --trust-remote-code to run it"
-            )
-        return
-    raise ValueError(
-        f"model type {model_type!r} has no native implementation and is unknown to transformers {__version__} "
-        "(no auto_map in config.json): it cannot be served"
-    )
 
 
 def spec_from_config(config, dtype: torch.dtype, decoder_layers_factor: int = 1) -> ModelSpec:
@@ -109,11 +82,6 @@ class TransformersCausalLM:
     def compute_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The runner already holds logits (transformers computes them): identity, so shared code applies."""
         return logits.float()
-
-    def make_runner(self, vocab, device: torch.device, watermark: tuple[float, float]):
-        from kettle.shard.fallback_runner import FallbackRunner
-
-        return FallbackRunner(self, vocab, device, watermark)
 
 
 def _pad_id(config) -> int:

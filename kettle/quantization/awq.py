@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kettle.models.weights import Weights
 from kettle.quantization.qparams import QParams, unpack_nibbles
+from kettle.tensors.weights import Weights
 
 # Nibble i of a word holds output channel ORDER[i] of its eight; channel j therefore sits in nibble INVERSE[j].
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

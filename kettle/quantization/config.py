@@ -6,14 +6,6 @@ import os
 
 import torch
 
-# Weight-only schemes served by PyTorch's packed kernels on the CPU and, on NVIDIA GPUs, by its tinygemm int4
-# kernel and a Triton int8 GEMV (kettle/quantization/int4.py, int8.py); gptq/awq load into the int4 path.
-CPU_SCHEMES = ("int8", "int4", "gptq", "awq")
-CUDA_SCHEMES = ("fp8",)
-# TGI's other values: accepted by the flag's vocabulary, refused with a clear message (see `check_scheme`).
-UNSUPPORTED = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "marlin", "exl2")
-ALL_SCHEMES = CPU_SCHEMES + CUDA_SCHEMES + UNSUPPORTED
-
 DEFAULT_INT4_GROUP_SIZE = 128
 DEFAULT_LM_HEAD = "int8"  # int4 heads cost accuracy: see README (quantization)
 # The packed kernels' activation dtype. Measured on this AVX2 CPU (bench/quant_kernels.py): with float32
@@ -23,13 +15,6 @@ KERNEL_ACT_DTYPE = torch.bfloat16
 # Above this many rows, a dense float32 GEMM on the weight dequantized for the call beats the packed kernels
 # (measured ~0.4x of float32 at 256 rows, against 0.5-0.9x for dequantize + GEMM).
 DEFAULT_DENSE_ROWS = 128
-
-
-def cuda_weight_only() -> bool:
-    """Whether int8/int4/gptq/awq may run on CUDA (`KETTLE_CUDA_WEIGHT_ONLY=1`). Off by default: these CUDA
-    paths were written and checked on the CPU (packing, Triton interpreter) but have not yet run on a GPU, so
-    until they are measured there the default stays the clear refusal that names fp8."""
-    return os.environ.get("KETTLE_CUDA_WEIGHT_ONLY", "0") == "1"
 
 
 def int8_gemv_rows() -> int:
@@ -65,31 +50,3 @@ def dense_rows_threshold() -> int:
     sends int4 calls from tinygemm to a GEMM in the model dtype (not yet measured there)."""
     rows = int(os.environ.get("KETTLE_QUANT_DENSE_ROWS", str(DEFAULT_DENSE_ROWS)))
     return rows if rows > 0 else 1 << 62
-
-
-def check_scheme(quantize: str | None, device_type: str) -> None:
-    """Raises a ValueError naming the working alternatives when `quantize` cannot run on `device_type`."""
-    if quantize is None:
-        return
-    cpu = ", ".join(CPU_SCHEMES)
-    if quantize not in ALL_SCHEMES:
-        raise ValueError(f"--quantize {quantize} is unknown: use one of {', '.join(ALL_SCHEMES)}")
-    if quantize in UNSUPPORTED:
-        raise ValueError(
-            f"--quantize {quantize} is not supported by Kettle (it needs CUDA kernels Kettle does not ship): "
-            f"on the CPU use --quantize int8 or int4 (or serve a GPTQ/AWQ checkpoint: {cpu}); "
-            "on an NVIDIA Hopper GPU use --quantize fp8"
-        )
-    if quantize in CUDA_SCHEMES and device_type != "cuda":
-        raise ValueError(
-            f"--quantize {quantize} needs an NVIDIA GPU (Hopper or newer): on the CPU use --quantize int8 or int4 "
-            f"(or serve a GPTQ/AWQ checkpoint with {cpu}), or run without --quantize with --dtype float32 "
-            "(the CPU default) or --dtype bfloat16"
-        )
-    if quantize in CPU_SCHEMES and device_type not in ("cpu", "cuda"):
-        raise ValueError(f"--quantize {quantize} runs on the CPU and on NVIDIA GPUs only, not on {device_type}")
-    if quantize in CPU_SCHEMES and device_type == "cuda" and not cuda_weight_only():
-        raise ValueError(
-            f"--quantize {quantize} on a GPU is experimental (set KETTLE_CUDA_WEIGHT_ONLY=1 to try it): "
-            "on an NVIDIA GPU use --quantize fp8"
-        )

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kettle.models.weights import Weights
 from kettle.quantization.qparams import QParams, unpack_nibbles
+from kettle.tensors.weights import Weights
 
 
 @dataclass(frozen=True)

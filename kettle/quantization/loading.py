@@ -1,9 +1,9 @@
 """Weight-only quantization applied while a model loads, so model files need no change.
 
 `load_model` resolves the scheme (`resolve_scheme`: the `--quantize` flag and the checkpoint's own
-`quantization_config`), then loads the model inside `quantizing(scheme)`. While that scope is active,
-`Linear.load` asks `load_linear` first: each projection is quantized as it is read (int8/int4), or built
-from the checkpoint's packed tensors (GPTQ/AWQ), so the float32 weights of the whole model never sit in
+`quantization_config`), then reads the checkpoint with `Weights(..., quantize=scheme.load_linear)`:
+`Linear.load` asks the scheme first, so each projection is quantized as it is read (int8/int4), or built
+from the checkpoint's packed tensors (GPTQ/AWQ), and the float32 weights of the whole model never sit in
 memory at once. `finish` then quantizes the LM head, which the models build directly.
 """
 
@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from contextvars import ContextVar
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kettle.catalog import check_scheme
 from kettle.kernels import ops
-from kettle.models.weights import Weights
 from kettle.quantization.awq import AwqFormat
-from kettle.quantization.config import check_scheme, int4_group_size, lm_head_scheme
+from kettle.quantization.config import int4_group_size, lm_head_scheme
 from kettle.quantization.gptq import GptqFormat
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import CHUNK, Q4Linear
 from kettle.quantization.qparams import QParams
+from kettle.tensors.weights import Weights
 
 PREQUANTIZED = {"gptq": GptqFormat, "awq": AwqFormat}
 logger = logging.getLogger(__name__)
@@ -43,8 +42,19 @@ class Scheme:
     checkpoint: GptqFormat | AwqFormat | None = None
     head: str | None = None
 
-
-_ACTIVE: ContextVar[Scheme | None] = ContextVar("kettle_quantization", default=None)
+    def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
+        """The fused projections `prefixes` quantized under this scheme; None when the checkpoint left them
+        unquantized, for `Linear.load` to load them dense."""
+        biases = [weights.get_optional(f"{prefix}.bias") for prefix in prefixes]
+        if self.checkpoint is not None:
+            if not all(self.checkpoint.is_quantized(weights, prefix) for prefix in prefixes):
+                return None
+            qparams = QParams.concat([self.checkpoint.load(weights, prefix) for prefix in prefixes])
+            return int4_class(qparams.q).from_qparams(
+                qparams.q, qparams.scale, qparams.zero, qparams.group_size, _fused_bias(biases, qparams.q)
+            )
+        weight = torch.cat([weights.get(f"{prefix}.weight") for prefix in prefixes])
+        return quantize_weight(self, weight, _fused_bias(biases, weight))
 
 
 def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | None:
@@ -63,41 +73,13 @@ def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | N
     check_scheme(quantize, device_type)
     if quantize in (None, "fp8"):
         return None
-    from kettle.shard import distributed
+    from kettle.tensors import distributed
 
     if distributed.current().world_size > 1:  # the tensor-parallel loaders slice dense weights only
         raise ValueError(f"--quantize {quantize} runs on one shard: use --num-shard 1")
     if quantize in PREQUANTIZED:  # the head stays as the checkpoint has it (these formats leave it dense)
         return Scheme(quantize, checkpoint=PREQUANTIZED[quantize].from_config(qconfig))
     return Scheme(quantize, int4_group_size(), head=lm_head_scheme(quantize))
-
-
-@contextmanager
-def quantizing(scheme: Scheme | None) -> Iterator[None]:
-    """Makes `Linear.load` quantize the projections it loads, for the duration of the block."""
-    token = _ACTIVE.set(scheme)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def load_linear(weights: Weights, prefixes: list[str]) -> nn.Module | None:
-    """The fused projections `prefixes` quantized under the active scheme; None when none is active (or the
-    checkpoint left these projections unquantized), for `Linear.load` to load them dense."""
-    scheme = _ACTIVE.get()
-    if scheme is None:
-        return None
-    biases = [weights.get_optional(f"{prefix}.bias") for prefix in prefixes]
-    if scheme.checkpoint is not None:
-        if not all(scheme.checkpoint.is_quantized(weights, prefix) for prefix in prefixes):
-            return None
-        qparams = QParams.concat([scheme.checkpoint.load(weights, prefix) for prefix in prefixes])
-        return int4_class(qparams.q).from_qparams(
-            qparams.q, qparams.scale, qparams.zero, qparams.group_size, _fused_bias(biases, qparams.q)
-        )
-    weight = torch.cat([weights.get(f"{prefix}.weight") for prefix in prefixes])
-    return quantize_weight(scheme, weight, _fused_bias(biases, weight))
 
 
 def quantize_weight(scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

@@ -52,7 +52,7 @@ class ShardConfig:
         if not 0.0 < self.cuda_memory_fraction <= 1.0:
             raise ValueError("--cuda-memory-fraction must be in (0, 1]")
         if self.quantize is not None and self.quantize not in QUANTIZE:
-            from kettle.quantization.config import check_scheme
+            from kettle.catalog import check_scheme
 
             check_scheme(self.quantize, "cpu")  # names the alternatives for TGI's values Kettle lacks
             raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")

@@ -23,7 +23,7 @@ import torch
 
 from kettle.layers.attention import AttentionMetadata, DecodePlan, get_backend
 from kettle.shard.config import parse_graph_buckets
-from kettle.shard.kv_cache import KVCache
+from kettle.tensors.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

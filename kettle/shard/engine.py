@@ -18,13 +18,13 @@ from collections.abc import Sequence
 import torch
 
 from kettle.proto import generate_pb2 as pb
-from kettle.shard import distributed
 from kettle.shard.batch import Batch, RequestState
 from kettle.shard.detokenize import IncrementalDetokenizer
 from kettle.shard.runner import ModelRunner, StepResult
 from kettle.shard.sampling import SamplingParams
 from kettle.shard.stopping import StoppingCriteria
 from kettle.shard.warmup import KVPlan, plan_kv_cache
+from kettle.tensors import distributed
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.grammar import Grammars, advance
-from kettle.shard.kv_cache import KVCache
 from kettle.shard.logits_process import device_tensor
 from kettle.shard.sampling import BatchSampler, SampleOutput, top_token_table, top_tokens_from_rows
 from kettle.shard.vocab import Vocab
+from kettle.tensors.kv_cache import KVCache
 
 
 @dataclass

@@ -14,17 +14,38 @@ import torch
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import ShardConfig
-from kettle.shard.distributed import init_distributed, shutdown
 from kettle.shard.dtype import choose_dtype
 from kettle.shard.engine import ShardEngine
-from kettle.shard.kv_cache import BLOCK_SIZE
 from kettle.shard.runner import ModelRunner
 from kettle.shard.service import ShardService, on_engine_thread
 from kettle.shard.vocab import Vocab
+from kettle.tensors.distributed import init_distributed, shutdown
+from kettle.tensors.kv_cache import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 256 * 1024 * 1024
+
+
+def _native_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> ModelRunner:
+    return ModelRunner(model, vocab, device, watermark, graph_buckets)
+
+
+def _fallback_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets):
+    from kettle.shard.fallback_runner import FallbackRunner
+
+    return FallbackRunner(model, vocab, device, watermark)  # padded batches: no decode graphs
+
+
+def _seq2seq_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets):
+    from kettle.shard.seq2seq_runner import Seq2SeqRunner
+
+    return Seq2SeqRunner(model, vocab, device, watermark)
+
+
+# The model's execution path → the runner that drives it: Kettle's paged forward for native families,
+# transformers' own KV cache for the causal fallback and for encoder-decoders.
+RUNNERS = {"native": _native_runner, "transformers": _fallback_runner, "seq2seq": _seq2seq_runner}
 
 
 def choose_device() -> torch.device:
@@ -45,13 +66,8 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize)
     vocab = Vocab.load(config.model_path, config.trust_remote_code)
     watermark = (config.watermark_gamma, config.watermark_delta)
-    # Models served through transformers (fallback, seq2seq) bring their own runner; native ones use the paged one.
-    make_runner = getattr(model, "make_runner", None)
-    if make_runner is not None:
-        runner = make_runner(vocab, device, watermark)
-    else:
-        runner = ModelRunner(model, vocab, device, watermark, config.graph_buckets)
     execution_path = getattr(model, "execution_path", "native")
+    runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
     )

@@ -16,7 +16,7 @@ import psutil
 import torch
 
 from kettle.proto import generate_pb2 as pb
-from kettle.shard.kv_cache import BLOCK_SIZE, KVCache
+from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 DEFAULT_MAX_KV_TOKENS = 1 << 17
 DEFAULT_CPU_WARMUP_TOKENS = 512

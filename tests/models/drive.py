@@ -14,7 +14,7 @@ import torch
 
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import CausalLM
-from kettle.shard.kv_cache import KVCache
+from kettle.tensors.kv_cache import KVCache
 from tests.fixtures import make_tiny_llama, make_tokenizer, tiny_config
 
 BLOCK_SIZE = 4  # small, so that even short prompts span several blocks

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kettle.layers import cuda_fused
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.registry import load_model
-from kettle.shard.kv_cache import KVCache
+from kettle.tensors.kv_cache import KVCache
 from tests.models.drive import BLOCK_SIZE, scattered_tables
 
 pytestmark = pytest.mark.skipif(

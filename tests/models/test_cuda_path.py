@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.sdpa_attention import SdpaBackend
 from kettle.models.registry import load_model
-from kettle.shard.kv_cache import KVCache
+from kettle.tensors.kv_cache import KVCache
 from tests.models.drive import BLOCK_SIZE, scattered_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,4 +1,5 @@
-"""The fused CPU decode step (kettle/kernels/decoder_step.c) against the same model run layer by layer.
+"""The fused CPU decode step (kettle/models/decoder_step.py over kettle/kernels/decoder_step.c) against the
+same model run layer by layer.
 
 Both paths run the same kernels in the same order on each output channel, row and attention item, so their
 logits are not just close but equal, whatever the threads' split of the work.
@@ -9,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kettle.kernels import decoder_step, ops
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
+from kettle.models import decoder_step
 from kettle.models.registry import load_model
 from tests.fixtures import torch_threads
 from tests.models.drive import BLOCK_SIZE, make_variant, new_cache, scattered_tables, step
+from tests.models.family_parity import save_tiny, tiny_settings
 from tests.unit.test_cpu_kernels import CAN_BUILD
 
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
@@ -25,6 +28,18 @@ def two_threads():
     # Two threads, so the step's barriers and the split of channels between threads are exercised.
     with torch_threads(2):
         yield
+
+
+def family_path(tmp_path, variant: str):
+    """A tiny checkpoint: a Llama variant (`make_variant`), or another family through its transformers class."""
+    import transformers
+
+    classes = {"phi3": "Phi3", "qwen3": "Qwen3", "gemma": "Gemma"}
+    if variant not in classes:
+        return make_variant(tmp_path, variant)
+    config_cls = getattr(transformers, f"{classes[variant]}Config")
+    model_cls = getattr(transformers, f"{classes[variant]}ForCausalLM")
+    return save_tiny(tmp_path, config_cls(**tiny_settings(tmp_path), pad_token_id=0), model_cls)
 
 
 def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
@@ -46,15 +61,16 @@ def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
 
 @pytest.mark.parametrize("float_rows", [None, 2])
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "phi3"])
 def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize, float_rows):
-    """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head) and Mistral (a sliding window of 8,
-    shorter than the contexts), over scattered block tables; projections over int16 rows (4 sequences are
-    below the float32 tiles' thresholds) and over the float32 tiles (`float_rows` 2)."""
+    """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head), Mistral (a sliding window of 8,
+    shorter than the contexts) and Phi-3 (checkpoint-fused projections), over scattered block tables;
+    projections over int16 rows (4 sequences are below the float32 tiles' thresholds) and over the float32
+    tiles (`float_rows` 2)."""
     if float_rows is not None:
         monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", float_rows)
         monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", float_rows)
-    model = load_model(str(make_variant(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
+    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step is not None
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
     assert torch.equal(fused, reference)
@@ -78,3 +94,10 @@ def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch
     assert not fused.fits(cache, prefill)  # a prompt in the step: the layer-by-layer forward runs it
     fused.max_rows = 1
     assert not fused.fits(cache, decode)  # more rows than the packed kernels take (`dense_rows`)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma"])
+def test_families_with_blocks_the_step_lacks_run_layer_by_layer(tmp_path, variant):
+    """Qwen3's per-head q/k norms and Gemma's GELU gate are not in the C step: no fused step for them."""
+    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize="int4")
+    assert model.cpu_decoder_step is None

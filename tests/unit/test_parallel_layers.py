@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from kettle.bench.process import free_port
 from kettle.layers.parallel import HeadSplit, head_split, split_range, vocab_block
 from kettle.proto import generate_pb2 as pb
-from kettle.shard.distributed import TensorParallel
+from kettle.tensors.distributed import TensorParallel
 
 HIDDEN, HEAD_DIM, HEADS, VOCAB = 16, 4, 4, 7  # an odd vocabulary: the last rank's block is padded
 WORLD = 2
@@ -59,7 +59,7 @@ def _layers(rank: int, folder: Path) -> dict[str, float]:
         vocab_parallel_head,
         vocab_rows,
     )
-    from kettle.models.weights import Weights
+    from kettle.tensors.weights import Weights
 
     dense = dense_tensors()
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
@@ -125,7 +125,7 @@ def _engine_tokens(model_path: str, rank: int, world_size: int) -> dict[int, lis
 def _worker(rank: int, folder: str, models: dict[str, str], port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    from kettle.shard import distributed
+    from kettle.tensors import distributed
 
     distributed.init_distributed(rank, WORLD, torch.device("cpu"))
     try:
@@ -198,7 +198,7 @@ def test_heads_split_with_their_kv_heads_or_replicate_them():
 
 
 def test_families_without_tensor_parallelism_are_refused_by_name(tmp_path):
-    from kettle.models.registry import check_tensor_parallel_folder
+    from kettle.catalog import check_tensor_parallel_folder
 
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="'gpt2' does not support tensor parallelism"):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kettle.catalog import UNSUPPORTED, check_scheme
 from kettle.launcher.config import LauncherConfig
 from kettle.launcher.specs import shard_spec
 from kettle.quantization.awq import ORDER, unpack_awq
-from kettle.quantization.config import UNSUPPORTED, check_scheme
 from kettle.quantization.int4 import Int4Linear, kernel_group_size, quantize_int4, unpack_int4
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.qparams import QParams, unpack_nibbles

@@ -8,13 +8,15 @@ the size of the model in its target dtype, never two copies of the checkpoint.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from kettle.shard import distributed
+from kettle.tensors import distributed
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -35,12 +37,23 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     return mapping
 
 
+# (weights, fused projection names) → the quantized projection, or None to load it dense.
+LinearLoader = Callable[["Weights", list[str]], nn.Module | None]
+
+
 class Weights:
     """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
-    integer packs, scales kept as-is by their loaders) keep their stored dtype. Use as a context manager."""
+    integer packs, scales kept as-is by their loaders) keep their stored dtype. Use as a context manager.
 
-    def __init__(self, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> None:
+    `quantize` is how projections load when a quantization scheme applies (the scheme's `load_linear`):
+    the loaders ask it first, so each projection is quantized as it is read and the float weights of the
+    whole model never sit in memory at once. None loads every projection as stored."""
+
+    def __init__(
+        self, folder: str | Path, dtype: torch.dtype, device: torch.device | str, quantize: LinearLoader | None = None
+    ) -> None:
         self.folder = Path(folder)
+        self.quantize = quantize
         self.dtype = dtype
         self.device = torch.device(device)
         self._files = checkpoint_files(self.folder)
