@@ -22,6 +22,9 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 app.command("launch")(launch)
+# `text-generation-launcher`: TGI's launcher name, the `launch` command alone (flags straight after the name).
+launcher_app = typer.Typer(name="text-generation-launcher", add_completion=False, pretty_exceptions_show_locals=False)
+launcher_app.command()(launch)
 log = logging.getLogger("kettle.cli")
 
 
