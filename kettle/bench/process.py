@@ -26,14 +26,24 @@ class KettleServer:
     """A launcher process serving one model on 127.0.0.1; `url` is its base address."""
 
     def __init__(
-        self, model_id: str | None, *flags: str, env: dict[str, str] | None = None, timeout: float = 300
+        self,
+        model_id: str | None,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 300,
+        hostname: str | None = "127.0.0.1",
+        own_sockets: bool = True,
     ) -> None:
+        """`hostname=None` leaves --hostname out (the launcher's default, or HOSTNAME from `env`);
+        `own_sockets=False` leaves the shard socket path to the launcher's default instead of a private folder."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.uds = os.path.join(tempfile.mkdtemp(prefix="kettle-test-"), "shard")
-        argv = [KETTLE, "launch", "--port", str(self.port), "--hostname", "127.0.0.1"]
+        self.uds = os.path.join(tempfile.mkdtemp(prefix="kettle-test-"), "shard") if own_sockets else None
+        argv = [KETTLE, "launch", "--port", str(self.port)]
+        argv += ["--hostname", hostname] if hostname else []
         argv += ["--model-id", model_id] if model_id else []  # no --model-id: the bundled model
-        argv += ["--shard-uds-path", self.uds, *flags]
+        argv += ["--shard-uds-path", self.uds] if self.uds else []
+        argv += flags
         # The log outlives this call (the launcher writes to it until stopped), so no context manager here.
         self.log = tempfile.NamedTemporaryFile(prefix="kettle-e2e-", suffix=".log", delete=False)  # noqa: SIM115
         child_env = {**os.environ, "KETTLE_MAX_KV_TOKENS": "65536", **(env or {})}

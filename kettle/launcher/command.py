@@ -1,4 +1,5 @@
-"""The `kettle launch` command: every flag of SPEC §9 (TGI's names, defaults and environment variables)."""
+"""The `kettle launch` command: every flag of text-generation-launcher (TGI's names, defaults and environment
+variables), the ones Kettle has no use for included, so TGI command lines and manifests work unchanged."""
 
 from __future__ import annotations
 
@@ -7,10 +8,18 @@ from typing import Annotated
 import typer
 
 from kettle.launcher import options as o
-from kettle.launcher.options import MODEL, SHARDS, option
+from kettle.launcher.options import COMPATIBILITY, MODEL, SHARDS, option
 
 TRUE_WORDS = {"true", "1", "yes", "on"}
 FALSE_WORDS = {"false", "0", "no", "off"}
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import kettle
+
+        typer.echo(f"kettle {kettle.__version__}")
+        raise typer.Exit()
 
 
 def parse_boolean(value: str | None) -> bool | None:
@@ -53,8 +62,96 @@ HubCache = Annotated[
 LoraAdapters = Annotated[
     str | None, option("--lora-adapters", "Comma-separated LoRA adapters to load.", MODEL, inactive=True)
 ]
+WeightsCacheOverride = Annotated[
+    str | None,
+    option(
+        "--weights-cache-override",
+        "A local folder holding the model's files, used instead of downloading --model-id (which stays the name "
+        "clients see).",
+        MODEL,
+    ),
+]
+RopeScaling = Annotated[
+    str | None,
+    option(
+        "--rope-scaling",
+        "Override the model's RoPE scaling: linear or dynamic (factor from --rope-factor, default 1.0).",
+        MODEL,
+    ),
+]
+RopeFactor = Annotated[
+    float | None,
+    option("--rope-factor", "RoPE scaling factor; alone it means --rope-scaling linear.", MODEL),
+]
+Speculate = Annotated[
+    int | None,
+    option(
+        "--speculate", "Tokens to speculate per step (n-gram or Medusa speculative decoding).", MODEL, inactive=True
+    ),
+]
+KvCacheDtype = Annotated[
+    str | None,
+    option(
+        "--kv-cache-dtype",
+        "KV cache dtype: fp8_e4m3fn or fp8_e5m2 (default: the model's dtype).",
+        MODEL,
+        inactive=True,
+    ),
+]
+DisableCustomKernels = Annotated[
+    bool,
+    option(
+        "--disable-custom-kernels",
+        "Turn off Kettle's own kernels (the C CPU kernels, the fused CUDA ones) and use PyTorch's ops.",
+        SHARDS,
+    ),
+]
 ShardUdsPath = Annotated[
-    str, option("--shard-uds-path", "Shard sockets are PATH-0, PATH-1, ... (removed at exit).", SHARDS)
+    str | None,
+    option(
+        "--shard-uds-path",
+        "Shard sockets are PATH-0, PATH-1, ... (removed at exit; default: kettle-server-PORT in the temp folder, "
+        "so servers on different ports need no flag).",
+        SHARDS,
+    ),
+]
+UsageStats = Annotated[
+    str,
+    option(
+        "--usage-stats",
+        "TGI's usage statistics setting: on, off or no-stack.",
+        COMPATIBILITY,
+        no_effect="Kettle collects and sends nothing, whatever the value",
+    ),
+]
+Ngrok = Annotated[
+    bool, option("--ngrok", "Older TGI's ngrok tunnel.", COMPATIBILITY, no_effect="Kettle opens no tunnels")
+]
+NgrokAuthtoken = Annotated[
+    str | None,
+    option("--ngrok-authtoken", "Older TGI's ngrok token.", COMPATIBILITY, no_effect="Kettle opens no tunnels"),
+]
+NgrokEdge = Annotated[
+    str | None, option("--ngrok-edge", "Older TGI's ngrok edge.", COMPATIBILITY, no_effect="Kettle opens no tunnels")
+]
+Env = Annotated[
+    bool,
+    typer.Option(
+        "--env",
+        "-e",
+        help="Print a report of the runtime environment (versions, devices, settings) before starting, as TGI does.",
+        rich_help_panel=COMPATIBILITY,
+    ),
+]
+Version = Annotated[
+    bool,
+    typer.Option(
+        "--version",
+        "-V",
+        help="Print the version and exit.",
+        is_eager=True,
+        callback=_print_version,
+    ),
 ]
 MasterAddr = Annotated[str, option("--master-addr", "torch.distributed rendezvous address.", SHARDS)]
 MasterPort = Annotated[int, option("--master-port", "torch.distributed rendezvous port.", SHARDS)]
@@ -89,7 +186,7 @@ CudaGraphs = Annotated[
         "--cuda-graphs",
         "Decode batch sizes captured as CUDA graphs, comma-separated; 0 disables (default: 1,2,4,8,16,32).",
         SHARDS,
-        envvar="KETTLE_CUDA_GRAPHS",
+        envvar=["CUDA_GRAPHS", "KETTLE_CUDA_GRAPHS"],  # TGI's name first; Kettle's earlier one still works
     ),
 ]
 NumThreads = Annotated[
@@ -111,6 +208,11 @@ def launch(
     trust_remote_code: TrustRemoteCode = False,
     huggingface_hub_cache: HubCache = None,
     lora_adapters: LoraAdapters = None,
+    weights_cache_override: WeightsCacheOverride = None,
+    rope_scaling: RopeScaling = None,
+    rope_factor: RopeFactor = None,
+    speculate: Speculate = None,
+    kv_cache_dtype: KvCacheDtype = None,
     max_concurrent_requests: o.MaxConcurrentRequests = 128,
     max_best_of: o.MaxBestOf = 2,
     max_stop_sequences: o.MaxStopSequences = 4,
@@ -140,7 +242,7 @@ def launch(
     disable_prefix_caching: o.DisablePrefixCaching = False,
     disable_chunked_prefill: o.DisableChunkedPrefill = False,
     graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
-    shard_uds_path: ShardUdsPath = "/tmp/kettle-server",
+    shard_uds_path: ShardUdsPath = None,
     master_addr: MasterAddr = "localhost",
     master_port: MasterPort = 29500,
     nnodes: Nnodes = 1,
@@ -151,13 +253,27 @@ def launch(
     cuda_memory_fraction: CudaMemoryFraction = 0.9,
     cuda_graphs: CudaGraphs = None,
     num_threads: NumThreads = None,
+    disable_custom_kernels: DisableCustomKernels = False,
+    usage_stats: UsageStats = "on",
+    ngrok: Ngrok = False,
+    ngrok_authtoken: NgrokAuthtoken = None,
+    ngrok_edge: NgrokEdge = None,
+    env: Env = False,
+    version: Version = False,
 ) -> None:
     """Start a server: resolve the model, start the shards, then the router, and supervise them."""
-    settings = dict(locals())  # exactly the parameters above, which are named like LauncherConfig's fields
+    settings = dict(locals())  # the parameters above, which are named like LauncherConfig's fields
+    del settings["version"]  # handled by its callback before this runs
+    from kettle.launcher import tgi_environment
     from kettle.launcher.config import LauncherConfig, pick_max_input_tokens
     from kettle.launcher.main import launch as run_launcher
 
+    if settings.pop("env"):
+        from kettle.launcher.env_report import environment_report
+
+        typer.echo(environment_report())
     try:
+        settings["disable_prefix_caching"] = disable_prefix_caching or tgi_environment.prefix_caching_disabled()
         settings["sharded"] = parse_boolean(sharded)
         settings["max_input_tokens"] = pick_max_input_tokens(max_input_tokens, settings.pop("max_input_length"))
         settings["cors_allow_origin"] = tuple(cors_allow_origin or ())

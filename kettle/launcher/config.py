@@ -1,15 +1,25 @@
-"""The launcher's configuration: every `kettle launch` flag (SPEC §9), validated before anything starts."""
+"""The launcher's configuration: every `kettle launch` flag, validated before anything starts."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from dataclasses import dataclass
 
 from kettle.router.config import RouterConfig
 from kettle.shard.config import DTYPES, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
-INACTIVE_FLAGS: dict[str, object] = {"lora_adapters": None}
+INACTIVE_FLAGS: dict[str, object] = {"lora_adapters": None, "speculate": None, "kv_cache_dtype": None}
+# Flags of TGI that will never mean anything here (the help says why), with their inert values.
+NO_EFFECT_FLAGS: dict[str, object] = {"ngrok": False, "ngrok_authtoken": None, "ngrok_edge": None}
+# TGI's values for the flags that take one of a few words.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "rope_scaling": ("linear", "dynamic"),
+    "kv_cache_dtype": ("fp8_e4m3fn", "fp8_e5m2"),
+    "usage_stats": ("on", "off", "no-stack"),
+}
 # RouterConfig fields the launcher fills from the resolved model rather than from a flag of the same name.
 ROUTER_OWN_FIELDS = {"master_shard_uds_path", "tokenizer_name", "model_id", "model_sha", "model_pipeline_tag"}
 # A shard must answer on its socket within this many seconds (loading a large model is slow).
@@ -50,6 +60,11 @@ class LauncherConfig:
     trust_remote_code: bool = False
     huggingface_hub_cache: str | None = None
     lora_adapters: str | None = None
+    weights_cache_override: str | None = None
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    speculate: int | None = None
+    kv_cache_dtype: str | None = None
     max_concurrent_requests: int = 128
     max_best_of: int = 2
     max_stop_sequences: int = 4
@@ -78,7 +93,7 @@ class LauncherConfig:
     disable_prefix_caching: bool = False
     disable_chunked_prefill: bool = False
     graceful_termination_timeout: float = 90.0
-    shard_uds_path: str = "/tmp/kettle-server"
+    shard_uds_path: str | None = None  # None: derived from --port (`uds_prefix`)
     master_addr: str = "localhost"
     master_port: int = 29500
     # Multi-node tensor parallelism: this host runs ranks node_rank*shards .. +shards of nnodes*shards.
@@ -90,6 +105,11 @@ class LauncherConfig:
     cuda_memory_fraction: float = 0.9
     cuda_graphs: str | None = None
     num_threads: int | None = None
+    disable_custom_kernels: bool = False
+    usage_stats: str = "on"  # accepted for TGI compatibility; Kettle sends no statistics
+    ngrok: bool = False
+    ngrok_authtoken: str | None = None
+    ngrok_edge: str | None = None
     shard_start_timeout: float = DEFAULT_SHARD_START_TIMEOUT
 
     def __post_init__(self) -> None:
@@ -104,6 +124,14 @@ class LauncherConfig:
             raise ValueError("--graceful-termination-timeout must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("--num-threads must be >= 1")
+        if self.rope_factor is not None and not self.rope_factor > 0:
+            raise ValueError("--rope-factor must be > 0")
+        if self.speculate is not None and self.speculate < 0:
+            raise ValueError("--speculate must be >= 0")
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
         # Building both child configs runs their own checks now, before any process is started.
         self.shard_config("model", rank=0)
         self.router_config("model", "model")
@@ -153,10 +181,39 @@ class LauncherConfig:
         """The not-yet-active flags given a value other than their inert one (the launcher warns about them)."""
         return [name for name, inert in INACTIVE_FLAGS.items() if getattr(self, name) != inert]
 
+    def no_effect_flags_set(self) -> list[str]:
+        """The never-active flags given a value other than their inert one (the launcher says they do nothing)."""
+        return [name for name, inert in NO_EFFECT_FLAGS.items() if getattr(self, name) != inert]
+
+    @property
+    def uds_prefix(self) -> str:
+        """Where the shard sockets go: --shard-uds-path, else a name with the HTTP port in it, so that servers
+        on one machine (each on its own port) never share sockets."""
+        if self.shard_uds_path is not None:
+            return self.shard_uds_path
+        return os.path.join(tempfile.gettempdir(), f"kettle-server-{self.port}")
+
+    @property
+    def rope(self) -> tuple[str, float] | None:
+        """The RoPE override as TGI resolves the two flags: a factor alone is linear, a type alone has factor 1."""
+        if self.rope_scaling is None and self.rope_factor is None:
+            return None
+        return self.rope_scaling or "linear", self.rope_factor if self.rope_factor is not None else 1.0
+
+    def shard_environment(self) -> dict[str, str]:
+        """Variables the shards read besides their flags: the RoPE override and the kernels switches."""
+        env: dict[str, str] = {}
+        if self.rope is not None:
+            env["ROPE_SCALING"], factor = self.rope[0], self.rope[1]
+            env["ROPE_FACTOR"] = repr(factor)
+        if self.disable_custom_kernels:
+            env.update(KETTLE_CPU_KERNELS="0", KETTLE_FUSED_KERNELS="0")
+        return env
+
     def shard_config(self, model_path: str, rank: int) -> ShardConfig:
         return ShardConfig(
             model_path=model_path,
-            uds_path=self.shard_uds_path,
+            uds_path=self.uds_prefix,
             dtype=self.dtype,
             rank=rank,
             world_size=self.world_size,
@@ -178,7 +235,7 @@ class LauncherConfig:
             if field.name not in ROUTER_OWN_FIELDS and hasattr(self, field.name)
         }
         return RouterConfig(
-            master_shard_uds_path=f"{self.shard_uds_path}-0",
+            master_shard_uds_path=f"{self.uds_prefix}-0",
             tokenizer_name=tokenizer_name,
             model_id=model_id,
             model_sha=model_sha,

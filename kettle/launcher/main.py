@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import signal
 
-from kettle.hub import ModelNotFound, resolve_model
+from kettle.hub import ModelNotFound, ResolvedModel, resolve_model
+from kettle.launcher import tgi_environment
 from kettle.launcher.config import LauncherConfig
 from kettle.launcher.specs import router_spec, shard_specs
 from kettle.launcher.supervisor import Supervisor
@@ -22,8 +25,11 @@ def launch(config: LauncherConfig) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     for name in config.inactive_flags_set():
         log.warning("--%s is not active yet: it is accepted for compatibility and has no effect", _flag(name))
+    for name in config.no_effect_flags_set():
+        log.warning("--%s is accepted for compatibility with TGI and does nothing in Kettle", _flag(name))
+    tgi_environment.apply_token_alias()
     try:
-        model = resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.trust_remote_code)
+        model = resolve(config)
     except ModelNotFound as error:
         log.error("%s", error)
         return 1
@@ -55,6 +61,19 @@ def launch(config: LauncherConfig) -> int:
         start_timeout=config.shard_start_timeout,
     )
     return supervisor.run()
+
+
+def resolve(config: LauncherConfig) -> ResolvedModel:
+    """The model folder: --model-id resolved (downloaded, converted), or with --weights-cache-override the local
+    folder it names, served under --model-id's name."""
+    if config.weights_cache_override is None:
+        return resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.trust_remote_code)
+    if not os.path.exists(config.weights_cache_override):
+        raise ModelNotFound(
+            f"--weights-cache-override {config.weights_cache_override!r} does not exist on this machine"
+        )
+    local = resolve_model(config.weights_cache_override, None, config.huggingface_hub_cache, config.trust_remote_code)
+    return dataclasses.replace(local, display_id=config.model_id or local.display_id)
 
 
 def _flag(name: str) -> str:

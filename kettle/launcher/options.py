@@ -16,16 +16,30 @@ MODEL = "Model"
 LIMITS = "Limits and batching"
 SERVER = "HTTP server"
 SHARDS = "Shards"
+COMPATIBILITY = "Accepted for TGI compatibility"
 
 
-def option(flag: str, help: str, panel: str, *, envvar: str | None = None, inactive: bool = False, **extra):
-    """A typer option named `flag`, read from `envvar` (default: the flag in UPPER_SNAKE case).
+def option(
+    flag: str,
+    help: str,
+    panel: str,
+    *short: str,
+    envvar: str | list[str] | None = None,
+    inactive: bool = False,
+    no_effect: str | None = None,
+    **extra,
+):
+    """A typer option named `flag` (and the `short` names), read from `envvar` (default: the flag in UPPER_SNAKE
+    case; a list is tried in order).
 
-    `inactive` marks a flag accepted for TGI compatibility that has no effect yet; its help says so.
+    `inactive` marks a flag accepted for TGI compatibility that has no effect yet; `no_effect` gives the reason a
+    flag accepted for compatibility will never have one. Either way the help says so.
     """
     env = envvar or flag.lstrip("-").replace("-", "_").upper()
     text = f"{help} {INACTIVE}" if inactive else help
-    return typer.Option(flag, envvar=env, help=text, rich_help_panel=panel, show_envvar=True, **extra)
+    if no_effect is not None:
+        text = f"{text} (no effect: {no_effect})"
+    return typer.Option(flag, *short, envvar=env, help=text, rich_help_panel=panel, show_envvar=True, **extra)
 
 
 MaxConcurrentRequests = Annotated[
@@ -65,8 +79,16 @@ MaxClientBatchSize = Annotated[
 ]
 PayloadLimit = Annotated[int, option("--payload-limit", "Largest request body in bytes; larger get 413.", LIMITS)]
 
-Hostname = Annotated[str, option("--hostname", "Address the HTTP server listens on.", SERVER)]
-Port = Annotated[int, option("--port", "TCP port of the HTTP server.", SERVER)]
+Hostname = Annotated[
+    str,
+    option(
+        "--hostname",
+        "IP address the HTTP server listens on; anything else (such as the container name Docker and Kubernetes "
+        "put in HOSTNAME) means 0.0.0.0, as in TGI.",
+        SERVER,
+    ),
+]
+Port = Annotated[int, option("--port", "TCP port of the HTTP server.", SERVER, "-p")]
 ApiKey = Annotated[
     str | None, option("--api-key", "Require `Authorization: Bearer KEY` on the generation routes.", SERVER)
 ]

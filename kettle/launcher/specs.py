@@ -77,6 +77,7 @@ def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpe
         "LOCAL_WORLD_SIZE": str(config.local_shards),
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(config.master_port),
+        **config.shard_environment(),
     }
     return ProcessSpec(f"shard-{rank}", tuple(argv), child_env(distributed), socket=shard.socket_path)
 

@@ -55,11 +55,13 @@ def load_model(
     found from their `quantization_config`) quantize the CPU model as it loads (kettle/quantization/loading.py)."""
     from transformers import AutoConfig
 
+    from kettle.models.rope_override import apply_rope_override
     from kettle.models.transformers_fallback import load_transformers_model
     from kettle.quantization.loading import finish, resolve_scheme
 
     check_loadable(path, trust_remote_code)  # clear errors for custom code / unknown types, before transformers'
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    apply_rope_override(config)  # --rope-scaling / --rope-factor, handed over by the launcher
     scheme = resolve_scheme(quantize, config, torch.device(device).type)  # clear errors for unsupported values
     quantize = quantize or (scheme and scheme.method)
     loader = ARCHITECTURES.get(config.model_type)

@@ -16,9 +16,10 @@ from fastapi.params import Depends
 from fastapi.responses import JSONResponse
 
 from kettle.router import schemas
+from kettle.router.errors import ValidationError
 from kettle.router.generation import Collected, GenerationService, Times, record_failure, record_success
 from kettle.router.json_body import CheckedRoute
-from kettle.router.streaming import SSEResponse, sse_body
+from kettle.router.streaming import SSEResponse, failed_stream, sse_body
 from kettle.router.types import IncompleteGeneration, Token, TokenEvent, ValidGenerateRequest
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -49,11 +50,17 @@ async def respond(
 
 
 async def stream(service: GenerationService, body: schemas.GenerateRequest, full_text_default: bool) -> SSEResponse:
-    """A streamed generation; the permit is given back when the stream ends, however it ends."""
-    valid = await service.admit(body, stream=True)
+    """A streamed generation; the permit is given back when the stream ends, however it ends.
+
+    TGI validates inside the stream: a request that fails validation gets 200 and one error event, not a 422.
+    """
+    headers = {"x-compute-type": service.compute_type, "x-compute-characters": str(len(body.inputs))}
+    try:
+        valid = await service.admit(body, stream=True)
+    except ValidationError as exc:
+        return SSEResponse(sse_body(failed_stream(exc)), headers)  # admit gave the permit back already
     prefix = body.inputs if _full_text(body, full_text_default) else ""
     payloads = _stream_payloads(service, valid, prefix, (body.parameters or _NO_PARAMS).details)
-    headers = {"x-compute-type": service.compute_type, "x-compute-characters": str(len(body.inputs))}
     return SSEResponse(sse_body(payloads), headers, on_close=service.permits.release)
 
 

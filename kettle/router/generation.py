@@ -20,6 +20,7 @@ from fastapi import Request
 
 from kettle import tracing
 from kettle.router import metrics, request_log
+from kettle.router.adapters import check_adapter
 from kettle.router.errors import ApiError, Overloaded
 from kettle.router.schemas import GenerateRequest
 from kettle.router.types import IncompleteGeneration, InferEvent, PrefillEvent, Token, TokenEvent, ValidGenerateRequest
@@ -107,11 +108,19 @@ class Times:
 class GenerationService:
     """Admission, validation and execution of generation requests (see the module docstring)."""
 
-    def __init__(self, infer: InferLike, validation: Validation, permits: Permits, compute_type: str) -> None:
+    def __init__(
+        self,
+        infer: InferLike,
+        validation: Validation,
+        permits: Permits,
+        compute_type: str,
+        adapters: tuple[str, ...] = (),
+    ) -> None:
         self.infer = infer
         self.validation = validation
         self.permits = permits
         self.compute_type = compute_type
+        self.adapters = adapters  # the LoRA adapters a request may name in `adapter_id`
 
     async def admit(
         self, body: GenerateRequest, *, stream: bool, add_special_tokens: bool = True
@@ -126,6 +135,7 @@ class GenerationService:
             raise
         try:
             with tracing.span("validation"):  # a no-op unless tracing is on
+                check_adapter(body.parameters, self.adapters)
                 valid = await self.validation.validate(body, stream=stream, add_special_tokens=add_special_tokens)
         except BaseException as exc:
             self.permits.release()

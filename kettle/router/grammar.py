@@ -7,11 +7,15 @@ text), in a worker thread so a large schema never stalls the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from kettle.grammar import GRAMMAR_TYPE_JSON, GRAMMAR_TYPE_REGEX, grammar_text
 from kettle.router.errors import ValidationError
 from kettle.router.schemas import Grammar
+
+# OpenAI's `json_object` (any JSON object), spelled with the `properties` field every JSON grammar needs.
+ANY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
 
 __all__ = ["GRAMMAR_TYPE_JSON", "GRAMMAR_TYPE_REGEX", "check_grammar", "response_format_grammar"]
 
@@ -24,6 +28,16 @@ async def check_grammar(text: str, grammar_type: int) -> None:
         await asyncio.to_thread(grammar_text, grammar_type, text)
     except ValueError as exc:
         raise ValidationError(f"grammar is not valid: {exc}") from None
+    if grammar_type == GRAMMAR_TYPE_JSON:
+        _check_properties(text)
+
+
+def _check_properties(text: str) -> None:
+    """TGI refuses a JSON Schema without a top-level `properties` field, valid as it may be; so does Kettle, so
+    a grammar that works here works on TGI too."""
+    schema = json.loads(text)
+    if not isinstance(schema, dict) or "properties" not in schema:
+        raise ValidationError("grammar is not valid: Grammar must have a 'properties' field")
 
 
 def response_format_grammar(response_format: dict[str, Any] | None) -> Grammar | None:
@@ -46,5 +60,5 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> Grammar |
     if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
         return Grammar(type=kind, value=response_format["json_schema"])
     if kind == "json_object":
-        return Grammar(type="json", value={"type": "object"})
+        return Grammar(type="json", value=ANY_OBJECT)
     raise ValidationError(f"`response_format` of type `{kind}` needs a `value`")

@@ -47,7 +47,7 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
         max_total_tokens=limits.max_total_tokens,
         validation_workers=config.validation_workers,
         max_client_batch_size=config.max_client_batch_size,
-        router="kettle",
+        router="text-generation-router",  # TGI's value: clients that check it expect this
         version=kettle.__version__,
         # Build facts, as TGI reads them: set by the image build, absent in a source checkout.
         sha=os.environ.get("GIT_SHA"),

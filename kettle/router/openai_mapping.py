@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from kettle.router.chat_template import ChatTemplate
-from kettle.router.errors import TemplateError, ValidationError
+from kettle.router.errors import ApiError, TemplateError, ValidationError
 from kettle.router.generation import Collected
 from kettle.router.grammar import response_format_grammar
 from kettle.router.openai_schemas import (
@@ -31,6 +31,26 @@ from kettle.router.tools import ToolError, ToolPlan, tools_prompt
 from kettle.router.types import FinishReason, Token
 
 OpenAIFinish = Literal["stop", "length"]
+
+
+class SuffixNotSupported(ApiError):
+    """TGI's answer to a completions `suffix`: 422 with its own error type and message."""
+
+    status = 422
+    error_type = "suffix not supported"
+
+    def __init__(self) -> None:
+        super().__init__("Suffix is not supported and can be achieved by preprocessing the prompt.")
+
+
+class BatchSizeExceeded(ApiError):
+    """TGI's answer to more completions prompts than `--max-client-batch-size`."""
+
+    status = 422
+    error_type = "batch size exceeded"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"Number of prompts exceeds the maximum allowed batch size of {limit}")
 
 
 def chat_prompt(template: ChatTemplate | None, body: ChatRequest, tools: ToolPlan | None = None) -> tuple[str, bool]:
@@ -105,14 +125,14 @@ def check_completion_supported(body: CompletionRequest, max_prompts: int) -> lis
     """The prompts of a completions body; 422 for `suffix`, no prompt, or more than `max_prompts`."""
     _check_common(body)
     if body.suffix is not None:
-        raise ValidationError("`suffix` is not supported")
+        raise SuffixNotSupported()
     if body.logprobs is not None and body.logprobs < 0:
         raise ValidationError(f"`logprobs` must be >= 0. Given: {body.logprobs}")
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompts:
         raise ValidationError("`prompt` cannot be an empty list")
     if len(prompts) > max_prompts:
-        raise ValidationError(f"`prompt` may hold at most {max_prompts} prompts. Given: {len(prompts)}")
+        raise BatchSizeExceeded(max_prompts)
     return prompts
 
 

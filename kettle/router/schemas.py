@@ -213,7 +213,7 @@ class Info(BaseModel):
     max_total_tokens: int = Field(examples=[2048])
     validation_workers: int = Field(examples=[2])
     max_client_batch_size: int = Field(examples=[4])
-    router: str = Field("kettle", examples=["kettle"])
+    router: str = Field("text-generation-router", examples=["text-generation-router"])
     version: str = Field(examples=["0.1.0"])
     sha: str | None = None
     docker_label: str | None = None

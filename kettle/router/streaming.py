@@ -56,6 +56,12 @@ async def sse_body(
         yield DONE_EVENT
 
 
+async def failed_stream(exc: BaseException) -> AsyncIterator[Any]:
+    """A stream whose only content is `exc`: `sse_body` turns it into the one error event."""
+    raise exc
+    yield  # unreachable; makes this an async generator
+
+
 class SSEResponse(StreamingResponse):
     """A `text/event-stream` response that calls `on_close` once when it ends, whatever the reason.
 

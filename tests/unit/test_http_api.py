@@ -316,7 +316,7 @@ def test_info(make_client):
         "max_total_tokens": 64,
         "validation_workers": 2,
         "max_client_batch_size": 4,
-        "router": "kettle",
+        "router": "text-generation-router",  # TGI's value, which clients check
         "version": kettle.__version__,
     }
     assert info.items() >= expected.items()

@@ -201,9 +201,7 @@ VALIDATION = "validation"
         ("/v1/chat/completions", {"messages": USER, "presence_penalty": 2.5}, "`presence_penalty` must be >= -2.0"),
         ("/v1/completions", {"prompt": "a", "logprobs": -1}, "`logprobs` must be >= 0. Given: -1"),
         ("/v1/chat/completions", {"messages": USER, "temperature": -1}, TEMPERATURE_ERROR),
-        ("/v1/completions", {"prompt": "a", "suffix": "b"}, "`suffix` is not supported"),
         ("/v1/completions", {"prompt": []}, "`prompt` cannot be an empty list"),
-        ("/v1/completions", {"prompt": ["a"] * 5}, "`prompt` may hold at most 4 prompts. Given: 5"),
         ("/v1/completions", {"prompt": "a", "top_p": 1.5}, "`top_p` must be > 0.0 and < 1.0"),
     ],
 )
@@ -213,6 +211,32 @@ def test_unsupported_and_invalid_fields_are_422(make_client, route, body, messag
     assert response.status_code == 422
     assert response.json()["error_type"] == "validation" and message in response.json()["error"]
     assert response.json()["error"].startswith("Input validation error: ")
+    assert client.app.state.generation.permits.available == 128
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (
+            {"prompt": "a", "suffix": "b"},
+            {
+                "error": "Suffix is not supported and can be achieved by preprocessing the prompt.",
+                "error_type": "suffix not supported",
+            },
+        ),
+        (
+            {"prompt": ["a"] * 5},
+            {
+                "error": "Number of prompts exceeds the maximum allowed batch size of 4",
+                "error_type": "batch size exceeded",
+            },
+        ),
+    ],
+)
+def test_completions_refusals_have_tgi_error_types(make_client, body, error):
+    client = make_client()
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 422 and response.json() == error
     assert client.app.state.generation.permits.available == 128
 
 
@@ -297,7 +321,7 @@ def test_response_format_and_presence_penalty_reach_the_request(make_client):
         assert client.post("/v1/chat/completions", json=body).status_code == 200
     grammars = [(r.parameters.grammar_type, r.parameters.grammar) for r in infer.requests]
     assert grammars == [
-        (1, '{"type": "object"}'),
+        (1, '{"type": "object", "properties": {}}'),
         (1, json.dumps(schema)),
         (1, json.dumps(schema)),
         (2, "[ab]+"),

@@ -196,11 +196,12 @@ def test_truncate_longer_than_the_prompt_keeps_it(validate):
 
 
 def test_grammar(validate):
-    schema = {"type": "object"}
+    schema = {"type": "object", "properties": {}}
+    text = '{"type": "object", "properties": {}}'
     json_grammar = validate(PROMPT, {"grammar": {"type": "json", "value": schema}}).parameters
-    assert (json_grammar.grammar_type, json_grammar.grammar) == (generate_pb2.GRAMMAR_TYPE_JSON, '{"type": "object"}')
+    assert (json_grammar.grammar_type, json_grammar.grammar) == (generate_pb2.GRAMMAR_TYPE_JSON, text)
     wrapped = validate(PROMPT, {"grammar": {"type": "json_schema", "value": {"name": "x", "schema": schema}}})
-    assert wrapped.parameters.grammar == '{"type": "object"}'
+    assert wrapped.parameters.grammar == text
     regex = validate(PROMPT, {"grammar": {"type": "regex", "value": "[0-9]+"}}).parameters
     assert (regex.grammar_type, regex.grammar) == (generate_pb2.GRAMMAR_TYPE_REGEX, "[0-9]+")
     message = error_of(validate, PROMPT, {"grammar": {"type": "regex", "value": "a"}}, grammar_support=False)

