@@ -60,6 +60,9 @@ def serve(
     ] = None,
     watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
     watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
+    lora_adapters: Annotated[
+        str | None, typer.Option(help="LoRA adapters to attach: `name=path` or Hub ids, comma-separated.")
+    ] = None,
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",
@@ -120,6 +123,9 @@ def router(
     disable_prefix_caching: o.DisablePrefixCaching = False,
     disable_chunked_prefill: o.DisableChunkedPrefill = False,
     graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
+    adapters: Annotated[
+        list[str] | None, typer.Option(help="A LoRA adapter the shards loaded (repeat for each).")
+    ] = None,
 ) -> None:
     """Run the HTTP router in front of running shards. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like RouterConfig's fields
@@ -128,6 +134,7 @@ def router(
 
     settings["model_id"] = model_id or tokenizer_name
     settings["cors_allow_origin"] = tuple(cors_allow_origin or ())
+    settings["adapters"] = tuple(adapters or ())
     setup_logging(json_output)
     from kettle.router.listen_address import listen_address
 

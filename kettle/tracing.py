@@ -79,6 +79,12 @@ def span(name: str, **attributes: Any) -> AbstractContextManager[Any]:
     return tracer().start_as_current_span(name, attributes=attributes)
 
 
+def annotate(**attributes: Any) -> None:
+    """Adds attributes to the current span (the HTTP request's, in a route); nothing when tracing is off."""
+    if _state["enabled"]:
+        trace.get_current_span().set_attributes(attributes)
+
+
 @contextlib.contextmanager
 def server_span(name: str, carrier: Mapping[str, str], **attributes: Any) -> Iterator[trace.Span]:
     """A SERVER span continuing the trace of a W3C `traceparent` in `carrier`, current for the block."""

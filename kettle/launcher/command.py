@@ -60,7 +60,13 @@ HubCache = Annotated[
     str | None, option("--huggingface-hub-cache", "Hugging Face cache folder (default: huggingface_hub's).", MODEL)
 ]
 LoraAdapters = Annotated[
-    str | None, option("--lora-adapters", "Comma-separated LoRA adapters to load.", MODEL, inactive=True)
+    str | None,
+    option(
+        "--lora-adapters",
+        "LoRA adapters to serve beside the base model, comma-separated: `name=path` or a Hub id (requests pick "
+        "one with `adapter_id`, or `model` on the OpenAI routes).",
+        MODEL,
+    ),
 ]
 WeightsCacheOverride = Annotated[
     str | None,

@@ -7,11 +7,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from kettle.hub.adapters import AdapterSource
 from kettle.router.config import RouterConfig
 from kettle.shard.config import DTYPES, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
-INACTIVE_FLAGS: dict[str, object] = {"lora_adapters": None, "speculate": None, "kv_cache_dtype": None}
+INACTIVE_FLAGS: dict[str, object] = {"speculate": None, "kv_cache_dtype": None}
 # Flags of TGI that will never mean anything here (the help says why), with their inert values.
 NO_EFFECT_FLAGS: dict[str, object] = {"ngrok": False, "ngrok_authtoken": None, "ngrok_edge": None}
 # TGI's values for the flags that take one of a few words.
@@ -115,6 +116,7 @@ class LauncherConfig:
     def __post_init__(self) -> None:
         self._check_sharding()
         self._check_quantize()
+        AdapterSource.parse_list(self.lora_adapters)  # a malformed list fails here, before any process starts
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("port", "master_port"):
@@ -225,6 +227,7 @@ class LauncherConfig:
             cuda_graphs=self.cuda_graphs,
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
+            lora_adapters=self.lora_adapters,
         )
 
     def router_config(self, tokenizer_name: str, model_id: str, model_sha: str | None = None) -> RouterConfig:
@@ -239,5 +242,6 @@ class LauncherConfig:
             tokenizer_name=tokenizer_name,
             model_id=model_id,
             model_sha=model_sha,
+            adapters=tuple(source.name for source in AdapterSource.parse_list(self.lora_adapters)),
             **shared,
         )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kettle.layers.attention import AttentionMetadata
+from kettle.layers.lora import LoraRows
 from kettle.layers.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -71,6 +72,7 @@ class CausalLM(nn.Module):
     spec: ModelSpec
     rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
     embed_scale: torch.Tensor | None = None  # Gemma multiplies embeddings by sqrt(hidden)
+    lora_rows: LoraRows | None = None  # set when LoRA adapters are attached (kettle/models/lora_adapters.py)
 
     def load_embeddings(self, weights: Weights, embed: str, head: str, tied: bool, head_bias: str | None = None):
         """Loads the input embedding and the LM head and returns the vocabulary size; tied, the embedding reads
@@ -179,7 +181,9 @@ class DecoderLM(CausalLM):
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         h, residual, (cos, sin) = self.embed(input_ids, positions), None, self.rope(positions, meta)
         step = self.cpu_decoder_step
-        if step is not None and step.fits(kv_cache, meta):
+        # The fused step runs the base projections only: a step with LoRA rows goes layer by layer.
+        lora = self.lora_rows
+        if step is not None and not (lora is not None and lora.active) and step.fits(kv_cache, meta):
             return step(h, cos, sin, kv_cache, meta)  # every layer in one C call
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)

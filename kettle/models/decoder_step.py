@@ -46,7 +46,8 @@ def _ptr_of(tensor: torch.Tensor | None) -> int | None:
 
 def _linear(module: nn.Module) -> Linear | None:
     """The C description of a projection (unwrapping a row-parallel one), None if the step cannot run it."""
-    module = getattr(module, "linear", module)
+    while hasattr(module, "linear"):  # row-parallel and LoRA wrappers hold the projection itself
+        module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
     if isinstance(module, Q4Linear):
         weights = (module.packed.data_ptr(), module.scales.data_ptr(), module.mins.data_ptr())

@@ -1,8 +1,8 @@
 """`adapter_id` on generate requests: it must name a loaded LoRA adapter.
 
 An unknown adapter answered by the base model would look like the adapter's answer, so it is refused with a 422
-that lists what is loaded instead. No adapters are loaded yet (`--lora-adapters` is accepted but not active), so
-for now every adapter id is refused; the base model is asked for by leaving `adapter_id` out.
+that lists what is loaded instead (the shards load `--lora-adapters` at start, and the launcher hands their names
+to the router). The base model is asked for by leaving `adapter_id` out.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def create_app(
     )
     install_error_handlers(app)
     permits = Permits(config.max_concurrent_requests)
-    service = GenerationService(infer, validation, permits, info_routes.compute_type(info))
+    service = GenerationService(infer, validation, permits, info_routes.compute_type(info), config.adapters)
     app.state.generation = service
     app.include_router(info_routes.build_router(infer, info_routes.server_info(config, info, limits)))
     app.include_router(generate.build_router(service, generation_dependencies(config)))

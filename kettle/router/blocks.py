@@ -37,7 +37,11 @@ class Allocator(Protocol):
         """Tokens the whole cache holds: no request longer than this can ever run."""
         ...
 
-    def allocate(self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True) -> Allocation | None: ...
+    def allocate(
+        self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True, namespace: str = ""
+    ) -> Allocation | None:
+        """`namespace`: K/V computed under it (a LoRA adapter) is shared only with prompts of the same one."""
+        ...
 
     def commit(self, allocation: Allocation) -> None:
         """The prefill of `allocation` has written its prompt's K/V: its full prompt blocks may be shared."""
@@ -84,11 +88,13 @@ class BlockAllocator:
     def capacity(self) -> int:
         return self.num_blocks * self.block_size
 
-    def allocate(self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True) -> Allocation | None:
+    def allocate(
+        self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True, namespace: str = ""
+    ) -> Allocation | None:
         """Blocks for `n_tokens` tokens, or None when too few are free (the caller waits and retries).
 
-        `prompt_ids` and `reuse` are unused here; a prefix-caching allocator matches the prompt against cached
-        blocks.
+        `prompt_ids`, `reuse` and `namespace` are unused here; a prefix-caching allocator matches the prompt
+        against cached blocks.
         """
         if n_tokens < 1:
             raise ValueError(f"cannot allocate {n_tokens} tokens")

@@ -42,6 +42,7 @@ class RouterConfig:
     graceful_termination_timeout: float = 90.0
     model_sha: str | None = None
     model_pipeline_tag: str = "text-generation"
+    adapters: tuple[str, ...] = ()  # the LoRA adapters the shards loaded, by the names requests use
 
     def __post_init__(self) -> None:
         positive = ("max_concurrent_requests", "max_best_of", "validation_workers", "max_client_batch_size")

@@ -141,6 +141,9 @@ class GenerationService:
             self.permits.release()
             record_failure(exc)
             raise
+        if valid.adapter_id:
+            metrics.LORA_REQUESTS.labels(adapter=valid.adapter_id).inc()
+            tracing.annotate(adapter_id=valid.adapter_id)
         return replace(valid, received_at=received, validation_time=time.monotonic() - received)
 
     async def run(self, valid: ValidGenerateRequest, best_of: int = 1) -> list[Collected]:
@@ -196,7 +199,8 @@ def record_success(valid: ValidGenerateRequest, result: Collected) -> None:
     metrics.REQUEST_GENERATED_TOKENS.observe(generated)
     durations = {"total": times.total, "validation": valid.validation_time, "queue": times.queue}
     durations |= {"inference": times.inference, "per_token": times.per_token}
-    request_log.success(valid.input_length, generated, str(result.last.end.finish_reason), durations)
+    reason = str(result.last.end.finish_reason)
+    request_log.success(valid.input_length, generated, reason, durations, valid.adapter_id)
 
 
 def record_failure(exc: BaseException) -> None:

@@ -50,6 +50,9 @@ BATCH_NEXT_SIZE = Histogram("tgi_batch_next_size", "Size of each new batch", buc
 # Kettle's own: prompt tokens taken from the prefix cache instead of being computed (not a TGI metric).
 PREFIX_CACHE_HIT_TOKENS = Counter("kettle_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache")
 
+# Kettle's own: requests admitted per LoRA adapter (the base model's requests are not counted here).
+LORA_REQUESTS = Counter("kettle_lora_requests", "Requests admitted with each LoRA adapter", ["adapter"])
+
 QUEUE_SIZE = Gauge("tgi_queue_size", "Requests waiting in the queue")
 BATCH_CURRENT_SIZE = Gauge("tgi_batch_current_size", "Requests in the running batch")
 BATCH_CURRENT_MAX_TOKENS = Gauge("tgi_batch_current_max_tokens", "KV tokens reserved by the running batch")

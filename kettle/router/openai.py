@@ -47,6 +47,12 @@ class OpenAIRoutes:
     model_id: str
     max_client_batch_size: int
 
+    def _on_adapter(self, generate_body: GenerateRequest, model: str | None) -> GenerateRequest:
+        """`model` naming a loaded LoRA adapter runs the request with it; any other name is the base model."""
+        if model in self.service.adapters:
+            generate_body.parameters.adapter_id = model
+        return generate_body
+
     def meta(self, prefix: str) -> Meta:
         fingerprint = f"{kettle.__version__}-kettle"
         return Meta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_id, fingerprint)
@@ -57,7 +63,7 @@ class OpenAIRoutes:
         await asyncio.to_thread(check_tool_schemas, body.tools)  # compiling a large schema must not stall the loop
         tools = plan_tools(body.tools, body.tool_choice)
         prompt, add_special_tokens = mapping.chat_prompt(self.template, body, tools)
-        generate_body = mapping.chat_request(body, prompt, tools)
+        generate_body = self._on_adapter(mapping.chat_request(body, prompt, tools), body.model)
         valid = await self.service.admit(generate_body, stream=body.stream, add_special_tokens=add_special_tokens)
         meta, logprobs = self.meta("chatcmpl"), bool(body.logprobs)
         if body.stream:
@@ -74,7 +80,8 @@ class OpenAIRoutes:
     async def completions(self, body: oai.CompletionRequest, request: Request) -> Response:
         """Legacy completions: one choice per prompt, the prompts generated concurrently."""
         prompts = mapping.check_completion_supported(body, self.max_client_batch_size)
-        valids = await self._admit_all([mapping.completion_request(body, p) for p in prompts], body.stream)
+        bodies = [self._on_adapter(mapping.completion_request(body, p), body.model) for p in prompts]
+        valids = await self._admit_all(bodies, body.stream)
         meta = self.meta("cmpl")
         if body.stream:
             events = completion_events(self.service, valids, meta, _include_usage(body), body.logprobs is not None)
@@ -195,7 +202,8 @@ def build_router(routes: OpenAIRoutes, dependencies: Sequence[Depends] = ()) -> 
     @router.get("/v1/models", response_model=oai.ModelList)
     async def models() -> oai.ModelList:
         """The one model this server runs."""
-        return oai.ModelList(data=[oai.Model(id=routes.model_id, owned_by=routes.model_id)])
+        names = [routes.model_id, *routes.service.adapters]  # the base model, then each LoRA adapter
+        return oai.ModelList(data=[oai.Model(id=name, owned_by=routes.model_id) for name in names])
 
     @router.post("/chat_tokenize", dependencies=checked, response_model=oai.ChatTokenizeResponse, responses=_ERRORS)
     async def chat_tokenize(body: oai.ChatRequest) -> oai.ChatTokenizeResponse:

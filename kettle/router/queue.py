@@ -128,6 +128,7 @@ class Entry:
             slots=self.allocation.slots,
             cache_len=self.prefilled_len,
             chunk_len=self.chunk_len,
+            adapter_id=request.adapter_id or "",
         )
 
 
@@ -264,7 +265,9 @@ class Queue:
             # Prompt logprobs need every prompt token computed, so such a request may not reuse a prefix.
             reuse = not entry.request.decoder_input_details
             try:
-                allocation = self._allocator.allocate(entry.total_tokens, entry.request.input_ids, reuse)
+                allocation = self._allocator.allocate(
+                    entry.total_tokens, entry.request.input_ids, reuse, entry.request.adapter_id or ""
+                )
             except Exception as error:  # left at the head it would fail every later step: it leaves the line
                 self._entries.popleft()
                 self._reject(entry, error)

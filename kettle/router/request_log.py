@@ -20,10 +20,14 @@ _IDS = itertools.count(1)
 _MAX_ID_LENGTH = 128  # a client-chosen id goes into every log line: keep it bounded
 
 
-def success(input_tokens: int, generated_tokens: int, finish_reason: str, times: dict[str, float]) -> None:
-    """Logs a finished generation; `times` are seconds (total, validation, queue, inference, per token)."""
+def success(
+    input_tokens: int, generated_tokens: int, finish_reason: str, times: dict[str, float], adapter: str | None = None
+) -> None:
+    """Logs a finished generation; `times` are seconds (total, validation, queue, inference, per token);
+    `adapter`: the LoRA adapter it ran with."""
     fields = {
         "id": REQUEST_ID.get(),
+        **({"adapter": adapter} if adapter else {}),
         "input_tokens": input_tokens,
         "generated_tokens": generated_tokens,
         "finish_reason": finish_reason,

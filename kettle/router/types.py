@@ -57,6 +57,7 @@ class ValidGenerateRequest:
     top_n_tokens: int
     parameters: SamplingParameters
     stopping: StoppingParameters
+    adapter_id: str | None = None  # the LoRA adapter it runs with; None: the base model
     # Filled by the route handler for headers, logs and metrics.
     validation_time: float = 0.0
     received_at: float = field(default_factory=time.monotonic)

@@ -90,6 +90,7 @@ class Validation:
             top_n_tokens=p.top_n_tokens or 0,
             parameters=_sampling_parameters(p, sampling, grammar, grammar_type),
             stopping=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=tuple(p.stop)),
+            adapter_id=p.adapter_id or None,
         )
 
     def _check_best_of(self, best_of: int | None, sampling: bool) -> int:

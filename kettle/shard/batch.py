@@ -39,6 +39,7 @@ class RequestState:
     prompt_logprobs: list[float] = field(default_factory=list)
     # The request's grammar matcher (llguidance.LLMatcher), advanced with each sampled token; None: no grammar.
     grammar: Any = None
+    adapter: int = -1  # index of its LoRA adapter in the shard's --lora-adapters; -1: the base model
 
     @property
     def in_prefill(self) -> bool:

@@ -41,6 +41,7 @@ class ShardConfig:
     cuda_graphs: str | None = None
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
+    lora_adapters: str | None = None  # `name=path` or Hub ids, comma-separated (kettle/models/lora_adapters.py)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

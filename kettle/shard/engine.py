@@ -46,6 +46,7 @@ class ShardEngine:
         self.rank = rank
         self.world_size = world_size
         self.batches: dict[int, Batch] = {}
+        self.adapters: tuple[str, ...] = ()  # the LoRA adapters attached to the model, by index
 
     # --- protocol calls -------------------------------------------------------------------------------
 
@@ -217,7 +218,15 @@ class ShardEngine:
             top_n_tokens=request.top_n_tokens,
             prefill_logprobs=request.prefill_logprobs,
             grammar=self.runner.grammars.matcher(request.parameters),
+            adapter=self._adapter_index(request.adapter_id),
         )
+
+    def _adapter_index(self, adapter_id: str) -> int:
+        if not adapter_id:
+            return -1
+        if adapter_id not in self.adapters:  # the router checks first: reaching here is a protocol error
+            raise ValueError(f"adapter `{adapter_id}` is not loaded on this shard")
+        return self.adapters.index(adapter_id)
 
     def _warmup_forward(self, batch: pb.Batch, block_size: int, max_tokens: int) -> None:
         """Runs the warmup batch's prompts (capped at `max_tokens`) with blocks assigned here."""

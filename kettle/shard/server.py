@@ -57,6 +57,7 @@ def choose_device() -> torch.device:
 
 def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     """Loads the model and tokenizer and wires the engine; returns it with the Info the router will ask for."""
+    from kettle.models.lora_adapters import load_adapters
     from kettle.models.registry import load_model
 
     device = choose_device()
@@ -71,6 +72,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
     )
+    engine.adapters = load_adapters(config.lora_adapters, model, config.world_size)
     spec = model.spec
     info = pb.InfoResponse(
         requires_padding=execution_path != "native",

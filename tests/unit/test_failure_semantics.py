@@ -87,10 +87,10 @@ def test_an_allocator_failure_fails_that_request_and_the_line_moves_on():
         scheduler, queue, allocator = make_scheduler(chunked=True)
         allocate = allocator.allocate
 
-        def failing(n_tokens, prompt_ids=(), reuse=True):
+        def failing(n_tokens, prompt_ids=(), reuse=True, namespace=""):
             if len(prompt_ids) == 7:
                 raise RuntimeError("allocator bug")
-            return allocate(n_tokens, prompt_ids, reuse)
+            return allocate(n_tokens, prompt_ids, reuse, namespace)
 
         allocator.allocate = failing
         bad, good = make_entry(1, input_len=7), make_entry(2, input_len=5)

@@ -106,9 +106,9 @@ def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handl
 
     monkeypatch.setattr(launcher_main, "resolve_model", missing)
     monkeypatch.setattr(launcher_main, "setup_logging", lambda _json: None)
-    code = launcher_main.launch(LauncherConfig(lora_adapters="org/adapter"))
+    code = launcher_main.launch(LauncherConfig(kv_cache_dtype="fp8_e5m2"))
     assert code == 1
-    assert "--lora-adapters is not active yet" in caplog.text
+    assert "--kv-cache-dtype is not active yet" in caplog.text
     assert "Model 'x' is missing" in caplog.text
 
 
