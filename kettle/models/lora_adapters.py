@@ -156,23 +156,17 @@ def _weights(adapter: Adapter, layer: int, module: nn.Module, path: str, spec: M
     wrapped = _wrapped(module, path, spec, None)
     modules = [m for m, (p, _) in TARGETS.items() if p == path]
     in_features = _expected_in(path, module, spec)
-    a_parts, b_parts, ranks = [], [], []
-    for module, (_, width) in zip(modules, wrapped.slices, strict=True):
-        a, b = adapter.a.get((layer, module)), adapter.b.get((layer, module))
-        if a is None:
-            b_parts.append(None)
-            ranks.append(0)
-            continue
-        where = f"adapter `{adapter.name}`, layers.{layer}.{module}"
-        if a.shape != (adapter.rank, in_features) or b.shape != (width, adapter.rank):
+    a_parts, b_parts = [], []
+    for name, (_, width) in zip(modules, wrapped.slices, strict=True):
+        a, b = adapter.a.get((layer, name)), adapter.b.get((layer, name))
+        if a is not None and (a.shape != (adapter.rank, in_features) or b.shape != (width, adapter.rank)):
             raise AdapterError(
-                f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base model "
-                f"(expected ({adapter.rank}, {in_features}) / ({width}, {adapter.rank}))"
+                f"adapter `{adapter.name}`, layers.{layer}.{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+                f"do not fit the base model (expected ({adapter.rank}, {in_features}) / ({width}, {adapter.rank}))"
             )
-        a_parts.append(a.to(spec.dtype))
-        b_parts.append(b.to(spec.dtype))
-        ranks.append(adapter.rank)
-    return LoraWeights(torch.cat(a_parts), tuple(b_parts), tuple(ranks), adapter.scale)
+        a_parts.append(None if a is None else a.to(spec.dtype))
+        b_parts.append(None if b is None else b.to(spec.dtype))
+    return LoraWeights(tuple(a_parts), tuple(b_parts), adapter.scale)
 
 
 def _expected_in(path: str, layer: nn.Module, spec: ModelSpec) -> int:
