@@ -103,7 +103,7 @@ def test_install_script_pins_torch_first_and_installs_runtime_only(tmp_path):
 def test_install_script_test_extras_and_the_image_variant(tmp_path):
     calls = run_install(tmp_path, "test", EDITABLE="0", TORCH_INDEX_URL="https://example.invalid/cpu")
     assert calls[0] == ["-m", "pip", "install", "--index-url", "https://example.invalid/cpu", "torch==2.13.0"]
-    assert calls[1] == ["-m", "pip", "install", ".[test]"]
+    assert calls[1] == ["-m", "pip", "install", ".[test,scale]"]
     assert ["-m", "pip", "install", "--no-deps", "text-generation"] in calls
 
 
