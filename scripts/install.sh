@@ -30,6 +30,11 @@ else
     set -- "$target"
 fi
 
+# A relative interpreter path (make passes .venv/bin/python) must survive the changes of directory below.
+case $PYTHON in
+    /*) ;;
+    */*) PYTHON="$(pwd)/$PYTHON" ;;
+esac
 cd "$(dirname "$0")/.."
 pip_install() {
     "$PYTHON" -m pip install "$@"

@@ -77,12 +77,14 @@ def test_serve_installs_the_runtime_and_test_adds_the_test_tools(tmp_path):
 
 
 def run_install(tmp_path: Path, extras: str, **env: str) -> list[list[str]]:
-    """Runs scripts/install.sh with a fake interpreter; returns the argument lists it was called with."""
+    """Runs scripts/install.sh with a fake interpreter, named by a relative path as make does; returns the
+    argument lists it was called with."""
     log = tmp_path / "calls"
-    python = fake_bin(tmp_path / "bin", {"python": f'printf "%s\\t" "$@" >> {log}; echo >> {log}'}) / "python"
+    fake_bin(tmp_path / "bin", {"python": f'printf "%s\\t" "$@" >> {log}; echo >> {log}'})
     result = subprocess.run(
         [str(ROOT / "scripts/install.sh"), extras],
-        env={"PATH": os.environ["PATH"], "PYTHON": str(python), **env},
+        env={"PATH": os.environ["PATH"], "PYTHON": "bin/python", **env},
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=60,
