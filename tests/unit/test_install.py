@@ -49,6 +49,7 @@ def test_makefile_finds_a_python_that_is_not_named_python311(tmp_path):
     assert result.returncode == 0, result.stderr
     taken = path / "python3"
     assert f"Using {taken} (Python {sys.version_info.major}.{sys.version_info.minor}" in result.stderr
+    assert result.stderr.count("Using ") == 1  # searched once, however often the recipe names $(PYTHON)
     assert f"{taken} -m venv {tmp_path / 'venv'}" in result.stdout
 
 
