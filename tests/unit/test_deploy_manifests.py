@@ -4,8 +4,12 @@ that Kettle really has (the image's PORT, the /health route, `kettle launch`'s f
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.main import get_command
 
@@ -104,3 +108,16 @@ def test_hpa_scales_the_deployment_on_a_metric_kettle_exports():
 def test_the_router_image_pins_the_scale_extra():
     pin = re.search(r"vllm-router==[\d.]+", (DEPLOY / "router" / "Dockerfile").read_text()).group(0)
     assert f'"{pin}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_router_flags_exist_in_the_installed_router():
+    router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+    if router is None:
+        pytest.skip("vllm-router is not installed (pip install kettle[scale])")
+    help_text = subprocess.run([router, "--help"], capture_output=True, text=True, timeout=60).stdout
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["router"]["command"]
+    kube = kubernetes()[("Deployment", "kettle-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    entrypoint = re.search(r"ENTRYPOINT (\[.*\])", (DEPLOY / "router" / "Dockerfile").read_text()).group(1)
+    for arg in [*compose, *kube, *yaml.safe_load(entrypoint)[1:]]:
+        if arg.startswith("--"):
+            assert arg in help_text, arg
