@@ -15,6 +15,7 @@ FALSE_WORDS = {"false", "0", "no", "off"}
 
 
 def _print_version(value: bool) -> None:
+    """`-V/--version`: eager, so it answers before any other flag is checked, as TGI's does."""
     if value:
         import kettle
 
