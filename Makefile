@@ -4,8 +4,9 @@
 # same script the container image runs, and again only when pyproject.toml or the script changes.
 
 PYTHON_MIN := 3.11
-# Lazily expanded: the search runs (and says what it found) only when .venv has to be created.
-PYTHON ?= $(shell scripts/find-python.sh $(PYTHON_MIN))
+# Lazily expanded, and then remembered: the search runs (and says what it found) once, and only when .venv has
+# to be created.
+PYTHON ?= $(eval PYTHON := $(shell scripts/find-python.sh $(PYTHON_MIN)))$(PYTHON)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -3,7 +3,8 @@
 # container image, so they cannot drift apart.
 #
 #   scripts/install.sh runtime    the server only
-#   scripts/install.sh test       the server and the test tools (pytest, ruff, the clients the tests drive)
+#   scripts/install.sh test       the server, the test tools (pytest, ruff, the clients the tests drive) and the
+#                                 `scale` extra (vllm-router), which the replica tests start
 #
 # PYTHON          interpreter whose environment gets Kettle (default: python3)
 # EDITABLE        1 (default): `pip install -e .`, for a checkout; 0: a regular install (the image)
@@ -20,7 +21,7 @@ TORCH_VERSION=2.13.0
 
 case $extras in
     runtime) target=. ;;
-    test) target='.[test]' ;;
+    test) target='.[test,scale]' ;;
     *) echo "usage: $0 runtime|test" >&2; exit 2 ;;
 esac
 if [ "$EDITABLE" = 1 ]; then
@@ -29,6 +30,11 @@ else
     set -- "$target"
 fi
 
+# A relative interpreter path (make passes .venv/bin/python) must survive the changes of directory below.
+case $PYTHON in
+    /*) ;;
+    */*) PYTHON="$(pwd)/$PYTHON" ;;
+esac
 cd "$(dirname "$0")/.."
 pip_install() {
     "$PYTHON" -m pip install "$@"

@@ -15,6 +15,7 @@ FALSE_WORDS = {"false", "0", "no", "off"}
 
 
 def _print_version(value: bool) -> None:
+    """`-V/--version`: eager, so it answers before any other flag is checked, as TGI's does."""
     if value:
         import kettle
 
@@ -273,6 +274,7 @@ def launch(
     from kettle.launcher import tgi_environment
     from kettle.launcher.config import LauncherConfig, pick_max_input_tokens
     from kettle.launcher.main import launch as run_launcher
+    from kettle.router.listen_address import listen_address
 
     if settings.pop("env"):
         from kettle.launcher.env_report import environment_report
@@ -280,6 +282,7 @@ def launch(
         typer.echo(environment_report())
     try:
         settings["disable_prefix_caching"] = disable_prefix_caching or tgi_environment.prefix_caching_disabled()
+        settings["hostname"] = listen_address(hostname)  # HOSTNAME is often a container's name
         settings["sharded"] = parse_boolean(sharded)
         settings["max_input_tokens"] = pick_max_input_tokens(max_input_tokens, settings.pop("max_input_length"))
         settings["cors_allow_origin"] = tuple(cors_allow_origin or ())

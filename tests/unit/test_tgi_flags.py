@@ -259,3 +259,9 @@ def test_weights_cache_override_serves_a_local_folder_under_the_model_id(tiny_ll
     assert (model.path / "config.json").is_file()
     with pytest.raises(ModelNotFound, match="--weights-cache-override"):
         resolve(LauncherConfig(model_id="org/model", weights_cache_override=str(tmp_path / "missing")))
+
+
+def test_launcher_applies_the_hostname_rule_too(launched):
+    assert runner.invoke(app, ["launch"], env={"HOSTNAME": "kettle-7d9f8b6c5-x2x4q"}).exit_code == 0
+    assert launched[-1].hostname == "0.0.0.0"
+    assert launched[-1] == LauncherConfig()
