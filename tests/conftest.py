@@ -1,10 +1,20 @@
-"""Shared pytest fixtures: the tiny model is built once per session."""
+"""Shared pytest fixtures: the tiny model is built once per session; settings follow the environment."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from kettle import settings
 from tests.fixtures import make_tiny_llama, make_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def settings_follow_the_environment(monkeypatch):
+    """A server reads its KETTLE_* settings once; tests change them per test (`monkeypatch.setenv`), so in the
+    test process every read parses the environment as it is then (servers started by tests read it once)."""
+    monkeypatch.setattr(settings, "current", lambda: settings.Settings.from_env(os.environ))
 
 
 @pytest.fixture(scope="session")

@@ -16,11 +16,11 @@ layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import nn
 
+from kettle import settings
 from kettle.kernels import ops
 from kettle.kernels.decoder_step import LINEAR_Q4, LINEAR_Q8, Decoder, Layer, Linear, run
 from kettle.layers.attention import AttentionMetadata
@@ -32,12 +32,10 @@ from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.tensors.kv_cache import KVCache
 
-ENV_SWITCH = "KETTLE_CPU_DECODER_STEP"
-
 
 def enabled() -> bool:
     """False when `KETTLE_CPU_DECODER_STEP=0`."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return settings.current().cpu_decoder_step
 
 
 def _ptr_of(tensor: torch.Tensor | None) -> int | None:

@@ -80,9 +80,9 @@ def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch
     path = str(make_variant(tmp_path, "llama"))
     assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # float32 weights
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
-    monkeypatch.setenv(decoder_step.ENV_SWITCH, "0")
+    monkeypatch.setenv("KETTLE_CPU_DECODER_STEP", "0")
     assert model.cpu_decoder_step is None
-    monkeypatch.delenv(decoder_step.ENV_SWITCH)
+    monkeypatch.delenv("KETTLE_CPU_DECODER_STEP")
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)  # the exact float32-activation kernels instead
     assert decoder_step.DecoderStep.build(model) is None
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
