@@ -409,6 +409,26 @@ static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst)
     for (; i < inner; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+/* dst[I] = gelu_tanh(gate) · up for one row of gate_up [2I], GELU's tanh approximation (Gemma's gate):
+ * 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), with tanh(u) = 1 − 2 / (e^{2u} + 1). */
+static inline void gelu_tanh_mul_row(const float *gate_up, int64_t inner, float *dst) {
+    const float *gate = gate_up, *up = gate_up + inner;
+    const float c = 0.7978845608028654f, cube = 0.044715f;
+    int64_t i = 0;
+    for (; i + 8 <= inner; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i), one = _mm256_set1_ps(1.0f);
+        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(cube), g), _mm256_mul_ps(g, g), g));
+        const __m256 e = exp_ps(_mm256_add_ps(u, u));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+        const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < inner; i++) {
+        const float g = gate[i], t = 1.0f - 2.0f / (expf(2.0f * c * (g + cube * g * g * g)) + 1.0f);
+        dst[i] = 0.5f * g * (1.0f + t) * up[i];
+    }
+}
+
 /* RoPE in the halves layout for `heads` heads of one token: dst[h, i] = src[h, i] · cos[i] +
  * src[h, (i + D/2) % D] · sin[i], with sin already signed; heads are `dim` floats apart in both. */
 static inline void rope_row(const float *src, const float *cos, const float *sin, int64_t heads, int64_t dim, float *dst) {

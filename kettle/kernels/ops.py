@@ -135,11 +135,19 @@ def rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up [..., 2I] holding gate then up: [..., I]."""
+    return _gated(library().kettle_silu_mul, gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") · up for gate_up [..., 2I] holding gate then up: [..., I]."""
+    return _gated(library().kettle_gelu_tanh_mul, gate_up)
+
+
+def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     inner = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inner)
-    rows = gate_up.numel() // (2 * inner)
-    library().kettle_silu_mul(gate_up.data_ptr(), rows, inner, out.data_ptr(), torch.get_num_threads())
+    kernel(gate_up.data_ptr(), gate_up.numel() // (2 * inner), inner, out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -34,7 +34,7 @@ def family_path(tmp_path, variant: str):
     """A tiny checkpoint: a Llama variant (`make_variant`), or another family through its transformers class."""
     import transformers
 
-    classes = {"phi3": "Phi3", "qwen3": "Qwen3", "gemma": "Gemma"}
+    classes = {"phi3": "Phi3", "qwen3": "Qwen3", "gemma": "Gemma", "starcoder2": "Starcoder2"}
     if variant not in classes:
         return make_variant(tmp_path, variant)
     config_cls = getattr(transformers, f"{classes[variant]}Config")
@@ -61,12 +61,12 @@ def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
 
 @pytest.mark.parametrize("float_rows", [None, 2])
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "phi3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "phi3", "qwen3", "gemma"])
 def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize, float_rows):
     """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head), Mistral (a sliding window of 8,
-    shorter than the contexts) and Phi-3 (checkpoint-fused projections), over scattered block tables;
-    projections over int16 rows (4 sequences are below the float32 tiles' thresholds) and over the float32
-    tiles (`float_rows` 2)."""
+    shorter than the contexts), Phi-3 (checkpoint-fused projections), Qwen3 (per-head q/k norms) and Gemma
+    (tanh-GELU gate, scaled embeddings), over scattered block tables; projections over int16 rows (4
+    sequences are below the float32 tiles' thresholds) and over the float32 tiles (`float_rows` 2)."""
     if float_rows is not None:
         monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", float_rows)
         monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", float_rows)
@@ -96,8 +96,7 @@ def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch
     assert not fused.fits(cache, decode)  # more rows than the packed kernels take (`dense_rows`)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma"])
-def test_families_with_blocks_the_step_lacks_run_layer_by_layer(tmp_path, variant):
-    """Qwen3's per-head q/k norms and Gemma's GELU gate are not in the C step: no fused step for them."""
-    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize="int4")
+def test_a_family_with_blocks_the_step_lacks_runs_layer_by_layer(tmp_path):
+    """StarCoder2's LayerNorms and plain MLP are not in the C step: no fused step for it."""
+    model = load_model(str(family_path(tmp_path, "starcoder2")), torch.float32, torch.device("cpu"), quantize="int4")
     assert model.cpu_decoder_step is None
