@@ -7,6 +7,8 @@ logits are not just close but equal, whatever the threads' split of the work.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -100,3 +102,13 @@ def test_a_family_with_blocks_the_step_lacks_runs_layer_by_layer(tmp_path):
     """StarCoder2's LayerNorms and plain MLP are not in the C step: no fused step for it."""
     model = load_model(str(family_path(tmp_path, "starcoder2")), torch.float32, torch.device("cpu"), quantize="int4")
     assert model.cpu_decoder_step is None
+
+
+@pytest.mark.parametrize("quantize, path", [(None, "layer by layer"), ("int4", "as one fused CPU call")])
+def test_the_shard_logs_which_decode_path_serves(tiny_llama_path, caplog, quantize, path):
+    from kettle.shard.config import ShardConfig
+    from kettle.shard.server import build_engine
+
+    with caplog.at_level(logging.INFO, logger="kettle.shard.server"):
+        build_engine(ShardConfig(model_path=str(tiny_llama_path), dtype="float32", quantize=quantize))
+    assert f"Decode steps run {path}" in caplog.text
