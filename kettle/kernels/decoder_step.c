@@ -36,6 +36,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
 static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
+    if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
     return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
 }
 

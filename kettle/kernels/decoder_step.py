@@ -12,13 +12,13 @@ import torch
 
 from kettle.kernels.build import library
 
-LINEAR_Q4, LINEAR_Q8 = 1, 2
+LINEAR_Q4, LINEAR_Q8, LINEAR_F32 = 1, 2, 3
 ACT_SILU, ACT_GELU_TANH = 0, 1  # the MLP gate's activation
 _int, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class Linear(ctypes.Structure):
-    """One projection: kind (LINEAR_Q4/Q8), the int4 group (or K for int8), shape [n, k], weight pointers."""
+    """One projection: kind (LINEAR_Q4/Q8/F32), the int4 group (else K), shape [n, k], weight pointers."""
 
     _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
     _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr)]

@@ -31,12 +31,12 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3 };
 
-/* One quantized projection y = x Wᵀ (+ bias). */
+/* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). */
 typedef struct {
-    int64_t kind, group, n, k; /* group: Q4's group size (Q8: k) */
-    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8 */
+    int64_t kind, group, n, k; /* group: Q4's group size (Q8, F32: k) */
+    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8; F32: [N, K] float */
     const void *scales;        /* Q4: [N, K/group] float16; Q8: [N] float32 */
     const uint16_t *mins;      /* Q4: [N, K/group] float16 */
     const float *bias;         /* [N] or NULL */
@@ -323,8 +323,12 @@ static inline void linear_channels_f32(const Linear *w, int64_t p, const float *
     const float *wc[TILE_CHANNELS];
     for (int c = 0; c < TILE_CHANNELS; c++) {
         const int64_t channel = j + (c < count ? c : 0); /* a short last tile repeats its first channel */
-        wc[c] = buffer + (c < count ? c : 0) * k;
-        if (c < count) dequant_channel(w, channel, buffer + c * k);
+        if (w->kind == LINEAR_F32) {
+            wc[c] = (const float *)w->weight + channel * k; /* already float32: read in place */
+        } else {
+            wc[c] = buffer + (c < count ? c : 0) * k;
+            if (c < count) dequant_channel(w, channel, buffer + c * k);
+        }
         scale[c] = w->kind == LINEAR_Q8 ? ((const float *)w->scales)[channel] : 1.0f;
         bias[c] = w->bias ? w->bias[channel] : 0.0f;
     }

@@ -8,8 +8,9 @@ and OpenMP fork/joins per layer (the measurement is in decoder_step.c).
 It applies only to blocks the C step computes as the layer-by-layer forward does: pre-norm layers with
 RMSNorms, attention with full RoPE in halves layout (per-head q/k RMSNorms allowed; no soft-cap, ALiBi or
 clipping) and a SiLU- or tanh-GELU-gated MLP (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3 without partial
-rotary); a CPU float32 model whose every projection is a `Q4Linear` or a kernel-backed `Int8Linear`,
-one shard, quantized activations on, a float32 cache and a decode batch the packed kernels take
+rotary); a CPU float32 model whose every projection is a `Q4Linear`, a kernel-backed `Int8Linear` or a
+float32 `Linear` stored dense (`KETTLE_CPU_LINEAR=dense`: the default oneDNN-packed layout has no rows to
+read), one shard, quantized activations on, a float32 cache and a decode batch the packed kernels take
 (`dense_rows`). Anything else returns None from `build` (or False from `fits`) and the model's forward runs
 layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
 """
@@ -23,7 +24,18 @@ from torch import nn
 
 from kettle import settings
 from kettle.kernels import ops
-from kettle.kernels.decoder_step import ACT_GELU_TANH, ACT_SILU, LINEAR_Q4, LINEAR_Q8, Decoder, Layer, Linear, run
+from kettle.kernels.decoder_step import (
+    ACT_GELU_TANH,
+    ACT_SILU,
+    LINEAR_F32,
+    LINEAR_Q4,
+    LINEAR_Q8,
+    Decoder,
+    Layer,
+    Linear,
+    run,
+)
+from kettle.layers import linear as dense
 from kettle.layers.activation import activation
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.norm import RMSNorm
@@ -54,7 +66,20 @@ def _linear(module: nn.Module) -> Linear | None:
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         n, k = module.out_features, module.in_features
         return Linear(LINEAR_Q8, k, n, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)
+    if isinstance(module, dense.Linear) and module.layout == "dense" and _float32_rows(module.weight):
+        n, k = module.weight.shape
+        return Linear(LINEAR_F32, k, n, k, module.weight.data_ptr(), None, None, bias)
     return None
+
+
+def _float32_rows(weight: torch.Tensor) -> bool:
+    """A float32 [out, in] CPU weight the C tiles read in place (rows of a multiple of 8 floats)."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and weight.shape[1] % 8 == 0
+    )
 
 
 # The gate activations the C step has, by the function a `GatedMLP` applies.
@@ -104,9 +129,8 @@ class DecoderStep:
         # block_size (0 here) is set from each step's metadata.
         final_norm, act = model.norm.weight.data_ptr(), GATE_ACTIVATIONS[first.mlp.act]
         self.decoder = Decoder(*shape, inner, 0, *rows, *eps_scale, self._layers, final_norm, act)
-        self.max_rows = min(
-            getattr(m, "dense_rows", 1 << 62) for m in model.modules() if isinstance(m, Q4Linear | Int8Linear)
-        )
+        quantized = (m for m in model.modules() if isinstance(m, Q4Linear | Int8Linear))
+        self.max_rows = min((getattr(m, "dense_rows", 1 << 62) for m in quantized), default=1 << 62)
         self._caches: tuple[KVCache, ctypes.Array, ctypes.Array] | None = None
 
     @classmethod

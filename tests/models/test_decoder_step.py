@@ -78,9 +78,21 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
     assert torch.equal(fused, reference)
 
 
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "qwen3", "gemma"])
+def test_float32_weights_stored_dense_decode_fused(tmp_path, monkeypatch, variant):
+    """Float32 projections in the dense layout: the C step's tiles read them in place, while the layer-by-layer
+    forward multiplies them with PyTorch's GEMM (another summation order), so the two agree to float32
+    rounding rather than bit for bit."""
+    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"))
+    assert model.cpu_decoder_step is not None
+    fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=0)
+
+
 def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch):
     path = str(make_variant(tmp_path, "llama"))
-    assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # float32 weights
+    assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # oneDNN-packed float32
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
     monkeypatch.setenv("KETTLE_CPU_DECODER_STEP", "0")
     assert model.cpu_decoder_step is None
