@@ -42,6 +42,12 @@ test: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
 
+# Unit and model tests, no server launches: the edit-test loop (under two minutes on 2 cores). `make test`
+# still runs everything, end-to-end servers included.
+.PHONY: test-fast
+test-fast: install-test
+	$(BIN)/pytest -q -m "unit or model"
+
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -14,9 +14,10 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from kettle import settings
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ NATIVE: dict[str, Family] = {
     "RefinedWebModel": _FALCON,
     "gemma2": Family("gemma2", "Gemma2ForCausalLM"),
     "mixtral": Family("mixtral", "MixtralForCausalLM"),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM"),
-    "gemma": Family("gemma", "GemmaForCausalLM"),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", tensor_parallel=True),
+    "gemma": Family("gemma", "GemmaForCausalLM", tensor_parallel=True),
     "phi": Family("phi", "PhiForCausalLM"),
     "phi3": Family("phi3", "Phi3ForCausalLM"),
     "gptj": Family("gptj", "GPTJForCausalLM"),
@@ -137,7 +138,7 @@ def cuda_weight_only() -> bool:
     """Whether int8/int4/gptq/awq may run on CUDA (`KETTLE_CUDA_WEIGHT_ONLY=1`). Off by default: these CUDA
     paths were written and checked on the CPU (packing, Triton interpreter) but have not yet run on a GPU, so
     until they are measured there the default stays the clear refusal that names fp8."""
-    return os.environ.get("KETTLE_CUDA_WEIGHT_ONLY", "0") == "1"
+    return settings.current().cuda_weight_only
 
 
 def check_scheme(quantize: str | None, device_type: str) -> None:

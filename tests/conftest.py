@@ -1,10 +1,42 @@
-"""Shared pytest fixtures: the tiny model is built once per session."""
+"""Shared pytest fixtures and markers: the tiny model is built once per session; settings follow the
+environment; each test is marked by its folder (`unit`: no model; `model`: tiny models in process; `e2e`:
+real servers), so `pytest -m "unit or model"` (`make test-fast`) runs everything but the server launches."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from kettle import settings
 from tests.fixtures import make_tiny_llama, make_tokenizer
+
+MARKERS = {
+    "unit": "tests/unit: no model and no server",
+    "model": "tests/models: tiny models in this process, against transformers",
+    "e2e": "tests/e2e: real launcher, shard and router processes",
+}
+FOLDER_MARKERS = {"unit": "unit", "models": "model", "e2e": "e2e"}
+
+
+def pytest_configure(config):
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        marker = FOLDER_MARKERS.get(Path(item.fspath).parent.name)
+        if marker is not None:
+            item.add_marker(marker)
+
+
+@pytest.fixture(autouse=True)
+def settings_follow_the_environment(monkeypatch):
+    """A server reads its KETTLE_* settings once; tests change them per test (`monkeypatch.setenv`), so in the
+    test process every read parses the environment as it is then (servers started by tests read it once)."""
+    monkeypatch.setattr(settings, "current", lambda: settings.Settings.from_env(os.environ))
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,27 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 @contextmanager
+def cpu_kernels(on: bool) -> Iterator[None]:
+    """Kettle's CPU kernels on or off inside the block (`KETTLE_CPU_KERNELS`), as they were after it. Off is the
+    path of machines without gcc or AVX2: every op falls back to PyTorch's."""
+    import os
+
+    from kettle.kernels import build
+
+    before = os.environ.get("KETTLE_CPU_KERNELS")
+    os.environ["KETTLE_CPU_KERNELS"] = "1" if on else "0"
+    build.library.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KETTLE_CPU_KERNELS")
+        else:
+            os.environ["KETTLE_CPU_KERNELS"] = before
+        build.library.cache_clear()
+
+
+@contextmanager
 def torch_threads(count: int) -> Iterator[None]:
     """torch (and Kettle's CPU kernels) with `count` threads inside the block, the previous count after it."""
     import torch

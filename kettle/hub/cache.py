@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kettle import settings
+
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "KETTLE_CACHE"
 TEMP_PREFIX = ".tmp-"
 
 
 def cache_root() -> Path:
-    """`$KETTLE_CACHE`, else `~/.cache/kettle`."""
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kettle"
+    """`$KETTLE_CACHE`, else `~/.cache/kettle` (`kettle.settings`)."""
+    return settings.current().cache_dir
 
 
 def source_key(*sources: Path) -> str:

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from kettle import settings
 from kettle.hub.cache import build_once, cache_root
 
 FOLDER = Path(__file__).parent
@@ -27,7 +28,7 @@ SOURCES = (FOLDER / "cpu_kernels.c", FOLDER / "decoder_step.c")
 HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-ENV_SWITCH = "KETTLE_CPU_KERNELS"
+ENV_SWITCH = "KETTLE_CPU_KERNELS"  # read through kettle.settings
 log = logging.getLogger(__name__)
 
 _int, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -42,7 +43,7 @@ SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _
 SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int]
 # x, residual, weight, rows, dim, eps, out, total, threads
 SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
-SIGNATURES["kettle_silu_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
+SIGNATURES["kettle_silu_mul"] = SIGNATURES["kettle_gelu_tanh_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
 # x, stride, cos, sin, rows, heads, dim, out, threads
 SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
 # packed, scales, mins, n, k, group, out, threads
@@ -56,7 +57,7 @@ RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step")
 
 def enabled() -> bool:
     """False when `KETTLE_CPU_KERNELS=0`."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return settings.current().cpu_kernels
 
 
 @functools.cache

@@ -18,7 +18,10 @@ typedef struct {
     const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
     Linear qkv, o, gate_up, down;        /* qkv rows: [q heads; k heads; v heads]; gate_up: [gate; up] */
     int64_t window;                      /* sliding window, 0 for none */
+    const float *q_norm, *k_norm;        /* per-head RMSNorm weights [head_dim] before RoPE (Qwen3), or NULL */
 } Layer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the gate's activation */
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
@@ -26,12 +29,14 @@ typedef struct {
     float eps, scale;
     const Layer *layers;
     const float *final_norm;
+    int64_t act; /* ACT_SILU or ACT_GELU_TANH */
 } Decoder;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
 static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
+    if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
     return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
 }
 
@@ -89,13 +94,21 @@ static void add_norm(const Decoder *m, Scratch *s, const float *block_out, const
     }
 }
 
-/* RoPE on q (into s->q) and k (straight into its cache slot), v copied to its slot. */
-static void rope_and_store(const Decoder *m, Scratch *s, const float *cos, const float *sin, const int64_t *slots,
-                           float *k_cache, float *v_cache, int64_t rows) {
+/* Each of `heads` heads of `row` RMS-normalized in place over head_dim (the q/k norms). */
+static void norm_heads(const Decoder *m, float *row, int64_t heads, const float *weight) {
+    for (int64_t h = 0; h < heads; h++) rms_norm_row(row + h * m->head_dim, NULL, weight, m->head_dim, m->eps, row + h * m->head_dim, NULL);
+}
+
+/* The q/k norms when the layer has them, then RoPE on q (into s->q) and k (straight into its cache slot), v
+ * copied to its slot. */
+static void rope_and_store(const Decoder *m, const Layer *l, Scratch *s, const float *cos, const float *sin,
+                           const int64_t *slots, float *k_cache, float *v_cache, int64_t rows) {
     const int64_t dim = m->head_dim, kv = m->kv_heads * dim;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = s->qkv + r * (m->heads * dim + 2 * kv), *c = cos + r * dim, *sn = sin + r * dim;
+        float *row = s->qkv + r * (m->heads * dim + 2 * kv);
+        const float *c = cos + r * dim, *sn = sin + r * dim;
+        if (l->q_norm) norm_heads(m, row, m->heads, l->q_norm), norm_heads(m, row + m->heads * dim, m->kv_heads, l->k_norm);
         rope_row(row, c, sn, m->heads, dim, s->q + r * m->heads * dim);
         rope_row(row + m->heads * dim, c, sn, m->kv_heads, dim, k_cache + slots[r] * kv);
         memcpy(v_cache + slots[r] * kv, row + m->heads * dim + kv, sizeof(float) * (size_t)kv);
@@ -110,10 +123,12 @@ static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Li
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, dim, next->group, xq, r);
 }
 
-static void silu_for(const Decoder *m, Scratch *s, const Linear *next, int64_t rows) {
+/* act(gate) · up, quantized for the down projection when it takes quantized rows. */
+static void gate_for(const Decoder *m, Scratch *s, const Linear *next, int64_t rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        silu_mul_row(s->gate_up + r * 2 * m->inner, m->inner, s->act + r * m->inner);
+        if (m->act == ACT_GELU_TANH) gelu_tanh_mul_row(s->gate_up + r * 2 * m->inner, m->inner, s->act + r * m->inner);
+        else silu_mul_row(s->gate_up + r * 2 * m->inner, m->inner, s->act + r * m->inner);
         if (!float_tiles(m, next, rows)) quantize_row(s->act + r * m->inner, m->inner, next->group, &s->xq, r);
     }
 }
@@ -131,13 +146,13 @@ static void layer_step(const Decoder *m, const Layer *l, Scratch *s, float *k_ca
     PagedDecode p = *shape;
     p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window;
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
-    rope_and_store(m, s, cos, sin, slots, k_cache, v_cache, rows);
+    rope_and_store(m, l, s, cos, sin, slots, k_cache, v_cache, rows);
     attention(m, s, &p, scores, rows);
     quantize_for(m, s->attn, m->heads * m->head_dim, &l->o, &s->xq, rows);
     linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
     add_norm(m, s, s->out, l->post_norm, &l->gate_up, rows);
     linear(m, &l->gate_up, s->x, &s->xq, rows, s->gate_up, buffer);
-    silu_for(m, s, &l->down, rows);
+    gate_for(m, s, &l->down, rows);
     linear(m, &l->down, s->act, &s->xq, rows, s->out, buffer);
 }
 

@@ -12,22 +12,25 @@ import torch
 
 from kettle.kernels.build import library
 
-LINEAR_Q4, LINEAR_Q8 = 1, 2
+LINEAR_Q4, LINEAR_Q8, LINEAR_F32 = 1, 2, 3
+ACT_SILU, ACT_GELU_TANH = 0, 1  # the MLP gate's activation
 _int, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class Linear(ctypes.Structure):
-    """One projection: kind (LINEAR_Q4/Q8), the int4 group (or K for int8), shape [n, k], weight pointers."""
+    """One projection: kind (LINEAR_Q4/Q8/F32), the int4 group (else K), shape [n, k], weight pointers."""
 
     _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
     _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr)]
 
 
 class Layer(ctypes.Structure):
-    """One pre-norm layer: its two RMSNorm weights, four projections and sliding window (0: none)."""
+    """One pre-norm layer: its two RMSNorm weights, four projections, sliding window (0: none) and per-head
+    q/k RMSNorm weights (None: no q/k norms)."""
 
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr)]
     _fields_ += [(name, Linear) for name in ("qkv", "o", "gate_up", "down")] + [("window", _int)]
+    _fields_ += [("q_norm", _ptr), ("k_norm", _ptr)]
 
 
 class Decoder(ctypes.Structure):
@@ -36,7 +39,7 @@ class Decoder(ctypes.Structure):
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int)]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr)]
+    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr), ("act", _int)]
 
 
 def run(

@@ -31,12 +31,12 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2 };
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3 };
 
-/* One quantized projection y = x Wᵀ (+ bias). */
+/* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). */
 typedef struct {
-    int64_t kind, group, n, k; /* group: Q4's group size (Q8: k) */
-    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8 */
+    int64_t kind, group, n, k; /* group: Q4's group size (Q8, F32: k) */
+    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8; F32: [N, K] float */
     const void *scales;        /* Q4: [N, K/group] float16; Q8: [N] float32 */
     const uint16_t *mins;      /* Q4: [N, K/group] float16 */
     const float *bias;         /* [N] or NULL */
@@ -323,8 +323,12 @@ static inline void linear_channels_f32(const Linear *w, int64_t p, const float *
     const float *wc[TILE_CHANNELS];
     for (int c = 0; c < TILE_CHANNELS; c++) {
         const int64_t channel = j + (c < count ? c : 0); /* a short last tile repeats its first channel */
-        wc[c] = buffer + (c < count ? c : 0) * k;
-        if (c < count) dequant_channel(w, channel, buffer + c * k);
+        if (w->kind == LINEAR_F32) {
+            wc[c] = (const float *)w->weight + channel * k; /* already float32: read in place */
+        } else {
+            wc[c] = buffer + (c < count ? c : 0) * k;
+            if (c < count) dequant_channel(w, channel, buffer + c * k);
+        }
         scale[c] = w->kind == LINEAR_Q8 ? ((const float *)w->scales)[channel] : 1.0f;
         bias[c] = w->bias ? w->bias[channel] : 0.0f;
     }
@@ -407,6 +411,26 @@ static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst)
         _mm256_storeu_ps(dst + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
     }
     for (; i < inner; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* dst[I] = gelu_tanh(gate) · up for one row of gate_up [2I], GELU's tanh approximation (Gemma's gate):
+ * 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), with tanh(u) = 1 − 2 / (e^{2u} + 1). */
+static inline void gelu_tanh_mul_row(const float *gate_up, int64_t inner, float *dst) {
+    const float *gate = gate_up, *up = gate_up + inner;
+    const float c = 0.7978845608028654f, cube = 0.044715f;
+    int64_t i = 0;
+    for (; i + 8 <= inner; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i), one = _mm256_set1_ps(1.0f);
+        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(cube), g), _mm256_mul_ps(g, g), g));
+        const __m256 e = exp_ps(_mm256_add_ps(u, u));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+        const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < inner; i++) {
+        const float g = gate[i], t = 1.0f - 2.0f / (expf(2.0f * c * (g + cube * g * g * g)) + 1.0f);
+        dst[i] = 0.5f * g * (1.0f + t) * up[i];
+    }
 }
 
 /* RoPE in the halves layout for `heads` heads of one token: dst[h, i] = src[h, i] · cos[i] +

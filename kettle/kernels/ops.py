@@ -7,24 +7,23 @@ fresh output tensor, and pass PyTorch's thread count to the kernels' parallel lo
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kettle import settings
 from kettle.kernels.build import library
 
 # Activations quantized to int16 per block of 32 for integer dot products in the int4/int8 GEMVs: faster than
 # dequantizing every weight to float on AVX2, at ~1e-5 relative error on the outputs (kernels.h says why not
 # int8). `KETTLE_QUANTIZED_ACTIVATIONS=0`: float32 activations, exactly the dequantized weights' products.
-QUANTIZED_ACTIVATIONS = os.environ.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0"
+QUANTIZED_ACTIVATIONS = settings.current().quantized_activations
 # From these many activation rows on, the int4/int8 kernels dequantize each output channel once and multiply every
 # row in float32 (kernels.h's float32 tiles, exact to the dequantized weights): per row that is one FMA per 8
 # weights, against the integer path's per-block conversions and scale products. Measured on the bundled model's
 # shapes (2 AVX2 cores): int4 wins from 8 rows (16 rows: 1.3x), int8's cheaper integer path only from ~32.
 # `KETTLE_CPU_FLOAT_ROWS`: 0 never (the integer path at every size), N from N rows for both.
-_FLOAT_ROWS = os.environ.get("KETTLE_CPU_FLOAT_ROWS")
-Q4_FLOAT_ROWS = int(_FLOAT_ROWS or 8) or 1 << 62
-Q8_FLOAT_ROWS = int(_FLOAT_ROWS or 32) or 1 << 62
+_FLOAT_ROWS = settings.current().cpu_float_rows
+Q4_FLOAT_ROWS = (8 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
+Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 
 
 def available() -> bool:
@@ -136,11 +135,19 @@ def rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up [..., 2I] holding gate then up: [..., I]."""
+    return _gated(library().kettle_silu_mul, gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") · up for gate_up [..., 2I] holding gate then up: [..., I]."""
+    return _gated(library().kettle_gelu_tanh_mul, gate_up)
+
+
+def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     inner = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inner)
-    rows = gate_up.numel() // (2 * inner)
-    library().kettle_silu_mul(gate_up.data_ptr(), rows, inner, out.data_ptr(), torch.get_num_threads())
+    kernel(gate_up.data_ptr(), gate_up.numel() // (2 * inner), inner, out.data_ptr(), torch.get_num_threads())
     return out
 
 

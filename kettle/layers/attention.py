@@ -13,7 +13,6 @@ whole or chunked) one call each. The kernels live behind `AttentionBackend`, cho
 from __future__ import annotations
 
 import importlib
-import os
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from itertools import accumulate, repeat
 from typing import Protocol
 
 import torch
+
+from kettle import settings
 
 
 def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -245,7 +246,7 @@ _loaded: dict[str, AttentionBackend] = {}
 
 def get_backend(name: str | None = None, device_type: str = "cpu") -> AttentionBackend:
     """The backend named by `name` or `KETTLE_ATTENTION`; by default "cuda" for CUDA tensors, else "sdpa"."""
-    name = name or os.environ.get("KETTLE_ATTENTION") or ("cuda" if device_type == "cuda" else "sdpa")
+    name = name or settings.current().attention_backend or ("cuda" if device_type == "cuda" else "sdpa")
     if name not in _loaded:
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r} (KETTLE_ATTENTION); available: {', '.join(BACKENDS)}")

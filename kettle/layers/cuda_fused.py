@@ -19,9 +19,9 @@ bf16, never more.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kettle import settings
 
 try:
     import triton
@@ -35,7 +35,7 @@ _SILU_BLOCK = 1024
 
 def fused_enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve `x`: a CUDA tensor, Triton installed, KETTLE_FUSED_KERNELS not "0"."""
-    return x.is_cuda and triton is not None and os.environ.get("KETTLE_FUSED_KERNELS", "1") != "0"
+    return x.is_cuda and triton is not None and settings.current().cuda_fused_kernels
 
 
 if triton is not None:

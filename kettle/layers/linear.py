@@ -7,12 +7,11 @@ tensor-parallel variants replace `Linear` with the same call shape.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kettle import settings
 from kettle.tensors.weights import Weights
 
 # The batch size oneDNN lays packed weights out for; any number of rows works with them.
@@ -22,13 +21,11 @@ _PACK_ROWS = 16
 # (every prefill length) a shard's memory grew by ~70 MB per 40 varied batches on the tiny test model, without
 # bound. Rounding row counts above _PACK_ROWS up to a multiple of 32 (≤ 256 rows) or 64 bounds the shapes it
 # ever sees (~80 up to a 4k-token prefill), and memory stays flat; decodes (≤ 16 rows) run unpadded.
-# KETTLE_ONEDNN_ROW_BUCKETS=0 turns the padding off.
-_ROW_BUCKETS = os.environ.get("KETTLE_ONEDNN_ROW_BUCKETS", "1") != "0"
 
 
 def row_bucket(rows: int) -> int:
     """The padded row count a oneDNN linear runs `rows` rows at."""
-    if rows <= _PACK_ROWS or not _ROW_BUCKETS:
+    if rows <= _PACK_ROWS:
         return rows
     step = 32 if rows <= 256 else 64
     return -(-rows // step) * step
@@ -44,7 +41,7 @@ def cpu_layout(weight: torch.Tensor) -> str:
     """
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return "dense"
-    choice = os.environ.get("KETTLE_CPU_LINEAR", "onednn")
+    choice = settings.current().cpu_linear
     if choice == "onednn" and not torch.backends.mkldnn.is_available():
         return "transposed"
     return choice

@@ -90,6 +90,8 @@ class GatedMLP(nn.Module):
         self.gate_up, self.down = gate_up, down
         self.act = activation(hidden_act)
         self.silu = hidden_act in ("silu", "swish")
+        # The tanh approximation of GELU (Gemma's gate), which Kettle's CPU kernels compute too.
+        self.gelu_tanh = self.act is activation("gelu_pytorch_tanh")
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, hidden_act: str, names=("gate_proj", "up_proj", "down_proj")):
@@ -105,5 +107,7 @@ class GatedMLP(nn.Module):
             return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0)
         if self.silu and ops.fits(gate_up):
             return self.down(ops.silu_mul(gate_up))  # one C call on the CPU (off: KETTLE_CPU_KERNELS=0)
+        if self.gelu_tanh and ops.fits(gate_up):
+            return self.down(ops.gelu_tanh_mul(gate_up))  # the same for the tanh-GELU gate
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)

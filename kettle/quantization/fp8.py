@@ -15,8 +15,6 @@ stay in the model dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +29,7 @@ except ImportError:
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-GEMV_MAX_ROWS = int(os.environ.get("KETTLE_FP8_GEMV_ROWS", "16"))
+GEMV_MAX_ROWS = 16  # decode-sized calls; larger ones multiply a bf16 copy of the weight
 
 
 if triton is not None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, KERNEL_ACT_DTYPE, dense_rows_threshold
+from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, DENSE_ROWS, KERNEL_ACT_DTYPE
 
 # Group sizes the packed CPU kernel implements; a checkpoint's larger group is split into these (exactly: the
 # sub-groups repeat its scale and zero).
@@ -173,7 +173,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
         self.on_cuda = q.is_cuda
         self.act_dtype = torch.bfloat16 if self.on_cuda else act_dtype  # tinygemm computes in bfloat16 only
-        self.dense_rows = dense_rows_threshold()
+        self.dense_rows = DENSE_ROWS
         if self.on_cuda:
             packed = pack_int4_cuda(q.to(torch.int32))
         else:

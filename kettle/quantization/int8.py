@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.quantization.config import KERNEL_ACT_DTYPE, dense_rows_threshold, int8_gemv_rows
+from kettle.quantization.config import DENSE_ROWS, INT8_GEMV_ROWS, KERNEL_ACT_DTYPE
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ class Int8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = (int(d) for d in q.shape)
-        self.dense_rows = dense_rows_threshold()
+        self.dense_rows = DENSE_ROWS
         self.act_dtype = act_dtype
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale.float(), persistent=False)
@@ -51,7 +51,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("kernel_scale", scale.to(act_dtype), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.on_cuda = q.is_cuda
-        self.gemv_rows = int8_gemv_rows()
+        self.gemv_rows = INT8_GEMV_ROWS
         # Kettle's CPU kernel takes float32 activations (no bfloat16 casts); KETTLE_CPU_KERNELS=0 turns it off.
         self.cpu_kernel = not q.is_cuda and self.in_features % 16 == 0 and ops.available()
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, dense_rows_threshold
+from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, DENSE_ROWS
 from kettle.quantization.int4 import kernel_group_size, native_group_size, quantize_int4
 
 BLOCK = 32  # input channels per activation block and the smallest group
@@ -47,7 +47,7 @@ class Q4Linear(nn.Module):
         if k % group_size or group_size % BLOCK or k % CHUNK:
             raise ValueError(f"int4: in_features {k} must be a multiple of {CHUNK}, group size {group_size} of {BLOCK}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
-        self.dense_rows = dense_rows_threshold()
+        self.dense_rows = DENSE_ROWS
         self.register_buffer("packed", pack_q4(q), persistent=False)
         scale, zero = scale.float().t(), zero.float().t()  # [N, K/g]
         self.register_buffer("scales", scale.to(torch.float16).contiguous(), persistent=False)

@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kettle import settings
 from kettle.router import metrics
 from kettle.router.blocks import Allocator, BlockAllocator
 from kettle.router.client import DUMMY_TOKEN
@@ -52,7 +52,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     # Size the chunks that run beside decodes from measured step times (kettle/router/chunk_budget.py);
     # KETTLE_ADAPTIVE_CHUNKS=0: every step may compute max_batch_prefill_tokens prompt tokens.
-    adaptive_chunks: bool = field(default_factory=lambda: os.environ.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0")
+    adaptive_chunks: bool = field(default_factory=lambda: settings.current().adaptive_chunks)
     # /health turns 503 when work waits and the loop has not moved for this long (or 4x its slowest step).
     stall_timeout: float = 120.0
 

@@ -15,12 +15,12 @@ it. Anything else (prefills, mixed steps, larger batches, longer contexts) runs 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from kettle import settings
 from kettle.layers.attention import AttentionMetadata, DecodePlan, get_backend
 from kettle.shard.config import parse_graph_buckets
 from kettle.tensors.kv_cache import KVCache
@@ -32,7 +32,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 def graph_buckets(value: str | None = None) -> tuple[int, ...]:
     """Batch sizes to capture, from `value` or KETTLE_CUDA_GRAPHS ("1,2,4"; "0" or "" disables)."""
-    value = os.environ.get("KETTLE_CUDA_GRAPHS") if value is None else value
+    value = settings.current().cuda_graphs if value is None else value
     return DEFAULT_BUCKETS if value is None else parse_graph_buckets(value)
 
 

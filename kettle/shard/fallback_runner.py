@@ -13,15 +13,13 @@ Models whose cache is not plain per-layer K/V (sliding-window or recurrent layer
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from kettle import settings
 from kettle.shard.batch import RequestState
 from kettle.shard.transformers_runner import StepLogits, TransformersRunner
-
-PADDING_ENV = "KETTLE_FALLBACK_PADDING"
 
 
 @dataclass
@@ -49,7 +47,7 @@ class FallbackRunner(TransformersRunner):
 
     def __init__(self, model, vocab, device: torch.device, watermark: tuple[float, float]) -> None:
         super().__init__(model, vocab, device, watermark)
-        self.padding = os.environ.get(PADDING_ENV, "1") != "0" and _plain_cache(model)
+        self.padding = settings.current().fallback_padding and _plain_cache(model)
         self._own: dict[int, _Own] = {}
         self._padded: _Padded | None = None
 

@@ -18,7 +18,6 @@ step and the answer is the same, except that `generated_tokens` does not count a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
@@ -32,9 +31,8 @@ from transformers import PreTrainedTokenizerBase
 from kettle.grammar import grammar_text
 from kettle.proto import generate_pb2
 
-# Matchers computed in parallel per step; 1 keeps the shard's CPU budget predictable on small machines.
-_THREADS_ENV = "KETTLE_GRAMMAR_THREADS"
-_LAZY_ENV = "KETTLE_GRAMMAR_LAZY"
+# Matchers computed per step on one thread: it keeps the shard's CPU budget predictable on small machines.
+_THREADS = 1
 _BITS = 32
 
 
@@ -42,19 +40,18 @@ class Grammars:
     """The shard's grammar support: the llguidance view of the tokenizer, new matchers, and the per-step mask.
 
     The tokenizer view takes ~2 s to build for a 49k vocabulary; it is built in a background thread from the
-    start, so the first grammar request does not pay for it (KETTLE_GRAMMAR_LAZY=1: build on first use)."""
+    start, so the first grammar request does not pay for it."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         # The grammar ends on one EOS id; it must be one the stopping criteria stop on.
         own = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id = own if own in eos_token_ids or not eos_token_ids else min(eos_token_ids)
-        self._executor = llguidance.LLExecutor(num_threads=int(os.environ.get(_THREADS_ENV, "1")))
+        self._executor = llguidance.LLExecutor(num_threads=_THREADS)
         self._shifts: dict[torch.device, torch.Tensor] = {}
         self._built: Future[llguidance.LLTokenizer] | None = None
         self._prototype = lru_cache(maxsize=64)(self._prototype)  # type: ignore[method-assign]
-        if os.environ.get(_LAZY_ENV) != "1":
-            self._start_build()
+        self._start_build()
 
     def _start_build(self) -> Future[llguidance.LLTokenizer]:
         if self._built is None:

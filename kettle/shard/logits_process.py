@@ -9,7 +9,6 @@ temperature → top-k → top-p → typical-p.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -22,8 +21,8 @@ WATERMARK_HASH_KEY = 15485863
 NEG_INF = float("-inf")
 # A host→GPU copy from pageable memory (`torch.tensor(values, device="cuda")`) waits for the whole stream: a
 # tensor built after the step's forward was queued stalls the host until the forward ends. Copies from pinned
-# memory, non-blocking, queue behind it instead. KETTLE_ASYNC_H2D=0 goes back to the plain copies.
-ASYNC_H2D = os.environ.get("KETTLE_ASYNC_H2D", "1") != "0"
+# memory, non-blocking, queue behind it instead.
+ASYNC_H2D = True
 
 
 def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> Tensor:

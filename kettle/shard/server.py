@@ -69,6 +69,9 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")
     runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
+    # Built here (after quantization) rather than on the first decode, so the log says which path serves.
+    fused = getattr(model, "cpu_decoder_step", None) is not None
+    logger.info("Decode steps run %s", "as one fused CPU call" if fused else "layer by layer")
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
     )

@@ -4,7 +4,7 @@ On the CPU the cache takes a configurable share of the RAM available at start-up
 on CUDA a share of the GPU memory still free once the model is loaded (`--cuda-memory-fraction`, default 0.9:
 the rest is left to activations, the warmup prefill and the decode graphs). Both are capped at
 `KETTLE_MAX_KV_TOKENS` so a tiny model does not reserve gigabytes. The warmup forward itself is capped on the
-CPU (`KETTLE_WARMUP_TOKENS`): there it proves the model runs; it measures nothing.
+CPU (`DEFAULT_CPU_WARMUP_TOKENS`): there it proves the model runs; it measures nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def plan_kv_cache(
     num_blocks = tokens // BLOCK_SIZE
     warmup = request.max_prefill_tokens
     if device.type == "cpu":
-        warmup = min(warmup, int(os.environ.get("KETTLE_WARMUP_TOKENS", DEFAULT_CPU_WARMUP_TOKENS)))
+        warmup = min(warmup, DEFAULT_CPU_WARMUP_TOKENS)
     return KVPlan(num_blocks, BLOCK_SIZE, num_blocks * BLOCK_SIZE * per_token, min(warmup, tokens - BLOCK_SIZE))
 
 

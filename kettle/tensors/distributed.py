@@ -22,12 +22,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kettle import settings
+
 log = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "KETTLE_DISTRIBUTED_TIMEOUT"
-# Long enough for the slowest rank of a big model to finish a long CPU prefill, short enough that a stuck
-# peer surfaces as an error (and a dead one as a supervisor shutdown) instead of a silent hang.
-DEFAULT_TIMEOUT_S = 300.0
 # Exit code of a shard whose tensor-parallel peers are gone.
 PEER_LOST_EXIT = 3
 
@@ -100,12 +98,8 @@ def set_current(tp: TensorParallel) -> None:
 
 
 def timeout() -> timedelta:
-    """The collectives' timeout: KETTLE_DISTRIBUTED_TIMEOUT seconds, else DEFAULT_TIMEOUT_S."""
-    value = os.environ.get(TIMEOUT_ENV)
-    seconds = float(value) if value else DEFAULT_TIMEOUT_S
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
-    return timedelta(seconds=seconds)
+    """The collectives' timeout: KETTLE_DISTRIBUTED_TIMEOUT seconds, else 300 (`kettle.settings`)."""
+    return timedelta(seconds=settings.current().distributed_timeout_s)
 
 
 def backend_for(device: torch.device) -> str:

@@ -3,7 +3,8 @@
 A family test builds a tiny random model from the transformers config class (2 layers, small hidden size,
 the tiny tokenizer's vocabulary), saves it with `save_tiny`, and calls `assert_parity`: Kettle's batched paged
 forward over three prompts of different lengths must give logits close to transformers' per-prompt logits
-(float32), and greedy generation of the three prompts in one batch must be token-identical.
+(float32), and greedy generation of the three prompts in one batch must be token-identical, with Kettle's
+CPU kernels and without them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kettle.models.registry import load_model
-from tests.fixtures import make_tokenizer, tiny_config
+from tests.fixtures import cpu_kernels, make_tokenizer, tiny_config
 from tests.models.drive import greedy, new_cache, scattered_tables, step
 
 # Three prompts of different lengths (3, ~12 and ~30 tokens with the tiny tokenizer).
@@ -66,26 +67,39 @@ def _prompts(path: Path) -> list[list[int]]:
 
 
 def assert_parity(path: Path, family: str, atol: float = LOGITS_ATOL) -> float:
-    """Logits of the three prompts in one batch within `atol` of transformers, and identical greedy tokens.
+    """Logits of the three prompts in one batch within `atol` of transformers, and identical greedy tokens,
+    with Kettle's CPU kernels and again without them (`KETTLE_CPU_KERNELS=0`: the path of machines without gcc
+    or AVX2).
 
-    Returns the largest absolute logits difference (also recorded in MEASURED_FILE under `family`).
+    Returns the largest absolute logits difference with the kernels (also recorded in MEASURED_FILE).
     """
     kettle = load_model(str(path), torch.float32, "cpu")
     reference, prompts = _reference(path), _prompts(path)
-    tables, num_blocks = scattered_tables([len(p) for p in prompts])
-    logits, _ = step(kettle, new_cache(kettle, num_blocks), prompts, [0] * len(prompts), tables)
     with torch.no_grad():
         expected = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts])
-    diff = float((logits - expected).abs().max())
-    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
-    ours = greedy(kettle, prompts, max_new_tokens=NEW_TOKENS)
     reference.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, so whole sequences compare
-    for prompt, generated in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        assert generated == out[0, len(prompt) :].tolist(), f"{family}: greedy tokens differ"
-    _record(family, diff)
-    return diff
+    with torch.no_grad():
+        tokens = [
+            reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            for p in prompts
+        ]
+    expected_tokens = [out[0, len(p) :].tolist() for p, out in zip(prompts, tokens, strict=True)]
+    diffs = []
+    for on in (True, False):
+        with cpu_kernels(on):
+            diffs.append(_check(kettle, prompts, expected, expected_tokens, atol, f"{family} (kernels {on})"))
+    _record(family, diffs[0])
+    return diffs[0]
+
+
+def _check(kettle, prompts, expected: torch.Tensor, expected_tokens: list[list[int]], atol: float, name: str) -> float:
+    """Kettle's batched logits against `expected`, its greedy tokens against `expected_tokens`; the largest
+    logits difference."""
+    tables, num_blocks = scattered_tables([len(p) for p in prompts])
+    logits, _ = step(kettle, new_cache(kettle, num_blocks), prompts, [0] * len(prompts), tables)
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert greedy(kettle, prompts, max_new_tokens=NEW_TOKENS) == expected_tokens, f"{name}: greedy tokens differ"
+    return float((logits - expected).abs().max())
 
 
 def _record(family: str, diff: float) -> None:

@@ -7,6 +7,8 @@ logits are not just close but equal, whatever the threads' split of the work.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def family_path(tmp_path, variant: str):
     """A tiny checkpoint: a Llama variant (`make_variant`), or another family through its transformers class."""
     import transformers
 
-    classes = {"phi3": "Phi3", "qwen3": "Qwen3", "gemma": "Gemma"}
+    classes = {"phi3": "Phi3", "qwen3": "Qwen3", "gemma": "Gemma", "starcoder2": "Starcoder2"}
     if variant not in classes:
         return make_variant(tmp_path, variant)
     config_cls = getattr(transformers, f"{classes[variant]}Config")
@@ -61,12 +63,12 @@ def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
 
 @pytest.mark.parametrize("float_rows", [None, 2])
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "phi3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "phi3", "qwen3", "gemma"])
 def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize, float_rows):
     """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head), Mistral (a sliding window of 8,
-    shorter than the contexts) and Phi-3 (checkpoint-fused projections), over scattered block tables;
-    projections over int16 rows (4 sequences are below the float32 tiles' thresholds) and over the float32
-    tiles (`float_rows` 2)."""
+    shorter than the contexts), Phi-3 (checkpoint-fused projections), Qwen3 (per-head q/k norms) and Gemma
+    (tanh-GELU gate, scaled embeddings), over scattered block tables; projections over int16 rows (4
+    sequences are below the float32 tiles' thresholds) and over the float32 tiles (`float_rows` 2)."""
     if float_rows is not None:
         monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", float_rows)
         monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", float_rows)
@@ -76,13 +78,25 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
     assert torch.equal(fused, reference)
 
 
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "qwen3", "gemma"])
+def test_float32_weights_stored_dense_decode_fused(tmp_path, monkeypatch, variant):
+    """Float32 projections in the dense layout: the C step's tiles read them in place, while the layer-by-layer
+    forward multiplies them with PyTorch's GEMM (another summation order), so the two agree to float32
+    rounding rather than bit for bit."""
+    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"))
+    assert model.cpu_decoder_step is not None
+    fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=0)
+
+
 def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch):
     path = str(make_variant(tmp_path, "llama"))
-    assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # float32 weights
+    assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # oneDNN-packed float32
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
-    monkeypatch.setenv(decoder_step.ENV_SWITCH, "0")
+    monkeypatch.setenv("KETTLE_CPU_DECODER_STEP", "0")
     assert model.cpu_decoder_step is None
-    monkeypatch.delenv(decoder_step.ENV_SWITCH)
+    monkeypatch.delenv("KETTLE_CPU_DECODER_STEP")
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)  # the exact float32-activation kernels instead
     assert decoder_step.DecoderStep.build(model) is None
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
@@ -96,8 +110,17 @@ def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch
     assert not fused.fits(cache, decode)  # more rows than the packed kernels take (`dense_rows`)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma"])
-def test_families_with_blocks_the_step_lacks_run_layer_by_layer(tmp_path, variant):
-    """Qwen3's per-head q/k norms and Gemma's GELU gate are not in the C step: no fused step for them."""
-    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize="int4")
+def test_a_family_with_blocks_the_step_lacks_runs_layer_by_layer(tmp_path):
+    """StarCoder2's LayerNorms and plain MLP are not in the C step: no fused step for it."""
+    model = load_model(str(family_path(tmp_path, "starcoder2")), torch.float32, torch.device("cpu"), quantize="int4")
     assert model.cpu_decoder_step is None
+
+
+@pytest.mark.parametrize("quantize, path", [(None, "layer by layer"), ("int4", "as one fused CPU call")])
+def test_the_shard_logs_which_decode_path_serves(tiny_llama_path, caplog, quantize, path):
+    from kettle.shard.config import ShardConfig
+    from kettle.shard.server import build_engine
+
+    with caplog.at_level(logging.INFO, logger="kettle.shard.server"):
+        build_engine(ShardConfig(model_path=str(tiny_llama_path), dtype="float32", quantize=quantize))
+    assert f"Decode steps run {path}" in caplog.text

@@ -8,12 +8,10 @@ float32, greedy generation of three prompts in one batch token-identical). Shape
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.models.family_parity import MEASURED_FILE, assert_parity, save_tiny, tiny_settings
+from tests.models.family_parity import assert_parity, save_tiny, tiny_settings
 from tests.models.test_gpt_families import gpt2_names
 
 
@@ -151,28 +149,3 @@ def test_gpt_neox_parity(tmp_path, parallel):
     family = "gpt_neox" if parallel else "gpt_neox_sequential"
     assert_parity(save_tiny(tmp_path, config, GPTNeoXForCausalLM), family)
     assert_chunked_prefill_matches(tmp_path)
-
-
-def test_zz_print_measured_table():
-    """Prints family → test → largest logits difference (run last: pytest keeps file order)."""
-    measured = json.loads(MEASURED_FILE.read_text()) if MEASURED_FILE.exists() else {}
-    print("\nfamily | test | largest logits diff")
-    for family, test in TESTS.items():
-        if family in measured:
-            print(f"{family} | {test} | {measured[family]:.2e}")
-
-
-TESTS = {
-    "mixtral": "test_mixtral_parity",
-    "qwen3": "test_qwen3_parity",
-    "gemma": "test_gemma_parity",
-    "phi3": "test_phi3_parity[phi3]",
-    "phi3_sliding": "test_phi3_parity[phi3_sliding]",
-    "phi3_longrope": "test_phi3_parity[phi3_longrope]",
-    "starcoder2": "test_starcoder2_parity",
-    "phi": "test_phi_parity[plain]",
-    "phi_qk_layernorm": "test_phi_parity[qk_layernorm]",
-    "gptj": "test_gptj_parity",
-    "gpt_neox": "test_gpt_neox_parity[parallel]",
-    "gpt_neox_sequential": "test_gpt_neox_parity[sequential]",
-}

@@ -11,6 +11,7 @@ import torch
 
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
+from tests.fixtures import cpu_kernels
 from tests.models.drive import PROMPTS, greedy, new_cache, scattered_tables, step
 
 VARIANTS = ["llama", "tied", "llama3_rope", "dynamic_rope", "qwen2", "mistral_sliding"]
@@ -36,31 +37,41 @@ def reference_logits(reference, ids: list[int]) -> torch.Tensor:
         return reference(torch.tensor([ids])).logits[0]
 
 
-def test_batched_prefill_matches_per_prompt_logits(models):
+# Each check runs with Kettle's CPU kernels and without them (KETTLE_CPU_KERNELS=0: machines without gcc or AVX2).
+KERNELS = pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "no-kernels"])
+
+
+@KERNELS
+def test_batched_prefill_matches_per_prompt_logits(models, kernels):
     kettle, reference, prompts = models
     tables, num_blocks = scattered_tables([len(p) for p in prompts])
-    logits, _ = step(kettle, new_cache(kettle, num_blocks), prompts, [0] * len(prompts), tables)
+    with cpu_kernels(kernels):
+        logits, _ = step(kettle, new_cache(kettle, num_blocks), prompts, [0] * len(prompts), tables)
     expected = torch.cat([reference_logits(reference, p) for p in prompts])
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
-def test_prefill_over_cached_prefix_matches(models):
+@KERNELS
+def test_prefill_over_cached_prefix_matches(models, kernels):
     """Second call continues every prompt from the cache; splits give both chunked prefills and
     one-token continuations, interleaved (so decodes are not contiguous in the token layout)."""
     kettle, reference, prompts = models
     splits = [1, len(prompts[1]) - 1, 3, len(prompts[3]) - 1]
     tables, num_blocks = scattered_tables([len(p) for p in prompts])
     cache = new_cache(kettle, num_blocks)
-    step(kettle, cache, [p[:s] for p, s in zip(prompts, splits, strict=True)], [0] * 4, tables)
-    logits, _ = step(kettle, cache, [p[s:] for p, s in zip(prompts, splits, strict=True)], splits, tables)
+    with cpu_kernels(kernels):
+        step(kettle, cache, [p[:s] for p, s in zip(prompts, splits, strict=True)], [0] * 4, tables)
+        logits, _ = step(kettle, cache, [p[s:] for p, s in zip(prompts, splits, strict=True)], splits, tables)
     expected = torch.cat([reference_logits(reference, p)[s:] for p, s in zip(prompts, splits, strict=True)])
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
-def test_greedy_generation_matches_transformers(models):
+@KERNELS
+def test_greedy_generation_matches_transformers(models, kernels):
     kettle, reference, prompts = models
     reference.generation_config.eos_token_id = None  # always 20 tokens, so whole sequences are compared
-    ours = greedy(kettle, prompts, max_new_tokens=20)
+    with cpu_kernels(kernels):
+        ours = greedy(kettle, prompts, max_new_tokens=20)
     for prompt, generated in zip(prompts, ours, strict=True):
         with torch.no_grad():
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)

@@ -110,6 +110,12 @@ def test_silu_mul_matches_torch():
     assert relative(ops.silu_mul(gate_up), F.silu(gate) * up) < 1e-5
 
 
+def test_gelu_tanh_mul_matches_torch():
+    gate_up = torch.randn(3, 2 * 100) * 8  # wide range: large |u| saturates tanh, the tail runs in scalars
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert relative(ops.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up) < 1e-5
+
+
 def test_rope_reads_a_view_of_the_fused_qkv_output():
     qkv = torch.randn(5, 6 + 2, 64)
     x = qkv[:, :6]  # rows 8 heads apart: not contiguous

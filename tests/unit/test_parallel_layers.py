@@ -22,12 +22,30 @@ from kettle.tensors.distributed import TensorParallel
 
 HIDDEN, HEAD_DIM, HEADS, VOCAB = 16, 4, 4, 7  # an odd vocabulary: the last rank's block is padded
 WORLD = 2
-# Engine-level models: 6 heads in 3 KV groups (the 2 ranks hold 2 and 1 KV heads, an uneven split), and tied
-# embeddings with a single KV head (replicated on both ranks).
+# Engine-level models: Llama with 6 heads in 3 KV groups (the 2 ranks hold 2 and 1 KV heads, an uneven split),
+# Llama with tied embeddings and a single KV head (replicated on both ranks), and the families that share
+# Llama's tensor-parallel blocks: Qwen3 (per-head q/k norms) and Gemma (scaled embeddings, GELU gate).
 MODELS = {
     "uneven": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
     "tied_kv1": dict(tie_word_embeddings=True, num_key_value_heads=1),
+    "qwen3": "Qwen3",
+    "gemma": "Gemma",
 }
+
+
+def make_model(path: Path, shape: dict | str) -> str:
+    """A tiny checkpoint: Llama with `shape`'s settings, or the transformers family named by `shape`."""
+    import transformers
+
+    from tests.fixtures import make_tiny_llama
+    from tests.models.family_parity import save_tiny, tiny_settings
+
+    if isinstance(shape, dict):
+        return str(make_tiny_llama(path, **shape))
+    config = getattr(transformers, f"{shape}Config")(**tiny_settings(path), pad_token_id=0)
+    return str(save_tiny(path, config, getattr(transformers, f"{shape}ForCausalLM")))
+
+
 # gloo on the CPU: with CUDA the shards would run NCCL, which needs a GPU per rank (and a GPU reference).
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tensor-parallel test")
 PROMPTS = [[5, 17, 99, 3, 250], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -139,11 +157,9 @@ def _worker(rank: int, folder: str, models: dict[str, str], port: int, out: str)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of 2 gloo ranks computed (layers against dense, engine tokens), plus one shard's tokens."""
-    from tests.fixtures import make_tiny_llama
-
     folder = tmp_path_factory.mktemp("tp-layers")
     save_file({k: v.contiguous() for k, v in dense_tensors().items()}, folder / "model.safetensors")
-    models = {name: str(make_tiny_llama(tmp_path_factory.mktemp(name), **shape)) for name, shape in MODELS.items()}
+    models = {name: make_model(tmp_path_factory.mktemp(name), shape) for name, shape in MODELS.items()}
     out = tmp_path_factory.mktemp("tp-out")
     mp.spawn(_worker, args=(str(folder), models, free_port(), str(out)), nprocs=WORLD, join=True)
     results = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]

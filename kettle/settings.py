@@ -1,0 +1,107 @@
+"""Kettle's environment settings: every `KETTLE_*` variable the code reads, parsed and checked once.
+
+User-facing choices are command-line flags. What stays in the environment is what a user sets once for a
+machine (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off
+switches for debugging and measurement (Kettle's CPU kernels, the fused decode step, the float32 tiles and
+quantized activations of the int4/int8 kernels, the CUDA fused kernels, the attention backend, the CPU linear
+layout, the fallback's padding, adaptive prefill chunks). The first
+`current()` reads them and logs them once; a test that changes the environment calls `reload()`.
+
+Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
+`KETTLE_CUDA_GRAPHS` on the command line), which the CLI reads, `KETTLE_MAX_KV_TOKENS`, which the shard's
+warmup reads at each plan, and the shard's test hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+LM_HEAD_SCHEMES = ("int8", "int4", "dense")
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The environment's settings; every field names its variable."""
+
+    cache_dir: Path  # KETTLE_CACHE: converted models and built kernels (default ~/.cache/kettle)
+    distributed_timeout_s: float  # KETTLE_DISTRIBUTED_TIMEOUT: a stuck tensor-parallel peer fails after this
+    int4_group_size: int | None  # KETTLE_INT4_GROUP_SIZE: None lets a checkpoint's own 4-bit grid decide
+    quant_lm_head: str  # KETTLE_QUANT_LM_HEAD: int8, int4 or dense, for --quantize int8/int4
+    cuda_weight_only: bool  # KETTLE_CUDA_WEIGHT_ONLY=1: int8/int4/gptq/awq on CUDA (experimental)
+    cpu_kernels: bool  # KETTLE_CPU_KERNELS=0: PyTorch's ops instead of Kettle's C kernels
+    cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
+    cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
+    quantized_activations: bool  # KETTLE_QUANTIZED_ACTIVATIONS=0: float32 activations in the int4/int8 GEMVs
+    cuda_fused_kernels: bool  # KETTLE_FUSED_KERNELS=0: eager ops instead of the Triton norm/RoPE/SiLU kernels
+    cuda_graphs: str | None  # KETTLE_CUDA_GRAPHS: decode graph batch sizes when --cuda-graphs is not given
+    attention_backend: str | None  # KETTLE_ATTENTION: sdpa or cuda (default: by device)
+    cpu_linear: str  # KETTLE_CPU_LINEAR: onednn, transposed or dense float32 weight layout
+    fallback_padding: bool  # KETTLE_FALLBACK_PADDING=0: the transformers fallback runs one request per forward
+    adaptive_chunks: bool  # KETTLE_ADAPTIVE_CHUNKS=0: every prefill chunk may take the whole token budget
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Parses `env` (os.environ); raises ValueError naming the variable for a value it cannot take."""
+        cache = env.get("KETTLE_CACHE")
+        return cls(
+            cache_dir=Path(cache).expanduser() if cache else Path.home() / ".cache" / "kettle",
+            distributed_timeout_s=_timeout(env.get("KETTLE_DISTRIBUTED_TIMEOUT")),
+            int4_group_size=_group_size(env.get("KETTLE_INT4_GROUP_SIZE")),
+            quant_lm_head=_lm_head(env.get("KETTLE_QUANT_LM_HEAD", "int8")),
+            cuda_weight_only=env.get("KETTLE_CUDA_WEIGHT_ONLY", "0") == "1",
+            cpu_kernels=env.get("KETTLE_CPU_KERNELS", "1") != "0",
+            cpu_decoder_step=env.get("KETTLE_CPU_DECODER_STEP", "1") != "0",
+            cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,
+            quantized_activations=env.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0",
+            cuda_fused_kernels=env.get("KETTLE_FUSED_KERNELS", "1") != "0",
+            cuda_graphs=env.get("KETTLE_CUDA_GRAPHS"),
+            attention_backend=env.get("KETTLE_ATTENTION") or None,
+            cpu_linear=env.get("KETTLE_CPU_LINEAR", "onednn"),
+            fallback_padding=env.get("KETTLE_FALLBACK_PADDING", "1") != "0",
+            adaptive_chunks=env.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0",
+        )
+
+
+def _timeout(value: str | None) -> float:
+    seconds = float(value) if value else DEFAULT_DISTRIBUTED_TIMEOUT_S
+    if seconds <= 0:
+        raise ValueError(f"KETTLE_DISTRIBUTED_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _group_size(value: str | None) -> int | None:
+    if value is not None and value not in {str(size) for size in INT4_GROUP_SIZES}:
+        raise ValueError(f"KETTLE_INT4_GROUP_SIZE must be 32, 64, 128 or 256, got {value!r}")
+    return None if value is None else int(value)
+
+
+def _lm_head(value: str) -> str:
+    value = "dense" if value == "0" else value
+    if value not in LM_HEAD_SCHEMES:
+        raise ValueError(f"KETTLE_QUANT_LM_HEAD must be int8, int4 or dense, got {value!r}")
+    return value
+
+
+@functools.cache
+def current() -> Settings:
+    """This process's settings, read from the environment on first use and logged once."""
+    settings = Settings.from_env(os.environ)
+    values = (f"{field.name}={getattr(settings, field.name)}" for field in dataclasses.fields(settings))
+    log.info("Settings: %s", ", ".join(values))
+    return settings
+
+
+def reload() -> Settings:
+    """Reads the environment again (tests that change it; a running server never does)."""
+    current.cache_clear()
+    return current()
