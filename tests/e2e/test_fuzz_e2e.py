@@ -9,6 +9,7 @@ balanced and the server healthy.
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 from tests.e2e.kv_pool import assert_pool_whole
 
 ANSWER_WITHIN = 60
+# About a minute in `make test`; FUZZ_EXAMPLES=1000 for a longer run by hand.
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 USER = [{"role": "user", "content": "Hi"}]
 GENERATE_PARAMETERS = [
     "best_of", "decoder_input_details", "details", "do_sample", "frequency_penalty", "grammar", "max_new_tokens",
@@ -86,7 +89,7 @@ def client(tiny_server):
 
 
 @seed(20261123)
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(request=requests())
 def test_no_input_gets_a_5xx_or_hangs(client, request):
     route, text = request
