@@ -62,6 +62,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).parent))
 from model_decode import timed
 
+from kettle import settings
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
@@ -90,6 +91,7 @@ def load(path: str, quantize: str | None, with_kernels: bool, linear: str):
     float32 weights in the `KETTLE_CPU_LINEAR` layout `linear`."""
     previous = os.environ.get("KETTLE_CPU_LINEAR")
     os.environ["KETTLE_CPU_LINEAR"] = linear
+    settings.reload()  # the process reads its settings once: read them again for this load
     try:
         with kernels(with_kernels):
             return load_model(path, torch.float32, torch.device("cpu"), quantize=quantize)
@@ -97,6 +99,7 @@ def load(path: str, quantize: str | None, with_kernels: bool, linear: str):
         os.environ.pop("KETTLE_CPU_LINEAR")
         if previous is not None:
             os.environ["KETTLE_CPU_LINEAR"] = previous
+        settings.reload()
 
 
 def decode_step(model, forward: Callable, with_kernels: bool, batch: int, context: int, total_steps: int, seed: int):

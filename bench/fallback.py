@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kettle import settings
 from tests.fixtures import make_tokenizer
 from tests.models.fallback_helpers import make_batch, run_to_end, warm_engine
 
@@ -42,6 +43,7 @@ def build_model(path: Path) -> None:
 
 def kettle_seconds(path: Path, prompts: list[list[int]], new_tokens: int, padding: str) -> float:
     os.environ["KETTLE_FALLBACK_PADDING"] = padding
+    settings.reload()  # the process reads its settings once: read them again for this engine
     engine, _ = warm_engine(path)
     start = time.perf_counter()
     run_to_end(engine, make_batch(1, prompts, 1, new_tokens))

@@ -10,6 +10,12 @@ Kettle's so both see the same machine load, and prints the ratio.
     .venv/bin/python bench/model_decode.py ~/.cache/kettle/<model> --dtype bfloat16 --batch 1 16
     .venv/bin/python bench/model_decode.py ~/.cache/kettle/<model> --quantize int4 --compare-transformers
     KETTLE_CPU_KERNELS=0 .venv/bin/python bench/model_decode.py ...   # PyTorch's ops instead of Kettle's kernels
+
+`--family NAME` times a tiny random model of that family instead of a folder (the same shape for every
+family: 8 layers, hidden 512, 8 heads in 4 KV groups, intermediate 1536, vocabulary 4096), and
+`--fused-vs-layers` times the fused CPU decode step against the layer-by-layer forward, interleaved:
+
+    .venv/bin/python bench/model_decode.py --family qwen3 --quantize int4 --batch 1 8 --fused-vs-layers
 """
 
 from __future__ import annotations
@@ -91,9 +97,39 @@ def bytes_per_step(model, batch: int, context: int) -> int:
     return sum(params.values()) + batch * context * model.spec.kv_bytes_per_token
 
 
+# Families whose transformers configs take Llama's names for the shape (the others name it their own way).
+FAMILIES = {
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+    "gemma2": "Gemma2", "phi3": "Phi3", "starcoder2": "Starcoder2", "mixtral": "Mixtral",
+}  # fmt: skip
+SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, head_dim=64)
+SHAPE |= dict(num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, pad_token_id=0)
+
+
+def tiny_family(family: str) -> str:
+    """A folder holding a random `family` model of SHAPE (safetensors), in a temporary directory."""
+    import tempfile
+
+    import transformers
+
+    folder = tempfile.mkdtemp(prefix=f"kettle-{family}-")
+    config = getattr(transformers, f"{FAMILIES[family]}Config")(**SHAPE)
+    torch.manual_seed(0)
+    getattr(transformers, f"{FAMILIES[family]}ForCausalLM")(config).save_pretrained(folder)
+    return folder
+
+
+def layer_by_layer(model):
+    """`model` with its fused decode step switched off (the cached property overridden)."""
+    model.__dict__["cpu_decoder_step"] = None
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a model folder (config.json + safetensors)")
+    parser.add_argument("path", nargs="?", help="a model folder (config.json + safetensors)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), help="a tiny random model of this family instead")
+    parser.add_argument("--fused-vs-layers", action="store_true", help="the fused step against layer by layer")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the timed steps")
@@ -106,18 +142,25 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.path, dtype, "cpu", quantize=args.quantize)
+    path = tiny_family(args.family) if args.family else args.path
+    model = load_model(path, dtype, "cpu", quantize=args.quantize)
+    layers = layer_by_layer(load_model(path, dtype, "cpu", quantize=args.quantize)) if args.fused_vs_layers else None
     scheme = f" --quantize {args.quantize}" if args.quantize else ""
+    fused = "fused step" if getattr(model, "cpu_decoder_step", None) is not None else "layer by layer"
     print(f"{model.spec.model_type} {args.dtype}{scheme}, context {args.context}, {torch.get_num_threads()} threads")
+    print(f"decode: {fused}", flush=True)
     for batch in args.batch:
         fns = [kettle_decode(model, batch, args.context, args.steps + args.warmup)]
-        if args.compare_transformers:
-            fns.append(transformers_decode(args.path, dtype, batch, args.context))
+        if layers is not None:
+            fns.append(kettle_decode(layers, batch, args.context, args.steps + args.warmup))
+        elif args.compare_transformers:
+            fns.append(transformers_decode(path, dtype, batch, args.context))
         seconds, *base = timed(fns, args.steps, args.warmup)
         gbps = bytes_per_step(model, batch, args.context) / seconds / 1e9
         line = f"batch {batch:3d}: {seconds * 1e3:8.2f} ms/step  {batch / seconds:8.1f} tok/s  {gbps:6.2f} GB/s"
         if base:
-            line += f"  | transformers {base[0] * 1e3:8.2f} ms/step  speedup x{base[0] / seconds:.2f}"
+            other = "layer by layer" if layers is not None else "transformers"
+            line += f"  | {other} {base[0] * 1e3:8.2f} ms/step  speedup x{base[0] / seconds:.2f}"
         print(line, flush=True)
 
 

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from model_decode import kettle_decode, timed, transformers_decode
 
+from kettle import settings
 from kettle.models.registry import load_model
 
 # (label, --quantize, KETTLE_QUANT_LM_HEAD)
@@ -41,10 +42,12 @@ def load_variant(path: str, quantize: str | None, head: str | None):
     """The model under `quantize`, with the LM head scheme `head` (None: the default)."""
     if head is not None:
         os.environ["KETTLE_QUANT_LM_HEAD"] = head
+    settings.reload()  # the process reads its settings once: read them again for this load
     try:
         return load_model(path, torch.float32, torch.device("cpu"), quantize=quantize)
     finally:
         os.environ.pop("KETTLE_QUANT_LM_HEAD", None)
+        settings.reload()
 
 
 def decode(args: argparse.Namespace) -> None:

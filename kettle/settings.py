@@ -9,7 +9,7 @@ layout, the fallback's padding, adaptive prefill chunks). The first
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
 `KETTLE_CUDA_GRAPHS` on the command line), which the CLI reads, `KETTLE_MAX_KV_TOKENS`, which the shard's
-warmup reads at each plan, and the shard's test hook.
+warmup reads at each plan.
 """
 
 from __future__ import annotations
