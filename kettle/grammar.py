@@ -1,5 +1,6 @@
-"""Grammar texts (SPEC §7) as the grammar engine, llguidance, reads them: shared by the router, which validates
-a request's grammar before queueing it, and the shard, which builds its matchers from the same text.
+"""Grammar texts as the grammar engine, llguidance, reads them (docs/api.md, Structured output and tools): shared by
+the router, which validates a request's grammar before queueing it, and the shard, which builds its matchers from
+the same text.
 
 Both sides go through `grammar_text`, so a grammar the router accepts is one the shard can run. Results are
 cached (LRU by grammar type and text): a schema sent again costs nothing.

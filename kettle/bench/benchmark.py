@@ -1,4 +1,4 @@
-"""`kettle benchmark` (SPEC §13): drives a shard directly over gRPC and prints latency and throughput tables.
+"""`kettle benchmark`: drives a shard directly over gRPC and prints latency and throughput tables.
 
 For each batch size it sends requests of exactly `sequence_length` random prompt tokens, times one prefill
 and `decode_length` decode steps (EOS ignored), over `runs` runs after `warmups`, and prints markdown tables.

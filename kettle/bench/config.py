@@ -1,4 +1,4 @@
-"""The benchmark's configuration: every flag of `kettle benchmark` (SPEC §13), validated at construction."""
+"""The benchmark's configuration: every flag of `kettle benchmark`, validated at construction."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Model resolution: whatever `--model-id` names becomes a local safetensors folder the shards can load.
 
-- nothing → the bundled SmolLM2-135M-Instruct GGUF (DESIGN.md, "The bundled model"), converted once;
+- nothing → the bundled SmolLM2-135M-Instruct GGUF (README.md, "Models and the cache"), converted once;
 - a `.gguf` file → converted once into the Kettle cache;
 - a local Hugging Face folder → used as is, or converted once if it holds only pickled weights;
 - anything else → a Hub model id, downloaded (or found in the Hub cache when offline).

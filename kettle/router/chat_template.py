@@ -1,4 +1,4 @@
-"""The model's chat template (SPEC §6): found in the model folder, rendered in a Jinja sandbox.
+"""The model's chat template (docs/api.md, OpenAI routes): found in the model folder, rendered in a Jinja sandbox.
 
 Templates are code shipped with a model download, so they run in `ImmutableSandboxedEnvironment`: no attribute
 access to Python internals, no mutation of the objects they are given. The helpers HF templates expect

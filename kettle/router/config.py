@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Settings of the HTTP router. Token limits left as None are chosen at warmup (SPEC §9)."""
+    """Settings of the HTTP router. Token limits left as None are chosen at warmup (server.py)."""
 
     master_shard_uds_path: str
     tokenizer_name: str  # local folder holding the tokenizer (the resolved model folder)

@@ -1,4 +1,4 @@
-"""HTTP errors of the TGI API (SPEC §5): every failure answers `{"error": str, "error_type": str}`.
+"""HTTP errors of the TGI API (docs/api.md, Errors): every failure answers `{"error": str, "error_type": str}`.
 
 Two families of exceptions reach the handlers: `ApiError` (raised by the HTTP side: validation, permits, auth,
 body checks) and `InferError` (raised by `Infer.generate`, defined in types.py). Both carry `status` and
@@ -33,7 +33,7 @@ class ApiError(Exception):
 
 
 class ValidationError(ApiError):
-    """A request that breaks SPEC §3; constructed with the bare rule text, answered with the prefix."""
+    """A request that breaks a rule of docs/api.md, Validation; made with the bare rule text, sent with the prefix."""
 
     status = 422
     error_type = "validation"
@@ -44,7 +44,7 @@ class ValidationError(ApiError):
 
 
 class TemplateError(ApiError):
-    """The chat template is missing or failed to render (SPEC §5)."""
+    """The chat template is missing or failed to render."""
 
     status = 422
     error_type = "template_error"

@@ -85,7 +85,7 @@ async def _stream_payloads(
 
 
 def response_headers(compute_type: str, body: schemas.GenerateRequest, best: Collected) -> dict[str, str]:
-    """SPEC §1 headers: compute time in seconds, the other durations in whole milliseconds."""
+    """Headers of docs/api.md, Routes: compute time in seconds, the other durations in whole milliseconds."""
     valid, last = best.request, best.last
     assert last is not None and last.end is not None
     times = Times.of(valid, last, last.end.generated_tokens)

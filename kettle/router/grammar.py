@@ -1,4 +1,5 @@
-"""Grammar checks on the router (SPEC §7): an invalid schema or regex is refused before the request is queued.
+"""Grammar checks on the router (docs/api.md, Structured output and tools): an invalid schema or regex is refused before
+the request is queued.
 
 The grammar is compiled with the same function the shard uses (kettle/grammar.py, LRU-cached by type and
 text), in a worker thread so a large schema never stalls the event loop.

@@ -37,7 +37,7 @@ _REQUEST_IDS = itertools.count()
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """Batching limits (SPEC §11), final once warmup has chosen the token limits and the KV cache size."""
+    """Batching limits, final once warmup has chosen the token limits and the KV cache size."""
 
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int

@@ -1,4 +1,5 @@
-"""Open routes about the server (SPEC §8): GET /health (also GET / and /ping), /info and /metrics.
+"""Open routes about the server (docs/api.md, Info, health and metrics): GET /health (also GET / and /ping), /info and
+/metrics.
 
 The OpenAPI document and Swagger UI (/api-doc/openapi.json, /docs) are FastAPI's own, configured in app.py.
 """

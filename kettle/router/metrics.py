@@ -1,4 +1,5 @@
-"""Prometheus metrics with TGI's names (SPEC §8), so existing TGI dashboards work unchanged.
+"""Prometheus metrics with TGI's names (docs/api.md, Info, health and metrics), so existing TGI dashboards work
+unchanged.
 
 Request-level metrics are recorded by the route handlers, batch-level ones by the scheduler.
 """

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes (SPEC §6): /v1/chat/completions, /v1/completions, /v1/models, /chat_tokenize and
-SageMaker's /invocations.
+"""The OpenAI-compatible routes (docs/api.md, OpenAI routes): /v1/chat/completions, /v1/completions, /v1/models,
+/chat_tokenize and SageMaker's /invocations.
 
 Every generation goes through the same `GenerationService` as /generate (permits, validation, metrics); this
 module renders chat prompts, maps the fields (openai_mapping.py) and shapes the answers and streams.

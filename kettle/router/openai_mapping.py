@@ -1,4 +1,4 @@
-"""OpenAI requests as TGI generate requests, and TGI results as OpenAI fields (SPEC §6).
+"""OpenAI requests as TGI generate requests, and TGI results as OpenAI fields (docs/api.md, OpenAI routes).
 
 The OpenAI routes do not validate on their own: they turn the body into a `GenerateRequest` and let the shared
 validation check it, so a bad `temperature` gets the same message as on /generate. Only what TGI's parameters

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI-compatible API (SPEC §6): chat and legacy completions, requests and answers.
+"""Pydantic models of the OpenAI-compatible API (docs/api.md, OpenAI routes): chat and legacy completions, requests and
+answers.
 
 Requests are lenient about unknown fields (OpenAI clients send many this server ignores) and treat `null` as
 absent. Ranges are not checked here: the request becomes a TGI `GenerateRequest` and validation.py checks it,

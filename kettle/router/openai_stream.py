@@ -1,4 +1,4 @@
-"""The OpenAI streams (SPEC §6): chat chunks and completion events over one or several generations.
+"""The OpenAI streams (docs/api.md, OpenAI routes): chat chunks and completion events over one or several generations.
 
 Framing, `[DONE]` and the permit release are streaming.py's; this module only produces the payloads. Errors in a
 stream travel as OpenAI's `{"error": {"message", "http_status_code"}}` event.

@@ -1,6 +1,7 @@
-"""Pydantic models of TGI's generate API (SPEC §2, §4): request parsing, responses, and /docs.
+"""Pydantic models of TGI's generate API (docs/api.md, Generate parameters; Responses and streams): request parsing,
+responses, and /docs.
 
-Only JSON types are checked here. The ranges of SPEC §3 are validation.py's job, so that a bad value gets
+Only JSON types are checked here. The ranges (docs/api.md, Validation) are validation.py's job, so that a bad value gets
 TGI's exact message instead of pydantic's. Models are strict (no "20" for an int), like TGI's serde.
 """
 
@@ -38,7 +39,7 @@ class _OmitsEmpty(BaseModel):
 
 
 class Grammar(_Strict):
-    """A constraint on the output (SPEC §7)."""
+    """A constraint on the output (docs/api.md, Structured output and tools)."""
 
     type: Literal["json", "json_object", "regex", "json_schema"] = Field(description="Kind of grammar.")
     value: Any = Field(
@@ -48,7 +49,7 @@ class Grammar(_Strict):
 
 
 class GenerateParameters(_Strict):
-    """Generation parameters; every one may be absent (SPEC §2)."""
+    """Generation parameters; every one may be absent (docs/api.md, Generate parameters)."""
 
     best_of: int | None = Field(
         None, le=UINT32_MAX, description="Generate this many sampled sequences, return the best.", examples=[1]
@@ -197,7 +198,7 @@ class ErrorResponse(BaseModel):
 
 
 class Info(BaseModel):
-    """Answer of /info (SPEC §8)."""
+    """Answer of /info (docs/api.md, Info, health and metrics)."""
 
     model_config = ConfigDict(protected_namespaces=())
 

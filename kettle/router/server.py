@@ -1,6 +1,6 @@
 """`kettle router`: connect to the shards, choose the token limits, warm up, serve HTTP until a signal.
 
-Token limits left unset are derived (SPEC §9): `max_total_tokens` from the model's context length (the shard's
+Token limits left unset are derived: `max_total_tokens` from the model's context length (the shard's
 `max_position_embeddings`, config.json and the tokenizer's `model_max_length`, whichever is smallest) capped at
 4096; `max_input_tokens = max_total_tokens - 1`; `max_batch_prefill_tokens = max_input_tokens + 50`. Warmup then
 sizes the KV cache, which gives `max_batch_total_tokens` and the block layout for the scheduler.

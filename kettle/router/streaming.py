@@ -1,4 +1,4 @@
-"""Server-sent events: `data: <json>\\n\\n` framing over a plain StreamingResponse (SPEC §4).
+"""Server-sent events: `data: <json>\\n\\n` framing over a plain StreamingResponse (docs/api.md, Responses and streams).
 
 Plain framing instead of sse-starlette: the TGI and OpenAI streams use only `data:` lines (no event names, ids or
 keep-alive comments), which is three lines of code and one dependency less. Route modules produce payloads

@@ -1,4 +1,5 @@
-"""Streamed tool calls (SPEC §7): the growing tool output turned into OpenAI deltas as it is generated.
+"""Streamed tool calls (docs/api.md, Structured output and tools): the growing tool output turned into OpenAI deltas as
+it is generated.
 
 The output is `{"function": {"_name": NAME, ...}}` (tools.py). Nothing is sent until the name is complete; then
 a call sends one delta with its id, type and name, followed by argument-text deltas whose concatenation is the

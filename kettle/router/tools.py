@@ -1,4 +1,5 @@
-"""Tool calling the way TGI does it (SPEC §7): the tools become one JSON grammar, the output becomes `tool_calls`.
+"""Tool calling the way TGI does it (docs/api.md, Structured output and tools): the tools become one JSON grammar, the
+output becomes `tool_calls`.
 
 The model is constrained to write `{"function": {"_name": NAME, ...arguments}}`, where NAME is one of the
 offered functions and the arguments follow that function's parameter schema. With `tool_choice` `auto` a
@@ -38,7 +39,7 @@ NAME_HEAD = re.compile(r'\{"function": \{"_name": "((?:[^"\\]|\\.)*)"')
 
 
 class ToolError(ApiError):
-    """A tool request that cannot be served (SPEC §5): 422 `tool_error`."""
+    """A tool request that cannot be served: 422 `tool_error`."""
 
     status = 422
     error_type = "tool_error"

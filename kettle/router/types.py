@@ -110,7 +110,7 @@ InferEvent = PrefillEvent | TokenEvent
 
 
 class InferError(Exception):
-    """Base of the errors `Infer.generate` raises; `error_type` and `status` map to SPEC §5."""
+    """Base of the errors `Infer.generate` raises; `error_type` and `status` map to docs/api.md, Errors."""
 
     status = 500
     error_type = "incomplete_generation"

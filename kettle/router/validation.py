@@ -1,4 +1,4 @@
-"""Request validation (SPEC §3): the rules in exactly their documented order, with TGI's exact messages.
+"""Request validation (docs/api.md, Validation): the rules in exactly their documented order, with TGI's exact messages.
 
 Each rule raises `ValidationError(text)`; the error handler prefixes "Input validation error: ". A request that
 breaks several rules gets the message of the first one, so clients see the same text as with TGI.
@@ -68,8 +68,8 @@ class Validation:
     async def validate(
         self, request: GenerateRequest, *, stream: bool = False, add_special_tokens: bool = True
     ) -> ValidGenerateRequest:
-        """Applies SPEC §3 in order; `stream` adds the streaming-only rules (16). Chat prompts whose template
-        already wrote the BOS token pass `add_special_tokens=False`, so it is not doubled."""
+        """Applies the validation rules in order; `stream` adds the streaming-only rules (16). Chat prompts whose
+        template already wrote the BOS token pass `add_special_tokens=False`, so it is not doubled."""
         p = request.parameters or GenerateParameters()
         sampling = is_sampling(request)
         best_of = self._check_best_of(p.best_of, sampling)

@@ -1,4 +1,5 @@
-"""Constrained decoding on the shard (SPEC §7, §12): per-request grammar matchers and the batch's token mask.
+"""Constrained decoding on the shard (docs/api.md, Structured output and tools): per-request grammar matchers and the
+batch's token mask.
 
 The engine is llguidance (see bench/grammar_engines.py for the comparison with xgrammar and outlines-core):
 near-zero grammar compile time (its lexer is built lazily while masking), masks of a few hundred µs per row

@@ -3,7 +3,7 @@
 Each processor is built once per batch composition from the per-request parameters and touches only the rows
 whose parameter is not neutral; a processor with no such row is not built at all (`build` returns None).
 Processors run on float32 scores [B, V] and may modify them in place. The order they are applied in is the
-sampler's business (SPEC §12): watermark → repetition penalty → frequency penalty → presence penalty → (grammar mask) →
+sampler's business: watermark → repetition penalty → frequency penalty → presence penalty → (grammar mask) →
 temperature → top-k → top-p → typical-p.
 """
 

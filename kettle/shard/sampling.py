@@ -67,7 +67,7 @@ class SamplingParams:
 
     @property
     def sampling(self) -> bool:
-        """Whether the row samples: asked for, or implied by any warper (SPEC §2)."""
+        """Whether the row samples: asked for, or implied by any warper (docs/api.md, Generate parameters)."""
         warped = self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
         return self.do_sample or warped
 
@@ -110,7 +110,7 @@ class BatchSampler:
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
         )
         watermark = Watermark.build([p.watermark for p in params], vocab_size, device, watermark_gamma, watermark_delta)
-        # The grammar mask goes between these two groups (SPEC §12).
+        # The grammar mask goes between these two groups.
         self._before_mask = _present(
             watermark,
             RepetitionPenalty.build([p.repetition_penalty for p in params], device),

@@ -1,4 +1,4 @@
-"""The gRPC servicer of `TextGenerationService` (SPEC §10), backed by a `ShardEngine`.
+"""The gRPC servicer of `TextGenerationService` (docs/api.md, Shard protocol), backed by a `ShardEngine`.
 
 Model calls run in one worker thread under a lock, so the event loop keeps answering Health and Info while a
 forward runs, and the engine is never entered twice at once. It is always the same thread (`ENGINE_THREAD`,

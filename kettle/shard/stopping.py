@@ -1,4 +1,4 @@
-"""When one request stops: max_new_tokens, then the model's EOS ids, then a stop string (SPEC §12)."""
+"""When one request stops: max_new_tokens, then the model's EOS ids, then a stop string."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class StoppingCriteria:
     several tokens matches. A match counts when the stop string *ends inside the newest piece of text*, not
     only at its very end: TGI's end-anchored check misses a stop string when the model emits it together with
     the next characters in one token (stop "\\n" and a token ".\\n\\n"), and generation then runs on. The
-    matched stop string stays in the output (SPEC §4).
+    matched stop string stays in the output (docs/api.md, Responses and streams).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""`kettle benchmark` starts its own shard on the tiny model and prints SPEC §13's tables."""
+"""`kettle benchmark` starts its own shard on the tiny model and prints its latency and throughput tables."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Structured output and tools on the real server (SPEC §7): the tiny random model must still obey the grammar
-token by token, so every output parses and validates; real clients (openai SDK, huggingface_hub)."""
+"""Structured output and tools on the real server (docs/api.md, Structured output and tools): the tiny random
+model must still obey the grammar token by token, so every output parses and validates; real clients (openai SDK,
+huggingface_hub)."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def test_models_and_errors(client):
     assert [m.id for m in client.models.list().data]
     with pytest.raises(UnprocessableEntityError) as caught:
         client.chat.completions.create(model="tgi", messages=MESSAGES, n=2)
-    # The SDK keeps the `error` field of SPEC §5's body (TGI's shape).
+    # The SDK keeps the `error` field of the error body (TGI's shape; docs/api.md, Errors).
     assert caught.value.body == "Input validation error: `n` > 1 is not supported yet"
 
 

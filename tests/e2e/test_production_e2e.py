@@ -21,7 +21,7 @@ from tests.e2e.otlp_receiver import OtlpReceiver
 from tests.faults import fault_env, fault_prompt
 
 MAX_TOTAL_TOKENS = 512
-SPEC_METRICS = {
+TGI_METRICS = {
     "counter": [
         "tgi_request_count",
         "tgi_request_success",
@@ -79,7 +79,7 @@ def test_prometheus_port_serves_every_spec_metric_with_tgi_names(prod):
     assert generate(prod, "Hello").status_code == 200
     assert generate(prod, "").status_code == 422
     text = httpx.get(prod.prometheus_url, timeout=10).text
-    for kind, names in SPEC_METRICS.items():
+    for kind, names in TGI_METRICS.items():
         for name in names:
             assert f"# TYPE {name} {kind}" in text, name
     assert not re.search(r"^tgi_\w+_total", text, re.MULTILINE), "TGI's counters have no _total suffix"

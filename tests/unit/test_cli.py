@@ -1,4 +1,5 @@
-"""The command line: SPEC §9 flags, environment fallbacks, aliases, and the child commands' contracts."""
+"""The command line: TGI's launcher flags (README.md, Flags), environment fallbacks, aliases, and the child commands'
+contracts."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from kettle.launcher.specs import router_spec, shard_spec
 from kettle.router.config import RouterConfig
 from kettle.shard.config import ShardConfig
 
-# SPEC §9, plus the CPU and CUDA flags Kettle adds.
-SPEC_FLAGS = (
+# text-generation-launcher's flags, plus the CPU and CUDA flags Kettle adds.
+TGI_FLAGS = (
     "--model-id",
     "--revision",
     "--sharded",
@@ -97,14 +98,14 @@ def captured(monkeypatch):
 def test_launch_help_lists_every_spec_flag():
     result = runner.invoke(app, ["launch", "--help"], env=WIDE)
     assert result.exit_code == 0
-    missing = [flag for flag in SPEC_FLAGS if flag not in result.output]
+    missing = [flag for flag in TGI_FLAGS if flag not in result.output]
     assert not missing
-    assert set(SPEC_FLAGS) <= set(command_params("launch"))
+    assert set(TGI_FLAGS) <= set(command_params("launch"))
 
 
 def test_every_launch_flag_reads_its_environment_variable():
     params = command_params("launch")
-    for flag in SPEC_FLAGS:
+    for flag in TGI_FLAGS:
         expected = flag.lstrip("-").replace("-", "_").upper()
         if flag in ("--cpu-kv-cache-fraction", "--num-threads"):
             expected = "KETTLE_" + expected

@@ -1,4 +1,5 @@
-"""Grammar compilation, the shard's batch token mask, and OpenAI's presence penalty (SPEC §7, §12)."""
+"""Grammar compilation, the shard's batch token mask, and OpenAI's presence penalty (docs/api.md, Structured output and
+tools)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tool calling (SPEC §7): the tool grammar, output parsing, streamed deltas, and the chat route over a fake Infer."""
+"""Tool calling (docs/api.md, Structured output and tools): the tool grammar, output parsing, streamed deltas, and the
+chat route over a fake Infer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Validation (SPEC §3): every message with its exact text, the order of the rules, and the defaults."""
+"""Validation (docs/api.md, Validation): every message with its exact text, the order of the rules, and the defaults."""
 
 from __future__ import annotations
 
