@@ -1,7 +1,7 @@
 """Model resolution: whatever `--model-id` names becomes a local safetensors folder the shards can load.
 
-- nothing → the bundled SmolLM2-135M-Instruct GGUF (DESIGN.md, "The bundled model"), converted once;
-- a `.gguf` file → converted once into the Kettle cache;
+- nothing → the bundled SmolLM2-135M-Instruct GGUF, prepared once (config and tokenizer; weights stay in the file);
+- a `.gguf` file → prepared once into the Kettle cache;
 - a local Hugging Face folder → used as is, or converted once if it holds only pickled weights;
 - anything else → a Hub model id, downloaded (or found in the Hub cache when offline).
 """
@@ -59,15 +59,21 @@ def bundled_gguf() -> Path:
 
 
 def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
-    """The safetensors folder converted from `gguf`, converting it the first time."""
-    from kettle.hub.gguf import convert_gguf
+    """The model folder prepared from `gguf` (config, tokenizer and a link to the file; a float32 safetensors
+    conversion for architectures Kettle does not read from GGUF), preparing it the first time."""
+    from kettle.hub.gguf import convert_gguf, prepare_gguf, reads_natively
 
-    target = converted_dir(gguf.stem, source_key(gguf))
+    key = source_key(gguf)
+    if reads_natively(gguf):
+        target = converted_dir(f"{gguf.stem}-gguf", key)
+        return build_once(target, lambda out: prepare_gguf(gguf, out, trust_remote_code), what=gguf.name)
+    target = converted_dir(gguf.stem, key)
     return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), what=gguf.name)
 
 
 def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
     """`folder` itself when it holds safetensors; its cached conversion when it holds only pickled weights."""
+    from kettle.hub.gguf import GGUF_LINK
     from kettle.hub.torch_weights import convert_pickled_folder, has_safetensors, pickled_weight_files
 
     if not (folder / "config.json").is_file():
@@ -75,7 +81,7 @@ def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
         if len(ggufs) == 1:
             return gguf_folder(ggufs[0], trust_remote_code)
         raise ModelNotFound(f"Model folder {folder} has no config.json")
-    if has_safetensors(folder):
+    if has_safetensors(folder) or (folder / GGUF_LINK).exists():
         return folder
     weights = pickled_weight_files(folder)
     if not weights:

@@ -63,7 +63,9 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     dtype = choose_dtype(config.dtype, device, config.model_path)
     # Join the tensor-parallel group before loading: the loaders read only this rank's slices.
     init_distributed(config.rank, config.world_size, device)
-    model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize)
+    # A float --dtype asks a quantized (GGUF) checkpoint for dequantized weights; without one it serves quantized.
+    dequantize = config.dtype is not None
+    model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize, dequantize)
     vocab = Vocab.load(config.model_path, config.trust_remote_code)
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")
