@@ -84,6 +84,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         vocab_size=spec.vocab_size,
         model_type=spec.model_type,
         execution_path=execution_path,
+        quantization=getattr(model, "quantization", None) or config.quantize or "",
     )
     return engine, info
 
@@ -108,13 +109,14 @@ async def _serve(config: ShardConfig) -> None:
     server.add_insecure_port(f"unix://{config.socket_path}")
     await server.start()
     logger.info(
-        "Shard %d/%d ready on %s (%s, %s, %s)",
+        "Shard %d/%d ready on %s (%s, %s, %s, weights %s)",
         config.rank,
         config.world_size,
         config.socket_path,
         info.model_type,
         info.dtype,
         info.device_type,
+        info.quantization or "dense",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
