@@ -3,7 +3,8 @@
 - nothing → the bundled SmolLM2-135M-Instruct GGUF, prepared once (config and tokenizer; weights stay in the file);
 - a `.gguf` file → prepared once into the Kettle cache;
 - a local Hugging Face folder → used as is, or converted once if it holds only pickled weights;
-- anything else → a Hub model id, downloaded (or found in the Hub cache when offline).
+- anything else → a Hub model id, downloaded (or found in the Hub cache when offline); llama.cpp's short form
+  `org/name-GGUF:Q4_K_M` downloads that one GGUF (and the repository's small files) and prepares it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,21 @@ def resolve_model(
         raise ModelNotFound(f"Model {model_id!r} does not exist on this machine (no such file or folder)")
     from kettle.hub.download import download_snapshot
 
-    snapshot = download_snapshot(model_id, revision, hub_cache, trust_remote_code)
-    return ResolvedModel(local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
+    repo, _, quant = model_id.partition(":")
+    snapshot = download_snapshot(repo, revision, hub_cache, trust_remote_code, gguf_quant=quant or None)
+    folder = gguf_folder(pick_gguf(snapshot, repo, quant), trust_remote_code) if quant else None
+    return ResolvedModel(folder or local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
+
+
+def pick_gguf(snapshot: Path, repo: str, quant: str) -> Path:
+    """The one `.gguf` in `snapshot` whose name carries the quantization tag `quant` (any case)."""
+    files = sorted(snapshot.glob("*.gguf"))
+    matches = [path for path in files if quant.lower() in path.name.lower()]
+    if len(matches) == 1:
+        return matches[0]
+    there = ", ".join(path.name for path in files) or "no .gguf files"
+    problem = "several GGUF files match" if matches else "no GGUF file matches"
+    raise ModelNotFound(f"Model {repo!r}: {problem} the tag {quant!r} (files there: {there})")
 
 
 def bundled_gguf() -> Path:
