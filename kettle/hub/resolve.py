@@ -85,6 +85,19 @@ def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
     return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), what=gguf.name)
 
 
+def float_folder(folder: Path) -> Path:
+    """A float32 safetensors conversion of a folder prepared from a GGUF, for tools that hand the folder to
+    transformers (the benchmarks' baselines, CTranslate2's converter); any other folder is itself."""
+    from kettle.hub.gguf import GGUF_LINK, convert_gguf
+
+    link = Path(folder) / GGUF_LINK
+    if not link.exists():
+        return Path(folder)
+    gguf = link.resolve()
+    target = converted_dir(gguf.stem, source_key(gguf))
+    return build_once(target, lambda out: convert_gguf(gguf, out), what=f"{gguf.name} (float32, for transformers)")
+
+
 def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
     """`folder` itself when it holds safetensors; its cached conversion when it holds only pickled weights."""
     from kettle.hub.gguf import GGUF_LINK

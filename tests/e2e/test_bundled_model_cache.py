@@ -59,12 +59,15 @@ def test_a_second_resolution_reuses_the_cache(bundled):
     assert time.monotonic() - started < 2.0
 
 
-def test_the_converted_model_answers_sensibly(bundled):
+def test_the_float32_conversion_for_transformers_answers_sensibly(bundled):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(bundled.path)
-    model = AutoModelForCausalLM.from_pretrained(bundled.path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    from kettle.hub.resolve import float_folder
+
+    # The float32 conversion benchmarks hand to transformers (and CTranslate2), built once beside the GGUF folder.
+    model = AutoModelForCausalLM.from_pretrained(float_folder(bundled.path), dtype=torch.float32).eval()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
