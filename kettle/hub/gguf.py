@@ -95,7 +95,7 @@ def _embed_chat_template(tokenizer_config: Path, template: str | dict | None) ->
     """Also keeps the chat template inside tokenizer_config.json, where TGI-era readers look for it.
 
     Recent transformers writes it only to chat_template.jinja; the copy here costs nothing and makes the
-    folder readable by every client of the SPEC's lookup order.
+    folder readable by every reader of the usual lookup order (chat_template.json, .jinja, tokenizer_config.json).
     """
     if not template or not tokenizer_config.exists():
         return

@@ -3,6 +3,10 @@
 A folder holds either one `model.safetensors` (or any `*.safetensors` files) or shards listed by
 `model.safetensors.index.json`. Tensors are read one at a time through `safe_open`, so peak memory stays near
 the size of the model in its target dtype, never two copies of the checkpoint.
+
+A folder prepared from a GGUF file (config, tokenizer and a `model.gguf` link) is read through
+`kettle/tensors/gguf_file.py` instead: the same names and calls, with `weights.gguf` exposing the file's
+quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.py).
 """
 
 from __future__ import annotations
