@@ -56,7 +56,9 @@ def transformers_rates(model_path: str, prompts: list[str], max_new_tokens: int)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    from kettle.hub.resolve import float_folder
+
+    model = AutoModelForCausalLM.from_pretrained(float_folder(model_path), dtype=torch.float32).eval()
     rates = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids

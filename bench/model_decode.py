@@ -76,7 +76,9 @@ def transformers_decode(path: str, dtype: torch.dtype, batch: int, context: int)
     """The same decode step with transformers' own model and DynamicCache."""
     from transformers import AutoModelForCausalLM
 
-    return hf_decode_step(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), batch, context)
+    from kettle.hub.resolve import float_folder
+
+    return hf_decode_step(AutoModelForCausalLM.from_pretrained(float_folder(path), dtype=dtype).eval(), batch, context)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -82,7 +82,9 @@ def transformers_worker(model_path: str, prompts: list[str], max_new_tokens: int
             pass
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    from kettle.hub.resolve import float_folder
+
+    model = AutoModelForCausalLM.from_pretrained(float_folder(model_path), dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -128,9 +130,10 @@ def ct2_model(model_path: str) -> Path:
     from ctranslate2.converters import TransformersConverter
 
     from kettle.hub.cache import build_once, cache_root
+    from kettle.hub.resolve import float_folder
 
     target = cache_root() / "peers" / f"ct2-int8-{Path(model_path).name}"
-    convert = TransformersConverter(model_path).convert
+    convert = TransformersConverter(str(float_folder(model_path))).convert
     return build_once(target, lambda out: convert(str(out), quantization="int8", force=True), what="CTranslate2 int8")
 
 

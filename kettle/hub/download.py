@@ -28,9 +28,17 @@ def hub_cache_dir(hub_cache: str | None) -> str | None:
 
 
 def download_snapshot(
-    model_id: str, revision: str | None, hub_cache: str | None, trust_remote_code: bool = False
+    model_id: str,
+    revision: str | None,
+    hub_cache: str | None,
+    trust_remote_code: bool = False,
+    gguf_quant: str | None = None,
 ) -> Path:
-    """The local snapshot folder of `model_id` at `revision`, downloading what is missing."""
+    """The local snapshot folder of `model_id` at `revision`, downloading what is missing; with `gguf_quant`
+    (llama.cpp's `org/name-GGUF:Q4_K_M`), the small files and the GGUF files whose name carries that tag."""
+    if gguf_quant:
+        tags = {gguf_quant, gguf_quant.upper(), gguf_quant.lower()}
+        return _snapshot(model_id, revision, hub_cache, METADATA_PATTERNS + [f"*{tag}*.gguf" for tag in tags])
     patterns = METADATA_PATTERNS + SAFETENSORS_PATTERNS + (CODE_PATTERNS if trust_remote_code else [])
     folder = _snapshot(model_id, revision, hub_cache, patterns)
     if not any(folder.glob("*.safetensors")):

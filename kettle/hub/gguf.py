@@ -1,8 +1,12 @@
-"""GGUF → safetensors folder: the one-time conversion behind the bundled model and any `.gguf` a user passes.
+"""A GGUF file as a model folder: the one-time preparation behind the bundled model and any `.gguf` a user passes.
 
-transformers (with the `gguf` package) reads the file's metadata, tokenizer, chat template and weights and
-dequantizes them; we save the result as an ordinary Hugging Face folder so the shards, the router and the
-parity tests all load one format. Everything torch or transformers is imported inside the functions, so
+For the architectures Kettle reads natively from GGUF (`NATIVE_ARCHITECTURES`), only the small files are
+written: config.json, generation_config.json, the tokenizer and its chat template (read by transformers with
+the `gguf` package), plus a symbolic link `model.gguf` to the file itself. The shard then reads the weights
+straight from the GGUF (kettle/tensors/gguf_file.py), still quantized: no float copy is ever written.
+
+Other architectures are converted as before: transformers dequantizes every weight and the result is saved
+as a float32 safetensors folder. Everything torch or transformers is imported inside the functions, so
 importing this module is free.
 """
 
@@ -11,8 +15,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# GGUF architectures whose weights Kettle's native families read straight from the file (tested in
+# tests/models/test_gguf_native.py); the others are converted to a float32 safetensors folder.
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_LINK = "model.gguf"  # the name under which a prepared folder points at its GGUF file
+
 # Below this, `model_max_length` is a real limit; at or above it, transformers' "no limit known" sentinel.
 _UNLIMITED = 10**18
+
+
+def architecture(gguf_path: Path) -> str:
+    """`general.architecture` from the file's header."""
+    from kettle.hub.gguf_header import read_header
+
+    return read_header(gguf_path).fields["general.architecture"]
+
+
+def reads_natively(gguf_path: Path) -> bool:
+    return architecture(gguf_path) in NATIVE_ARCHITECTURES
+
+
+def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
+    """Writes config.json, generation_config.json, the tokenizer files and a `model.gguf` link into `out_dir`."""
+    config = _save_config(gguf_path, out_dir, trust_remote_code)
+    _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(config))
+    _add_legacy_config_keys(out_dir / "config.json")
+    (out_dir / GGUF_LINK).symlink_to(gguf_path.resolve())
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
@@ -20,6 +48,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
     model = _save_model(gguf_path, out_dir, trust_remote_code)
     _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(model.config))
     _add_legacy_config_keys(out_dir / "config.json")
+
+
+def _save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool):
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=trust_remote_code)
+    # transformers marks configs read from GGUF as "quantized with gguf"; Kettle reads the file itself.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    return config
 
 
 def _save_model(gguf_path: Path, out_dir: Path, trust_remote_code: bool):
@@ -55,7 +95,7 @@ def _embed_chat_template(tokenizer_config: Path, template: str | dict | None) ->
     """Also keeps the chat template inside tokenizer_config.json, where TGI-era readers look for it.
 
     Recent transformers writes it only to chat_template.jinja; the copy here costs nothing and makes the
-    folder readable by every client, whichever of these places it looks in first.
+    folder readable by every reader of the usual lookup order (chat_template.json, .jinja, tokenizer_config.json).
     """
     if not template or not tokenizer_config.exists():
         return

@@ -1,9 +1,10 @@
 """Model resolution: whatever `--model-id` names becomes a local safetensors folder the shards can load.
 
-- nothing → the bundled SmolLM2-135M-Instruct GGUF (README.md, "Models and the cache"), converted once;
-- a `.gguf` file → converted once into the Kettle cache;
+- nothing → the bundled SmolLM2-135M-Instruct GGUF, prepared once (config and tokenizer; weights stay in the file);
+- a `.gguf` file → prepared once into the Kettle cache;
 - a local Hugging Face folder → used as is, or converted once if it holds only pickled weights;
-- anything else → a Hub model id, downloaded (or found in the Hub cache when offline).
+- anything else → a Hub model id, downloaded (or found in the Hub cache when offline); llama.cpp's short form
+  `org/name-GGUF:Q4_K_M` downloads that one GGUF (and the repository's small files) and prepares it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,21 @@ def resolve_model(
         raise ModelNotFound(f"Model {model_id!r} does not exist on this machine (no such file or folder)")
     from kettle.hub.download import download_snapshot
 
-    snapshot = download_snapshot(model_id, revision, hub_cache, trust_remote_code)
-    return ResolvedModel(local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
+    repo, _, quant = model_id.partition(":")
+    snapshot = download_snapshot(repo, revision, hub_cache, trust_remote_code, gguf_quant=quant or None)
+    folder = gguf_folder(pick_gguf(snapshot, repo, quant), trust_remote_code) if quant else None
+    return ResolvedModel(folder or local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
+
+
+def pick_gguf(snapshot: Path, repo: str, quant: str) -> Path:
+    """The one `.gguf` in `snapshot` whose name carries the quantization tag `quant` (any case)."""
+    files = sorted(snapshot.glob("*.gguf"))
+    matches = [path for path in files if quant.lower() in path.name.lower()]
+    if len(matches) == 1:
+        return matches[0]
+    there = ", ".join(path.name for path in files) or "no .gguf files"
+    problem = "several GGUF files match" if matches else "no GGUF file matches"
+    raise ModelNotFound(f"Model {repo!r}: {problem} the tag {quant!r} (files there: {there})")
 
 
 def bundled_gguf() -> Path:
@@ -59,15 +73,34 @@ def bundled_gguf() -> Path:
 
 
 def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
-    """The safetensors folder converted from `gguf`, converting it the first time."""
-    from kettle.hub.gguf import convert_gguf
+    """The model folder prepared from `gguf` (config, tokenizer and a link to the file; a float32 safetensors
+    conversion for architectures Kettle does not read from GGUF), preparing it the first time."""
+    from kettle.hub.gguf import convert_gguf, prepare_gguf, reads_natively
 
-    target = converted_dir(gguf.stem, source_key(gguf))
+    key = source_key(gguf)
+    if reads_natively(gguf):
+        target = converted_dir(f"{gguf.stem}-gguf", key)
+        return build_once(target, lambda out: prepare_gguf(gguf, out, trust_remote_code), what=gguf.name)
+    target = converted_dir(gguf.stem, key)
     return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), what=gguf.name)
+
+
+def float_folder(folder: Path) -> Path:
+    """A float32 safetensors conversion of a folder prepared from a GGUF, for tools that hand the folder to
+    transformers (the benchmarks' baselines, CTranslate2's converter); any other folder is itself."""
+    from kettle.hub.gguf import GGUF_LINK, convert_gguf
+
+    link = Path(folder) / GGUF_LINK
+    if not link.exists():
+        return Path(folder)
+    gguf = link.resolve()
+    target = converted_dir(gguf.stem, source_key(gguf))
+    return build_once(target, lambda out: convert_gguf(gguf, out), what=f"{gguf.name} (float32, for transformers)")
 
 
 def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
     """`folder` itself when it holds safetensors; its cached conversion when it holds only pickled weights."""
+    from kettle.hub.gguf import GGUF_LINK
     from kettle.hub.torch_weights import convert_pickled_folder, has_safetensors, pickled_weight_files
 
     if not (folder / "config.json").is_file():
@@ -75,7 +108,7 @@ def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
         if len(ggufs) == 1:
             return gguf_folder(ggufs[0], trust_remote_code)
         raise ModelNotFound(f"Model folder {folder} has no config.json")
-    if has_safetensors(folder):
+    if has_safetensors(folder) or (folder / GGUF_LINK).exists():
         return folder
     weights = pickled_weight_files(folder)
     if not weights:

@@ -48,21 +48,26 @@ def load_model(
     device: torch.device | str,
     trust_remote_code: bool = False,
     quantize: str | None = None,
+    dequantize: bool = False,
 ) -> CausalLM:
     """Loads the model in the local folder `path` in `dtype` on `device` with Kettle's own implementation (or
     through transformers when it has none: `transformers_fallback.py`); `quantize="fp8"` then converts its
     linear layers to fp8 weights (embeddings and LM head stay in `dtype`); int8/int4 (and GPTQ/AWQ checkpoints,
-    found from their `quantization_config`) quantize the CPU model as it loads (kettle/quantization/loading.py)."""
+    found from their `quantization_config`) quantize the CPU model as it loads (kettle/quantization/loading.py).
+    A GGUF folder with no `quantize` serves its own quantization on the CPU unless `dequantize` (a float --dtype)
+    asks for dense weights (kettle/quantization/gguf_scheme.py)."""
     from transformers import AutoConfig
 
     from kettle.models.rope_override import apply_rope_override
     from kettle.models.transformers_fallback import load_transformers_model
-    from kettle.quantization.loading import finish, resolve_scheme
+    from kettle.quantization.loading import default_gguf_scheme, finish, resolve_scheme
 
     check_loadable(path, trust_remote_code)  # clear errors for custom code / unknown types, before transformers'
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     apply_rope_override(config)  # --rope-scaling / --rope-factor, handed over by the launcher
     scheme = resolve_scheme(quantize, config, torch.device(device).type)  # clear errors for unsupported values
+    if scheme is None and quantize is None and not dequantize:
+        scheme = default_gguf_scheme(path, torch.device(device).type)
     quantize = quantize or (scheme and scheme.method)
     loader = ARCHITECTURES.get(config.model_type)
     check_tensor_parallel(config.model_type, distributed.current().world_size)

@@ -82,6 +82,21 @@ def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | N
     return Scheme(quantize, int4_group_size(), head=lm_head_scheme(quantize))
 
 
+def default_gguf_scheme(path: str, device_type: str):
+    """The file's own quantization for a GGUF model folder on the CPU (`gguf_scheme`); None elsewhere: other
+    checkpoints load as stored, and on CUDA GGUF weights are dequantized to the model dtype."""
+    from pathlib import Path
+
+    from kettle.quantization.gguf_scheme import gguf_scheme
+    from kettle.tensors import distributed
+    from kettle.tensors.gguf_file import GgufTensors, folder_gguf
+
+    gguf = folder_gguf(Path(path))
+    if gguf is None or device_type != "cpu" or distributed.current().world_size > 1:
+        return None
+    return gguf_scheme(GgufTensors(gguf))
+
+
 def quantize_weight(scheme: Scheme, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dense [out, in] weight as an `Int8Linear` or `Int4Linear`; int8 for a shape the int4 kernel cannot
     take (out_features not a multiple of 16, e.g. GPT-2's 50257-row head, or in_features not of 32)."""
@@ -116,6 +131,9 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     head = getattr(model, "lm_head", None)
     if scheme is None:
         return model
+    load_head = getattr(scheme, "load_head", None)  # a GGUF file's own head tensor (gguf_scheme.py)
+    if load_head is not None and isinstance(head, Linear):
+        model.lm_head = load_head(head)
     if scheme.head is not None and isinstance(head, Linear):
         weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
         bias = None if head.bias is None else head.bias.data
@@ -124,7 +142,9 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
         torch.cuda.empty_cache()
     groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear | Q4Linear)})
-    logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, scheme.head)
+    model.quantization = getattr(scheme, "description", scheme.method)  # for /info and the start-up log
+    head_kind = type(model.lm_head).__name__ if hasattr(model, "lm_head") else None
+    logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, head_kind)
     return model
 
 

@@ -66,6 +66,15 @@ class Q4Linear(nn.Module):
         """From q [N, K] (0..15) and scale/zero [K/g, N] in the float-zero form (GPTQ/AWQ checkpoints)."""
         return cls(q, scale, zero, group_size, bias)
 
+    @classmethod
+    def from_groups(cls, q, scales, mins, group_size: int, bias=None) -> Q4Linear:
+        """From q [N, K] (0..15) and scales/mins [N, K/g] with W = q · scale + min (GGUF's 4-bit types): the
+        kernel's float16 scales and minimums are rounded from these directly, not through the float-zero form."""
+        layer = cls(q, scales.t(), (mins + 8 * scales).t(), group_size, bias)
+        layer.scales.copy_(scales.to(torch.float16))
+        layer.mins.copy_(mins.to(torch.float16))
+        return layer
+
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
         if ops.available():  # one parallel C pass; the tensor ops below cost ~10x more per prefill chunk

@@ -220,3 +220,5 @@ class Info(BaseModel):
     docker_label: str | None = None
     # Kettle's addition: which code runs the model ("native", "transformers" fallback, or "seq2seq").
     execution_path: str | None = Field(None, examples=["native"])
+    # Kettle's addition: the weight quantization that serves (null: dense weights in `model_dtype`).
+    quantization: str | None = Field(None, examples=["gguf Q4_1+Q8_0 → int4"])

@@ -64,7 +64,9 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     dtype = choose_dtype(config.dtype, device, config.model_path)
     # Join the tensor-parallel group before loading: the loaders read only this rank's slices.
     init_distributed(config.rank, config.world_size, device)
-    model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize)
+    # A float --dtype asks a quantized (GGUF) checkpoint for dequantized weights; without one it serves quantized.
+    dequantize = config.dtype is not None
+    model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize, dequantize)
     vocab = Vocab.load(config.model_path, config.trust_remote_code)
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")
@@ -87,6 +89,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         vocab_size=spec.vocab_size,
         model_type=spec.model_type,
         execution_path=execution_path,
+        quantization=getattr(model, "quantization", None) or config.quantize or "",
     )
     return engine, info
 
@@ -111,13 +114,14 @@ async def _serve(config: ShardConfig) -> None:
     server.add_insecure_port(f"unix://{config.socket_path}")
     await server.start()
     logger.info(
-        "Shard %d/%d ready on %s (%s, %s, %s)",
+        "Shard %d/%d ready on %s (%s, %s, %s, weights %s)",
         config.rank,
         config.world_size,
         config.socket_path,
         info.model_type,
         info.dtype,
         info.device_type,
+        info.quantization or "dense",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

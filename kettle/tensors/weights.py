@@ -3,6 +3,10 @@
 A folder holds either one `model.safetensors` (or any `*.safetensors` files) or shards listed by
 `model.safetensors.index.json`. Tensors are read one at a time through `safe_open`, so peak memory stays near
 the size of the model in its target dtype, never two copies of the checkpoint.
+
+A folder prepared from a GGUF file (config, tokenizer and a `model.gguf` link) is read through
+`kettle/tensors/gguf_file.py` instead: the same names and calls, with `weights.gguf` exposing the file's
+quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kettle.tensors import distributed
+from kettle.tensors.gguf_file import GgufTensors, folder_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -56,7 +61,10 @@ class Weights:
         self.quantize = quantize
         self.dtype = dtype
         self.device = torch.device(device)
-        self._files = checkpoint_files(self.folder)
+        gguf = folder_gguf(self.folder)
+        # A GGUF model folder: its tensors come from the (memory-mapped) file, by Hugging Face name.
+        self.gguf = None if gguf is None else GgufTensors(gguf)
+        self._files = {} if self.gguf is not None else checkpoint_files(self.folder)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
         # This shard's tensor-parallel rank and group: loaders that support tensor parallelism read only their
@@ -76,10 +84,10 @@ class Weights:
 
     @property
     def names(self) -> list[str]:
-        return sorted(self._files)
+        return self.gguf.names if self.gguf is not None else sorted(self._files)
 
     def has(self, name: str) -> bool:
-        return name in self._files
+        return self.gguf.has(name) if self.gguf is not None else name in self._files
 
     def _handle(self, file: Path):
         if file not in self._handles:
@@ -88,6 +96,8 @@ class Weights:
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, converted to the target dtype (if floating point) and device."""
+        if self.gguf is not None:
+            return self.gguf.dense(name).to(device=self.device, dtype=self.dtype)
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         tensor = self._handle(self._files[name]).get_tensor(name)
@@ -96,12 +106,17 @@ class Weights:
 
     def shape(self, name: str) -> list[int]:
         """A tensor's shape, from the file header (nothing is read)."""
+        if self.gguf is not None:
+            return self.gguf.shape(name)
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         return list(self._handle(self._files[name]).get_slice(name).get_shape())
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `start:stop` of a tensor, reading only that part of the file."""
+        if self.gguf is not None:  # blocks run along rows: dequantize, then slice
+            tensor = self.get(name)
+            return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         view = self._handle(self._files[name]).get_slice(name)

@@ -1,20 +1,47 @@
-"""The bundled SmolLM2 model, served with no flags at all, knows the capital of France."""
+"""The bundled SmolLM2 model, served with no flags at all, knows the capital of France, and serves on the int4
+kernel straight from its Q4_1 GGUF: the same greedy answers as `--quantize int4`."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from kettle.bench.process import KettleServer
 
+PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 
-def test_bundled_model_answers_paris():
-    server = KettleServer(None)
-    try:
-        body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 20}}
+
+def greedy_answers(server: KettleServer) -> list[str]:
+    answers = []
+    for prompt in PROMPTS:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 20}}
         response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
         assert response.status_code == 200, response.text
-        assert "Paris" in response.json()["generated_text"]
-        info = httpx.get(f"{server.url}/info").json()
-        assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        answers.append(response.json()["generated_text"])
+    return answers
+
+
+def serve(*flags: str) -> tuple[list[str], dict]:
+    server = KettleServer(None, *flags)
+    try:
+        return greedy_answers(server), httpx.get(f"{server.url}/info").json()
     finally:
         assert server.stop() == 0, server.logs()
+
+
+@pytest.fixture(scope="module")
+def default_server() -> tuple[list[str], dict]:
+    return serve()
+
+
+def test_bundled_model_answers_paris_on_the_int4_path_by_default(default_server):
+    answers, info = default_server
+    assert "Paris" in answers[0]
+    assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert info["quantization"] == "gguf Q4_1+Q8_0 → int4"
+
+
+def test_default_answers_match_quantize_int4(default_server):
+    int4_answers, int4_info = serve("--quantize", "int4")
+    assert int4_info["quantization"] == "int4"
+    assert default_server[0] == int4_answers

@@ -1,7 +1,8 @@
-"""The bundled model's one-time GGUF conversion, into the real Kettle cache.
+"""The bundled model's one-time GGUF preparation, into the real Kettle cache.
 
-This deliberately uses the default `KETTLE_CACHE` (not a temporary one): the first run converts (about a
-minute on two CPU cores) and leaves the folder that the bundled end-to-end tests and `make serve` reuse.
+This deliberately uses the default `KETTLE_CACHE` (not a temporary one): the first run writes the config and
+tokenizer (the weights stay in the GGUF) and leaves the folder that the bundled end-to-end tests and
+`make serve` reuse.
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ def bundled():
 def test_the_bundled_model_resolves_to_a_complete_folder(bundled):
     assert bundled.display_id == BUNDLED_MODEL_ID
     names = {path.name for path in bundled.path.iterdir()}
-    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    expected = {"config.json", "generation_config.json", "model.gguf", "tokenizer.json", "tokenizer_config.json"}
     assert expected <= names
     assert not any(name.startswith(".tmp") for name in names)
+
+
+def test_no_float_weight_copy_is_written(bundled):
+    from kettle.hub.resolve import bundled_gguf
+
+    written = sum(path.stat().st_size for path in bundled.path.iterdir() if not path.is_symlink())
+    assert written <= 5 * 2**20  # config and tokenizer only: the weights are read from the GGUF itself
+    assert (bundled.path / "model.gguf").resolve() == bundled_gguf().resolve()
 
 
 def test_chat_template_and_special_tokens_survive(bundled):
@@ -50,12 +59,15 @@ def test_a_second_resolution_reuses_the_cache(bundled):
     assert time.monotonic() - started < 2.0
 
 
-def test_the_converted_model_answers_sensibly(bundled):
+def test_the_float32_conversion_for_transformers_answers_sensibly(bundled):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(bundled.path)
-    model = AutoModelForCausalLM.from_pretrained(bundled.path, dtype=torch.float32).eval()
+    from kettle.hub.resolve import float_folder
+
+    # The float32 conversion benchmarks hand to transformers (and CTranslate2), built once beside the GGUF folder.
+    model = AutoModelForCausalLM.from_pretrained(float_folder(bundled.path), dtype=torch.float32).eval()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():

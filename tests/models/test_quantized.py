@@ -169,7 +169,7 @@ def test_bundled_model_stays_near_float32_and_answers_paris_with_int4():
     path = str(resolve_model(None).path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer(p).input_ids for p in ("The capital of France is", "def fibonacci(n):\n    ")]
-    reference = kettle_logits(load_model(path, torch.float32, torch.device("cpu")), prompts)
+    reference = kettle_logits(load_model(path, torch.float32, torch.device("cpu"), dequantize=True), prompts)
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
     logits = kettle_logits(model, prompts)
     kl = (reference.softmax(-1) * (reference.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kettle.hub import resolve_model
+from kettle.hub import ModelNotFound, resolve_model
 from tests.fixtures import make_tiny_llama
 from tests.models.engine_driver import make_batch, run_to_end, warm_engine
 
@@ -130,3 +130,38 @@ def test_launch_refuses_custom_code_without_the_flag_in_one_line(tiny_llama_path
     assert result.returncode == 1 and "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert "'my-custom'" in line and "pass --trust-remote-code" in line
+
+
+def _gguf_snapshot(tmp_path, monkeypatch):
+    """A Hub-cache snapshot of a GGUF repository holding two quantizations of one tiny Llama, offline."""
+    from gguf import GGMLQuantizationType as T
+    from huggingface_hub import constants
+
+    from tests.gguf_files import tiny_model, write_gguf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    source = tmp_path / "source"
+    source.mkdir()
+    model = tiny_model("llama", 64)
+    for qtype in (T.Q4_0, T.Q8_0):
+        folder = write_gguf(model, tmp_path / qtype.name, "llama", qtype)
+        shutil.copy(folder / "model.gguf", source / f"tiny.{qtype.name}.gguf")
+    hub_cache = tmp_path / "hub-cache"
+    _fake_hub_snapshot(hub_cache, "kettle-tests/tiny-GGUF", source)
+    return hub_cache
+
+
+def test_the_quant_tag_picks_one_gguf_of_a_hub_snapshot(tmp_path, monkeypatch):
+    from kettle.hub import resolve
+
+    hub_cache = _gguf_snapshot(tmp_path, monkeypatch)
+    prepared = []
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: prepared.append(path) or path)
+    model = resolve_model("kettle-tests/tiny-GGUF:q8_0", hub_cache=str(hub_cache))
+    snapshot = hub_cache / "models--kettle-tests--tiny-GGUF" / "snapshots" / SHA
+    assert prepared == [snapshot / "tiny.Q8_0.gguf"] and model.path == prepared[0]
+    assert model.display_id == "kettle-tests/tiny-GGUF:q8_0" and model.sha == SHA
+    files = r"\(files there: tiny.Q4_0.gguf, tiny.Q8_0.gguf\)"
+    with pytest.raises(ModelNotFound, match=rf"no GGUF file matches the tag 'Q6_K' {files}"):
+        resolve_model("kettle-tests/tiny-GGUF:Q6_K", hub_cache=str(hub_cache))

@@ -1,0 +1,107 @@
+"""How a GGUF checkpoint is served by default: quantized, on the Kettle kernel nearest to each tensor's own type.
+
+With no `--quantize` and no float `--dtype`, a GGUF model's projections load from the file's blocks:
+- Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py);
+- Q8_0, Q5_0, Q5_1, Q5_K, Q6_K → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
+  dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
+- F32, F16, BF16 → dense, as any float checkpoint.
+A fused projection (q/k/v, gate/up) whose parts mix an int4 type with another quantized type loads as int8.
+The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kettle.kernels import ops
+from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
+from kettle.quantization.int4 import Int4Linear
+from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.q4 import CHUNK, Q4Linear
+from kettle.quantization.qparams import QParams
+from kettle.tensors.gguf_file import DENSE, EXACT_INT4, GgufTensors
+from kettle.tensors.weights import Weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GgufScheme:
+    """Load-time quantization straight from GGUF blocks; `method` (int4 or int8) names the kernel most
+    projections run on, `types` what the file stores (for /info and the start-up log)."""
+
+    method: str
+    types: str
+    gguf: GgufTensors = field(repr=False, compare=False)
+    head: str | None = None  # `finish`'s generic head quantization stays off: `load_head` reads the file's
+    group_size: int = GROUP
+
+    @property
+    def description(self) -> str:
+        return f"gguf {self.types} → {self.method}"
+
+    def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
+        """The fused projections `prefixes` from the file's blocks; None leaves dense tensors to `Linear.load`."""
+        bias = _fused_bias([weights.get_optional(f"{prefix}.bias") for prefix in prefixes])
+        return self._load([f"{prefix}.weight" for prefix in prefixes], bias)
+
+    def load_head(self, head: nn.Module) -> nn.Module:
+        """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""
+        name = "lm_head.weight" if self.gguf.has("lm_head.weight") else "model.embed_tokens.weight"
+        bias = getattr(head, "bias", None)
+        return self._load([name], None if bias is None else bias.data) or head
+
+    def _load(self, names: list[str], bias: torch.Tensor | None) -> nn.Module | None:
+        qtypes = [self.gguf.qtype(name) for name in names]
+        if all(qtype in DENSE for qtype in qtypes):
+            return None
+        if all(qtype in EXACT_INT4 for qtype in qtypes):
+            layer = int4_linear(_concat([int4_groups(self.gguf.blocks(name)) for name in names]), bias)
+            if layer is not None:
+                return layer
+        return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+
+
+def gguf_scheme(gguf: GgufTensors) -> GgufScheme | None:
+    """The default scheme for a GGUF file: int4 when most of its 2-D weights are 4-bit types, int8 when they
+    are other quantized types, None (dense) when they are floats."""
+    counts = Counter(gguf.qtypes)
+    quantized = {qtype: n for qtype, n in counts.items() if qtype not in DENSE}
+    if not quantized:
+        return None
+    int4 = sum(n for qtype, n in quantized.items() if qtype in EXACT_INT4)
+    method = "int4" if int4 * 2 >= sum(quantized.values()) else "int8"
+    types = "+".join(qtype.name for qtype, _ in Counter(quantized).most_common())
+    scheme = GgufScheme(method, types, gguf)
+    logger.info("Serving %s (the file's own quantization; --dtype float32 dequantizes)", scheme.description)
+    return scheme
+
+
+def int4_linear(groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module | None:
+    """Kettle's int4 kernel layout when the shape fits it, else PyTorch's packed int4, else None."""
+    n, k = groups.q.shape
+    if ops.available() and k % CHUNK == 0:
+        return Q4Linear.from_groups(groups.q, groups.scales, groups.mins, GROUP, bias)
+    if n % 16 == 0:
+        scale = groups.scales.t().contiguous()
+        zero = (groups.mins + 8 * groups.scales).t().contiguous()
+        qparams = QParams(groups.q.to(torch.int32), scale, zero, GROUP)
+        return Int4Linear.from_qparams(qparams.q, qparams.scale, qparams.zero, GROUP, bias)
+    return None
+
+
+def _concat(parts: list[Int4Groups]) -> Int4Groups:
+    return Int4Groups(*(torch.cat([getattr(p, key) for p in parts]) for key in ("q", "scales", "mins")))
+
+
+def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(bias is None for bias in biases):
+        return None
+    if any(bias is None for bias in biases):
+        raise ValueError("quantized fused projections with a bias on only some of them are not supported")
+    return torch.cat(biases).float()

@@ -1,0 +1,107 @@
+"""GGUF files read natively: Kettle's logits against transformers running gguf's own dequantization of the file.
+
+Tiny random Llama, Qwen2 and Qwen3 models are written with `gguf.GGUFWriter` in F32, Q8_0, Q4_0, Q4_1 and Q4_K
+(tests/gguf_files.py). With no `quantize`, Kettle serves the file's own quantization: the 4-bit types on the
+int4 kernel with the file's exact values (logits within 1e-4 of the reference; Q4_K within 1e-3 of the largest
+logit, its scale products rounded to float16 by the kernel's layout), Q8_0 requantized to int8 per channel (a
+stated relative error and KL). Greedy tokens are identical in every exact case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kettle.kernels import ops
+from kettle.models.registry import load_model
+from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.q4 import Q4Linear
+from tests.gguf_files import dequantized_reference, tiny_model, write_gguf
+from tests.models.drive import greedy, new_cache, scattered_tables, step
+
+PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 95, 20]]
+EXACT_ATOL = {T.F32: 1e-4, T.Q4_0: 1e-4, T.Q4_1: 1e-4}
+# Q4_K: measured max difference 1.8e-4 of the largest logit (d · sc rounded to float16, ≤ 2^-11 relative).
+Q4_K_RTOL = 1e-3
+# Q8_0 requantized per output channel: measured max relative logits error 0.026, mean next-token KL 5.2e-4.
+Q8_RTOL, Q8_KL = 0.05, 1e-3
+CASES = [
+    ("llama", T.F32),
+    ("llama", T.Q4_0),
+    ("llama", T.Q4_1),
+    ("llama", T.Q4_K),
+    ("llama", T.Q8_0),
+    ("qwen2", T.Q4_1),
+    ("qwen2", T.Q8_0),
+    ("qwen3", T.Q4_0),
+    ("qwen3", T.Q4_K),
+]
+
+
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    # The int4/int8 kernels' int16 activations (~1e-5 relative) are not what "exact mapping" measures.
+    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)
+
+
+def kettle_logits(model) -> torch.Tensor:
+    tables, num_blocks = scattered_tables([len(p) for p in PROMPTS])
+    logits, _ = step(model, new_cache(model, num_blocks), PROMPTS, [0] * len(PROMPTS), tables)
+    return logits
+
+
+def reference_logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([model(torch.tensor([p])).logits[0] for p in PROMPTS])
+
+
+def build(tmp_path, arch: str, qtype: T):
+    hidden = 256 if qtype == T.Q4_K else 64  # Q4_K's super-blocks are 256 wide
+    model = tiny_model(arch, hidden)
+    folder = write_gguf(model, tmp_path / f"{arch}-{qtype.name}", arch, qtype)
+    return folder, dequantized_reference(model, folder, arch)
+
+
+@pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
+def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
+    folder, reference = build(tmp_path, arch, qtype)
+    model = load_model(str(folder), torch.float32, torch.device("cpu"))
+    expected, logits = reference_logits(reference), kettle_logits(model)
+    kinds = {type(m) for m in model.modules()}
+    if qtype == T.Q8_0:
+        assert Int8Linear in kinds
+        kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
+        assert float((logits - expected).abs().max() / expected.abs().max()) < Q8_RTOL
+        assert float(kl.mean()) < Q8_KL
+        return
+    assert (Q4Linear in kinds) == (qtype != T.F32 and ops.available())
+    atol = Q4_K_RTOL * float(expected.abs().max()) if qtype == T.Q4_K else EXACT_ATOL[qtype]
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+    with torch.inference_mode():
+        hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
+    assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
+
+
+def test_float_dtype_asks_for_dequantized_weights(tmp_path):
+    folder, reference = build(tmp_path, "llama", T.Q4_1)
+    model = load_model(str(folder), torch.float32, torch.device("cpu"), dequantize=True)
+    assert not any(isinstance(m, Q4Linear | Int8Linear) for m in model.modules())
+    torch.testing.assert_close(kettle_logits(model), reference_logits(reference), atol=1e-4, rtol=0)
+
+
+def test_quantize_overrides_the_files_scheme(tmp_path):
+    folder, _ = build(tmp_path, "llama", T.Q4_1)
+    model = load_model(str(folder), torch.float32, torch.device("cpu"), quantize="int8")
+    assert not any(isinstance(m, Q4Linear) for m in model.modules())
+
+
+def test_an_unsupported_type_is_refused_in_one_line(tmp_path):
+    folder, _ = build(tmp_path, "llama", T.F32)
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(folder / "model.gguf").tensors if t.name == "blk.0.attn_q.weight")
+    from kettle.tensors import gguf_file
+
+    with pytest.raises(ValueError, match=r"stored as IQ2_XXS.*F32, F16, BF16, Q4_0"):
+        gguf_file.check_supported(T.IQ2_XXS, tensor.name)
