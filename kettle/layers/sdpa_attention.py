@@ -121,16 +121,18 @@ class SdpaBackend:
         if alibi_slopes is not None or softcap is not None:
             return _modified_prefill(q[plan.start : plan.end], k, v, plan, sliding_window, scale, alibi_slopes, softcap)
         mask = plan.mask(sliding_window) if plan.needs_mask(sliding_window) else None
+        # A batch dimension of 1: on the CPU, SDPA takes its flash kernel only for 4-D inputs; 3-D ones go to the
+        # math path, which builds the whole [H, L, L] score matrix (1,000 tokens: 6x slower, 60% of a prefill).
         out = F.scaled_dot_product_attention(
-            q[plan.start : plan.end].transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q[plan.start : plan.end].transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
