@@ -25,6 +25,12 @@ QUANTIZED_ACTIVATIONS = os.environ.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "
 _FLOAT_ROWS = os.environ.get("KETTLE_CPU_FLOAT_ROWS")
 Q4_FLOAT_ROWS = int(_FLOAT_ROWS or 8) or 1 << 62
 Q8_FLOAT_ROWS = int(_FLOAT_ROWS or 32) or 1 << 62
+# From this many rows on (prompt chunks), the int4/int8 kernels are gemm.c's blocked GEMM: the weight dequantized
+# panel by panel into a cache-sized buffer that a register-blocked micro-kernel multiplies with every row. 128 is
+# where the dense float32 GEMM it replaces took over from the tiles (at 64 rows a chunk's activations still sit in
+# L2 for the tiles; a sweep on the shared 2-core machine could not separate 16-128 rows from its noise).
+# `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
+GEMM_ROWS = int(os.environ.get("KETTLE_CPU_GEMM_ROWS", "128")) or 1 << 62
 
 
 def available() -> bool:
@@ -51,7 +57,7 @@ def q4_linear(
     y = torch.empty(rows, n, dtype=torch.float32)
     kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
     if rows >= Q4_FLOAT_ROWS:
-        kernel = library().kettle_q4_linear_tiled
+        kernel = library().kettle_q4_gemm if rows >= GEMM_ROWS else library().kettle_q4_linear_tiled
     status = kernel(
         x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size,
         _ptr(bias), y.data_ptr(), n, torch.get_num_threads(),
@@ -80,7 +86,7 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     y = torch.empty(rows, n, dtype=torch.float32)
     kernel = library().kettle_q8_linear_qa if QUANTIZED_ACTIVATIONS and k % 32 == 0 else library().kettle_q8_linear
     if rows >= Q8_FLOAT_ROWS:
-        kernel = library().kettle_q8_linear_tiled
+        kernel = library().kettle_q8_linear_tiled if rows < GEMM_ROWS else library().kettle_q8_gemm
     status = kernel(
         x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n,
         torch.get_num_threads(),
