@@ -32,6 +32,9 @@ Q8_FLOAT_ROWS = int(_FLOAT_ROWS or 32) or 1 << 62
 # `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
 GEMM_ROWS = int(os.environ.get("KETTLE_CPU_GEMM_ROWS", "128")) or 1 << 62
 
+# Prefill attention on kettle_paged_prefill (prefill_attention.c); `KETTLE_CPU_PREFILL_ATTENTION=0`: SDPA's kernel.
+PREFILL_ATTENTION = os.environ.get("KETTLE_CPU_PREFILL_ATTENTION", "1") != "0"
+
 
 def available() -> bool:
     """True when the kernels are built and switched on (`KETTLE_CPU_KERNELS`)."""
@@ -117,6 +120,45 @@ def paged_decode(
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the attention scores")
+    return out
+
+
+def paged_prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:
+    """Whether `paged_prefill` takes these: float32 CPU tensors, the heads of each q row packed (a view of the
+    fused qkv output is fine), contiguous caches, head size a multiple of 8, blocks a multiple of 16 slots."""
+    dim = q.shape[-1]
+    return (
+        fits(q, k_cache, v_cache)
+        and q.stride(-1) == 1
+        and q.stride(-2) == dim
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and dim % 8 == 0
+        and block_size % 16 == 0
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    cache_len: int,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its paged context, read in place (their K/V already
+    written): q [L, H, D] at positions cache_len .., caches [slots, Hkv, D], table [blocks] int64 → [L, H, D]."""
+    tokens, heads, dim = q.shape
+    table = table.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+    status = library().kettle_paged_prefill(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), tokens, cache_len,
+        heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("CPU kernel: out of memory for the attention tiles")
     return out
 
 

@@ -112,6 +112,12 @@ class SdpaBackend:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """One sequence's new tokens → [L, H, D]; causal over its whole context (cached prefix included)."""
+        if alibi_slopes is None and softcap is None and _prefill_kernel_fits(q, k_cache, v_cache, block_size):
+            # Kettle's flash-style kernel reads the context in place: no gathered copy, no [L, context] mask.
+            return ops.paged_prefill(
+                q[plan.start : plan.end], k_cache, v_cache, plan.block_ids, plan.cache_len, block_size, scale,
+                sliding_window,
+            )  # fmt: skip
         if plan.cache_len:
             k = gather_blocks(k_cache, plan.block_ids, 1, block_size)[0]
             v = gather_blocks(v_cache, plan.block_ids, 1, block_size)[0]
@@ -140,6 +146,11 @@ def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     KVCache allocates them, kernels built and on)."""
     caches_dense = k_cache.is_contiguous() and v_cache.is_contiguous()
     return ops.fits(q, k_cache, v_cache) and caches_dense
+
+
+def _prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:
+    """Whether Kettle's CPU prefill kernel takes these tensors (`KETTLE_CPU_PREFILL_ATTENTION=0`: SDPA instead)."""
+    return ops.PREFILL_ATTENTION and ops.paged_prefill_fits(q, k_cache, v_cache, block_size)
 
 
 def _modified_prefill(q, k, v, plan: PrefillPlan, window, scale, alibi_slopes, softcap) -> torch.Tensor:

@@ -60,3 +60,40 @@ def test_gemm_rows_switch_keeps_the_float32_tiles(monkeypatch):
     monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
     assert relative(fast, layer(x)) < 1e-5
 
+
+def reference_attention(q, k, v, positions, window):
+    """q [L, H, D] at `positions`, k/v [C, Hkv, D] at 0 .. C-1 → [L, H, D], causal (and windowed), in float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("lhd,chd->hlc", q.double(), k) * q.shape[-1] ** -0.5
+    keys = torch.arange(k.shape[0])
+    allowed = keys[None, :] <= positions[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > positions[:, None] - window
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hlc,chd->lhd", probs, v).float()
+
+
+# (new tokens, cached prefix, window): one query tile, tails of both tiles, a prefix, a window inside the chunk.
+CASES = [(5, 0, None), (37, 0, None), (40, 19, None), (100, 64, 24), (33, 7, 50)]
+
+
+@pytest.mark.parametrize(("tokens", "cache_len", "window"), CASES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 80)])
+def test_paged_prefill_matches_attention_over_scattered_blocks(tokens, cache_len, window, heads, kv_heads, dim):
+    torch.manual_seed(tokens + dim)
+    block_size, context = 16, cache_len + tokens
+    blocks = -(-context // block_size)
+    table = torch.randperm(blocks + 5)[:blocks]  # scattered, and the pool holds blocks of nobody
+    k_cache = torch.randn((blocks + 5) * block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:context]
+    stale = torch.ones(len(k_cache), dtype=torch.bool).index_fill_(0, slots, False)
+    k_cache[stale], v_cache[stale] = float("nan"), float("nan")  # slots past the context must not leak in
+    # The fused qkv output's layout: q heads, then k and v heads, in each token's row.
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    q = qkv[:, :heads]
+    got = ops.paged_prefill(q, k_cache, v_cache, table, cache_len, block_size, dim**-0.5, window)
+    positions = torch.arange(cache_len, context)
+    expected = reference_attention(q, k_cache[slots], v_cache[slots], positions, window)
+    assert relative(got, expected) < 1e-5
