@@ -4,15 +4,16 @@
  * place through the block table: no gathered copy of the context, no [L, context] mask, no score matrix. A work
  * item is (KV head, tile of QUERY_TILE tokens): the group's query heads of those tokens, scored together so each
  * K/V row is loaded once for all of them. The item walks its keys KEY_TILE at a time (each tile inside one cache
- * block) with an online softmax: running maximum and sum per query row, the output rescaled when the maximum
- * grows. Scores come from the key tile transposed once ([D][KEY_TILE]) and broadcast-FMAs over four query rows;
- * the value rows are read straight from the cache. Later tiles see more keys (causal), so items are handed out
- * longest first.
+ * block) with an online softmax: running maximum and sum per query row, the output rescaled by how much the
+ * maximum grew. The queries are transposed once per item, so a key's scores for 8 query rows are one vector
+ * (each key element broadcast from the cache row, no transposed copy of the keys) and the mask and softmax run 8
+ * rows a vector; the value rows are read straight from the cache. Later tiles see more keys (causal), so items
+ * are handed out longest first.
  */
 #include "kernels.h"
 
 #define QUERY_TILE 16 /* tokens per work item */
-#define KEY_TILE 16   /* keys per step: two vectors of scores per query row */
+#define KEY_TILE 16   /* keys per step (a cache block holds whole tiles) */
 
 /* One prefill attention call: q rows `ldq` floats apart ([tokens, heads, dim] inside a wider row is fine). */
 typedef struct {
