@@ -123,6 +123,25 @@ def paged_decode(
     return out
 
 
+def cache_write_fits(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `cache_write` takes these: float32 CPU tensors, each new token's heads packed in its row (views of
+    the fused qkv output are fine), contiguous caches."""
+    rows_packed = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k_new, v_new))
+    return fits(k_new, v_new, k_cache, v_cache) and rows_packed and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+
+def cache_write(
+    k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """k_cache[slots] = k_new and v_cache[slots] = v_new (k_new/v_new [T, Hkv, D], caches [slots, Hkv, D])."""
+    tokens, heads, dim = k_new.shape
+    slots = slots.contiguous()
+    library().kettle_cache_write(
+        k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0), slots.data_ptr(), tokens, heads * dim,
+        k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def paged_prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:
     """Whether `paged_prefill` takes these: float32 CPU tensors, the heads of each q row packed (a view of the
     fused qkv output is fine), contiguous caches, head size a multiple of 8, blocks a multiple of 16 slots."""
@@ -147,12 +166,14 @@ def paged_prefill(
     block_size: int,
     scale: float,
     window: int | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its paged context, read in place (their K/V already
-    written): q [L, H, D] at positions cache_len .., caches [slots, Hkv, D], table [blocks] int64 → [L, H, D]."""
+    written): q [L, H, D] at positions cache_len .., caches [slots, Hkv, D], table [blocks] int64 → [L, H, D],
+    written into `out` when given (contiguous, e.g. the sequence's rows of the whole step's output)."""
     tokens, heads, dim = q.shape
     table = table.contiguous()
-    out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32) if out is None else out
     status = library().kettle_paged_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), tokens, cache_len,
         heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), torch.get_num_threads(),

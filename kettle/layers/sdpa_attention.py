@@ -41,16 +41,22 @@ class SdpaBackend:
         alibi_slopes: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.slots, k_new)
-        v_cache.index_copy_(0, meta.slots, v_new)
+        if ops.cache_write_fits(k_new, v_new, k_cache, v_cache):
+            ops.cache_write(k_new, v_new, meta.slots, k_cache, v_cache)
+        else:
+            k_cache.index_copy_(0, meta.slots, k_new)
+            v_cache.index_copy_(0, meta.slots, v_new)
         mods = (alibi_slopes, softcap)
         if meta.decode_only:
             return self.decode(q, k_cache, v_cache, meta.decode, meta.block_size, scale, sliding_window, *mods)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for plan in meta.prefills:
-            out[plan.start : plan.end] = self.prefill(
-                q, k_new, v_new, k_cache, v_cache, plan, meta.block_size, scale, sliding_window, *mods
+            rows = out[plan.start : plan.end]
+            result = self.prefill(
+                q, k_new, v_new, k_cache, v_cache, plan, meta.block_size, scale, sliding_window, *mods, out=rows
             )
+            if result is not rows:  # the CPU kernel writes in place; SDPA's result is copied
+                rows.copy_(result)
         if meta.decode is not None:
             self._decode_into(out, q, k_cache, v_cache, meta, scale, sliding_window, mods)
         return out
@@ -110,13 +116,15 @@ class SdpaBackend:
         sliding_window: int | None,
         alibi_slopes: torch.Tensor | None = None,
         softcap: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One sequence's new tokens → [L, H, D]; causal over its whole context (cached prefix included)."""
+        """One sequence's new tokens → [L, H, D]; causal over its whole context (cached prefix included). The CPU
+        kernel writes into `out` (contiguous [L, H, D]) when given; the other paths return a new tensor."""
         if alibi_slopes is None and softcap is None and _prefill_kernel_fits(q, k_cache, v_cache, block_size):
             # Kettle's flash-style kernel reads the context in place: no gathered copy, no [L, context] mask.
             return ops.paged_prefill(
                 q[plan.start : plan.end], k_cache, v_cache, plan.block_ids, plan.cache_len, block_size, scale,
-                sliding_window,
+                sliding_window, out,
             )  # fmt: skip
         if plan.cache_len:
             k = gather_blocks(k_cache, plan.block_ids, 1, block_size)[0]

@@ -97,3 +97,15 @@ def test_paged_prefill_matches_attention_over_scattered_blocks(tokens, cache_len
     positions = torch.arange(cache_len, context)
     expected = reference_attention(q, k_cache[slots], v_cache[slots], positions, window)
     assert relative(got, expected) < 1e-5
+
+
+def test_cache_write_is_index_copy_from_views_of_the_fused_qkv_output():
+    torch.manual_seed(0)
+    qkv = torch.randn(37, 9 + 2 * 3, 64)
+    k_new, v_new = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.randperm(100)[:37]
+    k_cache, v_cache = torch.randn(100, 3, 64), torch.randn(100, 3, 64)
+    expected_k, expected_v = k_cache.clone().index_copy_(0, slots, k_new), v_cache.clone().index_copy_(0, slots, v_new)
+    assert ops.cache_write_fits(k_new, v_new, k_cache, v_cache)
+    ops.cache_write(k_new, v_new, slots, k_cache, v_cache)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
