@@ -10,6 +10,7 @@ median tok/s, its ratio to transformers, and the FLOP/s it achieved against the 
 
     .venv/bin/python bench/prefill.py                             # bundled model, 1,000 tokens, 7 trials
     .venv/bin/python bench/prefill.py --schemes float32 int4 --tokens 2000 --trials 5
+    .venv/bin/python bench/prefill.py --sdpa                      # + float32 with SDPA's attention kernel
     KETTLE_CPU_KERNELS=0 .venv/bin/python bench/prefill.py ...    # PyTorch's ops instead of Kettle's kernels
 """
 
@@ -23,13 +24,15 @@ from pathlib import Path
 
 import torch
 
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 
-def kettle_prefill(path: str, scheme: str, ids: torch.Tensor):
-    """One prefill of `ids` per call through Kettle's model, as the shard's runner runs it."""
+def kettle_prefill(path: str, scheme: str, ids: torch.Tensor, sdpa: bool = False):
+    """One prefill of `ids` per call through Kettle's model, as the shard's runner runs it (`sdpa`: attention on
+    PyTorch's SDPA instead of Kettle's prefill kernel, as `KETTLE_CPU_PREFILL_ATTENTION=0` does)."""
     model = load_model(path, torch.float32, "cpu", quantize=None if scheme == "float32" else scheme)
     spec, tokens = model.spec, len(ids)
     blocks = -(-tokens // BLOCK_SIZE)
@@ -37,9 +40,11 @@ def kettle_prefill(path: str, scheme: str, ids: torch.Tensor):
 
     @torch.inference_mode()
     def prefill() -> None:
+        ops.PREFILL_ATTENTION = not sdpa
         meta = AttentionMetadata.build([tokens], [0], [list(range(blocks))], BLOCK_SIZE, "cpu")
         hidden = model.forward(ids, meta.positions, cache, meta)
         model.compute_logits(hidden[meta.last_token_indices]).argmax(-1)
+        ops.PREFILL_ATTENTION = True
 
     return prefill
 
@@ -121,12 +126,15 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peers", action="store_true", help="Kettle only (no transformers, no llama.cpp)")
+    parser.add_argument("--sdpa", action="store_true", help="also Kettle float32 with SDPA's attention kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = args.path or str(resolve_model(None).path)
     config = json.loads((Path(path) / "config.json").read_text())
     ids = torch.randint(0, config["vocab_size"], (args.tokens,), generator=torch.Generator().manual_seed(0))
     fns = {f"kettle {scheme}": kettle_prefill(path, scheme, ids) for scheme in args.schemes}
+    if args.sdpa:
+        fns["kettle float32, SDPA attention"] = kettle_prefill(path, "float32", ids, sdpa=True)
     if not args.no_peers:
         fns["transformers float32"] = transformers_prefill(path, ids)
         if (llama := llama_cpp_prefill(ids, args.threads)) is not None:
