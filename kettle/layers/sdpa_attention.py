@@ -6,6 +6,10 @@ blocks is 1.3–3x faster than gathering single slots, and the padding it adds i
 
 Grouped-query attention in decode avoids repeating K/V altogether: the G query heads that share a KV head
 are laid out as G query rows of that head, so one SDPA call sees [Nd, Hkv, G, D] against [Nd, Hkv, L, D].
+
+On the CPU, float32 decodes and prefills without score modifiers go to Kettle's kernels instead
+(`kettle_paged_decode`, `kettle_paged_prefill`), which read the K/V in place through the block tables, and the
+new K/V go into their slots in one C call.
 """
 
 from __future__ import annotations
