@@ -30,9 +30,9 @@ from kettle.models.registry import load_model
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 
-def kettle_prefill(path: str, scheme: str, ids: torch.Tensor, sdpa: bool = False):
-    """One prefill of `ids` per call through Kettle's model, as the shard's runner runs it (`sdpa`: attention on
-    PyTorch's SDPA instead of Kettle's prefill kernel, as `KETTLE_CPU_PREFILL_ATTENTION=0` does)."""
+def kettle_prefill(path: str, scheme: str, ids: torch.Tensor, chunk: int, sdpa: bool = False):
+    """One prefill of `ids` per call through Kettle's model, as the shard's runner runs it, `chunk` tokens a
+    forward (`sdpa`: attention on PyTorch's SDPA instead of Kettle's kernel, as `KETTLE_CPU_PREFILL_ATTENTION=0`)."""
     model = load_model(path, torch.float32, "cpu", quantize=None if scheme == "float32" else scheme)
     spec, tokens = model.spec, len(ids)
     blocks = -(-tokens // BLOCK_SIZE)
@@ -41,8 +41,10 @@ def kettle_prefill(path: str, scheme: str, ids: torch.Tensor, sdpa: bool = False
     @torch.inference_mode()
     def prefill() -> None:
         ops.PREFILL_ATTENTION = not sdpa
-        meta = AttentionMetadata.build([tokens], [0], [list(range(blocks))], BLOCK_SIZE, "cpu")
-        hidden = model.forward(ids, meta.positions, cache, meta)
+        for start in range(0, tokens, chunk):
+            end = min(start + chunk, tokens)
+            meta = AttentionMetadata.build([end - start], [start], [list(range(blocks))], BLOCK_SIZE, "cpu")
+            hidden = model.forward(ids[start:end], meta.positions, cache, meta)
         model.compute_logits(hidden[meta.last_token_indices]).argmax(-1)
         ops.PREFILL_ATTENTION = True
 
@@ -127,14 +129,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peers", action="store_true", help="Kettle only (no transformers, no llama.cpp)")
     parser.add_argument("--sdpa", action="store_true", help="also Kettle float32 with SDPA's attention kernel")
+    parser.add_argument("--chunk", type=int, help="Kettle prefills CHUNK tokens a forward (chunked prefill)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = args.path or str(resolve_model(None).path)
     config = json.loads((Path(path) / "config.json").read_text())
     ids = torch.randint(0, config["vocab_size"], (args.tokens,), generator=torch.Generator().manual_seed(0))
-    fns = {f"kettle {scheme}": kettle_prefill(path, scheme, ids) for scheme in args.schemes}
+    chunk = args.chunk or args.tokens
+    fns = {f"kettle {scheme}": kettle_prefill(path, scheme, ids, chunk) for scheme in args.schemes}
     if args.sdpa:
-        fns["kettle float32, SDPA attention"] = kettle_prefill(path, "float32", ids, sdpa=True)
+        fns["kettle float32, SDPA attention"] = kettle_prefill(path, "float32", ids, chunk, sdpa=True)
     if not args.no_peers:
         fns["transformers float32"] = transformers_prefill(path, ids)
         if (llama := llama_cpp_prefill(ids, args.threads)) is not None:
@@ -146,7 +150,8 @@ def main() -> None:
 def report(seconds: dict[str, float], flops: float, args) -> None:
     peak, formula = peak_flops(args.threads)
     base = seconds.get("transformers float32")
-    print(f"{args.tokens}-token prefill, {args.threads} threads, median of {args.trials} interleaved trials")
+    chunks = f", Kettle in chunks of {args.chunk}" if args.chunk else ""
+    print(f"{args.tokens}-token prefill{chunks}, {args.threads} threads, median of {args.trials} interleaved trials")
     print(f"{flops / 1e9:.1f} GFLOP per prefill; peak {peak / 1e9:.0f} GFLOP/s ({formula})")
     print("| engine | ms | tok/s | vs transformers | GFLOP/s | % of peak |\n|---|---|---|---|---|---|")
     for name, s in seconds.items():
