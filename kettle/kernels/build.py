@@ -24,7 +24,7 @@ from kettle import settings
 from kettle.hub.cache import build_once, cache_root
 
 FOLDER = Path(__file__).parent
-SOURCES = (FOLDER / "cpu_kernels.c", FOLDER / "decoder_step.c")
+SOURCES = (FOLDER / "cpu_kernels.c", FOLDER / "decoder_step.c", FOLDER / "gemm.c", FOLDER / "prefill_attention.c")
 HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -38,9 +38,16 @@ SIGNATURES = {
 }
 SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear_tiled"] = SIGNATURES["kettle_q4_linear"]
 SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear_tiled"] = SIGNATURES["kettle_q8_linear"]
+SIGNATURES["kettle_q4_gemm"] = SIGNATURES["kettle_q4_linear"]
+SIGNATURES["kettle_q8_gemm"] = SIGNATURES["kettle_q8_linear"]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
 SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int]
+# q, ldq, k_cache, v_cache, table, tokens, cache_len, heads, kv_heads, dim, block_size, scale, window, out, threads
+SIGNATURES["kettle_paged_prefill"] = [_ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _int, ctypes.c_float]
+SIGNATURES["kettle_paged_prefill"] += [_int, _ptr, ctypes.c_int]
+# k_new, ld_k, v_new, ld_v, slots, tokens, width, k_cache, v_cache, threads
+SIGNATURES["kettle_cache_write"] = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _ptr, _ptr, ctypes.c_int]
 # x, residual, weight, rows, dim, eps, out, total, threads
 SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
 SIGNATURES["kettle_silu_mul"] = SIGNATURES["kettle_gelu_tanh_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
@@ -52,7 +59,8 @@ SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_tiled", "kettle_q8_linear_tiled")
-RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step")
+RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q4_gemm", "kettle_q8_gemm")
+RETURNS_STATUS += ("kettle_paged_prefill",)
 
 
 def enabled() -> bool:

@@ -9,6 +9,8 @@
  * one thread pool. The weight layouts and the row-level building blocks are in kernels.h; decoder_step.c runs
  * a whole decode step of a Llama-family model on the same blocks in one call.
  */
+#include <string.h>
+
 #include "kernels.h"
 
 /* y[M, N] = x[M, K] · Wᵀ (+ bias) for a Q4 weight; rows of x and y are ldx / ldy floats apart. */
@@ -185,4 +187,18 @@ int kettle_paged_decode(
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* The new tokens' K and V rows (`width` floats each; rows ld_k / ld_v floats apart, e.g. views of the fused qkv
+ * output) into their cache slots: one call for both caches instead of two index_copy_ calls, each its own
+ * parallel region over a prompt chunk. */
+void kettle_cache_write(
+    const float *k_new, int64_t ld_k, const float *v_new, int64_t ld_v, const int64_t *slots, int64_t tokens,
+    int64_t width, float *k_cache, float *v_cache, int threads
+) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * width >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(k_cache + slots[t] * width, k_new + t * ld_k, sizeof(float) * (size_t)width);
+        memcpy(v_cache + slots[t] * width, v_new + t * ld_v, sizeof(float) * (size_t)width);
+    }
 }

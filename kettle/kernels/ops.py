@@ -24,6 +24,15 @@ QUANTIZED_ACTIVATIONS = settings.current().quantized_activations
 _FLOAT_ROWS = settings.current().cpu_float_rows
 Q4_FLOAT_ROWS = (8 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
+# From this many rows on (prompt chunks), the int4/int8 kernels are gemm.c's blocked GEMM: the weight dequantized
+# panel by panel into a cache-sized buffer that a register-blocked micro-kernel multiplies with every row. 128 is
+# where the dense float32 GEMM it replaces took over from the tiles (at 64 rows a chunk's activations still sit in
+# L2 for the tiles; a sweep on the shared 2-core machine could not separate 16-128 rows from its noise).
+# `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
+GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
+
+# Prefill attention on kettle_paged_prefill (prefill_attention.c); `KETTLE_CPU_PREFILL_ATTENTION=0`: SDPA's kernel.
+PREFILL_ATTENTION = settings.current().cpu_prefill_attention
 
 
 def available() -> bool:
@@ -50,7 +59,7 @@ def q4_linear(
     y = torch.empty(rows, n, dtype=torch.float32)
     kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
     if rows >= Q4_FLOAT_ROWS:
-        kernel = library().kettle_q4_linear_tiled
+        kernel = library().kettle_q4_gemm if rows >= GEMM_ROWS else library().kettle_q4_linear_tiled
     status = kernel(
         x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size,
         _ptr(bias), y.data_ptr(), n, torch.get_num_threads(),
@@ -79,7 +88,7 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     y = torch.empty(rows, n, dtype=torch.float32)
     kernel = library().kettle_q8_linear_qa if QUANTIZED_ACTIVATIONS and k % 32 == 0 else library().kettle_q8_linear
     if rows >= Q8_FLOAT_ROWS:
-        kernel = library().kettle_q8_linear_tiled
+        kernel = library().kettle_q8_linear_tiled if rows < GEMM_ROWS else library().kettle_q8_gemm
     status = kernel(
         x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n,
         torch.get_num_threads(),
@@ -110,6 +119,66 @@ def paged_decode(
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the attention scores")
+    return out
+
+
+def cache_write_fits(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `cache_write` takes these: float32 CPU tensors, each new token's heads packed in its row (views of
+    the fused qkv output are fine), contiguous caches."""
+    rows_packed = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k_new, v_new))
+    return fits(k_new, v_new, k_cache, v_cache) and rows_packed and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+
+def cache_write(
+    k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """k_cache[slots] = k_new and v_cache[slots] = v_new (k_new/v_new [T, Hkv, D], caches [slots, Hkv, D])."""
+    tokens, heads, dim = k_new.shape
+    slots = slots.contiguous()
+    library().kettle_cache_write(
+        k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0), slots.data_ptr(), tokens, heads * dim,
+        k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def paged_prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:
+    """Whether `paged_prefill` takes these: float32 CPU tensors, the heads of each q row packed (a view of the
+    fused qkv output is fine), contiguous caches, head size a multiple of 8, blocks a multiple of 16 slots."""
+    dim = q.shape[-1]
+    return (
+        fits(q, k_cache, v_cache)
+        and q.stride(-1) == 1
+        and q.stride(-2) == dim
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and dim % 8 == 0
+        and block_size % 16 == 0
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    cache_len: int,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its paged context, read in place (their K/V already
+    written): q [L, H, D] at positions cache_len .., caches [slots, Hkv, D], table [blocks] int64 → [L, H, D],
+    written into `out` when given (contiguous, e.g. the sequence's rows of the whole step's output)."""
+    tokens, heads, dim = q.shape
+    table = table.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32) if out is None else out
+    status = library().kettle_paged_prefill(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), tokens, cache_len,
+        heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("CPU kernel: out of memory for the attention tiles")
     return out
 
 

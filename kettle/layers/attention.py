@@ -65,7 +65,7 @@ class PrefillPlan(_WindowMasks):
     start: int
     end: int
     cache_len: int
-    block_ids: torch.Tensor | None  # its blocks covering the whole context, when part of it is cached
+    block_ids: torch.Tensor  # its blocks covering the whole context (new tokens included)
     query_positions: torch.Tensor  # [L, 1]
     key_positions: torch.Tensor  # [1, context] (context = cache_len + L)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
@@ -210,7 +210,7 @@ def _prefill_plan(
         start=start,
         end=start + query_len,
         cache_len=cache_len,
-        block_ids=table[:num_blocks].to(device) if cache_len else None,
+        block_ids=table[:num_blocks].to(device),
         query_positions=torch.arange(cache_len, seq_len, device=device).view(-1, 1),
         key_positions=torch.arange(num_keys, device=device).view(1, -1),
     )

@@ -31,6 +31,15 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [T, K] with zero rows appended up to `rows`. One pass over x: F.pad zero-fills its whole output first,
+    then copies x in (two passes over a prompt chunk's activations, before every projection)."""
+    out = x.new_empty(rows, x.shape[1])
+    out[: x.shape[0]].copy_(x)
+    out[x.shape[0] :].zero_()
+    return out
+
+
 def cpu_layout(weight: torch.Tensor) -> str:
     """How a weight is stored for its matmul: "onednn" (packed), "transposed" ([in, out]) or "dense" ([out, in]).
 
@@ -73,7 +82,7 @@ class Linear(nn.Module):
             rows = x.shape[0]
             padded = row_bucket(rows)
             if padded != rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
+                x = pad_rows(x, padded)
             out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             return out if padded == rows else out[:rows]
         if self.layout == "dense":

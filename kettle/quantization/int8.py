@@ -72,10 +72,10 @@ class Int8Linear(nn.Module):
         if self.on_cuda:
             return self._cuda_forward(x)
         rows = x.reshape(-1, self.in_features)
+        if self.cpu_kernel:  # prompt chunks too: the panel GEMM never dequantizes the whole weight (ops.GEMM_ROWS)
+            return ops.q8_linear(rows.float(), self.q, self.scale, self.bias).to(x.dtype).view(*x.shape[:-1], -1)
         if rows.shape[0] > self.dense_rows:
             y = F.linear(rows.float(), self.dequantized())
-        elif self.cpu_kernel:
-            return ops.q8_linear(rows.float(), self.q, self.scale, self.bias).to(x.dtype).view(*x.shape[:-1], -1)
         else:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(self.act_dtype), self.q, self.kernel_scale)
         y = y.to(x.dtype)

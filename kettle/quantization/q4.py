@@ -13,7 +13,6 @@ Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernel
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kettle.kernels import ops
@@ -85,10 +84,9 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.dense_rows:
-            y = F.linear(rows.float(), self.dequantized(), self.bias)
-        else:
-            y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias)
+        # Every row count runs on the kernels: prompt chunks on the panel GEMM, which never dequantizes the whole
+        # weight (`ops.GEMM_ROWS`).
+        y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,198 @@
+/* Flash-style prefill attention over the paged KV cache (float32, AVX2 + FMA), for one sequence's prompt chunk.
+ *
+ * The chunk's K/V are already in their cache slots (with any cached prefix before them), so the keys are read in
+ * place through the block table: no gathered copy of the context, no [L, context] mask, no score matrix. A work
+ * item is (KV head, tile of QUERY_TILE tokens): the group's query heads of those tokens, scored together so each
+ * K/V row is loaded once for all of them. The item walks its keys KEY_TILE at a time (each tile inside one cache
+ * block) with an online softmax: running maximum and sum per query row, the output rescaled by how much the
+ * maximum grew. The queries are transposed once per item, so a key's scores for 8 query rows are one vector
+ * (each key element broadcast from the cache row, no transposed copy of the keys) and the mask and softmax run 8
+ * rows a vector; the value rows are read straight from the cache. Later tiles see more keys (causal), so items
+ * are handed out longest first.
+ */
+#include "kernels.h"
+
+#define QUERY_TILE 16 /* tokens per work item */
+#define KEY_TILE 16   /* keys per step (a cache block holds whole tiles) */
+
+/* One prefill attention call: q rows `ldq` floats apart ([tokens, heads, dim] inside a wider row is fine). */
+typedef struct {
+    const float *q, *k_cache, *v_cache; /* caches [slots, kv_heads, dim] */
+    const int64_t *table;               /* the sequence's blocks */
+    int64_t ldq, tokens, cache_len, heads, kv_heads, dim, block_size, window; /* window > 0: the last `window` */
+    float scale;
+} PagedPrefill;
+
+#define MASKED -1e30f /* a masked score: finite, so a row that has seen no key yet never computes inf - inf */
+
+/* Per-thread state of one item. Its rows (group × QUERY_TILE, padded to a multiple of 8; row r = token r / group,
+ * head r % group) lie along the vectors: the queries transposed once per item ([D][rows]), the scores of a key tile
+ * as [KEY_TILE][rows], so the scores, the mask and the online softmax are vector operations over 8 rows. */
+typedef struct {
+    float *q, *out, *scores;   /* [D, rows] (scaled), [rows, D], [KEY_TILE, rows] */
+    float *max, *sum, *alpha, *position; /* [rows] each: running maximum and sum, this tile's rescale, position */
+} Scratch;
+
+/* Scores of keys j0, j0 + 1 (pairs = 2) or j0 alone against row vectors v0 .. v0 + count - 1 (count ≤ 6). */
+static inline __attribute__((always_inline)) void score_keys(const Scratch *s, const float *keys, int64_t stride,
+                                                             int j0, int pairs, int64_t v0, int count, int64_t rows,
+                                                             int64_t dim) {
+    __m256 acc[2][6];
+    for (int j = 0; j < pairs; j++)
+        for (int v = 0; v < count; v++) acc[j][v] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        const float *qd = s->q + d * rows + v0 * 8;
+        for (int j = 0; j < pairs; j++) {
+            const __m256 k = _mm256_broadcast_ss(keys + (j0 + j) * stride + d);
+            for (int v = 0; v < count; v++) acc[j][v] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qd + 8 * v), acc[j][v]);
+        }
+    }
+    for (int j = 0; j < pairs; j++)
+        for (int v = 0; v < count; v++) _mm256_storeu_ps(s->scores + (j0 + j) * rows + (v0 + v) * 8, acc[j][v]);
+}
+
+static void score_tile(const Scratch *s, const float *keys, int64_t stride, int valid, int64_t rows, int64_t dim) {
+    for (int64_t v0 = 0; v0 < rows / 8; v0 += 6) {
+        const int64_t count = rows / 8 - v0 < 6 ? rows / 8 - v0 : 6;
+        int j = 0;
+#define KEYS(pairs, c) score_keys(s, keys, stride, j, pairs, v0, c, rows, dim)
+#define COUNTS(pairs) \
+    switch (count) { case 6: KEYS(pairs, 6); break; case 5: KEYS(pairs, 5); break; case 4: KEYS(pairs, 4); break; \
+                     case 3: KEYS(pairs, 3); break; case 2: KEYS(pairs, 2); break; default: KEYS(pairs, 1); }
+        for (; j + 2 <= valid; j += 2) COUNTS(2)
+        if (j < valid) COUNTS(1)
+#undef COUNTS
+#undef KEYS
+    }
+}
+
+/* The online softmax over keys key0 .. key0 + valid - 1, 8 rows a vector: masked scores (a key after the row's
+ * position or before its window) weigh 0; each row's rescale factor goes to `alpha`. */
+static void softmax_tile(const Scratch *s, int64_t key0, int valid, int64_t rows, int64_t window) {
+    for (int64_t v = 0; v < rows / 8; v++) {
+        const __m256 position = _mm256_loadu_ps(s->position + 8 * v);
+        const __m256 oldest = _mm256_sub_ps(position, _mm256_set1_ps(window > 0 ? (float)window : 1e30f));
+        __m256 top = _mm256_loadu_ps(s->max + 8 * v);
+        for (int j = 0; j < valid; j++) {
+            const __m256 key = _mm256_set1_ps((float)(key0 + j));
+            const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(key, position, _CMP_LE_OQ), _mm256_cmp_ps(key, oldest, _CMP_GT_OQ));
+            float *row = s->scores + j * rows + 8 * v;
+            const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(MASKED), _mm256_loadu_ps(row), seen);
+            _mm256_storeu_ps(row, score);
+            top = _mm256_max_ps(top, score);
+        }
+        const __m256 previous = _mm256_loadu_ps(s->max + 8 * v);
+        const __m256 alpha = exp_ps(_mm256_sub_ps(previous, top));
+        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(s->sum + 8 * v), alpha);
+        for (int j = 0; j < valid; j++) {
+            float *row = s->scores + j * rows + 8 * v;
+            const __m256 score = _mm256_loadu_ps(row);
+            const __m256 seen = _mm256_cmp_ps(score, _mm256_set1_ps(MASKED), _CMP_GT_OQ);
+            const __m256 weight = _mm256_and_ps(exp_ps(_mm256_sub_ps(score, top)), seen);
+            _mm256_storeu_ps(row, weight);
+            sum = _mm256_add_ps(sum, weight);
+        }
+        _mm256_storeu_ps(s->max + 8 * v, top);
+        _mm256_storeu_ps(s->sum + 8 * v, sum);
+        _mm256_storeu_ps(s->alpha + 8 * v, alpha);
+    }
+}
+
+/* out[r] = alpha[r] · out[r] + Σ_j weight[j, r] · V[j] for rows r0 .. r0 + count - 1 (count ≤ 2), V rows read in
+ * place (`stride` apart), 32 dimensions at a time: each value vector loaded feeds every row. */
+static inline __attribute__((always_inline)) void accumulate_rows(const Scratch *s, int64_t r0, int count,
+                                                                  const float *values, int64_t stride, int valid,
+                                                                  int64_t rows, int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        const int width = dim - d0 < 32 ? (int)(dim - d0) / 8 : 4; /* vectors; dim is a multiple of 8 */
+        __m256 acc[2][4];
+        for (int r = 0; r < count; r++) {
+            const __m256 a = _mm256_set1_ps(s->alpha[r0 + r]);
+            for (int i = 0; i < width; i++) acc[r][i] = _mm256_mul_ps(a, _mm256_loadu_ps(s->out + (r0 + r) * dim + d0 + 8 * i));
+        }
+        for (int j = 0; j < valid; j++) {
+            const float *v = values + j * stride + d0;
+            for (int r = 0; r < count; r++) {
+                const __m256 w = _mm256_broadcast_ss(s->scores + j * rows + r0 + r);
+                for (int i = 0; i < width; i++) acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[r][i]);
+            }
+        }
+        for (int r = 0; r < count; r++)
+            for (int i = 0; i < width; i++) _mm256_storeu_ps(s->out + (r0 + r) * dim + d0 + 8 * i, acc[r][i]);
+    }
+}
+
+/* Item (KV head h, tokens t0 .. t0 + count - 1) into out [tokens, heads, dim]. */
+static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count,
+                                                              Scratch *s, float *out, const int64_t dim) {
+    const int64_t group = p->heads / p->kv_heads, used = group * count, rows = (used + 7) / 8 * 8, bs = p->block_size;
+    const int64_t stride = p->kv_heads * dim, keys = p->cache_len + t0 + count; /* keys this tile can see */
+    const int64_t first = p->window > 0 && p->cache_len + t0 - p->window + 1 > 0 ? p->cache_len + t0 - p->window + 1 : 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = p->q + (t0 + r / group) * p->ldq + (h * group + r % group) * dim;
+        for (int64_t d = 0; d < dim; d++) s->q[d * rows + r] = r < used ? src[d] * p->scale : 0.0f;
+        for (int64_t d = 0; d < dim; d++) s->out[r * dim + d] = 0.0f;
+        s->max[r] = MASKED, s->sum[r] = 0.0f;
+        s->position[r] = r < used ? (float)(p->cache_len + t0 + r / group) : -1.0f; /* padding sees nothing */
+    }
+    for (int64_t key0 = first / KEY_TILE * KEY_TILE; key0 < keys; key0 += KEY_TILE) {
+        const int valid = keys - key0 < KEY_TILE ? (int)(keys - key0) : KEY_TILE;
+        const int64_t slot0 = p->table[key0 / bs] * bs + key0 % bs;
+        score_tile(s, p->k_cache + slot0 * stride + h * dim, stride, valid, rows, dim);
+        softmax_tile(s, key0, valid, rows, p->window);
+        const float *values = p->v_cache + slot0 * stride + h * dim;
+        int64_t r = 0;
+        for (; r + 2 <= used; r += 2) accumulate_rows(s, r, 2, values, stride, valid, rows, dim);
+        if (r < used) accumulate_rows(s, r, 1, values, stride, valid, rows, dim);
+    }
+    for (int64_t r = 0; r < used; r++) {
+        float *dst = out + ((t0 + r / group) * p->heads + h * group + r % group) * dim;
+        const float inv = 1.0f / s->sum[r];
+        for (int64_t d = 0; d < dim; d++) dst[d] = s->out[r * dim + d] * inv;
+    }
+}
+
+static void prefill_item(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count, Scratch *s, float *out) {
+    if (p->dim == 64) attend_tile(p, h, t0, count, s, out, 64);
+    else if (p->dim == 128) attend_tile(p, h, t0, count, s, out, 128);
+    else attend_tile(p, h, t0, count, s, out, p->dim);
+}
+
+/* Room for one item's state (rows padded to a multiple of 8); NULL members when out of memory. */
+static Scratch alloc_scratch(int64_t rows, int64_t dim) {
+    rows = (rows + 7) / 8 * 8;
+    Scratch s = {malloc(sizeof(float) * (size_t)(rows * dim)), malloc(sizeof(float) * (size_t)(rows * dim)),
+                 malloc(sizeof(float) * (size_t)(rows * KEY_TILE)), malloc(sizeof(float) * (size_t)rows),
+                 malloc(sizeof(float) * (size_t)rows), malloc(sizeof(float) * (size_t)rows),
+                 malloc(sizeof(float) * (size_t)rows)};
+    return s;
+}
+
+static void free_scratch(Scratch *s) {
+    free(s->q), free(s->out), free(s->scores), free(s->max), free(s->sum), free(s->alpha), free(s->position);
+}
+
+/* Causal attention of one sequence's `tokens` new queries (positions cache_len ..) over its paged context:
+ * q rows ldq floats apart, each [heads, dim]; out [tokens, heads, dim]. dim a multiple of 8, block_size of
+ * KEY_TILE. -1 when out of memory. */
+int kettle_paged_prefill(
+    const float *q, int64_t ldq, const float *k_cache, const float *v_cache, const int64_t *table, int64_t tokens,
+    int64_t cache_len, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
+    float *out, int threads
+) {
+    const PagedPrefill p = {q, k_cache, v_cache, table, ldq, tokens, cache_len, heads, kv_heads, dim, block_size, window, scale};
+    const int64_t tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE, rows = heads / kv_heads * QUERY_TILE;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        Scratch s = alloc_scratch(rows, dim);
+        failed = !(s.q && s.out && s.scores && s.max && s.sum && s.alpha && s.position);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < tiles * kv_heads; item++) {
+            const int64_t t0 = (tiles - 1 - item / kv_heads) * QUERY_TILE; /* the longest items first */
+            if (!failed) prefill_item(&p, item % kv_heads, t0, tokens - t0 < QUERY_TILE ? tokens - t0 : QUERY_TILE, &s, out);
+        }
+        free_scratch(&s);
+    }
+    return failed ? -1 : 0;
+}

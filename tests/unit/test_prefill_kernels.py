@@ -1,0 +1,111 @@
+"""Kettle's prefill kernels (kettle/kernels/gemm.c) against PyTorch references."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kettle.kernels import build, ops
+from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.q4 import Q4Linear
+
+CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
+AVX512 = "avx512f" in build._cpu_flags()
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def micro_kernel(request):
+    """Runs a test with each GEMM micro-kernel this CPU has."""
+    if request.param == "avx512" and not AVX512:
+        pytest.skip("no AVX-512 here")
+    choice = ctypes.c_int.in_dll(build.library(), "kettle_gemm_avx512")
+    choice.value = int(request.param == "avx512")
+    yield request.param
+    choice.value = -1
+
+
+# Row counts: whole tiles and tails of both micro-kernels (6 and 12 rows); 100 channels end in a short panel.
+@pytest.mark.parametrize("rows", [132, 133, 137])
+@pytest.mark.parametrize(("out_features", "group_size"), [(100, 32), (96, 64)])
+def test_q4_gemm_is_its_dequantized_weight(micro_kernel, rows, out_features, group_size):
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(out_features, 192) * 0.05, torch.randn(out_features), torch.randn(rows, 192)
+    layer = Q4Linear.from_weight(weight, bias, group_size)
+    assert rows >= ops.GEMM_ROWS
+    assert relative(layer(x), F.linear(x, layer.dequantized(), bias)) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [128, 139])
+def test_q8_gemm_is_its_dequantized_weight(micro_kernel, rows):
+    torch.manual_seed(rows)
+    layer = Int8Linear.from_weight(torch.randn(72, 96), torch.randn(72))
+    x = torch.randn(rows, 96)
+    assert relative(layer(x), F.linear(x, layer.dequantized(), layer.bias)) < 1e-5
+
+
+def test_gemm_rows_switch_keeps_the_float32_tiles(monkeypatch):
+    """`KETTLE_CPU_GEMM_ROWS=0` (never the GEMM) gives the same products through the float32 tiles."""
+    layer = Q4Linear.from_weight(torch.randn(64, 128) * 0.05, group_size=32)
+    x = torch.randn(150, 128)
+    fast = layer(x)
+    monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
+    assert relative(fast, layer(x)) < 1e-5
+
+
+def reference_attention(q, k, v, positions, window):
+    """q [L, H, D] at `positions`, k/v [C, Hkv, D] at 0 .. C-1 → [L, H, D], causal (and windowed), in float64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("lhd,chd->hlc", q.double(), k) * q.shape[-1] ** -0.5
+    keys = torch.arange(k.shape[0])
+    allowed = keys[None, :] <= positions[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > positions[:, None] - window
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hlc,chd->lhd", probs, v).float()
+
+
+# (new tokens, cached prefix, window): one query tile, tails of both tiles, a prefix, a window inside the chunk.
+CASES = [(5, 0, None), (37, 0, None), (40, 19, None), (100, 64, 24), (33, 7, 50)]
+
+
+@pytest.mark.parametrize(("tokens", "cache_len", "window"), CASES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 80)])
+def test_paged_prefill_matches_attention_over_scattered_blocks(tokens, cache_len, window, heads, kv_heads, dim):
+    torch.manual_seed(tokens + dim)
+    block_size, context = 16, cache_len + tokens
+    blocks = -(-context // block_size)
+    table = torch.randperm(blocks + 5)[:blocks]  # scattered, and the pool holds blocks of nobody
+    k_cache = torch.randn((blocks + 5) * block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:context]
+    stale = torch.ones(len(k_cache), dtype=torch.bool).index_fill_(0, slots, False)
+    k_cache[stale], v_cache[stale] = float("nan"), float("nan")  # slots past the context must not leak in
+    # The fused qkv output's layout: q heads, then k and v heads, in each token's row.
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    q = qkv[:, :heads]
+    got = ops.paged_prefill(q, k_cache, v_cache, table, cache_len, block_size, dim**-0.5, window)
+    positions = torch.arange(cache_len, context)
+    expected = reference_attention(q, k_cache[slots], v_cache[slots], positions, window)
+    assert relative(got, expected) < 1e-5
+
+
+def test_cache_write_is_index_copy_from_views_of_the_fused_qkv_output():
+    torch.manual_seed(0)
+    qkv = torch.randn(37, 9 + 2 * 3, 64)
+    k_new, v_new = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.randperm(100)[:37]
+    k_cache, v_cache = torch.randn(100, 3, 64), torch.randn(100, 3, 64)
+    expected_k, expected_v = k_cache.clone().index_copy_(0, slots, k_new), v_cache.clone().index_copy_(0, slots, v_new)
+    assert ops.cache_write_fits(k_new, v_new, k_cache, v_cache)
+    ops.cache_write(k_new, v_new, slots, k_cache, v_cache)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
