@@ -34,6 +34,17 @@ class StepResult:
     decode_ns: int
 
 
+@dataclass
+class Computed:
+    """A step's forward and token choice, not yet applied to its requests (`ModelRunner.finish` does that)."""
+
+    query_lens: list[int]  # tokens each request fed to the forward
+    ready: list[int]  # indices of the requests that were sampled
+    sampled: SampleOutput | None  # their choice (None: nobody was sampled)
+    prefill_logprobs: dict[int, pb.Tokens]
+    forward_ns: int
+
+
 class ModelRunner:
     """Runs steps of the model over the paged KV cache for the shard's service."""
 
@@ -72,25 +83,42 @@ class ModelRunner:
         if extra:
             self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, num_blocks, self.graph_buckets)
 
-    @torch.inference_mode()
     def step(self, requests: list[RequestState]) -> StepResult:
         """Runs one forward for `requests` and returns their generations."""
+        return self.finish(requests, self.compute(requests))
+
+    @torch.inference_mode()
+    def compute(self, requests: list[RequestState]) -> Computed:
+        """The device half of a step: forward and token choice. It leaves the requests' host state as it was
+        (only the KV cache rows it writes and the sampling generators move), so a step computed ahead of the
+        router's call can still be dropped (see `lookahead.py`)."""
         start = time.perf_counter_ns()
         queries = [r.next_query() for r in requests]
         meta, hidden = self._forward(requests, queries)
         prefill_logprobs = self._prefill_logprobs(requests, queries, meta, hidden)
-        for request, query in zip(requests, queries, strict=True):
-            request.cache_len += len(query)
-        ready = [i for i, r in enumerate(requests) if not r.in_prefill]
-        if not ready:
-            return StepResult([], set(), time.perf_counter_ns() - start, 0)
-        rows = meta.last_token_indices
-        if len(ready) < len(requests):
-            rows = rows.index_select(0, device_tensor(ready, torch.long, rows.device))
-        sampled = self._sample([requests[i] for i in ready], self.model.compute_logits(hidden[rows]))
+        # Sampled: every request whose prompt is complete once this step's tokens are in the cache.
+        ready = [
+            i for i, (r, q) in enumerate(zip(requests, queries, strict=True)) if r.cache_len + len(q) >= r.prompt_len
+        ]
+        sampled = None
+        if ready:
+            rows = meta.last_token_indices
+            if len(ready) < len(requests):
+                rows = rows.index_select(0, device_tensor(ready, torch.long, rows.device))
+            sampled = self._sample([requests[i] for i in ready], self.model.compute_logits(hidden[rows]))
         forward_ns = time.perf_counter_ns() - start
-        result = self._update([requests[i] for i in ready], sampled, prefill_logprobs)
-        result.forward_ns, result.decode_ns = forward_ns, time.perf_counter_ns() - start - forward_ns
+        return Computed([len(q) for q in queries], ready, sampled, prefill_logprobs, forward_ns)
+
+    @torch.inference_mode()
+    def finish(self, requests: list[RequestState], computed: Computed) -> StepResult:
+        """The host half of a step: the computed tokens enter the requests (stopping, detokenization)."""
+        for request, n in zip(requests, computed.query_lens, strict=True):
+            request.cache_len += n
+        if computed.sampled is None:
+            return StepResult([], set(), computed.forward_ns, 0)
+        start = time.perf_counter_ns()
+        result = self._update([requests[i] for i in computed.ready], computed.sampled, computed.prefill_logprobs)
+        result.forward_ns, result.decode_ns = computed.forward_ns, time.perf_counter_ns() - start
         return result
 
     def _forward(

@@ -68,8 +68,11 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")
     runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
+    # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
+    # could not roll back. KETTLE_OVERLAP=0 is the off switch, for measuring what overlap gains.
+    overlap = execution_path == "native" and os.environ.get("KETTLE_OVERLAP", "1") != "0"
     engine = ShardEngine(
-        runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
+        runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction, overlap
     )
     spec = model.spec
     info = pb.InfoResponse(
