@@ -60,6 +60,7 @@ def serve(
     ] = None,
     watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
     watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
+    speculate: Annotated[int, typer.Option(help="N-gram draft tokens verified per step (0: off).")] = 0,
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",

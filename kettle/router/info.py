@@ -53,6 +53,7 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
         sha=os.environ.get("GIT_SHA"),
         docker_label=os.environ.get("DOCKER_LABEL"),
         execution_path=info.execution_path or None,
+        speculate=info.speculate,
     )
 
 

@@ -39,6 +39,8 @@ class RequestState:
     prompt_logprobs: list[float] = field(default_factory=list)
     # The request's grammar matcher (llguidance.LLMatcher), advanced with each sampled token; None: no grammar.
     grammar: Any = None
+    # Its n-gram drafter (`ngram.NgramDrafter`) when it speculates (--speculate); None: one token per step.
+    drafter: Any = None
 
     @property
     def in_prefill(self) -> bool:

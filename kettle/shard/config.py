@@ -41,6 +41,7 @@ class ShardConfig:
     cuda_graphs: str | None = None
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
+    speculate: int = 0  # n-gram draft tokens verified per step and request (TGI's --speculate); 0: off
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -56,6 +57,8 @@ class ShardConfig:
 
             check_scheme(self.quantize, "cpu")  # names the alternatives for TGI's values Kettle lacks
             raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")
+        if self.speculate < 0:
+            raise ValueError("--speculate must be >= 0")
         if self.cuda_graphs is not None:
             parse_graph_buckets(self.cuda_graphs)
 

@@ -23,6 +23,7 @@ from kettle.shard.detokenize import IncrementalDetokenizer
 from kettle.shard.lookahead import Lookahead
 from kettle.shard.runner import Computed, ModelRunner, StepResult
 from kettle.shard.sampling import SamplingParams
+from kettle.shard.speculation import drafter_for
 from kettle.shard.stopping import StoppingCriteria
 from kettle.shard.warmup import KVPlan, plan_kv_cache
 from kettle.tensors import distributed
@@ -244,6 +245,7 @@ class ShardEngine:
             top_n_tokens=request.top_n_tokens,
             prefill_logprobs=request.prefill_logprobs,
             grammar=self.runner.grammars.matcher(request.parameters),
+            drafter=drafter_for(params, request, self.runner.speculate),
         )
 
     def _warmup_forward(self, batch: pb.Batch, block_size: int, max_tokens: int) -> None:

@@ -68,6 +68,8 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")
     runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
+    # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
+    runner.speculate = config.speculate if execution_path == "native" else 0
     # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
     # could not roll back. KETTLE_OVERLAP=0 is the off switch, for measuring what overlap gains.
     overlap = execution_path == "native" and os.environ.get("KETTLE_OVERLAP", "1") != "0"
@@ -85,6 +87,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         vocab_size=spec.vocab_size,
         model_type=spec.model_type,
         execution_path=execution_path,
+        speculate=runner.speculate,
     )
     return engine, info
 
