@@ -14,9 +14,10 @@ generator, so a seeded run is reproducible (it draws other numbers than a run wi
 The K/V the forward wrote for rejected drafts is rolled back by not counting it: the request's `cache_len`
 advances over its last token and the accepted drafts only, and the next step overwrites the rest.
 
-Only requests whose token choice depends on nothing but the row's logits draft: no grammar, penalties,
-watermark or top tokens (their per-row state would have to follow the draft). The others in the same batch
-decode one token as usual.
+A step drafts only within `STEP_ROWS` rows in all: single streams and small batches, where the weights read per
+step are shared by few tokens. And only requests whose token choice depends on nothing but the row's logits
+draft: no grammar, penalties, watermark or top tokens (their per-row state would have to follow the draft). The
+others in the same batch decode one token as usual.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from kettle.shard.batch import RequestState
 from kettle.shard.ngram import NgramDrafter
 from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
 
+# Rows (tokens) a step that verifies drafts may feed. A decode step reads the weights once for all its rows, so
+# up to a few rows cost about what one does and a rejected draft is nearly free; past that the step becomes
+# compute bound (and the int4 kernels switch to float tiles at 8 rows), so a big batch gets no drafts: it is
+# already using the step well.
+STEP_ROWS = 8
+
 
 def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> NgramDrafter | None:
     """A drafter when `--speculate` is on and the request's tokens depend on its logits alone."""
@@ -39,8 +46,19 @@ def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> 
     return NgramDrafter() if speculate > 0 and plain and unpenalised else None
 
 
+def drafts_for(requests: Sequence[RequestState], speculate: int) -> list[list[int]]:
+    """Each request's draft for this step, within the step's row budget (`STEP_ROWS`), first come first served."""
+    budget = STEP_ROWS - sum(len(r.next_query()) for r in requests)
+    drafts = []
+    for request in requests:
+        draft = draft_for(request, min(speculate, budget)) if budget > 0 else []
+        budget -= len(draft)
+        drafts.append(draft)
+    return drafts
+
+
 def draft_for(request: RequestState, speculate: int) -> list[int]:
-    """This step's draft: at most `speculate` tokens, and never so many that the step could pass
+    """One request's draft: at most `speculate` tokens, and never so many that the step could pass
     `max_new_tokens` (so every row writes inside the blocks the router reserved)."""
     if request.drafter is None or request.in_prefill:
         return []
