@@ -10,7 +10,7 @@ import torch
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.ngram import NgramDrafter
 from kettle.shard.speculation import accepted_tokens, verify
-from tests.models.engine_driver import make_batch
+from tests.models.engine_driver import make_batch, warm_engine
 
 # Repetitive prompts, so that n-gram drafts exist; the model is random, so what it accepts is its own business.
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [40, 41, 42, 43, 40, 41, 42], [7, 7, 7, 7]]
@@ -81,6 +81,40 @@ def test_stops_inside_accepted_drafts_end_the_request_there(engine):
     speculative, _, accepted = run(engine, 4, configure, max_new_tokens=24)
     assert speculative == reference and accepted > 0
     assert reference[1][3] == pb.FINISH_REASON_STOP_SEQUENCE
+
+
+def test_bundled_int4_greedy_with_drafts_equals_plain_greedy():
+    """The bundled model under int4 (its fused decode step), asked to copy a passage, beside a request with a
+    repetition penalty (which never drafts): the same tokens with and without drafts."""
+    from transformers import AutoTokenizer
+
+    from kettle.hub.resolve import resolve_model
+
+    path = resolve_model(None).path
+    engine, _ = warm_engine(path, quantize="int4")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    passage = "The kettle boils water for tea. It sings when the water is hot, and then it clicks off. " * 2
+    ask = [{"role": "user", "content": f"Repeat exactly:\n{passage}"}]
+    text = tokenizer.apply_chat_template(ask, add_generation_prompt=True, tokenize=False)
+    prompts = [tokenizer(text, add_special_tokens=False).input_ids, tokenizer("Tea is").input_ids]
+
+    def run_bundled(speculate: int):
+        engine.runner.speculate = speculate
+        batch = make_batch(1, prompts, first_id=1, max_new_tokens=40)
+        batch.requests[1].parameters.repetition_penalty = 1.2
+        tokens: dict[int, list[int]] = {}
+        accepted, answer = 0, engine.prefill(pb.PrefillRequest(batch=batch))
+        while True:
+            for g in answer.generations:
+                tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+                accepted += g.accepted_tokens
+            if not answer.HasField("batch"):
+                return tokens, accepted
+            answer = engine.decode(pb.DecodeRequest(batches=[answer.batch]))
+
+    plain, _ = run_bundled(0)
+    speculative, accepted = run_bundled(4)
+    assert speculative == plain and accepted > 10
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
