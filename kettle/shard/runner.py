@@ -105,6 +105,16 @@ class ModelRunner:
         ready = [
             i for i, (r, q) in enumerate(zip(requests, queries, strict=True)) if r.cache_len + len(q) >= r.prompt_len
         ]
+        plain, sampled, verified = self._choose(requests, drafts, ready, meta, hidden)
+        forward_ns = time.perf_counter_ns() - start
+        query_lens = [len(q) - len(d) for q, d in zip(queries, drafts, strict=True)]
+        return Computed(query_lens, plain, sampled, prefill_logprobs, forward_ns, drafts, verified)
+
+    def _choose(
+        self, requests, drafts, ready, meta, hidden
+    ) -> tuple[list[int], SampleOutput | None, torch.Tensor | None]:
+        """The token choice of the `ready` requests: the ones without a draft are sampled one token (their
+        indices and `SampleOutput`), the others have their drafts verified (`speculation.verify_drafts`)."""
         drafting = [i for i in ready if drafts[i]]
         plain = [i for i in ready if not drafts[i]] if drafting else ready
         # The layout has one sequence per request, and one more per draft token (see `_layout`).
@@ -117,9 +127,7 @@ class ModelRunner:
             seqs = [j for i in drafting for j in range(seq_ends[i] - len(drafts[i]) - 1, seq_ends[i])]
             chosen = [requests[i] for i in drafting]
             verified = verify_drafts(chosen, [drafts[i] for i in drafting], self._last_logits(hidden, meta, seqs))
-        forward_ns = time.perf_counter_ns() - start
-        query_lens = [len(q) - len(d) for q, d in zip(queries, drafts, strict=True)]
-        return Computed(query_lens, plain, sampled, prefill_logprobs, forward_ns, drafts, verified)
+        return plain, sampled, verified
 
     @torch.inference_mode()
     def finish(self, requests: list[RequestState], computed: Computed) -> StepResult:
