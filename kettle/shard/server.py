@@ -71,8 +71,9 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
     runner.speculate = config.speculate if execution_path == "native" else 0
     # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
-    # could not roll back. KETTLE_OVERLAP=0 is the off switch, for measuring what overlap gains.
-    overlap = execution_path == "native" and os.environ.get("KETTLE_OVERLAP", "1") != "0"
+    # could not roll back. Opt-in (KETTLE_OVERLAP=1): on a 2-core machine the step computed ahead competes for
+    # the cores with the router and measured slower than waiting (docs/performance.md).
+    overlap = execution_path == "native" and os.environ.get("KETTLE_OVERLAP", "0") == "1"
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction, overlap
     )
