@@ -71,10 +71,7 @@ def verify_drafts(requests: Sequence[RequestState], drafts: Sequence[list[int]],
 
     Returns one flat float64 tensor (one host transfer) holding per request, in order: the number of accepted
     drafts, the model's token, its logprob, then the logprobs of the k drafts."""
-    params = [r.params for r, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
-    generators = [r.generator for r, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
-    sampler = BatchSampler(params, generators, logits.shape[-1], logits.device)
-    scores = sampler.scores(logits)
+    scores = _scores(requests, drafts, logits)
     parts, row = [], 0
     for request, draft in zip(requests, drafts, strict=True):
         rows = slice(row, row + len(draft) + 1)
@@ -83,6 +80,16 @@ def verify_drafts(requests: Sequence[RequestState], drafts: Sequence[list[int]],
         parts.append(verify(scores[rows], ids, generator))
         row = rows.stop
     return torch.cat(parts)
+
+
+def _scores(requests: Sequence[RequestState], drafts: Sequence[list[int]], logits: Tensor) -> Tensor:
+    """The rows' processed scores: the raw logits when every request is greedy (greedy rows that draft have no
+    processor), else through a sampler over the rows' parameters (built per step: drafts change every step)."""
+    if not any(r.params.sampling for r in requests):
+        return logits.float()
+    params = [r.params for r, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
+    generators = [r.generator for r, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
+    return BatchSampler(params, generators, logits.shape[-1], logits.device).scores(logits)
 
 
 def verify(scores: Tensor, draft: Tensor, generator: torch.Generator | None) -> Tensor:
