@@ -63,6 +63,7 @@ def serve(
     lora_adapters: Annotated[
         str | None, typer.Option(help="LoRA adapters to attach: `name=path` or Hub ids, comma-separated.")
     ] = None,
+    speculate: Annotated[int, typer.Option(help="N-gram draft tokens verified per step (0: off).")] = 0,
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",

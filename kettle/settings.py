@@ -50,6 +50,7 @@ class Settings:
     cpu_linear: str  # KETTLE_CPU_LINEAR: onednn, transposed or dense float32 weight layout
     fallback_padding: bool  # KETTLE_FALLBACK_PADDING=0: the transformers fallback runs one request per forward
     adaptive_chunks: bool  # KETTLE_ADAPTIVE_CHUNKS=0: every prefill chunk may take the whole token budget
+    overlap: bool  # KETTLE_OVERLAP=1: the shard computes the next decode step while the router handles the last
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -73,6 +74,7 @@ class Settings:
             cpu_linear=env.get("KETTLE_CPU_LINEAR", "onednn"),
             fallback_padding=env.get("KETTLE_FALLBACK_PADDING", "1") != "0",
             adaptive_chunks=env.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0",
+            overlap=env.get("KETTLE_OVERLAP", "0") == "1",
         )
 
 

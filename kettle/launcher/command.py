@@ -92,9 +92,7 @@ RopeFactor = Annotated[
 ]
 Speculate = Annotated[
     int | None,
-    option(
-        "--speculate", "Tokens to speculate per step (n-gram or Medusa speculative decoding).", MODEL, inactive=True
-    ),
+    option("--speculate", "Draft tokens verified per step (n-gram prompt-lookup speculative decoding).", MODEL),
 ]
 KvCacheDtype = Annotated[
     str | None,

@@ -12,7 +12,7 @@ from kettle.router.config import RouterConfig
 from kettle.shard.config import DTYPES, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
-INACTIVE_FLAGS: dict[str, object] = {"speculate": None, "kv_cache_dtype": None}
+INACTIVE_FLAGS: dict[str, object] = {"kv_cache_dtype": None}
 # Flags of TGI that will never mean anything here (the help says why), with their inert values.
 NO_EFFECT_FLAGS: dict[str, object] = {"ngrok": False, "ngrok_authtoken": None, "ngrok_edge": None}
 # TGI's values for the flags that take one of a few words.
@@ -228,6 +228,7 @@ class LauncherConfig:
             watermark_gamma=self.watermark_gamma,
             watermark_delta=self.watermark_delta,
             lora_adapters=self.lora_adapters,
+            speculate=self.speculate or 0,
         )
 
     def router_config(self, tokenizer_name: str, model_id: str, model_sha: str | None = None) -> RouterConfig:

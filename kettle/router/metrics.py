@@ -50,6 +50,9 @@ BATCH_NEXT_SIZE = Histogram("tgi_batch_next_size", "Size of each new batch", buc
 
 # Kettle's own: prompt tokens taken from the prefix cache instead of being computed (not a TGI metric).
 PREFIX_CACHE_HIT_TOKENS = Counter("kettle_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache")
+# Kettle's own: speculative decoding (--speculate), draft tokens the shards verified and those the model accepted.
+SPECULATIVE_DRAFT_TOKENS = Counter("kettle_speculative_draft_tokens", "Draft tokens verified (--speculate)")
+SPECULATIVE_ACCEPTED_TOKENS = Counter("kettle_speculative_accepted_tokens", "Draft tokens accepted (--speculate)")
 
 # Kettle's own: requests admitted per LoRA adapter (the base model's requests are not counted here).
 LORA_REQUESTS = Counter("kettle_lora_requests", "Requests admitted with each LoRA adapter", ["adapter"])

@@ -276,6 +276,9 @@ class Scheduler:
             return
         for event in generation_events(generation, entry):
             entry.send(event)
+        if generation.draft_tokens:  # speculative decoding: several tokens may have come in one step
+            metrics.SPECULATIVE_DRAFT_TOKENS.inc(generation.draft_tokens)
+            metrics.SPECULATIVE_ACCEPTED_TOKENS.inc(generation.accepted_tokens)
         if generation.HasField("generated_text"):
             self._retire(entry.id).end_without_result()  # a no-op when the last event was sent
 

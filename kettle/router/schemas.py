@@ -218,6 +218,8 @@ class Info(BaseModel):
     version: str = Field(examples=["0.1.0"])
     sha: str | None = None
     docker_label: str | None = None
+    # TGI's field: draft tokens verified per step (--speculate); 0 when speculative decoding is off.
+    speculate: int = Field(0, examples=[0])
     # Kettle's addition: which code runs the model ("native", "transformers" fallback, or "seq2seq").
     execution_path: str | None = Field(None, examples=["native"])
     # Kettle's addition: the weight quantization that serves (null: dense weights in `model_dtype`).

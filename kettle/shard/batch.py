@@ -40,6 +40,8 @@ class RequestState:
     # The request's grammar matcher (llguidance.LLMatcher), advanced with each sampled token; None: no grammar.
     grammar: Any = None
     adapter: int = -1  # index of its LoRA adapter in the shard's --lora-adapters; -1: the base model
+    # Its n-gram drafter (`ngram.NgramDrafter`) when it speculates (--speculate); None: one token per step.
+    drafter: Any = None
 
     @property
     def in_prefill(self) -> bool:

@@ -42,6 +42,7 @@ class ShardConfig:
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     lora_adapters: str | None = None  # `name=path` or Hub ids, comma-separated (kettle/models/lora_adapters.py)
+    speculate: int = 0  # n-gram draft tokens verified per step and request (TGI's --speculate); 0: off
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -57,6 +58,8 @@ class ShardConfig:
 
             check_scheme(self.quantize, "cpu")  # names the alternatives for TGI's values Kettle lacks
             raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")
+        if self.speculate < 0:
+            raise ValueError("--speculate must be >= 0")
         if self.cuda_graphs is not None:
             parse_graph_buckets(self.cuda_graphs)
 

@@ -20,8 +20,10 @@ import torch
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import Batch, RequestState
 from kettle.shard.detokenize import IncrementalDetokenizer
-from kettle.shard.runner import ModelRunner, StepResult
+from kettle.shard.lookahead import Lookahead
+from kettle.shard.runner import Computed, ModelRunner, StepResult
 from kettle.shard.sampling import SamplingParams
+from kettle.shard.speculation import drafter_for
 from kettle.shard.stopping import StoppingCriteria
 from kettle.shard.warmup import KVPlan, plan_kv_cache
 from kettle.tensors import distributed
@@ -39,6 +41,7 @@ class ShardEngine:
         rank: int = 0,
         world_size: int = 1,
         cuda_memory_fraction: float = 0.9,
+        overlap: bool = False,
     ) -> None:
         self.runner = runner
         self.kv_memory_fraction = kv_memory_fraction  # on the CPU: share of the available RAM
@@ -47,12 +50,15 @@ class ShardEngine:
         self.world_size = world_size
         self.batches: dict[int, Batch] = {}
         self.adapters: tuple[str, ...] = ()  # the LoRA adapters attached to the model, by index
+        self.overlap = overlap  # compute the next decode step while the router handles the last one
+        self._ahead: Lookahead | None = None
 
     # --- protocol calls -------------------------------------------------------------------------------
 
     def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """Computes the prompts of a new batch, together with a cached batch's decodes when given."""
         start = time.perf_counter_ns()
+        self._claim_ahead(None)
         cached = [request.cached_batch] if request.HasField("cached_batch") else []
         batch = self._assemble(cached, request.batch)
         result, kept = self._run(batch)
@@ -67,9 +73,10 @@ class ShardEngine:
     def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         """One decode step over the concatenation of the given cached batches."""
         start = time.perf_counter_ns()
+        ahead = self._claim_ahead(request.batches)
         batch = self._assemble(request.batches)
         concat_ns = time.perf_counter_ns() - start
-        result, kept = self._run(batch)
+        result, kept = self._run(batch, ahead)
         return pb.DecodeResponse(
             generations=result.generations,
             batch=kept,
@@ -81,6 +88,7 @@ class ShardEngine:
 
     def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
         """Keeps only the listed requests of a cached batch."""
+        self._claim_ahead(None)
         taken = self._take(request.batch_id)
         batch = taken.filter(request.request_ids)
         self.runner.release({r.id for r in taken.requests} - set(request.request_ids))
@@ -91,6 +99,7 @@ class ShardEngine:
 
     def clear_cache(self, request: pb.ClearCacheRequest) -> None:
         """Drops one cached batch, or all of them."""
+        self._claim_ahead(None)
         if request.HasField("id"):
             dropped = self.batches.pop(request.id, None)
             self.runner.release([r.id for r in dropped.requests] if dropped is not None else [])
@@ -100,6 +109,7 @@ class ShardEngine:
 
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         """Sizes the KV cache from the memory available, then runs a prefill to prove the model runs."""
+        self._claim_ahead(None)
         spec, device = self.runner.model.spec, self.runner.device
         plan = self._same_on_all_ranks(
             plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
@@ -123,6 +133,12 @@ class ShardEngine:
             block_size=plan.block_size,
         )
 
+    def look_ahead(self) -> None:
+        """Computes the next decode step of the one cached batch, if there is exactly one (see `lookahead.py`).
+        The service calls this after answering each call, so it runs while the answer travels."""
+        if self.overlap and self._ahead is None and len(self.batches) == 1:
+            self._ahead = Lookahead.start(self.runner, next(iter(self.batches.values())))
+
     # --- helpers --------------------------------------------------------------------------------------
 
     @property
@@ -141,6 +157,17 @@ class ShardEngine:
         return dataclasses.replace(
             plan, num_blocks=blocks, bytes=plan.bytes // plan.num_blocks * blocks, warmup_tokens=tokens
         )
+
+    def _claim_ahead(self, batches: Sequence[pb.CachedBatch] | None) -> Computed | None:
+        """The step computed ahead when this call (a Decode of `batches`) is that step; otherwise it is dropped
+        before the call touches any state (None: the call is no Decode)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if batches is not None and ahead.matches(batches):
+            return ahead.computed
+        ahead.drop()
+        return None
 
     def _take(self, batch_id: int) -> Batch:
         batch = self.batches.pop(batch_id, None)
@@ -172,10 +199,11 @@ class ShardEngine:
                 request.chunk_len = cached.chunk_lens.get(request.id, request.chunk_len)
         return batch
 
-    def _run(self, batch: Batch) -> tuple[StepResult, pb.CachedBatch | None]:
-        """One step; the batch is cached again without its finished requests. A failure drops the batch."""
+    def _run(self, batch: Batch, ahead: Computed | None = None) -> tuple[StepResult, pb.CachedBatch | None]:
+        """One step (or the one computed `ahead` applied); the batch is cached again without its finished
+        requests. A failure drops the batch."""
         try:
-            result = self.runner.step(batch.requests)
+            result = self.runner.step(batch.requests) if ahead is None else self.runner.finish(batch.requests, ahead)
         except Exception:
             self.runner.release([r.id for r in batch.requests])
             raise
@@ -219,6 +247,7 @@ class ShardEngine:
             prefill_logprobs=request.prefill_logprobs,
             grammar=self.runner.grammars.matcher(request.parameters),
             adapter=self._adapter_index(request.adapter_id),
+            drafter=drafter_for(params, request, self.runner.speculate),
         )
 
     def _adapter_index(self, adapter_id: str) -> int:

@@ -20,6 +20,7 @@ from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.grammar import Grammars, advance
 from kettle.shard.logits_process import device_tensor
 from kettle.shard.sampling import BatchSampler, SampleOutput, top_token_table, top_tokens_from_rows
+from kettle.shard.speculation import accepted_tokens, drafts_for, verify_drafts
 from kettle.shard.vocab import Vocab
 from kettle.tensors.kv_cache import KVCache
 
@@ -32,6 +33,19 @@ class StepResult:
     finished: set[int]
     forward_ns: int
     decode_ns: int
+
+
+@dataclass
+class Computed:
+    """A step's forward and token choice, not yet applied to its requests (`ModelRunner.finish` does that)."""
+
+    query_lens: list[int]  # tokens each request feeds to the forward, its draft not counted
+    ready: list[int]  # indices of the requests sampled one token
+    sampled: SampleOutput | None  # their choice (None: nobody was sampled)
+    prefill_logprobs: dict[int, pb.Tokens]
+    forward_ns: int
+    drafts: list[list[int]]  # each request's draft tokens (speculative decoding; mostly empty)
+    verified: torch.Tensor | None = None  # `speculation.verify_drafts` of the requests with a draft
 
 
 class ModelRunner:
@@ -54,6 +68,7 @@ class ModelRunner:
         self._sampler_requests: tuple[RequestState, ...] = ()
         self._sampler: BatchSampler | None = None
         self.grammars = Grammars(vocab.tokenizer, vocab.eos_token_ids)
+        self.speculate = 0  # draft tokens per step and request (--speculate); 0: off
 
     def release(self, request_ids: Iterable[int] | None) -> None:
         """Forgets per-request state kept between steps (None: all). The paged runner keeps none: its K/V
@@ -72,38 +87,68 @@ class ModelRunner:
         if extra:
             self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, num_blocks, self.graph_buckets)
 
-    @torch.inference_mode()
     def step(self, requests: list[RequestState]) -> StepResult:
         """Runs one forward for `requests` and returns their generations."""
+        return self.finish(requests, self.compute(requests))
+
+    @torch.inference_mode()
+    def compute(self, requests: list[RequestState]) -> Computed:
+        """The device half of a step: forward and token choice. It leaves the state of requests past their prompt
+        as it was (only the KV cache rows it writes and the sampling generators move), so a step computed ahead
+        of the router's call can still be dropped (see `lookahead.py`)."""
         start = time.perf_counter_ns()
-        queries = [r.next_query() for r in requests]
-        meta, hidden = self._forward(requests, queries)
+        drafts = drafts_for(requests, self.speculate) if self.speculate else [[] for _ in requests]
+        queries = [r.next_query() + d for r, d in zip(requests, drafts, strict=True)]
+        meta, hidden = self._forward(requests, queries, drafts)
         prefill_logprobs = self._prefill_logprobs(requests, queries, meta, hidden)
-        for request, query in zip(requests, queries, strict=True):
-            request.cache_len += len(query)
-        ready = [i for i, r in enumerate(requests) if not r.in_prefill]
-        if not ready:
-            return StepResult([], set(), time.perf_counter_ns() - start, 0)
-        rows = meta.last_token_indices
-        if len(ready) < len(requests):
-            rows = rows.index_select(0, device_tensor(ready, torch.long, rows.device))
-        sampled = self._sample([requests[i] for i in ready], self.model.compute_logits(hidden[rows]))
+        # Sampled: every request whose prompt is complete once this step's tokens are in the cache.
+        ready = [
+            i for i, (r, q) in enumerate(zip(requests, queries, strict=True)) if r.cache_len + len(q) >= r.prompt_len
+        ]
+        plain, sampled, verified = self._choose(requests, drafts, ready, meta, hidden)
         forward_ns = time.perf_counter_ns() - start
-        result = self._update([requests[i] for i in ready], sampled, prefill_logprobs)
-        result.forward_ns, result.decode_ns = forward_ns, time.perf_counter_ns() - start - forward_ns
+        query_lens = [len(q) - len(d) for q, d in zip(queries, drafts, strict=True)]
+        return Computed(query_lens, plain, sampled, prefill_logprobs, forward_ns, drafts, verified)
+
+    def _choose(
+        self, requests, drafts, ready, meta, hidden
+    ) -> tuple[list[int], SampleOutput | None, torch.Tensor | None]:
+        """The token choice of the `ready` requests: the ones without a draft are sampled one token (their
+        indices and `SampleOutput`), the others have their drafts verified (`speculation.verify_drafts`)."""
+        drafting = [i for i in ready if drafts[i]]
+        plain = [i for i in ready if not drafts[i]] if drafting else ready
+        # The layout has one sequence per request, and one more per draft token (see `_layout`).
+        seq_ends = list(itertools.accumulate(len(d) + 1 for d in drafts))
+        sampled = verified = None
+        if plain:
+            logits = self._last_logits(hidden, meta, [seq_ends[i] - 1 for i in plain])
+            sampled = self._sample([requests[i] for i in plain], logits)
+        if drafting:
+            seqs = [j for i in drafting for j in range(seq_ends[i] - len(drafts[i]) - 1, seq_ends[i])]
+            chosen = [requests[i] for i in drafting]
+            verified = verify_drafts(chosen, [drafts[i] for i in drafting], self._last_logits(hidden, meta, seqs))
+        return plain, sampled, verified
+
+    @torch.inference_mode()
+    def finish(self, requests: list[RequestState], computed: Computed) -> StepResult:
+        """The host half of a step: the computed tokens enter the requests (stopping, detokenization)."""
+        for request, n in zip(requests, computed.query_lens, strict=True):
+            request.cache_len += n
+        start = time.perf_counter_ns()
+        result = StepResult([], set(), computed.forward_ns, 0)
+        if computed.sampled is not None:
+            ready = [requests[i] for i in computed.ready]
+            result = self._update(ready, computed.sampled, computed.prefill_logprobs)
+        if computed.verified is not None:
+            self._update_drafts(requests, computed, result)
+        result.forward_ns, result.decode_ns = computed.forward_ns, time.perf_counter_ns() - start
         return result
 
     def _forward(
-        self, requests: list[RequestState], queries: list[list[int]]
+        self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         assert self.kv_cache is not None, "Warmup must run before the first forward"
-        meta = AttentionMetadata.build(
-            [len(q) for q in queries],
-            [r.cache_len for r in requests],
-            [r.blocks for r in requests],
-            self.kv_cache.block_size,
-            self.device,
-        )
+        meta = AttentionMetadata.build(*_layout(requests, queries, drafts), self.kv_cache.block_size, self.device)
         input_ids = device_tensor(list(itertools.chain.from_iterable(queries)), torch.long, self.device)
         lora = self.model.lora_rows
         if lora is not None:  # each token row runs with its request's adapter
@@ -114,6 +159,13 @@ class ModelRunner:
         if replayed is not None:
             return meta, replayed.hidden
         return meta, self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
+
+    def _last_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
+        """The logits at the last token of the given sequences of the step's layout (ascending, no repeats)."""
+        rows = meta.last_token_indices
+        if len(seqs) < rows.shape[0]:
+            rows = rows.index_select(0, device_tensor(seqs, torch.long, rows.device))
+        return self.model.compute_logits(hidden[rows])
 
     def _sample(self, requests: list[RequestState], logits: torch.Tensor) -> SampleOutput:
         sampler = self._batch_sampler(requests, logits.shape[-1])
@@ -200,13 +252,31 @@ class ModelRunner:
         tops = self._top_tokens(counts, [row[2:] for row in host] if table is not None else [])
         generations, finished = [], set()
         for i, request in enumerate(requests):
-            generation = self._advance(request, ids[i], logprobs[i], tops[i])
+            generation = self._advance(request, [ids[i]], [logprobs[i]], tops[i])
             if request.id in prefill:
                 generation.prefill_tokens.CopyFrom(prefill[request.id])
             if generation.HasField("generated_text"):
                 finished.add(request.id)
             generations.append(generation)
         return StepResult(generations, finished, 0, 0)
+
+    def _update_drafts(self, requests: list[RequestState], computed: Computed, result: StepResult) -> None:
+        """Applies the verified drafts: each request takes its accepted drafts and the model's token, and its
+        cache length moves over the accepted drafts only (the K/V of rejected ones is overwritten later)."""
+        assert computed.verified is not None
+        host, offset = computed.verified.tolist(), 0
+        for request, draft in zip(requests, computed.drafts, strict=True):
+            if not draft:
+                continue
+            tokens, logprobs = accepted_tokens(draft, host[offset : offset + 3 + len(draft)])
+            offset += 3 + len(draft)
+            request.cache_len += len(tokens) - 1
+            generation = self._advance(request, tokens, logprobs, [])
+            generation.draft_tokens, generation.accepted_tokens = len(draft), len(tokens) - 1
+            request.drafter.observe(request.all_ids, len(draft), len(tokens) - 1)
+            if generation.HasField("generated_text"):
+                result.finished.add(request.id)
+            result.generations.append(generation)
 
     def _top_tokens(self, counts: list[int], rows: list[list[float]]) -> list[list[pb.Tokens]]:
         """Each request's top tokens from its row of `top_token_table` (no rows: nobody asked)."""
@@ -215,19 +285,28 @@ class ModelRunner:
         tops = top_tokens_from_rows(rows, counts)
         return [[self._tokens(ids, values)] if ids else [] for ids, values in tops]
 
-    def _tokens(self, ids: list[int], logprobs: list[float]) -> pb.Tokens:
-        texts = [self.vocab.token_text(i) for i in ids]
+    def _tokens(self, ids: list[int], logprobs: list[float], texts: list[str] | None = None) -> pb.Tokens:
+        texts = [self.vocab.token_text(i) for i in ids] if texts is None else texts
         special = [self.vocab.is_special(i) for i in ids]
         return pb.Tokens(ids=ids, logprobs=logprobs, texts=texts, is_special=special)
 
-    def _advance(self, request: RequestState, token: int, logprob: float, top: list[pb.Tokens]) -> pb.Generation:
-        request.all_ids.append(token)
-        text = request.detokenizer.step(token)
-        generation = pb.Generation(request_id=request.id, tokens=self._tokens([token], [logprob]), top_tokens=top)
-        generation.tokens.texts[0] = text
-        reason = request.stopping(token, text)
-        if request.grammar is not None and advance(request.grammar, token) and reason is None:
-            reason = pb.FINISH_REASON_EOS_TOKEN  # the grammar is complete: nothing more may be generated
+    def _advance(
+        self, request: RequestState, tokens: list[int], logprobs: list[float], top: list[pb.Tokens]
+    ) -> pb.Generation:
+        """Appends the step's tokens one by one (several when drafts were accepted) until one ends the request."""
+        texts, reason = [], None
+        for token in tokens:
+            request.all_ids.append(token)
+            texts.append(request.detokenizer.step(token))
+            reason = request.stopping(token, texts[-1])
+            if request.grammar is not None and advance(request.grammar, token) and reason is None:
+                reason = pb.FINISH_REASON_EOS_TOKEN  # the grammar is complete: nothing more may be generated
+            if reason is not None:
+                break
+        n = len(texts)
+        generation = pb.Generation(
+            request_id=request.id, tokens=self._tokens(tokens[:n], logprobs[:n], texts), top_tokens=top
+        )
         if reason is not None:
             generation.generated_text.CopyFrom(
                 pb.GeneratedText(
@@ -238,3 +317,19 @@ class ModelRunner:
                 )
             )
         return generation
+
+
+def _layout(
+    requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """Query lengths, cache lengths and block tables of the step's sequences: one per request, except that a
+    request with a draft is one decode sequence per token it feeds, over its blocks (see `speculation.py`)."""
+    if not any(drafts):
+        return [len(q) for q in queries], [r.cache_len for r in requests], [r.blocks for r in requests]
+    query_lens, cache_lens, tables = [], [], []
+    for request, query, draft in zip(requests, queries, drafts, strict=True):
+        rows = len(query) if draft else 1
+        query_lens += [1] * rows if draft else [len(query)]
+        cache_lens += range(request.cache_len, request.cache_len + rows)
+        tables += [request.blocks] * rows
+    return query_lens, cache_lens, tables

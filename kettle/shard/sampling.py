@@ -145,6 +145,14 @@ class BatchSampler:
         chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         return SampleOutput(next_ids=next_ids, logprobs=logprobs, chosen_logprobs=chosen)
 
+    def scores(self, logits: Tensor) -> Tensor:
+        """The processed scores alone, for rows whose processors read no history, previous token or mask
+        (speculative verification chooses the tokens itself)."""
+        if self.needs_history:
+            raise ValueError("scores() is for batches without penalties")
+        unused = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # no processor reads it
+        return self._process(logits, StepInputs(unused), None)
+
     def _process(self, logits: Tensor, step: StepInputs, token_mask: Tensor | None) -> Tensor:
         # Columns past the tokenizer's vocabulary (a padded lm_head) are never candidates.
         scores = logits[:, : self.vocab_size].float()
@@ -166,7 +174,7 @@ class BatchSampler:
             return next_ids
         index = self._sample_rows.index
         rows_logprobs = logprobs if index is None else logprobs.index_select(0, index)
-        drawn = _inverse_cdf(rows_logprobs.exp(), self._uniforms())
+        drawn = inverse_cdf(rows_logprobs.exp(), self._uniforms())
         return drawn if index is None else next_ids.index_copy_(0, index, drawn)
 
     def _uniforms(self) -> Tensor:
@@ -183,7 +191,7 @@ def _present(*processors: Processor | None) -> list[Processor]:
     return [p for p in processors if p is not None]
 
 
-def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     """Per row, the first token whose cumulative probability exceeds u × total (float64 for long vocabularies)."""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]

@@ -11,6 +11,7 @@ import grpc
 import psutil
 import torch
 
+from kettle import settings
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import ShardConfig
@@ -74,8 +75,14 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     # Built here (after quantization) rather than on the first decode, so the log says which path serves.
     fused = getattr(model, "cpu_decoder_step", None) is not None
     logger.info("Decode steps run %s", "as one fused CPU call" if fused else "layer by layer")
+    # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
+    runner.speculate = config.speculate if execution_path == "native" else 0
+    # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
+    # could not roll back. Opt-in (KETTLE_OVERLAP=1): on a 2-core machine the step computed ahead competes for
+    # the cores with the router and measured slower than waiting (docs/performance.md).
+    overlap = execution_path == "native" and settings.current().overlap
     engine = ShardEngine(
-        runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction
+        runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction, overlap
     )
     engine.adapters = load_adapters(config.lora_adapters, model, config.world_size)
     spec = model.spec
@@ -90,6 +97,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         model_type=spec.model_type,
         execution_path=execution_path,
         quantization=getattr(model, "quantization", None) or config.quantize or "",
+        speculate=runner.speculate,
     )
     return engine, info
 

@@ -51,10 +51,14 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
     async def _locked_call(self, context: grpc.aio.ServicerContext, fn, request):
         async with self._lock:
             try:
-                return await on_engine_thread(fn, request)
+                answer = await on_engine_thread(fn, request)
             except Exception as error:  # a failed batch fails its call, never the shard
                 logger.exception("%s failed", fn.__name__)
                 await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+            # Queued, not awaited: the next step is computed while this answer travels to the router, and the next
+            # call queues behind it on the same thread (overlap scheduling, kettle/shard/lookahead.py).
+            ENGINE_THREAD.submit(contextvars.copy_context().run, self.engine.look_ahead)
+            return answer
 
     async def Info(self, request, context):
         return self.info

@@ -22,7 +22,8 @@ def tiny_server(tiny_llama_path):
         "256",
         "--max-best-of",
         "3",
-        env=fault_env(),
+        # Overlap scheduling is opt-in; the session server runs with it so every e2e test here exercises it.
+        env={**fault_env(), "KETTLE_OVERLAP": "1"},
     )
     yield server
     try:

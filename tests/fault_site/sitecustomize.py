@@ -100,14 +100,15 @@ if os.environ.get("KETTLE_TEST_FAULTS") == "1":
 
         engine.ShardEngine._state = faulty_state
 
-        step = runner.ModelRunner.step
+        # `compute` is the forward of every step, including the one the shard computes ahead (overlap scheduling).
+        compute = runner.ModelRunner.compute
 
-        def faulty_step(self, requests):
+        def faulty_compute(self, requests):
             for r in requests:
                 _raise_if(_by_request.get(r.id), "prefill" if len(r.all_ids) == r.prompt_len else "decode")
-            return step(self, requests)
+            return compute(self, requests)
 
-        runner.ModelRunner.step = faulty_step
+        runner.ModelRunner.compute = faulty_compute
 
         sample = runner.ModelRunner._sample
 

@@ -148,7 +148,7 @@ def test_max_input_tokens_and_length_together_are_an_error(captured):
     assert "launch" not in captured
 
 
-@pytest.mark.parametrize("flag", ["--speculate", "--kv-cache-dtype"])
+@pytest.mark.parametrize("flag", ["--kv-cache-dtype"])
 def test_inactive_flags_are_marked_in_help(flag):
     assert "(not active yet)" in command_params("launch")[flag].help
 

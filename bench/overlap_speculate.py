@@ -1,0 +1,81 @@
+"""Overlap scheduling and `--speculate` over HTTP, compared in one run on the same server flags.
+
+    .venv/bin/python bench/overlap_speculate.py                          # bundled model, --quantize int4, 2 rounds
+    .venv/bin/python bench/overlap_speculate.py --rounds 1 --max-new-tokens 64 --configs off,overlap
+
+Configurations (each its own server; the rounds alternate them so machine drift hits all alike):
+- `off`: the default, the shard waits for each call;
+- `overlap`: `KETTLE_OVERLAP=1`, the next decode step computed while the router handles the last one;
+- `speculate`: the default plus `--speculate 4`.
+
+Workloads: kettle.bench.loadgen's chat prompts at 1 and 16 streams (decode tok/s as loadgen defines it), and a
+copy-heavy single stream: the model is asked to repeat a ~500-token passage (this repository's
+docs/architecture.md) word for word. Each cell is the best of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from kettle.bench.loadgen import chat_prompts, run_load
+from kettle.bench.process import KettleServer
+from kettle.hub import resolve_model
+
+CONFIGS = {"off": ({}, []), "overlap": ({"KETTLE_OVERLAP": "1"}, []), "speculate": ({}, ["--speculate", "4"])}
+PASSAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def copy_prompt(model_path: str, tokens: int = 500) -> str:
+    """A chat prompt asking to repeat the first `tokens` tokens of PASSAGE."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    passage = tokenizer.decode(tokenizer(PASSAGE.read_text()).input_ids[:tokens])
+    ask = f"Repeat the following text exactly, word for word:\n\n{passage}"
+    return chat_prompts(model_path, [ask])[0]
+
+
+def measure(url: str, chat: list[str], copy: str, max_new_tokens: int) -> dict[str, float]:
+    asyncio.run(run_load(url, chat, 2, 8))  # the server's first-call paths
+    rates = {f"chat x{n}": asyncio.run(run_load(url, chat, n, max_new_tokens)).decode_tokens_per_s for n in (1, 16)}
+    rates["copy x1"] = asyncio.run(run_load(url, [copy], 1, max_new_tokens)).decode_tokens_per_s
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-id", help="default: the bundled model")
+    parser.add_argument("--server-args", default="--quantize int4")
+    parser.add_argument("--configs", default="off,overlap,speculate")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    model_path = str(resolve_model(args.model_id).path)
+    chat, copy = chat_prompts(model_path), copy_prompt(model_path)
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for name in args.configs.split(","):
+            env, flags = CONFIGS[name]
+            server = KettleServer(model_path, *args.server_args.split(), *flags, env={**os.environ, **env})
+            try:
+                rates = measure(server.url, chat, copy, args.max_new_tokens)
+            finally:
+                server.stop()
+            print(name, {k: round(v, 1) for k, v in rates.items()}, flush=True)
+            best[name] = {k: max(v, best.get(name, {}).get(k, 0.0)) for k, v in rates.items()}
+    print_table(best)
+
+
+def print_table(best: dict[str, dict[str, float]]) -> None:
+    base = best.get("off")
+    print("| config | chat x1 tok/s | chat x16 tok/s | copy x1 tok/s |\n|---|---|---|---|")
+    for name, rates in best.items():
+        cells = [f"{rates[k]:.1f}" + (f" ({rates[k] / base[k]:.2f}x)" if base else "") for k in rates]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Speculative decoding (`--speculate N`): drafts verified in one forward, which of them the model accepts.
+
+A request that drafts feeds its last token and its draft tokens d1..dk to one forward, each as its own decode
+row over the request's blocks: every layer writes the K/V of all rows before any row attends, so row j sees
+the tokens before it, and its logits are those a plain decode step would have computed after d1..dj.
+
+Greedy: d(j+1) is accepted while it is row j's argmax; the model's own choice follows the accepted drafts, so
+the output is exactly the plain greedy one. Sampled: rejection sampling with the draft as a point-mass
+proposal. d(j+1) is accepted with probability p_j(d(j+1)); at the first rejection the token is drawn from p_j
+without d(j+1), renormalised; when every draft is accepted one more is drawn from p_k. Every emitted token
+then has exactly the distribution p of the plain path. Each step takes k+1 uniforms from the request's own
+generator, so a seeded run is reproducible (it draws other numbers than a run without speculation).
+
+The K/V the forward wrote for rejected drafts is rolled back by not counting it: the request's `cache_len`
+advances over its last token and the accepted drafts only, and the next step overwrites the rest.
+
+A step drafts only within `STEP_ROWS` rows in all: single streams and small batches, where the weights read per
+step are shared by few tokens. And only requests whose token choice depends on nothing but the row's logits
+draft: no grammar, penalties, watermark or top tokens (their per-row state would have to follow the draft). The
+others in the same batch decode one token as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kettle.proto import generate_pb2 as pb
+from kettle.shard.batch import RequestState
+from kettle.shard.ngram import NgramDrafter
+from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
+
+# Rows (tokens) a step that verifies drafts may feed. A decode step reads the weights once for all its rows, so
+# up to a few rows cost about what one does and a rejected draft is nearly free; past that the step becomes
+# compute bound (and the int4 kernels switch to float tiles at 8 rows), so a big batch gets no drafts: it is
+# already using the step well.
+STEP_ROWS = 8
+
+
+def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> NgramDrafter | None:
+    """A drafter when `--speculate` is on and the request's tokens depend on its logits alone."""
+    plain = not (request.parameters.grammar or request.top_n_tokens or params.watermark)
+    unpenalised = params.repetition_penalty == 1.0 and params.frequency_penalty == 0 and params.presence_penalty == 0
+    return NgramDrafter() if speculate > 0 and plain and unpenalised else None
+
+
+def drafts_for(requests: Sequence[RequestState], speculate: int) -> list[list[int]]:
+    """Each request's draft for this step, within the step's row budget (`STEP_ROWS`), first come first served."""
+    budget = STEP_ROWS - sum(len(r.next_query()) for r in requests)
+    drafts = []
+    for request in requests:
+        draft = draft_for(request, min(speculate, budget)) if budget > 0 else []
+        budget -= len(draft)
+        drafts.append(draft)
+    return drafts
+
+
+def draft_for(request: RequestState, speculate: int) -> list[int]:
+    """One request's draft: at most `speculate` tokens, and never so many that the step could pass
+    `max_new_tokens` (so every row writes inside the blocks the router reserved)."""
+    if request.drafter is None or request.in_prefill:
+        return []
+    left = request.stopping.max_new_tokens - request.stopping.current_tokens
+    return request.drafter.propose(request.all_ids, min(speculate, left - 1))
+
+
+def verify_drafts(requests: Sequence[RequestState], drafts: Sequence[list[int]], logits: Tensor) -> Tensor:
+    """Verifies each request's draft against its rows of `logits` (k+1 rows per request, in order).
+
+    Returns one flat float64 tensor (one host transfer) holding per request, in order: the number of accepted
+    drafts, the model's token, its logprob, then the logprobs of the k drafts."""
+    scores = _scores(requests, drafts, logits)
+    parts, row = [], 0
+    for request, draft in zip(requests, drafts, strict=True):
+        rows = slice(row, row + len(draft) + 1)
+        ids = torch.tensor(draft, dtype=torch.long, device=logits.device)
+        generator = request.generator if request.params.sampling else None
+        parts.append(verify(scores[rows], ids, generator))
+        row = rows.stop
+    return torch.cat(parts)
+
+
+def _scores(requests: Sequence[RequestState], drafts: Sequence[list[int]], logits: Tensor) -> Tensor:
+    """The rows' processed scores: the raw logits when every request is greedy (greedy rows that draft have no
+    processor), else through a sampler over the rows' parameters (built per step: drafts change every step)."""
+    if not any(r.params.sampling for r in requests):
+        return logits.float()
+    params = [r.params for r, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
+    generators = [r.generator for r, d in zip(requests, drafts, strict=True) for _ in range(len(d) + 1)]
+    return BatchSampler(params, generators, logits.shape[-1], logits.device).scores(logits)
+
+
+def verify(scores: Tensor, draft: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One request: `scores` [k+1, V] processed scores at its last token and at each draft token, `draft` [k].
+    Greedy when `generator` is None. See the module docstring; the result is laid out as `verify_drafts` says."""
+    k = draft.numel()
+    logprobs = torch.log_softmax(scores, dim=-1)
+    draft_logprobs = logprobs[torch.arange(k, device=scores.device), draft]
+    if generator is None:
+        choice = scores.argmax(dim=-1)
+        accepted = (choice[:k] == draft).long().cumprod(0).sum()
+        token = choice[accepted]
+    else:
+        uniforms = torch.rand(k + 1, generator=generator, device=generator.device, dtype=torch.float64)
+        uniforms = uniforms.to(scores.device)
+        accepted = (uniforms[:k] < draft_logprobs.double().exp()).long().cumprod(0).sum()
+        token = inverse_cdf(_residual(logprobs[accepted].exp(), draft, accepted).unsqueeze(0), uniforms[k:])[0]
+    chosen = logprobs[accepted, token]
+    return torch.cat([torch.stack([accepted.double(), token.double(), chosen.double()]), draft_logprobs.double()])
+
+
+def _residual(probs: Tensor, draft: Tensor, accepted: Tensor) -> Tensor:
+    """p without the rejected draft token (unnormalised: the inverse CDF scales by the total); p itself when
+    every draft was accepted, or when nothing else is left of p after float32 rounding."""
+    k = draft.numel()
+    rejected = torch.cat([draft, draft.new_zeros(1)])[accepted]
+    keep = (accepted == k).to(probs.dtype)
+    residual = probs.scatter(0, rejected.view(1), probs[rejected].view(1) * keep)
+    return torch.where(residual.sum() > 0, residual, probs)
+
+
+def accepted_tokens(draft: list[int], row: list[float]) -> tuple[list[int], list[float]]:
+    """The host half: the tokens a step emits for one request (accepted drafts, then the model's token) and
+    their logprobs, from its part of `verify_drafts`' result."""
+    accepted = int(row[0])
+    return [*draft[:accepted], int(row[1])], [*row[3 : 3 + accepted], row[2]]
