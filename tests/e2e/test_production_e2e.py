@@ -112,7 +112,7 @@ def test_one_trace_across_router_and_shard_parented_on_the_client(prod, receiver
 def test_limits_are_enforced_before_scheduling(prod):
     completions = {"model": "tgi", "prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}
     too_many = httpx.post(f"{prod.url}/v1/completions", json=completions, timeout=30)
-    assert too_many.status_code == 422 and too_many.json()["error_type"] == "validation"
+    assert too_many.status_code == 422 and too_many.json()["error_type"] == "batch size exceeded"  # TGI's type
     too_long = generate(prod, "Hello", max_new_tokens=MAX_TOTAL_TOKENS)
     assert too_long.status_code == 422
     assert "must be <= 512" in too_long.json()["error"]
