@@ -9,11 +9,6 @@ from __future__ import annotations
 
 # Longest suffix looked up first: a longer match predicts the continuation better; a single token matches often.
 MAX_NGRAM = 3
-# A verification row costs about 0.4 of a decode step on the CPU (the int4 fused step, 2026-11-23), so drafts pay
-# only when most of them are accepted. A request whose recent drafts were mostly rejected (plain chat rather
-# than copying) stops drafting for PAUSE_TOKENS tokens, then tries again.
-ACCEPT_FLOOR = 0.5
-PAUSE_TOKENS = 16
 
 
 class NgramDrafter:
@@ -26,19 +21,10 @@ class NgramDrafter:
     def __init__(self) -> None:
         self._after: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are in the index
-        self._rate = 1.0  # moving average of the share of each draft that was accepted
-        self._resume_at = 0  # no drafts while the context is shorter than this (paused)
-
-    def observe(self, ids: list[int], drafted: int, accepted: int) -> None:
-        """Records how a draft fared (after the step is applied, so a step computed ahead and dropped never
-        counts); pauses drafting when recent drafts were mostly rejected."""
-        self._rate = 0.5 * self._rate + 0.5 * accepted / drafted
-        if self._rate < ACCEPT_FLOOR:
-            self._resume_at, self._rate = len(ids) + PAUSE_TOKENS, ACCEPT_FLOOR
 
     def propose(self, ids: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest matching suffix."""
-        if limit <= 0 or len(ids) < max(2, self._resume_at):
+        if limit <= 0 or len(ids) < 2:
             return []
         self._index(ids, len(ids) - 1)  # every n-gram but those ending at the last token: the suffix itself
         for n in range(min(MAX_NGRAM, len(ids) - 1), 0, -1):

@@ -273,7 +273,6 @@ class ModelRunner:
             request.cache_len += len(tokens) - 1
             generation = self._advance(request, tokens, logprobs, [])
             generation.draft_tokens, generation.accepted_tokens = len(draft), len(tokens) - 1
-            request.drafter.observe(request.all_ids, len(draft), len(tokens) - 1)
             if generation.HasField("generated_text"):
                 result.finished.add(request.id)
             result.generations.append(generation)

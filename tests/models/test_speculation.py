@@ -8,19 +8,12 @@ import pytest
 import torch
 
 from kettle.proto import generate_pb2 as pb
-from kettle.shard import ngram
 from kettle.shard.ngram import NgramDrafter
 from kettle.shard.speculation import accepted_tokens, verify
 from tests.models.engine_driver import make_batch, warm_engine
 
 # Repetitive prompts, so that n-gram drafts exist; the model is random, so what it accepts is its own business.
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [40, 41, 42, 43, 40, 41, 42], [7, 7, 7, 7]]
-
-
-@pytest.fixture(autouse=True)
-def always_draft(monkeypatch):
-    """Drafting never pauses here: these tests are about what drafts do, and a random model rejects most."""
-    monkeypatch.setattr(ngram, "ACCEPT_FLOOR", 0.0)
 
 
 def run(engine, speculate: int, configure=None, max_new_tokens: int = 40):
@@ -122,18 +115,6 @@ def test_bundled_int4_greedy_with_drafts_equals_plain_greedy():
     plain, _ = run_bundled(0)
     speculative, accepted = run_bundled(4)
     assert speculative == plain and accepted > 10
-
-
-def test_a_drafter_whose_drafts_are_rejected_pauses(monkeypatch):
-    monkeypatch.setattr(ngram, "ACCEPT_FLOOR", 0.5)
-    drafter, ids = NgramDrafter(), [1, 2, 3, 1, 2]
-    assert drafter.propose(ids, 2) == [3, 1]
-    drafter.observe(ids, 2, 1)  # half accepted: the average stays at 0.75
-    assert drafter.propose(ids, 2) == [3, 1]
-    drafter.observe(ids, 2, 0)  # 0.375: paused for PAUSE_TOKENS tokens
-    assert drafter.propose(ids, 2) == []
-    longer = ids + [3, 1, 2] * (ngram.PAUSE_TOKENS // 3 + 1)
-    assert drafter.propose(longer, 2) == [3, 1]
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
