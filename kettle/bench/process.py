@@ -22,6 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, process: subprocess.Popen, name: str, logs, timeout: float, poll: float = 0.5) -> bool:
+    """Polls `url`/health until it answers 200 (True) or `timeout` passes (False); raises if `process` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{logs()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    return False
+
+
 class KettleServer:
     """A launcher process serving one model on 127.0.0.1; `url` is its base address."""
 
@@ -51,16 +66,8 @@ class KettleServer:
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"launcher exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if wait_healthy(self.url, self.process, "launcher", self.logs, timeout):
+            return
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.logs()}")
 

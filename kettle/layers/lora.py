@@ -69,6 +69,13 @@ class _Stack:
     mask: torch.Tensor  # [adapters + 1, R]: 1 on the columns of the row's own adapter (the last row: base, all 0)
 
 
+def out_features(projection: nn.Module) -> int:
+    """The output width of a projection, through the wrappers that hold one (row-parallel, LoRA) as `.linear`."""
+    while not hasattr(projection, "out_features"):
+        projection = projection.linear
+    return int(projection.out_features)
+
+
 class LoraLinear(nn.Module):
     """A projection plus the LoRA deltas of the adapters whose rows are in the step."""
 
@@ -82,10 +89,7 @@ class LoraLinear(nn.Module):
 
     @property
     def out_features(self) -> int:
-        module = self.linear
-        while not hasattr(module, "out_features"):
-            module = module.linear
-        return int(module.out_features)
+        return out_features(self.linear)
 
     def add(self, index: int, weights: LoraWeights) -> None:
         self.adapters[index] = weights

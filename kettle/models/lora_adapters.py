@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kettle.hub.adapters import AdapterError, AdapterSource
-from kettle.layers.lora import LoraLinear, LoraRows, LoraWeights
+from kettle.layers.lora import LoraLinear, LoraRows, LoraWeights, out_features
 from kettle.models.spec import ModelSpec
 
 # PEFT module name -> (the Kettle projection of a layer, the slice of its output)
@@ -139,15 +139,9 @@ def _slices(path: str, module: nn.Module, spec: ModelSpec) -> tuple[tuple[int, i
     if path == "attn.qkv":
         return ((0, q), (q, kv), (q + kv, kv))
     if path == "mlp.gate_up":
-        half = _out_features(module) // 2
+        half = out_features(module) // 2
         return ((0, half), (half, half))
-    return ((0, _out_features(module)),)
-
-
-def _out_features(module: nn.Module) -> int:
-    while not hasattr(module, "out_features"):  # a row-parallel wrapper holds the projection
-        module = module.linear
-    return int(module.out_features)
+    return ((0, out_features(module)),)
 
 
 def _weights(adapter: Adapter, layer: int, module: nn.Module, path: str, spec: ModelSpec) -> LoraWeights:
@@ -175,7 +169,7 @@ def _expected_in(path: str, layer: nn.Module, spec: ModelSpec) -> int:
         return spec.hidden_size
     if path == "attn.o_proj":
         return spec.num_heads * spec.head_dim
-    return _out_features(layer.mlp.gate_up) // 2
+    return out_features(layer.mlp.gate_up) // 2
 
 
 def load_adapters(value: str | None, model: nn.Module, world_size: int) -> tuple[str, ...]:

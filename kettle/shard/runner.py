@@ -152,7 +152,11 @@ class ModelRunner:
         input_ids = device_tensor(list(itertools.chain.from_iterable(queries)), torch.long, self.device)
         lora = self.model.lora_rows
         if lora is not None:  # each token row runs with its request's adapter
-            lora.set([r.adapter for r, q in zip(requests, queries, strict=True) for _ in q], self.device)
+            with_adapter = any(r.adapter >= 0 for r in requests)  # else no per-token list to build
+            lora.set(
+                [r.adapter for r, q in zip(requests, queries, strict=True) for _ in q] if with_adapter else [],
+                self.device,
+            )
             if lora.active:  # graphs were captured without the adapters' deltas
                 return meta, self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
         replayed = self.graphs.run(input_ids, meta) if self.graphs is not None else None

@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 
-from kettle.bench.process import KettleServer, free_port
+from kettle.bench.process import KettleServer, free_port, wait_healthy
 
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
 
@@ -36,16 +35,8 @@ class Router:
         argv += ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"]
         self.log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)  # noqa: SIM115
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.url, self.process, "vllm-router", self.logs, timeout, poll=0.2):
+            return
         self.stop()
         raise TimeoutError(f"vllm-router not healthy after {timeout}s:\n{self.logs()}")
 
