@@ -174,7 +174,7 @@ int kettle_paged_decode(
     const int64_t *positions, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
     float scale, int64_t window, float *out, int threads
 ) {
-    const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window, scale};
+    const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window, scale, 0.0f};
     const int64_t scores_size = heads / kv_heads * (longest_context(positions, seqs) + 1);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

@@ -1,35 +1,58 @@
-/* A whole decode step of a Llama-family model in one call: every layer's norms, quantized projections, RoPE,
- * KV cache write and paged attention, then the final norm (the LM head stays with the caller).
+/* A whole decode step of a decoder-only model in one call: every layer's norms, projections, RoPE, KV cache
+ * write, paged attention and MLP, then the final norm (the LM head stays with the caller).
  *
  * Why one call: at decode sizes a layer is ~10 small ops. Called one at a time from Python each pays the
  * interpreter, a tensor allocation, a ctypes crossing and an OpenMP fork/join (measured on the bundled
  * SmolLM2 int4: more than half of a single-stream step outside the kernels). Here one parallel region spans
  * the step and the stages are separated by the team's barriers; the activations stay in one scratch buffer.
- * The stages are exactly the op-at-a-time kernels' (kernels.h), in the same order, so both paths compute the
- * same numbers. kettle/models/decoder_step.py describes the model's weights to it (through the ctypes
- * structures of kettle/kernels/decoder_step.py).
+ *
+ * One description covers the families' blocks (kettle/models/decoder.py `BlockPlan`): RMSNorm or LayerNorm;
+ * sequential or parallel residuals (the MLP reading the attention's normed input or a norm of its own);
+ * Gemma 2's norms of each branch output; RoPE over the whole head or its first `rot_dim` dimensions, in
+ * halves or interleaved pairs, or none; per-head q/k norms; soft-capped scores; a gated or plain MLP with
+ * SiLU, tanh-GELU, erf-GELU or ReLU; or a top-k mixture of gated experts. Where a stage exists op at a time
+ * (kernels.h) the step runs the same code in the same order, so Llama-family models compute the same numbers
+ * on both paths. kettle/models/decoder_step.py fills the description through kettle/kernels/decoder_step.py.
  */
 #include <omp.h>
 #include <string.h>
 
 #include "kernels.h"
 
-typedef struct {
-    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
-    Linear qkv, o, gate_up, down;        /* qkv rows: [q heads; k heads; v heads]; gate_up: [gate; up] */
-    int64_t window;                      /* sliding window, 0 for none */
-    const float *q_norm, *k_norm;        /* per-head RMSNorm weights [head_dim] before RoPE (Qwen3), or NULL */
-} Layer;
+enum { NORM_NONE = 0, NORM_RMS = 1, NORM_LAYER = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2, ACT_RELU = 3 };
+enum { MAX_EXPERTS = 64 }; /* routing state per row (kettle/models/decoder_step.py refuses more) */
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the gate's activation */
+typedef struct {
+    int64_t kind;              /* NORM_* */
+    const float *weight, *bias; /* [dim]; bias: LayerNorm's, or NULL */
+    float eps;
+} Norm;
+
+typedef struct {
+    int64_t num_experts, top_k;
+    const float *router; /* [num_experts, hidden] float32 */
+    const Linear *up;    /* [num_experts] gate_up projections ([gate; up] rows) */
+    const Linear *down;  /* [num_experts] */
+} Experts;
+
+typedef struct {
+    Norm input_norm;
+    Norm mlp_norm;                    /* sequential: before the MLP; parallel: of the block input (NONE: shares input_norm's) */
+    Norm attn_out_norm, mlp_out_norm; /* of each branch's output before its residual add (Gemma 2), or NONE */
+    Norm q_norm, k_norm;              /* per head over head_dim before RoPE (Qwen3, Phi), or NONE */
+    Linear qkv, o, up, down;          /* qkv rows: [q heads; k heads; v heads]; up: [gate; up] when gated, else fc */
+    int64_t window, parallel, gated, act;
+    float scale, softcap;
+    const Experts *experts; /* non-NULL: the MLP is this mixture (gated experts), `up`/`down` unused */
+} Layer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
     int64_t float_rows_q4, float_rows_q8; /* from these many rows on, projections run the float32 tiles */
-    float eps, scale;
+    int64_t rot_dim, interleaved;         /* RoPE over the first rot_dim of each head (0: no RoPE) */
     const Layer *layers;
-    const float *final_norm;
-    int64_t act; /* ACT_SILU or ACT_GELU_TANH */
+    Norm final_norm;
 } Decoder;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -40,27 +63,113 @@ static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
     return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
 }
 
-/* The step's activations, one allocation (rows = sequences). */
+/* ---- rows: norms, activations, RoPE ---- */
+
+static void layer_norm_row(const float *x, const Norm *n, int64_t dim, float *dst) {
+    float mean = 0.0f, var = 0.0f;
+    for (int64_t i = 0; i < dim; i++) mean += x[i];
+    mean /= (float)dim;
+    for (int64_t i = 0; i < dim; i++) var += (x[i] - mean) * (x[i] - mean);
+    const float inv = 1.0f / sqrtf(var / (float)dim + n->eps);
+    for (int64_t i = 0; i < dim; i++) dst[i] = (x[i] - mean) * inv * n->weight[i] + (n->bias ? n->bias[i] : 0.0f);
+}
+
+/* dst = norm(x) over dim (dst may be x). */
+static inline void norm_row(const Norm *n, const float *x, int64_t dim, float *dst) {
+    if (n->kind == NORM_RMS) rms_norm_row(x, NULL, n->weight, dim, n->eps, dst, NULL);
+    else layer_norm_row(x, n, dim, dst);
+}
+
+/* erf for 8 floats (Abramowitz & Stegun 7.1.26, absolute error below 1.5e-7). */
+static inline __m256 erf_ps(__m256 x) {
+    const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f)), a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, one));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    p = _mm256_mul_ps(p, t);
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(a, a)));
+    return _mm256_or_ps(sign, _mm256_fnmadd_ps(p, e, one));
+}
+
+/* act(x) for 8 floats. */
+static inline __m256 act_ps(int64_t act, __m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    if (act == ACT_SILU) return _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    if (act == ACT_RELU) return _mm256_max_ps(x, _mm256_setzero_ps());
+    if (act == ACT_GELU) return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, erf_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)))));
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+    return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh_ps(u)));
+}
+
+static inline float act_scalar(int64_t act, float x) {
+    if (act == ACT_SILU) return x / (1.0f + expf(-x));
+    if (act == ACT_RELU) return x > 0.0f ? x : 0.0f;
+    if (act == ACT_GELU) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* dst[n] = act(x) (· up when `up` is given). SiLU and tanh-GELU gates take kernels.h's rows, which the op-at-a-time
+ * MLP runs too. */
+static void activate_row(int64_t act, const float *x, const float *up, int64_t n, float *dst) {
+    if (up && up == x + n && act == ACT_SILU) return silu_mul_row(x, n, dst);
+    if (up && up == x + n && act == ACT_GELU_TANH) return gelu_tanh_mul_row(x, n, dst);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = act_ps(act, _mm256_loadu_ps(x + i));
+        if (up) v = _mm256_mul_ps(v, _mm256_loadu_ps(up + i));
+        _mm256_storeu_ps(dst + i, v);
+    }
+    for (; i < n; i++) dst[i] = act_scalar(act, x[i]) * (up ? up[i] : 1.0f);
+}
+
+/* RoPE over `heads` heads of one token, src → dst (heads `dim` floats apart): the whole head in halves layout
+ * through kernels.h's row; else the first `rot` dimensions, partners i ± rot/2 (halves) or i ^ 1 (interleaved
+ * pairs), the rest copied; rot 0 copies. cos/sin hold `rot` floats, sin signed. */
+static void rope_heads(const Decoder *m, const float *src, const float *cos, const float *sin, int64_t heads, float *dst) {
+    const int64_t dim = m->head_dim, rot = m->rot_dim, half = rot / 2;
+    if (rot == dim && !m->interleaved) return rope_row(src, cos, sin, heads, dim, dst);
+    for (int64_t h = 0; h < heads; h++, src += dim, dst += dim) {
+        for (int64_t i = 0; i < rot; i++) {
+            const int64_t partner = m->interleaved ? i ^ 1 : (i < half ? i + half : i - half);
+            dst[i] = src[i] * cos[i] + src[partner] * sin[i];
+        }
+        if (dim > rot) memmove(dst + rot, src + rot, sizeof(float) * (size_t)(dim - rot));
+    }
+}
+
+/* ---- the step ---- */
+
+/* The step's activations, one allocation (rows = sequences). h: the residual stream; x: a norm's output;
+ * out: the attention branch; mlp: the MLP branch; routing: each row's chosen experts and weights. */
 typedef struct {
-    float *x, *residual, *qkv, *q, *attn, *out, *gate_up, *act;
+    float *h, *x, *qkv, *q, *attn, *out, *gate_up, *act, *mlp, *gathered;
+    int64_t *chosen;
+    float *route;
     QuantizedRows xq;
 } Scratch;
 
 static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim, heads = m->heads * m->head_dim;
-    const int64_t sizes[] = {m->hidden, m->hidden, qkv, heads, heads, m->hidden, 2 * m->inner, m->inner};
-    float **slots[] = {&s->x, &s->residual, &s->qkv, &s->q, &s->attn, &s->out, &s->gate_up, &s->act};
-    int64_t total = 0, widest = 0;
-    for (int i = 0; i < 8; i++) total += sizes[i], widest = sizes[i] > widest ? sizes[i] : widest;
+    const int64_t sizes[] = {m->hidden, m->hidden, qkv, heads, heads, m->hidden, 2 * m->inner, m->inner, m->hidden, m->hidden};
+    float **slots[] = {&s->h, &s->x, &s->qkv, &s->q, &s->attn, &s->out, &s->gate_up, &s->act, &s->mlp, &s->gathered};
+    int64_t total = MAX_EXPERTS, widest = 0; /* + each row's routing weights */
+    for (int i = 0; i < 10; i++) total += sizes[i], widest = sizes[i] > widest ? sizes[i] : widest;
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
-    if (!base) return -1;
-    if (alloc_rows(rows, widest, &s->xq)) return free(base), free_rows(&s->xq), -1;
-    for (int i = 0; i < 8; i++) *slots[i] = base, base += rows * sizes[i];
+    s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
+    if (!base || !s->chosen) return free(base), free(s->chosen), -1;
+    if (alloc_rows(rows, widest, &s->xq)) return free(base), free(s->chosen), free_rows(&s->xq), -1;
+    for (int i = 0; i < 10; i++) *slots[i] = base, base += rows * sizes[i];
+    s->route = base;
     return 0;
 }
 
 static void free_scratch(Scratch *s) {
-    free(s->x); /* the base of the one allocation */
+    free(s->h); /* the base of the one allocation */
+    free(s->chosen);
     free_rows(&s->xq);
 }
 
@@ -80,23 +189,33 @@ static void linear(const Decoder *m, const Linear *w, const float *x, const Quan
     }
 }
 
-/* x = RMSNorm(residual + block output) (the first layer: of the embedding, which becomes the residual),
- * quantized for the projection `next` reads it. */
-static void add_norm(const Decoder *m, Scratch *s, const float *block_out, const float *weight, const Linear *next,
+/* x = norm(h + a + b) per row, with h updated to the sum first (a, b: branch outputs or NULL; b is added to a
+ * before h, as the layer-by-layer forward adds a parallel block's branches), quantized for `next`. */
+static void add_norm(const Decoder *m, Scratch *s, float *a, const float *b, const Norm *norm, const Linear *next,
                      int64_t rows) {
     const int64_t dim = m->hidden;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float *residual = s->residual + r * dim, *x = s->x + r * dim;
-        if (block_out) rms_norm_row(block_out + r * dim, residual, weight, dim, m->eps, x, residual);
-        else rms_norm_row(residual, NULL, weight, dim, m->eps, x, NULL);
-        if (!float_tiles(m, next, rows)) quantize_row(x, dim, next->group, &s->xq, r);
+        float *h = s->h + r * dim, *x = s->x + r * dim, *ar = a ? a + r * dim : NULL;
+        if (b) for (int64_t i = 0; i < dim; i++) ar[i] += b[r * dim + i];
+        if (ar && norm->kind == NORM_RMS) rms_norm_row(ar, h, norm->weight, dim, norm->eps, x, h); /* fused add */
+        else {
+            if (ar) for (int64_t i = 0; i < dim; i++) h[i] += ar[i];
+            if (norm->kind != NORM_NONE) norm_row(norm, h, dim, x);
+        }
+        if (next && !float_tiles(m, next, rows)) quantize_row(x, dim, next->group, &s->xq, r);
     }
 }
 
-/* Each of `heads` heads of `row` RMS-normalized in place over head_dim (the q/k norms). */
-static void norm_heads(const Decoder *m, float *row, int64_t heads, const float *weight) {
-    for (int64_t h = 0; h < heads; h++) rms_norm_row(row + h * m->head_dim, NULL, weight, m->head_dim, m->eps, row + h * m->head_dim, NULL);
+/* Each branch output normed in place (Gemma 2's post-attention and post-feedforward norms). */
+static void norm_branch(const Decoder *m, const Norm *norm, float *y, int64_t rows) {
+    if (norm->kind == NORM_NONE) return;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) norm_row(norm, y + r * m->hidden, m->hidden, y + r * m->hidden);
+}
+
+static void norm_heads(const Decoder *m, const Norm *norm, float *row, int64_t heads) {
+    for (int64_t h = 0; h < heads; h++) norm_row(norm, row + h * m->head_dim, m->head_dim, row + h * m->head_dim);
 }
 
 /* The q/k norms when the layer has them, then RoPE on q (into s->q) and k (straight into its cache slot), v
@@ -107,10 +226,10 @@ static void rope_and_store(const Decoder *m, const Layer *l, Scratch *s, const f
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *row = s->qkv + r * (m->heads * dim + 2 * kv);
-        const float *c = cos + r * dim, *sn = sin + r * dim;
-        if (l->q_norm) norm_heads(m, row, m->heads, l->q_norm), norm_heads(m, row + m->heads * dim, m->kv_heads, l->k_norm);
-        rope_row(row, c, sn, m->heads, dim, s->q + r * m->heads * dim);
-        rope_row(row + m->heads * dim, c, sn, m->kv_heads, dim, k_cache + slots[r] * kv);
+        const float *c = cos ? cos + r * m->rot_dim : NULL, *sn = sin ? sin + r * m->rot_dim : NULL;
+        if (l->q_norm.kind) norm_heads(m, &l->q_norm, row, m->heads), norm_heads(m, &l->k_norm, row + m->heads * dim, m->kv_heads);
+        rope_heads(m, row, c, sn, m->heads, s->q + r * m->heads * dim);
+        rope_heads(m, row + m->heads * dim, c, sn, m->kv_heads, k_cache + slots[r] * kv);
         memcpy(v_cache + slots[r] * kv, row + m->heads * dim + kv, sizeof(float) * (size_t)kv);
     }
 }
@@ -123,13 +242,14 @@ static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Li
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, dim, next->group, xq, r);
 }
 
-/* act(gate) · up, quantized for the down projection when it takes quantized rows. */
-static void gate_for(const Decoder *m, Scratch *s, const Linear *next, int64_t rows) {
+/* act(fc(x)) or act(gate) · up for each row, quantized for the down projection when it takes quantized rows. */
+static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear *next, int64_t rows) {
+    const int64_t inner = m->inner, width = l->gated ? 2 * inner : inner;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        if (m->act == ACT_GELU_TANH) gelu_tanh_mul_row(s->gate_up + r * 2 * m->inner, m->inner, s->act + r * m->inner);
-        else silu_mul_row(s->gate_up + r * 2 * m->inner, m->inner, s->act + r * m->inner);
-        if (!float_tiles(m, next, rows)) quantize_row(s->act + r * m->inner, m->inner, next->group, &s->xq, r);
+        const float *in = s->gate_up + r * width;
+        activate_row(l->act, in, l->gated ? in + inner : NULL, inner, s->act + r * inner);
+        if (!float_tiles(m, next, rows)) quantize_row(s->act + r * inner, inner, next->group, &s->xq, r);
     }
 }
 
@@ -139,26 +259,96 @@ static void attention(const Decoder *m, Scratch *s, const PagedDecode *p, float 
         attend_item(p, s->q, item / m->kv_heads, item % m->kv_heads, scores, s->attn);
 }
 
-/* One layer, run by every thread of the team. */
+/* The MLP over x → s->mlp: up (gate_up or fc), the activation, down. */
+static void dense_mlp(const Decoder *m, const Layer *l, const Linear *up, const Linear *down, Scratch *s,
+                      const float *x, int64_t rows, float *y, float *buffer) {
+    quantize_for(m, x, m->hidden, up, &s->xq, rows);
+    linear(m, up, x, &s->xq, rows, s->gate_up, buffer);
+    activate(m, l, s, down, rows);
+    linear(m, down, s->act, &s->xq, rows, y, buffer);
+}
+
+/* Each row's top-k experts and their weights (softmax over the router's logits, renormalised over the k). */
+static void route(const Decoder *m, const Experts *e, Scratch *s, const float *x, int64_t rows) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float logits[MAX_EXPERTS], top = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < e->num_experts; i++) {
+            logits[i] = dot_f32(x + r * m->hidden, e->router + i * m->hidden, m->hidden);
+            top = fmaxf(top, logits[i]);
+        }
+        for (int64_t i = 0; i < e->num_experts; i++) logits[i] = expf(logits[i] - top);
+        int64_t *chosen = s->chosen + r * e->top_k;
+        float *weights = s->route + r * e->top_k;
+        for (int64_t c = 0; c < e->top_k; c++) { /* the largest remaining, lowest index first on ties */
+            int64_t best = -1;
+            for (int64_t i = 0; i < e->num_experts; i++) {
+                int taken = 0;
+                for (int64_t d = 0; d < c; d++) taken |= chosen[d] == i;
+                if (!taken && (best < 0 || logits[i] > logits[best])) best = i;
+            }
+            chosen[c] = best, weights[c] = logits[best], total += logits[best];
+        }
+        for (int64_t c = 0; c < e->top_k; c++) weights[c] /= total;
+    }
+}
+
+/* The mixture over x → s->mlp: for each expert some row chose, its gated MLP over those rows (gathered), each
+ * output weighted and added to its row. Rows are few at decode, so an expert's rows are found by a scan. */
+static void moe_mlp(const Decoder *m, const Layer *l, Scratch *s, const float *x, int64_t rows, float *buffer) {
+    const Experts *e = l->experts;
+    const int64_t dim = m->hidden;
+    route(m, e, s, x, rows);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * dim; i++) s->mlp[i] = 0.0f;
+    for (int64_t ex = 0; ex < e->num_experts; ex++) {
+        int64_t mine[rows], count = 0; /* rows that chose `ex` (every thread computes the same list) */
+        float weight[rows];
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < e->top_k; c++)
+                if (s->chosen[r * e->top_k + c] == ex) mine[count] = r, weight[count++] = s->route[r * e->top_k + c];
+        if (!count) continue;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) memcpy(s->gathered + i * dim, x + mine[i] * dim, sizeof(float) * (size_t)dim);
+        dense_mlp(m, l, e->up + ex, e->down + ex, s, s->gathered, count, s->out, buffer);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) axpy_f32(s->mlp + mine[i] * dim, weight[i], s->out + i * dim, dim);
+    }
+}
+
+/* One layer, run by every thread of the team: h (the residual stream) in, h out. */
 static void layer_step(const Decoder *m, const Layer *l, Scratch *s, float *k_cache, float *v_cache,
                        const PagedDecode *shape, const float *cos, const float *sin, const int64_t *slots,
                        float *scores, float *buffer, int64_t rows) {
     PagedDecode p = *shape;
-    p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window;
+    p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window, p.scale = l->scale, p.softcap = l->softcap;
+    add_norm(m, s, NULL, NULL, &l->input_norm, &l->qkv, rows);
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
     rope_and_store(m, l, s, cos, sin, slots, k_cache, v_cache, rows);
     attention(m, s, &p, scores, rows);
     quantize_for(m, s->attn, m->heads * m->head_dim, &l->o, &s->xq, rows);
     linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
-    add_norm(m, s, s->out, l->post_norm, &l->gate_up, rows);
-    linear(m, &l->gate_up, s->x, &s->xq, rows, s->gate_up, buffer);
-    gate_for(m, s, &l->down, rows);
-    linear(m, &l->down, s->act, &s->xq, rows, s->out, buffer);
+    if (l->parallel) {
+        if (l->mlp_norm.kind) add_norm(m, s, NULL, NULL, &l->mlp_norm, NULL, rows); /* x = mlp_norm(h) */
+    } else {
+        norm_branch(m, &l->attn_out_norm, s->out, rows);
+        add_norm(m, s, s->out, NULL, &l->mlp_norm, NULL, rows); /* h += out; x = mlp_norm(h) */
+    }
+    /* The MLP: the mixture writes s->mlp through s->out (as its scratch), so it follows the attention's add. */
+    if (l->experts) {
+        if (l->parallel) return; /* not described: decoder_step.py refuses parallel mixtures */
+        moe_mlp(m, l, s, s->x, rows, buffer);
+    } else {
+        dense_mlp(m, l, &l->up, &l->down, s, s->x, rows, s->mlp, buffer);
+    }
+    norm_branch(m, &l->mlp_out_norm, s->mlp, rows);
+    if (l->parallel) add_norm(m, s, s->out, s->mlp, &(Norm){NORM_NONE, NULL, NULL, 0.0f}, NULL, rows);
+    else add_norm(m, s, s->mlp, NULL, &(Norm){NORM_NONE, NULL, NULL, 0.0f}, NULL, rows);
 }
 
 /* embedded [rows, hidden] (one new token per sequence) → out [rows, hidden], the final norm's output; writes each
- * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rows, head_dim] (sin signed), tables
- * [rows, max_blocks], positions [rows] as for `kettle_paged_decode`. -1 when out of memory (nothing written). */
+ * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rows, rot_dim] (sin signed; NULL without
+ * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_paged_decode`. -1 when out of memory. */
 int kettle_decoder_step(
     const Decoder *m, float *const *k_caches, float *const *v_caches, const float *embedded, int64_t rows,
     const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
@@ -171,21 +361,16 @@ int kettle_decoder_step(
     float *scores = malloc(sizeof(float) * (size_t)(threads * per_thread));
     Scratch s;
     if (!scores || alloc_scratch(m, rows, &s)) return free(scores), -1;
-    memcpy(s.residual, embedded, sizeof(float) * (size_t)(rows * m->hidden));
+    memcpy(s.h, embedded, sizeof(float) * (size_t)(rows * m->hidden));
     const PagedDecode shape = {NULL, NULL, tables, positions, max_blocks, m->heads, m->kv_heads, m->head_dim,
-                               m->block_size, 0, m->scale};
+                               m->block_size, 0, 0.0f, 0.0f};
 #pragma omp parallel num_threads(threads)
     {
         float *own = scores + omp_get_thread_num() * per_thread, *buffer = own + scores_size;
-        for (int64_t i = 0; i < m->num_layers; i++) {
-            const Layer *l = m->layers + i;
-            add_norm(m, &s, i ? s.out : NULL, l->input_norm, &l->qkv, rows);
-            layer_step(m, l, &s, k_caches[i], v_caches[i], &shape, cos, sin, slots, own, buffer, rows);
-        }
+        for (int64_t i = 0; i < m->num_layers; i++)
+            layer_step(m, m->layers + i, &s, k_caches[i], v_caches[i], &shape, cos, sin, slots, own, buffer, rows);
     }
-    for (int64_t r = 0; r < rows; r++)
-        rms_norm_row(s.out + r * m->hidden, s.residual + r * m->hidden, m->final_norm, m->hidden, m->eps,
-                     out + r * m->hidden, s.residual + r * m->hidden);
+    for (int64_t r = 0; r < rows; r++) norm_row(&m->final_norm, s.h + r * m->hidden, m->hidden, out + r * m->hidden);
     free_scratch(&s);
     free(scores);
     return 0;

@@ -13,8 +13,10 @@ import torch
 from kettle.kernels.build import library
 
 LINEAR_Q4, LINEAR_Q8, LINEAR_F32 = 1, 2, 3
-ACT_SILU, ACT_GELU_TANH = 0, 1  # the MLP gate's activation
-_int, _ptr = ctypes.c_int64, ctypes.c_void_p
+NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
+ACT_SILU, ACT_GELU_TANH, ACT_GELU, ACT_RELU = 0, 1, 2, 3  # the MLP's activation (of the gate when gated)
+MAX_EXPERTS = 64
+_int, _ptr, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
@@ -24,22 +26,37 @@ class Linear(ctypes.Structure):
     _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr)]
 
 
-class Layer(ctypes.Structure):
-    """One pre-norm layer: its two RMSNorm weights, four projections, sliding window (0: none) and per-head
-    q/k RMSNorm weights (None: no q/k norms)."""
+class Norm(ctypes.Structure):
+    """One norm: kind (NORM_NONE/RMS/LAYER), weight and bias pointers (bias: LayerNorm's or None), epsilon."""
 
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr)]
-    _fields_ += [(name, Linear) for name in ("qkv", "o", "gate_up", "down")] + [("window", _int)]
-    _fields_ += [("q_norm", _ptr), ("k_norm", _ptr)]
+    _fields_ = [("kind", _int), ("weight", _ptr), ("bias", _ptr), ("eps", _float)]
+
+
+class Experts(ctypes.Structure):
+    """A top-k mixture: the float32 router [E, hidden] and one gated projection pair per expert."""
+
+    _fields_ = [("num_experts", _int), ("top_k", _int), ("router", _ptr)]
+    _fields_ += [("up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear))]
+
+
+class Layer(ctypes.Structure):
+    """One block: its norms (NORM_NONE where absent), four projections, sliding window (0: none), residual
+    shape (parallel or not), MLP kind and activation, attention scale and soft-cap (0: none), experts or None."""
+
+    _fields_ = [(name, Norm) for name in ("input_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")]
+    _fields_ += [("q_norm", Norm), ("k_norm", Norm)]
+    _fields_ += [(name, Linear) for name in ("qkv", "o", "up", "down")]
+    _fields_ += [(name, _int) for name in ("window", "parallel", "gated", "act")]
+    _fields_ += [("scale", _float), ("softcap", _float), ("experts", ctypes.POINTER(Experts))]
 
 
 class Decoder(ctypes.Structure):
-    """The whole stack: shapes, the float32-tile thresholds, the norm epsilon and attention scale, the layers."""
+    """The whole stack: shapes, the float32-tile thresholds, the rotary layout, the layers and the final norm."""
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int)]
-    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr), ("act", _int)]
+    _fields_ += [("rot_dim", _int), ("interleaved", _int)]
+    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm)]
 
 
 def run(
@@ -47,21 +64,23 @@ def run(
     k_caches: ctypes.Array,
     v_caches: ctypes.Array,
     embedded: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     slots: torch.Tensor,
     block_ids: torch.Tensor,
     max_blocks: int,
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V at `slots`.
-    `block_ids` [S * max_blocks] are the block tables (int64), `positions` [S] each row's position."""
-    embedded, cos, sin = embedded.contiguous(), cos.contiguous(), sin.contiguous()
+    cos/sin [S, rot_dim] (None without RoPE), `block_ids` [S * max_blocks] the block tables (int64),
+    `positions` [S] each row's position."""
+    embedded = embedded.contiguous()
+    cos, sin = (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
     out = torch.empty_like(embedded)
     status = library().kettle_decoder_step(
-        ctypes.byref(decoder), k_caches, v_caches, embedded.data_ptr(), embedded.shape[0], cos.data_ptr(),
-        sin.data_ptr(), slots.data_ptr(), block_ids.data_ptr(), max_blocks, positions.data_ptr(), out.data_ptr(),
-        torch.get_num_threads(),
+        ctypes.byref(decoder), k_caches, v_caches, embedded.data_ptr(), embedded.shape[0],
+        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), slots.data_ptr(),
+        block_ids.data_ptr(), max_blocks, positions.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU decoder step: out of memory for the step's activations")

@@ -473,6 +473,7 @@ typedef struct {
     const int64_t *positions;       /* [seqs]: of the new token; the context is position + 1 long */
     int64_t max_blocks, heads, kv_heads, dim, block_size, window; /* window > 0: the last `window` positions */
     float scale;
+    float softcap; /* > 0: scores → softcap · tanh(scores / softcap) after scaling (Gemma 2); 0: none */
 } PagedDecode;
 
 /* The longest context of the call, which sizes each thread's scores (group · (longest + 1) floats). */
@@ -480,6 +481,20 @@ static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
     return longest;
+}
+
+/* tanh(u) = 1 − 2 / (e^{2u} + 1) for 8 floats (exp_ps saturates, so large |u| gives ±1). */
+static inline __m256 tanh_ps(__m256 u) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp_ps(_mm256_add_ps(u, u)), one)));
+}
+
+/* x → cap · tanh(x / cap) over n scores in place (Gemma 2's attention logit soft-capping). */
+static inline void softcap_rows(float *x, int64_t n, float cap) {
+    const __m256 vcap = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(vcap, tanh_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv))));
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
 }
 
 /* The softmax of each of the `group` rows of `span` scores, in place. */
@@ -520,6 +535,7 @@ static inline __attribute__((always_inline)) void attend_dim(
             for (int64_t g = 0; g < group; g++)
                 scores[g * span + t - first] = dot_f32(qs + g * dim, keys + (t - b * bs) * stride, dim) * p->scale;
     }
+    if (p->softcap > 0.0f) softcap_rows(scores, group * span, p->softcap);
     softmax_rows(scores, group, span);
     for (int64_t g = 0; g < group; g++) {
         const float *weights = scores + g * span - first;

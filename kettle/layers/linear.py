@@ -99,12 +99,19 @@ class Linear(nn.Module):
         loads instead (an int8/int4 linear with the same call shape), quantized as it is read or built from
         GPTQ/AWQ tensors.
         """
-        quantized = weights.quantize(weights, prefixes) if weights.quantize is not None else None
+        quantized = weights.quantize.load_linear(weights, prefixes) if weights.quantize is not None else None
         if quantized is not None:
             return quantized
         parts = [weights.get(f"{prefix}.weight") for prefix in prefixes]
         biases = [weights.get_optional(f"{prefix}.bias") for prefix in prefixes]
         return cls(torch.cat(parts) if len(parts) > 1 else parts[0], fuse_biases(biases, parts))
+
+    @classmethod
+    def from_tensor(cls, weights: Weights, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+        """A projection from a tensor the loader reshaped (per-head q/k/v regrouped, a Conv1D transposed),
+        quantized under the load's scheme as `load` would quantize a stored one."""
+        quantized = weights.quantize.quantize_tensor(weight, bias) if weights.quantize is not None else None
+        return cls(weight, bias) if quantized is None else quantized
 
 
 def fuse_biases(biases: list[torch.Tensor | None], weights: list[torch.Tensor]) -> torch.Tensor | None:

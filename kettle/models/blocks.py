@@ -47,7 +47,7 @@ def load_per_head_qkv(weights: Weights, prefix: str, num_heads: int) -> Linear:
     """A fused query_key_value projection stored per head, as one Linear producing [q | k | v]."""
     weight = per_head_to_grouped(weights.get(f"{prefix}.weight"), num_heads)
     bias = weights.get_optional(f"{prefix}.bias")
-    return Linear(weight, None if bias is None else per_head_to_grouped(bias, num_heads))
+    return Linear.from_tensor(weights, weight, None if bias is None else per_head_to_grouped(bias, num_heads))
 
 
 def load_qkv(weights: Weights, prefix: str, names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> Linear:

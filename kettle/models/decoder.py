@@ -14,6 +14,7 @@ scale). Two layer contracts:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -72,6 +73,21 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], heads * self.head_dim))
 
 
+@dataclass(frozen=True)
+class BlockPlan:
+    """What one layer computes, in the terms the fused CPU decode step reads (kettle/models/decoder_step.py):
+    x = input_norm(h); a = attn(x). Sequential: h += attn_out_norm(a); h += mlp_out_norm(mlp(mlp_norm(h))).
+    Parallel: h += a + mlp(mlp_norm(h) if mlp_norm else x). A norm that is None is absent."""
+
+    input_norm: nn.Module
+    attn: Attention
+    mlp: nn.Module
+    mlp_norm: nn.Module | None
+    parallel: bool = False
+    attn_out_norm: nn.Module | None = None
+    mlp_out_norm: nn.Module | None = None
+
+
 def add_norm(norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(h + residual), h + residual); the first layer has no residual yet, its input is the embedding."""
     if residual is None:
@@ -91,6 +107,13 @@ class SequentialBlock(nn.Module):
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.attn(self.input_norm(h), cos, sin, k_cache, v_cache, meta)
         return h + self.mlp(self.post_attention_norm(h))
+
+    def plan(self) -> BlockPlan | None:
+        """The block in the fused step's terms, None for a subclass that computes something else (a subclass
+        with its own forward says its own plan)."""
+        if type(self).forward not in (SequentialBlock.forward, PreNormLayer.forward):
+            return None
+        return BlockPlan(self.input_norm, self.attn, self.mlp, self.post_attention_norm)
 
 
 class PreNormLayer(SequentialBlock):
@@ -121,3 +144,7 @@ class ParallelLayer(nn.Module):
         mlp_in = x if self.mlp_norm is None else self.mlp_norm(residual)
         out = self.attn(x, cos, sin, k_cache, v_cache, meta)
         return out.add_(self.mlp(mlp_in)), residual
+
+    def plan(self) -> BlockPlan | None:
+        """The block in the fused step's terms."""
+        return BlockPlan(self.input_norm, self.attn, self.mlp, self.mlp_norm, parallel=True)

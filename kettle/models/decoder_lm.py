@@ -67,7 +67,9 @@ def rotary_embedding(spec: ModelSpec, params: dict, weights: Weights, **options)
 
 
 class CausalLM(nn.Module):
-    """Embedding → layers (each `layer(h, cos, sin, k_cache, v_cache, meta) → h`) → final norm → LM head."""
+    """Embedding → layers (each `layer(h, cos, sin, k_cache, v_cache, meta) → h`) → final norm → LM head.
+    Where every block's `plan()` is one Kettle's fused CPU decode step runs, decode-only steps take that one
+    call instead of the layers (kettle/models/decoder_step.py)."""
 
     spec: ModelSpec
     rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
@@ -133,12 +135,33 @@ class CausalLM(nn.Module):
         """The last layer's output → final hidden states."""
         return self.norm(h)
 
+    @functools.cached_property
+    def cpu_decoder_step(self) -> DecoderStep | None:
+        """The fused CPU decode step for this model, built on first use (after quantization), or None (the
+        reason in `DecoderStep.why_not`)."""
+        if type(self).finish is not CausalLM.finish:
+            DecoderStep.why_not = "a model with its own final stage"
+            return None
+        return DecoderStep.build(self)
+
+    def fused_decode(self, h: torch.Tensor, cos, sin, kv_cache: KVCache, meta: AttentionMetadata):
+        """The final hidden states from the fused CPU decode step, or None where it does not run this step."""
+        step = self.cpu_decoder_step
+        # The fused step runs the base projections only: a step with LoRA rows goes layer by layer.
+        lora = self.lora_rows
+        if step is None or (lora is not None and lora.active) or not step.fits(kv_cache, meta):
+            return None
+        return step(h, cos, sin, kv_cache, meta)  # every layer in one C call
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         h, (cos, sin) = self.embed(input_ids, positions), self.rope(positions, meta)
+        fused = self.fused_decode(h, cos, sin, kv_cache, meta)
+        if fused is not None:
+            return fused
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             h = layer(h, cos, sin, k_cache, v_cache, meta)
         return self.finish(h)
@@ -151,13 +174,7 @@ class CausalLM(nn.Module):
 
 class DecoderLM(CausalLM):
     """A CausalLM whose layers carry the residual stream: `layer(h, residual, cos, sin, ...) → (h, residual)`,
-    the last residual add done by the final norm (`add_forward`). Where its blocks are ones Kettle's fused CPU
-    decode step runs, decode-only steps take that one call instead of the layers."""
-
-    @functools.cached_property
-    def cpu_decoder_step(self) -> DecoderStep | None:
-        """The fused CPU decode step for this model, built on first use (after quantization), or None."""
-        return DecoderStep.build(self)
+    the last residual add done by the final norm (`add_forward`)."""
 
     def llama_block(
         self, weights: Weights, prefix: str, norm: NormLoader, mlp: nn.Module, window=None, qk_norms=None
@@ -180,11 +197,9 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         h, residual, (cos, sin) = self.embed(input_ids, positions), None, self.rope(positions, meta)
-        step = self.cpu_decoder_step
-        # The fused step runs the base projections only: a step with LoRA rows goes layer by layer.
-        lora = self.lora_rows
-        if step is not None and not (lora is not None and lora.active) and step.fits(kv_cache, meta):
-            return step(h, cos, sin, kv_cache, meta)  # every layer in one C call
+        fused = self.fused_decode(h, cos, sin, kv_cache, meta)
+        if fused is not None:
+            return fused
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
         return self.norm.add_forward(h, residual)[0]

@@ -1,18 +1,23 @@
 """A decoder's whole decode step in one call into Kettle's CPU kernels (kettle/kernels/decoder_step.c).
 
-`DecoderStep.build(model)` describes a loaded `DecoderLM` to the C step once (pointers to its norms and
-quantized projections); `step(embedded, cos, sin, kv_cache, meta)` then runs every layer of a decode-only
-step and returns the final norm's output, as the model's own forward would, but without ~10 Python-level ops
-and OpenMP fork/joins per layer (the measurement is in decoder_step.c).
+`DecoderStep.build(model)` describes a loaded `CausalLM` to the C step once, from each layer's `plan()`
+(kettle/models/decoder.py `BlockPlan`: norms, attention, MLP, residual shape) and the model's rotary
+embedding; `step(embedded, cos, sin, kv_cache, meta)` then runs every layer of a decode-only step and returns
+the final norm's output, as the model's own forward would, but without ~10 Python-level ops and OpenMP
+fork/joins per layer (the measurement is in decoder_step.c).
 
-It applies only to blocks the C step computes as the layer-by-layer forward does: pre-norm layers with
-RMSNorms, attention with full RoPE in halves layout (per-head q/k RMSNorms allowed; no soft-cap, ALiBi or
-clipping) and a SiLU- or tanh-GELU-gated MLP (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3 without partial
-rotary); a CPU float32 model whose every projection is a `Q4Linear`, a kernel-backed `Int8Linear` or a
+What the C step has kernels for: RMSNorm and LayerNorm (with or without bias); sequential and parallel
+residuals; branch-output norms (Gemma 2); RoPE over the whole head or a leading part, halves or interleaved
+pairs, or none (learned positions); per-head q/k norms; score soft-capping; sliding windows; gated or plain
+MLPs (SiLU, tanh-GELU, erf-GELU, ReLU) and top-k mixtures of gated experts. That covers Llama, Mistral, Qwen2,
+Qwen3, Gemma, Gemma 2, Phi, Phi-3, StarCoder2, GPT-NeoX, GPT-J, Falcon (RoPE layouts), Mixtral, GPT-2,
+GPT-BigCode and pre-norm OPT. Not described: ALiBi (BLOOM, MPT, Falcon-ALiBi), qkv clipping, post-norm blocks.
+
+It applies to a CPU float32 model whose every projection is a `Q4Linear`, a kernel-backed `Int8Linear` or a
 float32 `Linear` stored dense (`KETTLE_CPU_LINEAR=dense`: the default oneDNN-packed layout has no rows to
-read), one shard, quantized activations on, a float32 cache and a decode batch the packed kernels take
-(`dense_rows`). Anything else returns None from `build` (or False from `fits`) and the model's forward runs
-layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
+read), on one shard, with quantized activations on, a float32 cache and a decode batch the packed kernels take
+(`dense_rows`). Anything else returns None from `build` (with the reason in `DecoderStep.why_not`) or False
+from `fits`, and the model's forward runs layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
 """
 
 from __future__ import annotations
@@ -25,26 +30,38 @@ from torch import nn
 from kettle import settings
 from kettle.kernels import ops
 from kettle.kernels.decoder_step import (
+    ACT_GELU,
     ACT_GELU_TANH,
+    ACT_RELU,
     ACT_SILU,
     LINEAR_F32,
     LINEAR_Q4,
     LINEAR_Q8,
+    MAX_EXPERTS,
+    NORM_LAYER,
+    NORM_NONE,
+    NORM_RMS,
     Decoder,
+    Experts,
     Layer,
     Linear,
+    Norm,
     run,
 )
 from kettle.layers import linear as dense
 from kettle.layers.activation import activation
 from kettle.layers.attention import AttentionMetadata
-from kettle.layers.norm import RMSNorm
+from kettle.layers.norm import LayerNorm, RMSNorm
 from kettle.layers.rotary import RotaryEmbedding
-from kettle.models.blocks import GatedMLP
-from kettle.models.decoder import Attention, PreNormLayer
+from kettle.models.blocks import DenseMLP, GatedMLP
+from kettle.models.decoder import Attention, BlockPlan
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.tensors.kv_cache import KVCache
+
+
+class Unsupported(Exception):
+    """A part of the model the C step has no kernel for (the message says which)."""
 
 
 def enabled() -> bool:
@@ -56,8 +73,8 @@ def _ptr_of(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _linear(module: nn.Module) -> Linear | None:
-    """The C description of a projection (unwrapping a row-parallel one), None if the step cannot run it."""
+def _linear(module: nn.Module) -> Linear:
+    """The C description of a projection (unwrapping row-parallel and LoRA wrappers)."""
     while hasattr(module, "linear"):  # row-parallel and LoRA wrappers hold the projection itself
         module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
@@ -70,7 +87,7 @@ def _linear(module: nn.Module) -> Linear | None:
     if isinstance(module, dense.Linear) and module.layout == "dense" and _float32_rows(module.weight):
         n, k = module.weight.shape
         return Linear(LINEAR_F32, k, n, k, module.weight.data_ptr(), None, None, bias)
-    return None
+    raise Unsupported(f"a {type(module).__name__} projection (int4, int8 or dense float32 rows only)")
 
 
 def _float32_rows(weight: torch.Tensor) -> bool:
@@ -83,71 +100,123 @@ def _float32_rows(weight: torch.Tensor) -> bool:
     )
 
 
-# The gate activations the C step has, by the function a `GatedMLP` applies.
-GATE_ACTIVATIONS = {activation("silu"): ACT_SILU, activation("gelu_pytorch_tanh"): ACT_GELU_TANH}
+def _norm(norm: nn.Module | None) -> Norm:
+    """The C description of a norm (NORM_NONE for None)."""
+    if norm is None:
+        return Norm(NORM_NONE, None, None, 0.0)
+    if isinstance(norm, RMSNorm | LayerNorm) and norm.weight.dtype == torch.float32:
+        kind = NORM_RMS if isinstance(norm, RMSNorm) else NORM_LAYER
+        return Norm(kind, norm.weight.data_ptr(), _ptr_of(getattr(norm, "bias", None)), norm.eps)
+    raise Unsupported(f"a {type(norm).__name__}")
 
 
-def _rms_norms(norms: tuple, eps: float) -> bool:
-    return all(isinstance(norm, RMSNorm) and norm.eps == eps for norm in norms)
+# The activations the C step has, by the function a block's MLP applies.
+ACTIVATIONS = {
+    activation("silu"): ACT_SILU,
+    activation("gelu_pytorch_tanh"): ACT_GELU_TANH,
+    activation("gelu"): ACT_GELU,
+    activation("relu"): ACT_RELU,
+}
 
 
-def _step_attention(attn: nn.Module, eps: float) -> bool:
-    """Attention the C step computes: full RoPE in halves layout, optional per-head RMSNorms on q and k, and
-    nothing else around the scores."""
-    extras = (attn.alibi_slopes, attn.softcap, attn.clip)
-    qk_norms = attn.q_norm is None or _rms_norms((attn.q_norm, attn.k_norm), eps)
-    return attn.rotate is RotaryEmbedding.apply and qk_norms and all(x is None for x in extras)
-
-
-def _layer(layer: nn.Module, eps: float, scale: float, act: int) -> Layer | None:
-    """The C description of one pre-norm layer, None if any of its blocks is one the step does not run."""
-    norms = (layer.input_norm, layer.post_attention_norm)
-    if not (_rms_norms(norms, eps) and _step_attention(layer.attn, eps) and layer.attn.scale == scale):
-        return None
-    if GATE_ACTIVATIONS.get(getattr(layer.mlp, "act", None)) != act or not isinstance(layer.mlp, GatedMLP):
-        return None
-    linears = [_linear(m) for m in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)]
-    if any(linear is None for linear in linears):
-        return None
-    qk_norms = (
-        _ptr_of(getattr(layer.attn.q_norm, "weight", None)),
-        _ptr_of(getattr(layer.attn.k_norm, "weight", None)),
-    )
-    return Layer(*(n.weight.data_ptr() for n in norms), *linears, layer.attn.sliding_window or 0, *qk_norms)
+def _activation(mlp: nn.Module) -> int:
+    act = ACTIVATIONS.get(getattr(mlp, "act", None))
+    if act is None:
+        raise Unsupported(f"the activation {getattr(mlp, 'act', None)!r}")
+    return act
 
 
 class DecoderStep:
     """A model's decode step in one C call; holds the C description of its layers (and so needs the model
     to stay where it was loaded: its tensors are read through raw pointers)."""
 
-    def __init__(self, model: nn.Module, layers: list[Layer]) -> None:
-        spec, first = model.spec, model.layers[0]
+    why_not: str | None = None  # set on the class by the last `build` that returned None (for the log)
+
+    def __init__(self, model: nn.Module) -> None:
+        spec, rotary = model.spec, model.rotary
+        self._keep: list = []  # ctypes arrays the description points into
+        self.inner: int | None = None
+        self._rotate = None if rotary is None else (RotaryEmbedding.apply, rotary.rotate)
+        layers = [self._layer(layer) for layer in model.layers]
         self._layers = (Layer * len(layers))(*layers)
-        shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        inner = first.mlp.gate_up.out_features // 2
+        shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.inner)
         rows = (ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS)
-        eps_scale = (first.input_norm.eps, first.attn.scale)  # RMSNorm epsilon, attention scale
+        rope = (0, 0) if rotary is None else (rotary.rotary_dim, int(rotary.interleaved))
         # block_size (0 here) is set from each step's metadata.
-        final_norm, act = model.norm.weight.data_ptr(), GATE_ACTIVATIONS[first.mlp.act]
-        self.decoder = Decoder(*shape, inner, 0, *rows, *eps_scale, self._layers, final_norm, act)
+        self.decoder = Decoder(*shape, 0, *rows, *rope, self._layers, _norm(model.norm))
         quantized = (m for m in model.modules() if isinstance(m, Q4Linear | Int8Linear))
         self.max_rows = min((getattr(m, "dense_rows", 1 << 62) for m in quantized), default=1 << 62)
         self._caches: tuple[KVCache, ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
     def build(cls, model: nn.Module) -> DecoderStep | None:
-        """The step for `model`, or None when it does not apply (module docstring)."""
-        if not (enabled() and ops.available() and ops.QUANTIZED_ACTIVATIONS) or model.tp.sharded:
+        """The step for `model`, or None when it does not apply (the reason in `DecoderStep.why_not`)."""
+        try:
+            cls._check_model(model)
+            return cls(model)
+        except Unsupported as reason:
+            DecoderStep.why_not = str(reason)
             return None
+
+    @staticmethod
+    def _check_model(model: nn.Module) -> None:
+        if not enabled():
+            raise Unsupported("KETTLE_CPU_DECODER_STEP=0")
+        if not (ops.available() and ops.QUANTIZED_ACTIVATIONS):
+            raise Unsupported("the CPU kernels (or their quantized activations) are off")
+        if model.tp.sharded:
+            raise Unsupported("tensor parallelism")
         norm = getattr(model, "norm", None)
-        if not isinstance(norm, RMSNorm) or model.spec.dtype != torch.float32 or norm.weight.device.type != "cpu":
-            return None
-        first = model.layers[0]
-        if not all(isinstance(layer, PreNormLayer) and isinstance(layer.attn, Attention) for layer in model.layers):
-            return None
-        act = GATE_ACTIVATIONS.get(getattr(first.mlp, "act", None))
-        layers = [_layer(layer, norm.eps, first.attn.scale, act) for layer in model.layers]
-        return None if any(layer is None for layer in layers) else cls(model, layers)
+        if model.spec.dtype != torch.float32 or norm is None or norm.weight.device.type != "cpu":
+            raise Unsupported("a model that is not float32 on the CPU")
+
+    def _layer(self, layer: nn.Module) -> Layer:
+        """The C description of one block."""
+        plan: BlockPlan | None = layer.plan() if hasattr(layer, "plan") else None
+        if plan is None or not isinstance(plan.attn, Attention):
+            raise Unsupported(f"a {type(layer).__name__} block")
+        attn = plan.attn
+        if attn.alibi_slopes is not None or attn.clip is not None:
+            raise Unsupported("ALiBi" if attn.alibi_slopes is not None else "qkv clipping")
+        if (attn.rotate is None) != (self._rotate is None) or (attn.rotate and attn.rotate not in self._rotate):
+            raise Unsupported("a rotary embedding other than the model's")
+        norms = [_norm(n) for n in (plan.input_norm, plan.mlp_norm, plan.attn_out_norm, plan.mlp_out_norm)]
+        norms += [_norm(attn.q_norm), _norm(attn.k_norm)]
+        projections = [_linear(attn.qkv), _linear(attn.o_proj)]
+        gated, act, up, down, experts = self._mlp(plan.mlp)
+        options = (attn.sliding_window or 0, int(plan.parallel), gated, act, attn.scale, attn.softcap or 0.0)
+        return Layer(*norms, *projections, up, down, *options, experts)
+
+    def _mlp(self, mlp: nn.Module) -> tuple:
+        """(gated, activation, up, down, experts or None) of a block's MLP."""
+        if isinstance(mlp, GatedMLP):
+            self._inner(mlp.gate_up, 2)
+            return 1, _activation(mlp), _linear(mlp.gate_up), _linear(mlp.down), None
+        if isinstance(mlp, DenseMLP):
+            self._inner(mlp.fc, 1)
+            return 0, _activation(mlp), _linear(mlp.fc), _linear(mlp.proj), None
+        if hasattr(mlp, "router_rows") and len(mlp.experts) <= MAX_EXPERTS:
+            return self._experts(mlp)
+        raise Unsupported(f"a {type(mlp).__name__} MLP")
+
+    def _experts(self, moe: nn.Module) -> tuple:
+        first = moe.experts[0]
+        if not all(isinstance(e, GatedMLP) and e.act is first.act for e in moe.experts):
+            raise Unsupported("experts that are not alike gated MLPs")
+        self._inner(first.gate_up, 2)
+        up = (Linear * len(moe.experts))(*(_linear(e.gate_up) for e in moe.experts))
+        down = (Linear * len(moe.experts))(*(_linear(e.down) for e in moe.experts))
+        experts = Experts(len(moe.experts), moe.top_k, moe.router_rows.data_ptr(), up, down)
+        self._keep += [up, down, experts]
+        zero = Linear(0, 0, 0, 0, None, None, None, None)
+        return 1, _activation(first), zero, zero, ctypes.pointer(experts)
+
+    def _inner(self, up: nn.Module, parts: int) -> None:
+        """Every block's MLP must have the same inner width (the step's scratch is sized once)."""
+        inner = _linear(up).n // parts
+        if self.inner not in (None, inner):
+            raise Unsupported("MLPs of different widths")
+        self.inner = inner
 
     def fits(self, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
         """Whether this step can run `meta` over `kv_cache`: decodes only, a float32 CPU cache, few enough rows."""
@@ -159,7 +228,12 @@ class DecoderStep:
         )
 
     def __call__(
-        self, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        embedded: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V."""
         self.decoder.block_size = meta.block_size

@@ -21,7 +21,7 @@ from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, per_head_to_grouped
-from kettle.models.decoder import Attention, SequentialBlock
+from kettle.models.decoder import Attention, BlockPlan, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec, rotary_embedding
 from kettle.models.hf_config import rope_parameters
 from kettle.models.spec import ModelSpec
@@ -66,7 +66,7 @@ def load_qkv(weights: Weights, prefix: str, layout: FalconLayout, head_dim: int)
     elif layout.num_kv_heads == layout.num_heads:
         weight = per_head_to_grouped(weight, layout.num_heads)
         bias = None if bias is None else per_head_to_grouped(bias, layout.num_heads)
-    return Linear(weight.contiguous(), None if bias is None else bias.contiguous())
+    return Linear.from_tensor(weights, weight.contiguous(), None if bias is None else bias.contiguous())
 
 
 def new_decoder_order(num_heads: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
@@ -104,6 +104,10 @@ class FalconDecoderLayer(SequentialBlock):
         attn = self.attn(x, cos, sin, k_cache, v_cache, meta)
         mlp_in = x if self.post_attention_norm is None else self.post_attention_norm(h)
         return h + (self.mlp(mlp_in) + attn)
+
+    def plan(self) -> BlockPlan:
+        """The block in the fused step's terms (parallel: the MLP's own norm, or the attention's input)."""
+        return BlockPlan(self.input_norm, self.attn, self.mlp, self.post_attention_norm, parallel=self.parallel)
 
 
 class FalconForCausalLM(CausalLM):

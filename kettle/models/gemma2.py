@@ -17,7 +17,7 @@ from torch import nn
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
 from kettle.models.blocks import GatedMLP, load_qkv
-from kettle.models.decoder import Attention
+from kettle.models.decoder import Attention, BlockPlan
 from kettle.models.decoder_lm import CausalLM
 from kettle.models.gemma import gemma_norm
 from kettle.models.hf_config import rope_parameters
@@ -53,6 +53,11 @@ class Gemma2DecoderLayer(nn.Module):
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.post_attention_norm(self.attn(self.input_norm(h), cos, sin, k_cache, v_cache, meta))
         return h + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(h)))
+
+    def plan(self) -> BlockPlan:
+        """The block in the fused step's terms: sequential, each branch output normed before its add."""
+        norms = (self.post_attention_norm, self.post_feedforward_norm)
+        return BlockPlan(self.input_norm, self.attn, self.mlp, self.pre_feedforward_norm, False, *norms)
 
 
 class Gemma2ForCausalLM(CausalLM):

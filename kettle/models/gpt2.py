@@ -21,7 +21,8 @@ from kettle.tensors.weights import Weights
 
 def load_conv1d(weights: Weights, prefix: str) -> Linear:
     """A GPT-2 Conv1D (weight [in, out]) as a Linear (weight [out, in])."""
-    return Linear(weights.get(f"{prefix}.weight").t().contiguous(), weights.get_optional(f"{prefix}.bias"))
+    weight = weights.get(f"{prefix}.weight").t().contiguous()
+    return Linear.from_tensor(weights, weight, weights.get_optional(f"{prefix}.bias"))
 
 
 def attention_scale(config, head_dim: int, layer: int) -> float:

@@ -12,6 +12,8 @@ w3 = up, w2 = down, which transformers still writes) or transformers v5's fused 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -31,7 +33,8 @@ def load_experts(weights: Weights, prefix: str, num_experts: int, hidden_act: st
         ]
         return f"{legacy}.gate.weight", experts
     gate_up, down = weights.get(f"{prefix}.mlp.experts.gate_up_proj"), weights.get(f"{prefix}.mlp.experts.down_proj")
-    experts = [GatedMLP(Linear(gate_up[e].clone()), Linear(down[e].clone()), hidden_act) for e in range(num_experts)]
+    linear = functools.partial(Linear.from_tensor, weights)
+    experts = [GatedMLP(linear(gate_up[e]), linear(down[e]), hidden_act) for e in range(num_experts)]
     return f"{prefix}.mlp.gate.weight", experts
 
 
@@ -41,7 +44,11 @@ class SparseMoE(nn.Module):
     def __init__(self, weights: Weights, prefix: str, config) -> None:
         super().__init__()
         router, experts = load_experts(weights, prefix, config.num_local_experts, config.hidden_act)
-        self.router = Linear(weights.get(router))
+        router_weight = weights.get(router)
+        self.router = Linear(router_weight)
+        # The router as float32 rows [E, hidden] for the fused CPU decode step (the Linear may be oneDNN-packed,
+        # which has no rows to read); a few KB per layer.
+        self.register_buffer("router_rows", router_weight.float().contiguous(), persistent=False)
         self.experts = nn.ModuleList(experts)
         self.top_k = config.num_experts_per_tok
 

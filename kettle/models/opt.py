@@ -15,7 +15,7 @@ from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
 from kettle.layers.norm import LayerNorm
 from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_qkv
-from kettle.models.decoder import Attention, SequentialBlock
+from kettle.models.decoder import Attention, BlockPlan, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
 from kettle.models.spec import ModelSpec
 from kettle.tensors.weights import Weights
@@ -50,6 +50,10 @@ class OPTDecoderLayer(SequentialBlock):
             return super().forward(h, cos, sin, k_cache, v_cache, meta)
         h = self.input_norm(h + self.attn(h, cos, sin, k_cache, v_cache, meta))
         return self.post_attention_norm(h + self.mlp(h))
+
+    def plan(self) -> BlockPlan | None:
+        """The pre-norm block in the fused step's terms; the post-norm one (350m) is not described."""
+        return BlockPlan(self.input_norm, self.attn, self.mlp, self.post_attention_norm) if self.pre_norm else None
 
 
 class OPTForCausalLM(CausalLM):

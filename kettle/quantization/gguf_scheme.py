@@ -50,6 +50,11 @@ class GgufScheme:
         bias = _fused_bias([weights.get_optional(f"{prefix}.bias") for prefix in prefixes])
         return self._load([f"{prefix}.weight" for prefix in prefixes], bias)
 
+    def quantize_tensor(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """A projection a loader reshaped comes dequantized from the file; it stays dense (re-quantizing it to
+        another grid would lose more than the file's own blocks)."""
+        return None
+
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""
         name = "lm_head.weight" if self.gguf.has("lm_head.weight") else "model.embed_tokens.weight"

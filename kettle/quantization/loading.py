@@ -1,7 +1,7 @@
 """Weight-only quantization applied while a model loads, so model files need no change.
 
 `load_model` resolves the scheme (`resolve_scheme`: the `--quantize` flag and the checkpoint's own
-`quantization_config`), then reads the checkpoint with `Weights(..., quantize=scheme.load_linear)`:
+`quantization_config`), then reads the checkpoint with `Weights(..., quantize=scheme)`:
 `Linear.load` asks the scheme first, so each projection is quantized as it is read (int8/int4), or built
 from the checkpoint's packed tensors (GPTQ/AWQ), and the float32 weights of the whole model never sit in
 memory at once. `finish` then quantizes the LM head, which the models build directly.
@@ -55,6 +55,11 @@ class Scheme:
             )
         weight = torch.cat([weights.get(f"{prefix}.weight") for prefix in prefixes])
         return quantize_weight(self, weight, _fused_bias(biases, weight))
+
+    def quantize_tensor(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """A reshaped dense projection under int8/int4; a GPTQ/AWQ checkpoint's own packs cannot be reshaped,
+        so there it stays dense."""
+        return None if self.checkpoint is not None else quantize_weight(self, weight, bias)
 
 
 def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | None:

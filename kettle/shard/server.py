@@ -58,6 +58,7 @@ def choose_device() -> torch.device:
 
 def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     """Loads the model and tokenizer and wires the engine; returns it with the Info the router will ask for."""
+    from kettle.models.decoder_step import DecoderStep
     from kettle.models.lora_adapters import load_adapters
     from kettle.models.registry import load_model
 
@@ -74,7 +75,10 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
     # Built here (after quantization) rather than on the first decode, so the log says which path serves.
     fused = getattr(model, "cpu_decoder_step", None) is not None
-    logger.info("Decode steps run %s", "as one fused CPU call" if fused else "layer by layer")
+    if fused or execution_path != "native" or device.type != "cpu":
+        logger.info("Decode steps run %s", "as one fused CPU call" if fused else "layer by layer")
+    else:
+        logger.info("Decode steps run layer by layer (the fused CPU step does not take %s)", DecoderStep.why_not)
     # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
     runner.speculate = config.speculate if execution_path == "native" else 0
     # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step

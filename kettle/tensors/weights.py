@@ -12,9 +12,9 @@ quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -42,15 +42,22 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     return mapping
 
 
-# (weights, fused projection names) → the quantized projection, or None to load it dense.
-LinearLoader = Callable[["Weights", list[str]], nn.Module | None]
+class LinearLoader(Protocol):
+    """How projections load under a quantization scheme (kettle/quantization: `Scheme`, `GgufScheme`)."""
+
+    def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
+        """The fused projections named `prefixes`, quantized; None to load them dense."""
+
+    def quantize_tensor(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """A projection the loader built from reshaped tensors (regrouped heads, a transposed Conv1D),
+        quantized; None to keep it dense."""
 
 
 class Weights:
     """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
     integer packs, scales kept as-is by their loaders) keep their stored dtype. Use as a context manager.
 
-    `quantize` is how projections load when a quantization scheme applies (the scheme's `load_linear`):
+    `quantize` is how projections load when a quantization scheme applies (the scheme, a `LinearLoader`):
     the loaders ask it first, so each projection is quantized as it is read and the float weights of the
     whole model never sit in memory at once. None loads every projection as stored."""
 

@@ -114,10 +114,71 @@ def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch
     assert not fused.fits(cache, decode)  # more rows than the packed kernels take (`dense_rows`)
 
 
-def test_a_family_with_blocks_the_step_lacks_runs_layer_by_layer(tmp_path):
-    """StarCoder2's LayerNorms and plain MLP are not in the C step: no fused step for it."""
-    model = load_model(str(family_path(tmp_path, "starcoder2")), torch.float32, torch.device("cpu"), quantize="int4")
+def other_family(tmp_path, name: str):
+    """A tiny checkpoint of a family whose blocks differ from Llama's, built as the family parity tests do."""
+    import transformers
+
+    from tests.models import test_gpt_families as gpt
+    from tests.models.test_llama_like_families import PHI3_VARIANTS
+
+    settings = tiny_settings(tmp_path)
+    builders = {
+        "gpt2": lambda: gpt.gpt2(tmp_path, settings),
+        "gpt_bigcode": lambda: gpt.gpt2(tmp_path, settings, multi_query=True),
+        "falcon": lambda: gpt.falcon(tmp_path, settings),  # 7B layout: multi-query, parallel, one norm
+        "falcon_40b": lambda: gpt.falcon(tmp_path, settings, new_decoder_architecture=True, num_kv_heads=2),
+        "gemma2": lambda: gpt.gemma2(tmp_path, settings),
+    }
+    if name in builders:
+        builders[name]()
+        return tmp_path
+    mha = {k: v for k, v in settings.items() if k != "num_key_value_heads"}
+    configs = {
+        "starcoder2": ("Starcoder2", dict(settings, sliding_window=8, pad_token_id=0)),
+        "phi": ("Phi", dict(mha, qk_layernorm=True)),
+        "phi3_partial": ("Phi3", dict(settings, pad_token_id=0, **PHI3_VARIANTS["phi3_longrope"])),
+        "gpt_neox": ("GPTNeoX", dict(mha, use_parallel_residual=True, bos_token_id=settings["eos_token_id"])),
+        "gptj": ("GPTJ", dict(gpt.gpt2_names(settings), rotary_dim=8)),
+        "mixtral": ("Mixtral", dict(settings, num_local_experts=4, num_experts_per_tok=2)),
+    }
+    prefix, config = configs[name]
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
+    return save_tiny(tmp_path, getattr(transformers, f"{prefix}Config")(**config), model_cls)
+
+
+OTHER_FAMILIES = [
+    "starcoder2", "gemma2", "phi", "phi3_partial", "gpt_neox", "gptj", "falcon", "falcon_40b", "mixtral", "gpt2",
+    "gpt_bigcode",
+]  # fmt: skip
+# Largest logits difference (logits up to ~8) measured over these families: 2.4e-5 with float32 weights;
+# with int4 weights 1.5e-3, because each rounding difference can move an activation across an int16 step.
+TOLERANCE = {None: 1e-4, "int4": 3e-3}
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_every_family_decodes_through_the_fused_step(tmp_path, monkeypatch, family, quantize):
+    """The step's LayerNorm, activations (erf-GELU by polynomial, tanh by exp), partial and interleaved RoPE,
+    soft-capped scores, parallel residuals, branch norms and routed experts against the layer-by-layer forward
+    (PyTorch's LayerNorm, GELU and rotation), with float32 weights (stored dense) and int4 ones: float32
+    rounding apart, and the same greedy tokens."""
+    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    model = load_model(str(other_family(tmp_path, family)), torch.float32, torch.device("cpu"), quantize=quantize)
+    assert model.cpu_decoder_step is not None, decoder_step.DecoderStep.why_not
+    fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    torch.testing.assert_close(fused, reference, atol=TOLERANCE[quantize], rtol=0)
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("family, why", [("mpt", "ALiBi"), ("bloom", "a BloomBlock block")])
+def test_blocks_the_step_lacks_run_layer_by_layer_and_say_why(tmp_path, family, why):
+    """MPT's ALiBi and BLOOM's own block are not in the C step: no fused step, and the reason kept for the log."""
+    from tests.models import test_gpt_families as gpt
+
+    getattr(gpt, family)(tmp_path, tiny_settings(tmp_path))
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), quantize="int4")
     assert model.cpu_decoder_step is None
+    assert decoder_step.DecoderStep.why_not == why
 
 
 @pytest.mark.parametrize("quantize, path", [(None, "layer by layer"), ("int4", "as one fused CPU call")])
