@@ -87,7 +87,10 @@ def _linear(module: nn.Module) -> Linear:
     if isinstance(module, dense.Linear) and module.layout == "dense" and _float32_rows(module.weight):
         n, k = module.weight.shape
         return Linear(LINEAR_F32, k, n, k, module.weight.data_ptr(), None, None, bias)
-    raise Unsupported(f"a {type(module).__name__} projection (int4, int8 or dense float32 rows only)")
+    if isinstance(module, dense.Linear) and module.layout != "dense":
+        # oneDNN's packed layout is the faster one for the layer-by-layer matmuls of a float32 model.
+        raise Unsupported(f"float32 weights in the {module.layout} layout (KETTLE_CPU_LINEAR=dense: rows it reads)")
+    raise Unsupported(f"a {type(module).__name__} projection (it reads int4, int8 or dense float32 rows)")
 
 
 def _float32_rows(weight: torch.Tensor) -> bool:

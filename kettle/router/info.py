@@ -55,6 +55,7 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
         docker_label=os.environ.get("DOCKER_LABEL"),
         execution_path=info.execution_path or None,
         quantization=info.quantization or None,
+        decode_path=info.decode_path or None,
         speculate=info.speculate,
     )
 

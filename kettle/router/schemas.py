@@ -224,3 +224,5 @@ class Info(BaseModel):
     execution_path: str | None = Field(None, examples=["native"])
     # Kettle's addition: the weight quantization that serves (null: dense weights in `model_dtype`).
     quantization: str | None = Field(None, examples=["gguf Q4_1+Q8_0 → int4"])
+    # Kettle's addition: how decode steps run ("fused CPU step", or "layer by layer" and why).
+    decode_path: str | None = Field(None, examples=["fused CPU step"])

@@ -49,6 +49,18 @@ def _seq2seq_runner(model, vocab: Vocab, device: torch.device, watermark, graph_
 RUNNERS = {"native": _native_runner, "transformers": _fallback_runner, "seq2seq": _seq2seq_runner}
 
 
+def describe_decode_path(model, execution_path: str, device: torch.device) -> str:
+    """How decode steps run, for the start-up log and /info: the fused CPU call, or layer by layer and, on the
+    CPU, what keeps the model off the fused call."""
+    from kettle.models.decoder_step import DecoderStep
+
+    if getattr(model, "cpu_decoder_step", None) is not None:
+        return "as one fused CPU call"
+    if execution_path != "native" or device.type != "cpu":
+        return "layer by layer"
+    return f"layer by layer (the fused CPU step does not take {DecoderStep.why_not})"
+
+
 def choose_device() -> torch.device:
     """CUDA when present (honouring LOCAL_RANK), else the CPU."""
     if torch.cuda.is_available():
@@ -58,7 +70,6 @@ def choose_device() -> torch.device:
 
 def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     """Loads the model and tokenizer and wires the engine; returns it with the Info the router will ask for."""
-    from kettle.models.decoder_step import DecoderStep
     from kettle.models.lora_adapters import load_adapters
     from kettle.models.registry import load_model
 
@@ -74,11 +85,8 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     execution_path = getattr(model, "execution_path", "native")
     runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
     # Built here (after quantization) rather than on the first decode, so the log says which path serves.
-    fused = getattr(model, "cpu_decoder_step", None) is not None
-    if fused or execution_path != "native" or device.type != "cpu":
-        logger.info("Decode steps run %s", "as one fused CPU call" if fused else "layer by layer")
-    else:
-        logger.info("Decode steps run layer by layer (the fused CPU step does not take %s)", DecoderStep.why_not)
+    decode_path = describe_decode_path(model, execution_path, device)
+    logger.info("Decode steps run %s", decode_path)
     # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
     runner.speculate = config.speculate if execution_path == "native" else 0
     # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
@@ -101,6 +109,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         model_type=spec.model_type,
         execution_path=execution_path,
         quantization=getattr(model, "quantization", None) or config.quantize or "",
+        decode_path=decode_path,
         speculate=runner.speculate,
     )
     return engine, info

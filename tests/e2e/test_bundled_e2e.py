@@ -39,6 +39,7 @@ def test_bundled_model_answers_paris_on_the_int4_path_by_default(default_server)
     assert "Paris" in answers[0]
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert info["quantization"] == "gguf Q4_1+Q8_0 → int4"
+    assert info["decode_path"] == "as one fused CPU call"
 
 
 def test_default_answers_match_quantize_int4(default_server):

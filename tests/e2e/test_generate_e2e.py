@@ -180,6 +180,8 @@ def test_info_and_health(tiny_server):
     assert info["max_total_tokens"] == 256
     assert info["max_input_tokens"] == 200
     assert info["model_device_type"] == "cpu"
+    # float32 weights stay oneDNN-packed (faster layer by layer), and /info says so.
+    assert info["decode_path"].startswith("layer by layer (the fused CPU step does not take float32 weights in")
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
     openapi = httpx.get(f"{tiny_server.url}/api-doc/openapi.json").json()
     assert "/generate" in openapi["paths"]
