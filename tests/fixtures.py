@@ -102,11 +102,17 @@ def cpu_kernels(on: bool) -> Iterator[None]:
     path of machines without gcc or AVX2: every op falls back to PyTorch's."""
     import os
 
+    from kettle import settings
     from kettle.kernels import build
+
+    def forget() -> None:
+        build.library.cache_clear()
+        # Outside a test function (a module fixture) settings are still the cached ones: read them again.
+        getattr(settings.current, "cache_clear", lambda: None)()
 
     before = os.environ.get("KETTLE_CPU_KERNELS")
     os.environ["KETTLE_CPU_KERNELS"] = "1" if on else "0"
-    build.library.cache_clear()
+    forget()
     try:
         yield
     finally:
@@ -114,7 +120,7 @@ def cpu_kernels(on: bool) -> Iterator[None]:
             os.environ.pop("KETTLE_CPU_KERNELS")
         else:
             os.environ["KETTLE_CPU_KERNELS"] = before
-        build.library.cache_clear()
+        forget()
 
 
 @contextmanager

@@ -266,8 +266,10 @@ def paged_attention(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     softcap: float | None = None,
+    backend: AttentionBackend | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k_new/v_new [T, Hkv, D], caches [slots, Hkv, D] → [T, H, D]; writes k_new/v_new first.
+    `backend`: the one the caller chose once (`Attention` keeps it), else the default for q's device.
 
     Optional score modifiers (both cost nothing when None, the Llama path):
     - `alibi_slopes` [H] float32: ALiBi (BLOOM, MPT, Falcon-alibi), slope_h · (key_pos - query_pos) added to
@@ -275,7 +277,7 @@ def paged_attention(
       softmax ignores, and keeps the bias small (≤ 0 where attended).
     - `softcap`: Gemma 2's logit soft-capping, scores → softcap · tanh(scores / softcap) before masking.
     """
-    backend = get_backend(device_type=q.device.type)
+    backend = backend or get_backend(device_type=q.device.type)
     if alibi_slopes is None and softcap is None:
         return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window)
     return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window, alibi_slopes, softcap)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.layers.cuda_fused import add_rms_norm, fused_enabled, unit_stride
+from kettle.layers.backend import Backend, choose
+from kettle.layers.cuda_fused import add_rms_norm, unit_stride
 
 
 class RMSNorm(nn.Module):
@@ -23,18 +24,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
         self.shape = (int(weight.shape[0]),)
+        self.backend = choose(weight)  # activations come in the weight's dtype, on its device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ops.fits(x, self.weight):  # one C call instead of PyTorch's ~8 ops, whose fixed cost dominates decode
+        if self.backend is Backend.C:  # one C call instead of PyTorch's ~8 ops, whose fixed cost dominates decode
             return ops.rms_norm(x, None, self.weight, self.eps)[0]
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): a block's residual add and the next norm, fused on CUDA and on
         the CPU (Kettle's kernels, float32)."""
-        if fused_enabled(x) and unit_stride(x, residual):
+        if self.backend is Backend.TRITON and unit_stride(x, residual):
             return add_rms_norm(x, residual, self.weight, self.eps)
-        if ops.fits(x, residual, self.weight):
+        if self.backend is Backend.C:
             return ops.rms_norm(x, residual, self.weight, self.eps)
         total = residual + x
         return self(total), total

@@ -17,6 +17,7 @@ import torch
 
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
+from kettle.layers.backend import Backend, choose
 from kettle.layers.cuda_fused import fused_enabled, rope_qk, unit_stride
 
 SUPPORTED = ("default", "linear", "dynamic", "llama3", "longrope")
@@ -87,6 +88,7 @@ class RotaryEmbedding:
             self.long_inv_freq = self._longrope_frequencies("long_factor").to(device)
         self.inv_freq = self._static_frequencies()
         self.cos, self.sin = self._table(min(max_position_embeddings, _INITIAL_TABLE))
+        self.backend = choose(self.cos)  # q/k come in the table's dtype, on its device
 
     def _static_frequencies(self) -> torch.Tensor:
         inv_freq = base_frequencies(self.rotary_dim, self.theta)
@@ -161,10 +163,19 @@ class RotaryEmbedding:
 
     @property
     def rotate_fn(self):
-        """The function models call to rotate q/k heads: `apply` for full rotary in halves layout, else `rotate`."""
+        """The function models call to rotate q/k heads: `apply_halves` for full rotary in halves layout (its
+        backend chosen once), else `rotate`."""
         if self.rotary_dim == self.head_dim and not self.interleaved:
-            return RotaryEmbedding.apply
+            return self.apply_halves
         return self.rotate
+
+    def apply_halves(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply` on this table's backend: fused on CUDA, one C call on the CPU (float32), else PyTorch's."""
+        if self.backend is Backend.TRITON and unit_stride(x, cos, sin):
+            return rope_qk(x, cos, sin)
+        if self.backend is Backend.C and ops.rope_fits(x, cos, sin):  # q/k views of the fused qkv output fit
+            return ops.rope(x, cos, sin)
+        return (x * cos).addcmul_(x.roll(x.shape[-1] // 2, dims=-1), sin)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates the first `rotary_dim` of each head of x [T, heads, D] (halves or interleaved); the rest passes."""
@@ -181,7 +192,8 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates x [T, heads, D] (halves layout, like Hugging Face checkpoints): x·cos + swap_halves(x)·±sin."""
+        """Rotates x [T, heads, D] (halves layout, like Hugging Face checkpoints): x·cos + swap_halves(x)·±sin,
+        choosing the backend from x on each call (models call their table's `apply_halves` instead)."""
         if fused_enabled(x) and unit_stride(x, cos, sin):
             return rope_qk(x, cos, sin)  # one kernel on CUDA instead of mul, roll and addcmul
         if ops.rope_fits(x, cos, sin):

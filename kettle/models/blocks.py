@@ -19,7 +19,8 @@ from torch import nn
 
 from kettle.kernels import ops
 from kettle.layers.activation import activation
-from kettle.layers.cuda_fused import fused_enabled, silu_mul, unit_stride
+from kettle.layers.backend import Backend, choose
+from kettle.layers.cuda_fused import silu_mul, unit_stride
 from kettle.layers.linear import Linear
 from kettle.layers.norm import LayerNorm, RMSNorm
 from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -92,6 +93,7 @@ class GatedMLP(nn.Module):
         self.silu = hidden_act in ("silu", "swish")
         # The tanh approximation of GELU (Gemma's gate), which Kettle's CPU kernels compute too.
         self.gelu_tanh = self.act is activation("gelu_pytorch_tanh")
+        self.backend: Backend | None = None  # chosen from the first input (quantized projections hide the dtype)
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, hidden_act: str, names=("gate_proj", "up_proj", "down_proj")):
@@ -103,11 +105,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        if self.silu and fused_enabled(gate_up) and unit_stride(gate_up):
+        backend = self.backend = self.backend or choose(gate_up)
+        if self.silu and backend is Backend.TRITON and unit_stride(gate_up):
             return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0)
-        if self.silu and ops.fits(gate_up):
+        if self.silu and backend is Backend.C:
             return self.down(ops.silu_mul(gate_up))  # one C call on the CPU (off: KETTLE_CPU_KERNELS=0)
-        if self.gelu_tanh and ops.fits(gate_up):
+        if self.gelu_tanh and backend is Backend.C:
             return self.down(ops.gelu_tanh_mul(gate_up))  # the same for the tanh-GELU gate
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)

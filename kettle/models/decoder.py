@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kettle.layers.attention import AttentionMetadata, paged_attention
+from kettle.layers.attention import AttentionBackend, AttentionMetadata, get_backend, paged_attention
 from kettle.layers.linear import Linear
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.spec import ModelSpec
@@ -54,9 +54,11 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.q_norm, self.k_norm = qk_norms or (None, None)
         self.alibi_slopes, self.softcap, self.clip = alibi_slopes, softcap, clip or None
+        self.backend: AttentionBackend | None = None  # chosen from the first input's device, then kept
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
+        self.backend = self.backend or get_backend(device_type=x.device.type)
         qkv = self.qkv(x)
         if self.clip is not None:
             qkv = qkv.clamp(min=-self.clip, max=self.clip)
@@ -68,7 +70,7 @@ class Attention(nn.Module):
             qk = self.rotate(qk, cos, sin)
         out = paged_attention(
             qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], k_cache, v_cache, meta, self.scale, self.sliding_window,
-            self.alibi_slopes, self.softcap,
+            self.alibi_slopes, self.softcap, self.backend,
         )  # fmt: skip
         return self.o_proj(out.reshape(x.shape[0], heads * self.head_dim))
 

@@ -139,7 +139,7 @@ class DecoderStep:
         spec, rotary = model.spec, model.rotary
         self._keep: list = []  # ctypes arrays the description points into
         self.inner: int | None = None
-        self._rotate = None if rotary is None else (RotaryEmbedding.apply, rotary.rotate)
+        self._rotate = None if rotary is None else (RotaryEmbedding.apply, rotary.apply_halves, rotary.rotate)
         layers = [self._layer(layer) for layer in model.layers]
         self._layers = (Layer * len(layers))(*layers)
         shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.inner)

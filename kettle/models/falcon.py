@@ -19,7 +19,6 @@ from torch import nn
 from kettle.layers.alibi import bloom_alibi_slopes
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
-from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, per_head_to_grouped
 from kettle.models.decoder import Attention, BlockPlan, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec, rotary_embedding
@@ -80,13 +79,12 @@ class FalconDecoderLayer(SequentialBlock):
     """Parallel: x + attn(ln_a(x)) + mlp(ln_m(x)) (ln_a = ln_m with one norm). Sequential: x + attn(ln(x)),
     then x + mlp(post_ln(x)). Attention: query_key_value → q, k, v; RoPE (or ALiBi in the attention); dense."""
 
-    def __init__(self, weights: Weights, prefix: str, config, layout: FalconLayout, spec: ModelSpec, slopes):
+    def __init__(self, weights: Weights, prefix: str, config, layout: FalconLayout, spec: ModelSpec, slopes, rotate):
         eps, attn, mlp = config.layer_norm_epsilon, f"{prefix}.self_attention", f"{prefix}.mlp"
         norm_names = ("ln_attn", "ln_mlp") if layout.two_norms else ("input_layernorm", None)
         if not layout.parallel_attn:
             norm_names = ("input_layernorm", "post_attention_layernorm")
         qkv = load_qkv(weights, f"{attn}.query_key_value", layout, spec.head_dim)
-        rotate = None if layout.alibi else RotaryEmbedding.apply
         super().__init__(
             load_layer_norm(weights, f"{prefix}.{norm_names[0]}", eps),
             Attention(qkv, Linear.load(weights, [f"{attn}.dense"]), spec, rotate, alibi_slopes=slopes),
@@ -126,15 +124,16 @@ class FalconForCausalLM(CausalLM):
             head_dim=config.hidden_size // layout.num_heads,
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
         )  # fmt: skip
-        slopes = None
+        slopes, rotate = None, None
         if layout.alibi:
             # The reference rounds the slopes to bfloat16, and adds them before the 1/sqrt(head_dim) scaling.
             slopes = bloom_alibi_slopes(layout.num_heads).bfloat16().float() * self.spec.head_dim**-0.5
             slopes = slopes.to(weights.device)
         else:
             self.rotary = rotary_embedding(self.spec, rope_parameters(config), weights)
+            rotate = self.rotary.rotate_fn
         self.layers = nn.ModuleList(
-            FalconDecoderLayer(weights, f"{prefix}h.{i}", config, layout, self.spec, slopes)
+            FalconDecoderLayer(weights, f"{prefix}h.{i}", config, layout, self.spec, slopes, rotate)
             for i in range(self.spec.num_layers)
         )
         self.norm = load_layer_norm(weights, f"{prefix}ln_f", config.layer_norm_epsilon)

@@ -36,13 +36,13 @@ def layer_windows(config) -> list[int | None]:
 class Gemma2DecoderLayer(nn.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, window: int | None) -> None:
+    def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, window: int | None, rotate) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_norm = gemma_norm(weights, f"{prefix}.input_layernorm.weight", eps)
         attn = f"{prefix}.self_attn"
         self.attn = Attention(
-            load_qkv(weights, attn), Linear.load(weights, [f"{attn}.o_proj"]), spec, sliding_window=window,
+            load_qkv(weights, attn), Linear.load(weights, [f"{attn}.o_proj"]), spec, rotate, sliding_window=window,
             scale=config.query_pre_attn_scalar**-0.5, softcap=config.attn_logit_softcapping,
         )  # fmt: skip
         self.post_attention_norm = gemma_norm(weights, f"{prefix}.post_attention_layernorm.weight", eps)
@@ -72,7 +72,7 @@ class Gemma2ForCausalLM(CausalLM):
         self.norm = gemma_norm(weights, "model.norm.weight", config.rms_norm_eps)
 
     def load_layer(self, weights: Weights, prefix: str, config, window: int | None) -> Gemma2DecoderLayer:
-        return Gemma2DecoderLayer(weights, prefix, config, self.spec, window)
+        return Gemma2DecoderLayer(weights, prefix, config, self.spec, window, self.rotary.rotate_fn)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

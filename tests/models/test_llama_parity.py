@@ -20,7 +20,8 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def models(request, tmp_path_factory):
-    """(Kettle model, transformers model, prompt token ids) for one variant."""
+    """(Kettle models by kernels on/off, transformers model, prompt token ids) for one variant. Each op picks its
+    backend when the model loads, so each setting of the kernels switch has its own load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.models.drive import make_variant
@@ -28,8 +29,11 @@ def models(request, tmp_path_factory):
     path = make_variant(tmp_path_factory.mktemp(request.param), request.param)
     tokenizer = AutoTokenizer.from_pretrained(path)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    kettle = load_model(str(path), torch.float32, "cpu")
-    return kettle, reference, [tokenizer(p).input_ids for p in PROMPTS]
+    kettles = {}
+    for on in (True, False):
+        with cpu_kernels(on):
+            kettles[on] = load_model(str(path), torch.float32, "cpu")
+    return kettles, reference, [tokenizer(p).input_ids for p in PROMPTS]
 
 
 def reference_logits(reference, ids: list[int]) -> torch.Tensor:
@@ -43,7 +47,8 @@ KERNELS = pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "no-
 
 @KERNELS
 def test_batched_prefill_matches_per_prompt_logits(models, kernels):
-    kettle, reference, prompts = models
+    kettles, reference, prompts = models
+    kettle = kettles[kernels]
     tables, num_blocks = scattered_tables([len(p) for p in prompts])
     with cpu_kernels(kernels):
         logits, _ = step(kettle, new_cache(kettle, num_blocks), prompts, [0] * len(prompts), tables)
@@ -55,7 +60,8 @@ def test_batched_prefill_matches_per_prompt_logits(models, kernels):
 def test_prefill_over_cached_prefix_matches(models, kernels):
     """Second call continues every prompt from the cache; splits give both chunked prefills and
     one-token continuations, interleaved (so decodes are not contiguous in the token layout)."""
-    kettle, reference, prompts = models
+    kettles, reference, prompts = models
+    kettle = kettles[kernels]
     splits = [1, len(prompts[1]) - 1, 3, len(prompts[3]) - 1]
     tables, num_blocks = scattered_tables([len(p) for p in prompts])
     cache = new_cache(kettle, num_blocks)
@@ -68,7 +74,8 @@ def test_prefill_over_cached_prefix_matches(models, kernels):
 
 @KERNELS
 def test_greedy_generation_matches_transformers(models, kernels):
-    kettle, reference, prompts = models
+    kettles, reference, prompts = models
+    kettle = kettles[kernels]
     reference.generation_config.eos_token_id = None  # always 20 tokens, so whole sequences are compared
     with cpu_kernels(kernels):
         ours = greedy(kettle, prompts, max_new_tokens=20)
@@ -91,7 +98,8 @@ def test_metadata_layout():
 
 
 def test_sharded_checkpoint_loads_like_single_file(models, tmp_path):
-    kettle, reference, prompts = models
+    kettles, reference, prompts = models
+    kettle = kettles[True]
     reference.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     sharded = load_model(str(tmp_path), torch.float32, "cpu")
