@@ -99,13 +99,25 @@ def bytes_per_step(model, batch: int, context: int) -> int:
     return sum(params.values()) + batch * context * model.spec.kv_bytes_per_token
 
 
-# Families whose transformers configs take Llama's names for the shape (the others name it their own way).
-FAMILIES = {
-    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
-    "gemma2": "Gemma2", "phi3": "Phi3", "starcoder2": "Starcoder2", "mixtral": "Mixtral",
-}  # fmt: skip
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, head_dim=64)
 SHAPE |= dict(num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, pad_token_id=0)
+# The same shape as GPT-style configs name it (multi-head attention: as many KV heads as query heads).
+GPT_SHAPE = dict(n_embd=512, n_inner=1536, n_layer=8, n_head=8, vocab_size=4096, n_positions=2048)
+MHA_SHAPE = {k: v for k, v in SHAPE.items() if k not in ("num_key_value_heads", "head_dim")}
+# family → (transformers class prefix, config arguments).
+FAMILIES = {
+    name: (prefix, SHAPE)
+    for name, prefix in [
+        ("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma"),
+        ("gemma2", "Gemma2"), ("phi3", "Phi3"), ("starcoder2", "Starcoder2"), ("mixtral", "Mixtral"),
+    ]
+} | {
+    "gpt_neox": ("GPTNeoX", MHA_SHAPE),
+    "phi": ("Phi", MHA_SHAPE),
+    "falcon": ("Falcon", MHA_SHAPE | {"ffn_hidden_size": 1536}),
+    "gptj": ("GPTJ", GPT_SHAPE | {"rotary_dim": 32}),
+    "gpt2": ("GPT2", GPT_SHAPE),
+}  # fmt: skip
 
 
 def tiny_family(family: str) -> str:
@@ -115,9 +127,11 @@ def tiny_family(family: str) -> str:
     import transformers
 
     folder = tempfile.mkdtemp(prefix=f"kettle-{family}-")
-    config = getattr(transformers, f"{FAMILIES[family]}Config")(**SHAPE)
+    prefix, shape = FAMILIES[family]
+    config = getattr(transformers, f"{prefix}Config")(**shape)
     torch.manual_seed(0)
-    getattr(transformers, f"{FAMILIES[family]}ForCausalLM")(config).save_pretrained(folder)
+    model_cls = getattr(transformers, f"{prefix}LMHeadModel" if prefix == "GPT2" else f"{prefix}ForCausalLM")
+    model_cls(config).save_pretrained(folder)
     return folder
 
 
