@@ -74,7 +74,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.cpu_kernel:  # prompt chunks too: the panel GEMM never dequantizes the whole weight (ops.GEMM_ROWS)
             return ops.q8_linear(rows.float(), self.q, self.scale, self.bias).to(x.dtype).view(*x.shape[:-1], -1)
-        if rows.shape[0] > self.dense_rows:
+        # PyTorch's int8 pack kernel reads K in steps of 16 and crashes (SIGSEGV, torch 2.13 on AVX-512) on
+        # any other K: such projections take the dense path.
+        if rows.shape[0] > self.dense_rows or self.in_features % 16:
             y = F.linear(rows.float(), self.dequantized())
         else:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(self.act_dtype), self.q, self.kernel_scale)

@@ -47,11 +47,14 @@ def test_int4_linear_matches_its_dequantized_weight(out_features, in_features, r
     assert close(layer(x), reference) < KERNEL_RTOL  # 200 rows: the dense path (KETTLE_QUANT_DENSE_ROWS)
 
 
+@pytest.mark.parametrize("in_features", [64, 72])
 @pytest.mark.parametrize("rows", [1, 5, 200])
-def test_int8_linear_matches_its_dequantized_weight(rows):
+def test_int8_linear_matches_its_dequantized_weight(rows, in_features):
+    """Also for an input width that is not a multiple of 16 (72), which neither Kettle's kernel nor PyTorch's
+    int8 pack kernel takes (the latter crashed the process): the dense path serves it."""
     torch.manual_seed(0)
-    layer = Int8Linear.from_weight(torch.randn(96, 64))
-    x = torch.randn(rows, 64)
+    layer = Int8Linear.from_weight(torch.randn(96, in_features))
+    x = torch.randn(rows, in_features)
     assert close(layer(x), x @ layer.dequantized().t()) < KERNEL_RTOL
 
 
