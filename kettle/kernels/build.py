@@ -57,7 +57,7 @@ SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, cty
 SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, _ptr, ctypes.c_int]
 # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
-SIGNATURES["kettle_decoder_step"] += [ctypes.c_int]
+SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_tiled", "kettle_q8_linear_tiled")
 RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q4_gemm", "kettle_q8_gemm")
 RETURNS_STATUS += ("kettle_paged_prefill",)

@@ -47,6 +47,17 @@ typedef struct {
     const Experts *experts; /* non-NULL: the MLP is this mixture (gated experts), `up`/`down` unused */
 } Layer;
 
+/* One projection's LoRA deltas for the step: the present adapters' matrices stacked (kettle/layers/lora.py
+ * `_Stack`). Row r of the batch adds Σ_j mask[slot_r, j] · (A_j · x_r) · B_j[cols_j .. cols_j + widths_j). */
+typedef struct {
+    int64_t rank;              /* stacked rows R (0: no delta on this projection this step) */
+    const float *a, *b;        /* A [R, K]; B [R, N], each row's scale folded in, zero outside its slice */
+    const float *mask;         /* [adapters + 1, R]: 1 where row j belongs to the adapter of that slot */
+    const int64_t *cols, *widths; /* [R]: the output columns each stacked row writes */
+} Lora;
+
+enum { LORA_QKV = 0, LORA_O = 1, LORA_UP = 2, LORA_DOWN = 3, LORA_PER_LAYER = 4 };
+
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
     int64_t float_rows_q4, float_rows_q8; /* from these many rows on, projections run the float32 tiles */
@@ -150,12 +161,16 @@ typedef struct {
     int64_t *chosen;
     float *route;
     QuantizedRows xq;
+    const Lora *loras;           /* [layers · LORA_PER_LAYER] for this step, or NULL: no adapter rows */
+    const int64_t *lora_slot;    /* [rows]: each row's adapter slot (the last one: the base model) */
+    float *lora_t;               /* [rows · widest rank]: each row's products with the A rows */
 } Scratch;
 
 static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim, heads = m->heads * m->head_dim;
     const int64_t sizes[] = {m->hidden, m->hidden, qkv, heads, heads, m->hidden, 2 * m->inner, m->inner, m->hidden, m->hidden};
     float **slots[] = {&s->h, &s->x, &s->qkv, &s->q, &s->attn, &s->out, &s->gate_up, &s->act, &s->mlp, &s->gathered};
+    s->loras = NULL, s->lora_slot = NULL, s->lora_t = NULL;
     int64_t total = MAX_EXPERTS, widest = 0; /* + each row's routing weights */
     for (int i = 0; i < 10; i++) total += sizes[i], widest = sizes[i] > widest ? sizes[i] : widest;
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
@@ -170,7 +185,48 @@ static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
 static void free_scratch(Scratch *s) {
     free(s->h); /* the base of the one allocation */
     free(s->chosen);
+    free(s->lora_t);
     free_rows(&s->xq);
+}
+
+/* The step's LoRA state, with room for the widest stacked rank. -1 when out of memory. */
+static int alloc_lora(const Decoder *m, const Lora *loras, const int64_t *slot, int64_t rows, Scratch *s) {
+    int64_t widest = 0;
+    s->loras = loras, s->lora_slot = slot, s->lora_t = NULL;
+    for (int64_t i = 0; loras && i < m->num_layers * LORA_PER_LAYER; i++) widest = max64(widest, loras[i].rank);
+    if (!widest) return 0;
+    s->lora_t = malloc(sizeof(float) * (size_t)(rows * widest));
+    return s->lora_t ? 0 : -1;
+}
+
+/* y [rows, N] += each row's LoRA delta over x [rows, K]: the products with the A rows of its own adapter (the
+ * others are masked to zero and skipped), then the B rows they scale, each over its slice's columns. Split
+ * across the team first by (row, A row), then by blocks of output columns. */
+static void lora_delta(const Scratch *s, const Lora *l, const float *x, int64_t k, int64_t rows, float *y, int64_t n) {
+    if (!l || !l->rank) return;
+    const int64_t rank = l->rank;
+    float *t = s->lora_t;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * rank; i++) {
+        const int64_t r = i / rank, j = i % rank;
+        const float on = l->mask[s->lora_slot[r] * rank + j];
+        t[i] = on != 0.0f ? on * dot_f32(l->a + j * k, x + r * k, k) : 0.0f;
+    }
+#pragma omp for schedule(static)
+    for (int64_t c0 = 0; c0 < n; c0 += 64) {
+        const int64_t c1 = c0 + 64 < n ? c0 + 64 : n;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < rank; j++) {
+                const float tj = t[r * rank + j];
+                const int64_t lo = max64(c0, l->cols[j]), hi = l->cols[j] + l->widths[j] < c1 ? l->cols[j] + l->widths[j] : c1;
+                if (tj != 0.0f && lo < hi) axpy_f32(y + r * n + lo, tj, l->b + j * n + lo, hi - lo);
+            }
+    }
+}
+
+/* The LoRA of projection `which` of layer `layer`, or NULL when the step has no adapter rows. */
+static inline const Lora *lora_of(const Scratch *s, int64_t layer, int which) {
+    return s->loras ? s->loras + layer * LORA_PER_LAYER + which : NULL;
 }
 
 /* y [rows, N] = x · Wᵀ (+ bias), the output channels split across the team (an orphaned `omp for`, whose
@@ -259,13 +315,15 @@ static void attention(const Decoder *m, Scratch *s, const PagedDecode *p, float 
         attend_item(p, s->q, item / m->kv_heads, item % m->kv_heads, scores, s->attn);
 }
 
-/* The MLP over x → s->mlp: up (gate_up or fc), the activation, down. */
+/* The MLP over x → s->mlp: up (gate_up or fc), the activation, down; with the layer's LoRA deltas when given. */
 static void dense_mlp(const Decoder *m, const Layer *l, const Linear *up, const Linear *down, Scratch *s,
-                      const float *x, int64_t rows, float *y, float *buffer) {
+                      const float *x, int64_t rows, float *y, float *buffer, const Lora *lora_up, const Lora *lora_down) {
     quantize_for(m, x, m->hidden, up, &s->xq, rows);
     linear(m, up, x, &s->xq, rows, s->gate_up, buffer);
+    lora_delta(s, lora_up, x, m->hidden, rows, s->gate_up, up->n);
     activate(m, l, s, down, rows);
     linear(m, down, s->act, &s->xq, rows, y, buffer);
+    lora_delta(s, lora_down, s->act, m->inner, rows, y, down->n);
 }
 
 /* Each row's top-k experts and their weights (softmax over the router's logits, renormalised over the k). */
@@ -310,24 +368,28 @@ static void moe_mlp(const Decoder *m, const Layer *l, Scratch *s, const float *x
         if (!count) continue;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) memcpy(s->gathered + i * dim, x + mine[i] * dim, sizeof(float) * (size_t)dim);
-        dense_mlp(m, l, e->up + ex, e->down + ex, s, s->gathered, count, s->out, buffer);
+        dense_mlp(m, l, e->up + ex, e->down + ex, s, s->gathered, count, s->out, buffer, NULL, NULL);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) axpy_f32(s->mlp + mine[i] * dim, weight[i], s->out + i * dim, dim);
     }
 }
 
-/* One layer, run by every thread of the team: h (the residual stream) in, h out. */
-static void layer_step(const Decoder *m, const Layer *l, Scratch *s, float *k_cache, float *v_cache,
+/* One layer (number `index`), run by every thread of the team: h (the residual stream) in, h out. */
+static void layer_step(const Decoder *m, int64_t index, Scratch *s, float *k_cache, float *v_cache,
                        const PagedDecode *shape, const float *cos, const float *sin, const int64_t *slots,
                        float *scores, float *buffer, int64_t rows) {
+    const Layer *l = m->layers + index;
+    const int64_t heads = m->heads * m->head_dim;
     PagedDecode p = *shape;
     p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window, p.scale = l->scale, p.softcap = l->softcap;
     add_norm(m, s, NULL, NULL, &l->input_norm, &l->qkv, rows);
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
+    lora_delta(s, lora_of(s, index, LORA_QKV), s->x, m->hidden, rows, s->qkv, l->qkv.n);
     rope_and_store(m, l, s, cos, sin, slots, k_cache, v_cache, rows);
     attention(m, s, &p, scores, rows);
-    quantize_for(m, s->attn, m->heads * m->head_dim, &l->o, &s->xq, rows);
+    quantize_for(m, s->attn, heads, &l->o, &s->xq, rows);
     linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
+    lora_delta(s, lora_of(s, index, LORA_O), s->attn, heads, rows, s->out, l->o.n);
     if (l->parallel) {
         if (l->mlp_norm.kind) add_norm(m, s, NULL, NULL, &l->mlp_norm, NULL, rows); /* x = mlp_norm(h) */
     } else {
@@ -339,7 +401,8 @@ static void layer_step(const Decoder *m, const Layer *l, Scratch *s, float *k_ca
         if (l->parallel) return; /* not described: decoder_step.py refuses parallel mixtures */
         moe_mlp(m, l, s, s->x, rows, buffer);
     } else {
-        dense_mlp(m, l, &l->up, &l->down, s, s->x, rows, s->mlp, buffer);
+        dense_mlp(m, l, &l->up, &l->down, s, s->x, rows, s->mlp, buffer, lora_of(s, index, LORA_UP),
+                  lora_of(s, index, LORA_DOWN));
     }
     norm_branch(m, &l->mlp_out_norm, s->mlp, rows);
     if (l->parallel) add_norm(m, s, s->out, s->mlp, &(Norm){NORM_NONE, NULL, NULL, 0.0f}, NULL, rows);
@@ -348,11 +411,12 @@ static void layer_step(const Decoder *m, const Layer *l, Scratch *s, float *k_ca
 
 /* embedded [rows, hidden] (one new token per sequence) → out [rows, hidden], the final norm's output; writes each
  * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rows, rot_dim] (sin signed; NULL without
- * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_paged_decode`. -1 when out of memory. */
+ * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_paged_decode`; loras [layers · 4] and
+ * lora_slot [rows] when the step has adapter rows (else NULL). -1 when out of memory. */
 int kettle_decoder_step(
     const Decoder *m, float *const *k_caches, float *const *v_caches, const float *embedded, int64_t rows,
     const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-    const int64_t *positions, float *out, int threads
+    const int64_t *positions, float *out, int threads, const Lora *loras, const int64_t *lora_slot
 ) {
     /* Per thread: attention scores, then the dequantized weight rows of one float32 tile. */
     const int64_t widest = max64(max64(m->hidden, m->inner), m->heads * m->head_dim);
@@ -361,6 +425,7 @@ int kettle_decoder_step(
     float *scores = malloc(sizeof(float) * (size_t)(threads * per_thread));
     Scratch s;
     if (!scores || alloc_scratch(m, rows, &s)) return free(scores), -1;
+    if (alloc_lora(m, loras, lora_slot, rows, &s)) return free_scratch(&s), free(scores), -1;
     memcpy(s.h, embedded, sizeof(float) * (size_t)(rows * m->hidden));
     const PagedDecode shape = {NULL, NULL, tables, positions, max_blocks, m->heads, m->kv_heads, m->head_dim,
                                m->block_size, 0, 0.0f, 0.0f};
@@ -368,7 +433,7 @@ int kettle_decoder_step(
     {
         float *own = scores + omp_get_thread_num() * per_thread, *buffer = own + scores_size;
         for (int64_t i = 0; i < m->num_layers; i++)
-            layer_step(m, m->layers + i, &s, k_caches[i], v_caches[i], &shape, cos, sin, slots, own, buffer, rows);
+            layer_step(m, i, &s, k_caches[i], v_caches[i], &shape, cos, sin, slots, own, buffer, rows);
     }
     for (int64_t r = 0; r < rows; r++) norm_row(&m->final_norm, s.h + r * m->hidden, m->hidden, out + r * m->hidden);
     free_scratch(&s);

@@ -50,6 +50,16 @@ class Layer(ctypes.Structure):
     _fields_ += [("scale", _float), ("softcap", _float), ("experts", ctypes.POINTER(Experts))]
 
 
+class Lora(ctypes.Structure):
+    """One projection's stacked LoRA matrices for a step (rank 0: none): A [R, K], B [R, N] (scales folded in),
+    the mask [adapters + 1, R] and each stacked row's output columns."""
+
+    _fields_ = [("rank", _int), ("a", _ptr), ("b", _ptr), ("mask", _ptr), ("cols", _ptr), ("widths", _ptr)]
+
+
+LORA_PER_LAYER = 4  # qkv, o, gate_up (or fc), down: the order of a layer's entries in the step's Lora array
+
+
 class Decoder(ctypes.Structure):
     """The whole stack: shapes, the float32-tile thresholds, the rotary layout, the layers and the final norm."""
 
@@ -70,17 +80,21 @@ def run(
     block_ids: torch.Tensor,
     max_blocks: int,
     positions: torch.Tensor,
+    loras: ctypes.Array | None = None,
+    lora_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V at `slots`.
     cos/sin [S, rot_dim] (None without RoPE), `block_ids` [S * max_blocks] the block tables (int64),
-    `positions` [S] each row's position."""
+    `positions` [S] each row's position; `loras` [layers · LORA_PER_LAYER] and `lora_slot` [S] (int64) when
+    the step has adapter rows."""
     embedded = embedded.contiguous()
     cos, sin = (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
     out = torch.empty_like(embedded)
     status = library().kettle_decoder_step(
         ctypes.byref(decoder), k_caches, v_caches, embedded.data_ptr(), embedded.shape[0],
         None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), slots.data_ptr(),
-        block_ids.data_ptr(), max_blocks, positions.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        block_ids.data_ptr(), max_blocks, positions.data_ptr(), out.data_ptr(), torch.get_num_threads(), loras,
+        None if lora_slot is None else lora_slot.data_ptr(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU decoder step: out of memory for the step's activations")

@@ -67,6 +67,8 @@ class _Stack:
     at: torch.Tensor  # Aᵀ [in, R]: every present adapter's A, for each slice in turn
     b: torch.Tensor  # [R, out]: each A row's B row (scale folded in), in its slice's columns, zeros elsewhere
     mask: torch.Tensor  # [adapters + 1, R]: 1 on the columns of the row's own adapter (the last row: base, all 0)
+    a: torch.Tensor  # A [R, in] (rows, for the fused CPU step's dot products)
+    columns: torch.Tensor  # [R, 2] int64: the first output column and width each A row's B row writes
 
 
 def out_features(projection: nn.Module) -> int:
@@ -133,10 +135,16 @@ class LoraLinear(nn.Module):
         a = torch.cat([piece[3] for piece in pieces])
         b = a.new_zeros(a.shape[0], self.out_features)
         mask = a.new_zeros(len(present) + 1, a.shape[0])
+        columns = torch.zeros(a.shape[0], 2, dtype=torch.int64)
         start = 0
         for owner, column, width, piece_a, piece_b in pieces:
             rank = piece_a.shape[0]
             b[start : start + rank, column : column + width] = piece_b.t()
             mask[owner, start : start + rank] = 1.0
+            columns[start : start + rank] = torch.tensor([column, width])
             start += rank
-        return _Stack(a.t().contiguous(), b, mask)
+        return _Stack(a.t().contiguous(), b, mask, a.contiguous(), columns)
+
+    def stack_for(self, present: tuple[int, ...]) -> _Stack | None:
+        """The stacked matrices of the adapters `present` (None: none of them touches this projection)."""
+        return self._stack(present)

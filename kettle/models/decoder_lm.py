@@ -147,11 +147,9 @@ class CausalLM(nn.Module):
     def fused_decode(self, h: torch.Tensor, cos, sin, kv_cache: KVCache, meta: AttentionMetadata):
         """The final hidden states from the fused CPU decode step, or None where it does not run this step."""
         step = self.cpu_decoder_step
-        # The fused step runs the base projections only: a step with LoRA rows goes layer by layer.
-        lora = self.lora_rows
-        if step is None or (lora is not None and lora.active) or not step.fits(kv_cache, meta):
+        if step is None or not step.fits(kv_cache, meta):
             return None
-        return step(h, cos, sin, kv_cache, meta)  # every layer in one C call
+        return step(h, cos, sin, kv_cache, meta, self.lora_rows)  # every layer (and LoRA delta) in one C call
 
     @torch.inference_mode()
     def forward(

@@ -45,12 +45,14 @@ from kettle.kernels.decoder_step import (
     Experts,
     Layer,
     Linear,
+    Lora,
     Norm,
     run,
 )
 from kettle.layers import linear as dense
 from kettle.layers.activation import activation
 from kettle.layers.attention import AttentionMetadata
+from kettle.layers.lora import LoraLinear, LoraRows
 from kettle.layers.norm import LayerNorm, RMSNorm
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.blocks import DenseMLP, GatedMLP
@@ -150,6 +152,13 @@ class DecoderStep:
         quantized = (m for m in model.modules() if isinstance(m, Q4Linear | Int8Linear))
         self.max_rows = min((getattr(m, "dense_rows", 1 << 62) for m in quantized), default=1 << 62)
         self._caches: tuple[KVCache, ctypes.Array, ctypes.Array] | None = None
+        # Each layer's projections in the order of the C step's LoRA entries (LORA_PER_LAYER of them): qkv, o,
+        # gate_up, down, each a LoraLinear or the plain projection.
+        self._projections = [
+            (layer.attn.qkv, layer.attn.o_proj, getattr(layer.mlp, "gate_up", None), getattr(layer.mlp, "down", None))
+            for layer in model.layers
+        ]
+        self._loras: dict[tuple[int, ...], tuple[ctypes.Array, list]] = {}
 
     @classmethod
     def build(cls, model: nn.Module) -> DecoderStep | None:
@@ -237,15 +246,38 @@ class DecoderStep:
         sin: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
-        """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V."""
+        """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V. With `lora`
+        active, each row also gets its adapter's deltas on the projections the adapters touch."""
         self.decoder.block_size = meta.block_size
         k_caches, v_caches = self._cache_pointers(kv_cache)
         plan = meta.decode
+        loras, slot = (self._lora_array(lora.present), lora.slot) if lora is not None and lora.active else (None, None)
         return run(
             self.decoder, k_caches, v_caches, embedded, cos, sin, meta.slots, plan.block_ids, plan.num_blocks,
-            meta.positions,
+            meta.positions, loras, slot,
         )  # fmt: skip
+
+    def _lora_array(self, present: tuple[int, ...]) -> ctypes.Array:
+        """The C description of every projection's stacked LoRA matrices for the adapters `present`, built once
+        per set of adapters (a mix usually lasts many steps) and kept with the tensors it points into."""
+        if present not in self._loras:
+            if len(self._loras) >= 8:
+                self._loras.pop(next(iter(self._loras)))
+            keep, entries = [], []
+            for projection in (p for layer in self._projections for p in layer):
+                stack = projection.stack_for(present) if isinstance(projection, LoraLinear) else None
+                if stack is None:
+                    entries.append(Lora(0, None, None, None, None, None))
+                    continue
+                widths = stack.columns[:, 1].contiguous()
+                columns = stack.columns[:, 0].contiguous()
+                keep += [stack, widths, columns]
+                pointers = (stack.a, stack.b, stack.mask, columns, widths)
+                entries.append(Lora(stack.a.shape[0], *(t.data_ptr() for t in pointers)))
+            self._loras[present] = ((Lora * len(entries))(*entries), keep)
+        return self._loras[present][0]
 
     def _cache_pointers(self, kv_cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
         """The per-layer cache pointers, rebuilt only when the cache object changes (it is kept alive here)."""

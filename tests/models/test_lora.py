@@ -158,3 +158,38 @@ def test_adapters_that_do_not_fit_get_one_line_errors(base, adapters, tmp_path):
     with pytest.raises(AdapterError, match="names an adapter twice"):
         AdapterSource.parse_list("a=/x,a=/y")
     assert AdapterSource.parse_list("a=/x, org/b") == [AdapterSource("a", "/x"), AdapterSource("org/b", "org/b")]
+
+
+def lora_decode(model, rows_adapter: list[int], fused: bool, steps: int = 6) -> torch.Tensor:
+    """PROMPTS prefilled (each on its row's adapter), then `steps` greedy decode steps of all three together,
+    through the fused CPU decode step or layer by layer; the logits of every decode step [steps, 3, V]."""
+    model.__dict__.pop("cpu_decoder_step", None)
+    if not fused:
+        model.__dict__["cpu_decoder_step"] = None  # the cached property, overridden: layer by layer
+    tables, num_blocks = scattered_tables([len(p) + steps for p in PROMPTS])
+    cache = new_cache(model, num_blocks)
+    model.lora_rows.set([a for p, a in zip(PROMPTS, rows_adapter, strict=True) for _ in p], torch.device("cpu"))
+    logits, meta = step(model, cache, PROMPTS, [0] * len(PROMPTS), tables)
+    tokens, out = logits[meta.last_token_indices].argmax(-1), []
+    model.lora_rows.set(rows_adapter, torch.device("cpu"))
+    for i in range(steps):
+        logits, _ = step(model, cache, [[t] for t in tokens.tolist()], [len(p) + i for p in PROMPTS], tables)
+        out.append(logits)
+        tokens = logits.argmax(-1)
+    model.__dict__.pop("cpu_decoder_step", None)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("quantize, atol", [(None, 1e-4), ("int4", 3e-3)])
+def test_the_fused_cpu_step_adds_each_rows_adapter(base, adapters, monkeypatch, quantize, atol):
+    """Decode steps mixing two adapters and the base model run in the one-call CPU step (float32 weights stored
+    dense, or int4) and give the layer-by-layer forward's logits (which equal peft's, above): the step's LoRA
+    stage masks every row to its own adapter and writes each B row only into its slice of q|k|v or gate|up."""
+    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    model, _ = kettle_model(base, adapters, quantize)
+    assert model.cpu_decoder_step is not None
+    fused, reference = lora_decode(model, [0, -1, 1], fused=True), lora_decode(model, [0, -1, 1], fused=False)
+    torch.testing.assert_close(fused, reference, atol=atol, rtol=0)
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+    plain = lora_decode(model, [-1, -1, -1], fused=True)
+    assert (plain[:, 0] - fused[:, 0]).abs().max() > 1e-2  # the adapters change the fused step's output
