@@ -150,6 +150,10 @@ def router(
 def download_weights(
     model_id: Annotated[str | None, typer.Argument(help="Hub id, local folder or .gguf (default: bundled).")] = None,
     revision: Annotated[str | None, typer.Option(envvar="REVISION", help="Hub revision.")] = None,
+    gguf_file: Annotated[
+        str | None,
+        typer.Option(envvar="GGUF_FILE", help="The GGUF file of the repository (or folder) to download, only that."),
+    ] = None,
     huggingface_hub_cache: Annotated[str | None, typer.Option(envvar="HUGGINGFACE_HUB_CACHE")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
     json_output: o.JsonOutput = False,
@@ -160,7 +164,7 @@ def download_weights(
 
     setup_logging(json_output)
     try:
-        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code)
+        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code, gguf_file)
     except ModelNotFound as error:
         log.error("%s", error)
         raise typer.Exit(1) from None
