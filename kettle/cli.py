@@ -127,6 +127,9 @@ def router(
     adapters: Annotated[
         list[str] | None, typer.Option(help="A LoRA adapter the shards loaded (repeat for each).")
     ] = None,
+    launcher_pid: Annotated[
+        int | None, typer.Option(help="The launcher's pid, for its resident memory gauge on /metrics.", hidden=True)
+    ] = None,
 ) -> None:
     """Run the HTTP router in front of running shards. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like RouterConfig's fields

@@ -254,5 +254,6 @@ class LauncherConfig:
             model_id=model_id,
             model_sha=model_sha,
             adapters=tuple(source.name for source in AdapterSource.parse_list(self.lora_adapters)),
+            launcher_pid=os.getpid(),  # this process: the router reports its memory beside its own
             **shared,
         )

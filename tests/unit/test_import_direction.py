@@ -28,7 +28,7 @@ LAYERS = [
     {"layers"},
     {"kernels"},
     {"tensors"},
-    {"catalog", "proto", "hub", "grammar", "tracing", "logging_setup"},
+    {"catalog", "proto", "hub", "grammar", "tracing", "logging_setup", "process_memory"},
     {"", "settings"},
 ]
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
