@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from kettle.hub.types import ModelNotFound
+from kettle.progress import LoggedProgress, bars_shown
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,12 @@ def gguf_files(model_id: str, revision: str | None, hub_cache: str | None) -> tu
 def _snapshot(model_id: str, revision: str | None, hub_cache: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
+    # huggingface_hub's own bars on a terminal; log lines every tenth of the way in a redirected or JSON log,
+    # where its bars would be hidden (or break the JSON lines).
+    bars = None if bars_shown() else LoggedProgress
     try:
         path = snapshot_download(
-            model_id, revision=revision, cache_dir=hub_cache_dir(hub_cache), allow_patterns=patterns
+            model_id, revision=revision, cache_dir=hub_cache_dir(hub_cache), allow_patterns=patterns, tqdm_class=bars
         )
     except Exception as error:
         raise explain(model_id, revision, error) from error
