@@ -82,7 +82,7 @@ async def serve(config: RouterConfig) -> None:
 async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
     info = await client.info()
     limits = choose_limits(config, context_length(config, info))
-    logger.info("Warming up the shards (KV cache, then a prefill of %d tokens)", limits.max_batch_prefill_tokens)
+    logger.info("Warming up the shards: they size and allocate the KV cache, then run a prefill")
     warmup = await client.warmup(
         limits.max_input_tokens, limits.max_batch_prefill_tokens, limits.max_total_tokens, config.max_batch_size
     )

@@ -12,7 +12,6 @@ quantized rows too (their blocks run along the input channels).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +71,6 @@ class GgufTensors:
         self.block_count = int(fields[f"{self.architecture}.block_count"])
         self._names = get_tensor_name_map(arch, self.block_count)
         self._tensors = {tensor.name: tensor for tensor in header.tensors}
-        self.on_read: Callable[[str], None] | None = None  # told each tensor whose data is read (progress)
         self._heads = (fields.get(f"{self.architecture}.attention.head_count"),
                        fields.get(f"{self.architecture}.attention.head_count_kv"))  # fmt: skip
 
@@ -105,8 +103,6 @@ class GgufTensors:
         """The tensor's bytes as uint8 [rows, bytes a row], a view of the map (gguf's dequantize takes this)."""
         from gguf import GGML_QUANT_SIZES
 
-        if self.on_read is not None:
-            self.on_read(tensor.name)
         block, size = GGML_QUANT_SIZES[T(tensor.qtype)]
         row_bytes = tensor.dims[0] // block * size
         rows = int(np.prod(tensor.dims[1:], dtype=np.int64))

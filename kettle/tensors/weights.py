@@ -92,8 +92,19 @@ class Weights:
         # slice (`get_slice`); at world size 1 it changes nothing.
         self.tp = distributed.current()
         self.progress = ReadProgress(len(self.names), enabled=self.tp.rank == 0)
-        if self.gguf is not None:
-            self.gguf.on_read = self.progress.read  # quantized loaders read blocks from the file directly
+        if quantize is not None:
+            # A quantization scheme may read the file itself (GGUF blocks): count what it loads here.
+            self.quantize = self._counted(quantize)
+
+    def _counted(self, quantize: LinearLoader) -> LinearLoader:
+        def load(weights: Weights, prefixes: list[str]) -> nn.Module | None:
+            layer = quantize(weights, prefixes)
+            if layer is not None:
+                for prefix in prefixes:
+                    self.progress.read(f"{prefix}.weight")
+            return layer
+
+        return load
 
     def __enter__(self) -> Weights:
         return self
@@ -122,7 +133,9 @@ class Weights:
     def get(self, name: str) -> torch.Tensor:
         """One tensor, converted to the target dtype (if floating point) and device."""
         if self.gguf is not None:
-            return self.gguf.dense(name).to(device=self.device, dtype=self.dtype)
+            tensor = self.gguf.dense(name).to(device=self.device, dtype=self.dtype)
+            self.progress.read(name)
+            return tensor
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         self.progress.read(name)

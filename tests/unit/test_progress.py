@@ -115,3 +115,18 @@ def test_downloads_keep_the_hub_bars_on_a_terminal_and_log_elsewhere(terminal, m
     from huggingface_hub.utils import are_progress_bars_disabled
 
     assert not are_progress_bars_disabled()  # nothing in Kettle turns huggingface_hub's bars off
+
+
+def test_projections_a_quantization_scheme_loads_count_too(tiny_llama_path, no_quiet_time, caplog):
+    from torch import nn
+
+    from kettle.tensors.weights import Weights
+
+    caplog.set_level(logging.INFO)
+    # A scheme that reads the file itself (as GGUF blocks are read) and never calls `get`.
+    with Weights(tiny_llama_path, torch.float32, "cpu", quantize=lambda weights, prefixes: nn.Identity()) as weights:
+        projections = [name for name in weights.names if name.endswith("proj.weight")]
+        weights.quantize(weights, [name.removesuffix(".weight") for name in projections])
+        for name in set(weights.names) - set(projections):
+            weights.get(name)
+    assert _lines(caplog)[-1].startswith("Loading weights: 100% (")
