@@ -127,6 +127,9 @@ def router(
     adapters: Annotated[
         list[str] | None, typer.Option(help="A LoRA adapter the shards loaded (repeat for each).")
     ] = None,
+    launcher_pid: Annotated[
+        int | None, typer.Option(help="The launcher's pid, for its resident memory gauge on /metrics.", hidden=True)
+    ] = None,
 ) -> None:
     """Run the HTTP router in front of running shards. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like RouterConfig's fields
@@ -150,6 +153,10 @@ def router(
 def download_weights(
     model_id: Annotated[str | None, typer.Argument(help="Hub id, local folder or .gguf (default: bundled).")] = None,
     revision: Annotated[str | None, typer.Option(envvar="REVISION", help="Hub revision.")] = None,
+    gguf_file: Annotated[
+        str | None,
+        typer.Option(envvar="GGUF_FILE", help="The GGUF file of the repository (or folder) to download, only that."),
+    ] = None,
     huggingface_hub_cache: Annotated[str | None, typer.Option(envvar="HUGGINGFACE_HUB_CACHE")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
     json_output: o.JsonOutput = False,
@@ -160,7 +167,7 @@ def download_weights(
 
     setup_logging(json_output)
     try:
-        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code)
+        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code, gguf_file)
     except ModelNotFound as error:
         log.error("%s", error)
         raise typer.Exit(1) from None

@@ -14,6 +14,8 @@ import time
 
 LEVEL_ENV = "LOG_LEVEL"
 DEFAULT_LEVEL = "INFO"
+# Whether setup_logging chose JSON lines: progress reporting (kettle/progress.py) draws no bars then.
+_json_output = False
 
 
 def _timestamp(record: logging.LogRecord) -> str:
@@ -56,8 +58,15 @@ def resolve_level(level: str | None = None) -> int:
     return value if isinstance(value, int) else logging.INFO
 
 
+def json_output_enabled() -> bool:
+    """Whether this process logs JSON lines (`--json-output`)."""
+    return _json_output
+
+
 def setup_logging(json_output: bool = False, level: str | None = None) -> None:
     """Sends all logging to stderr in the chosen format. Safe to call again: it replaces the handler."""
+    global _json_output
+    _json_output = json_output
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json_output else TextFormatter())
     root = logging.getLogger()

@@ -1,16 +1,19 @@
 """Hugging Face Hub downloads: the files a server needs from a model repository, and nothing else.
 
-`huggingface_hub` handles the cache, `HF_TOKEN`, `HF_ENDPOINT` and `HF_HUB_OFFLINE`; an already cached
-snapshot is used without the network. Every failure becomes a `ModelNotFound` with one readable line.
+`huggingface_hub` handles the cache, `HF_TOKEN`, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and the download progress
+bars (shown on a terminal, left out of redirected logs); an already cached snapshot is used without the
+network. Every failure becomes a `ModelNotFound` with one readable line.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from pathlib import Path
 
 from kettle.hub.types import ModelNotFound
+from kettle.progress import LoggedProgress, bars_shown
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +31,10 @@ def hub_cache_dir(hub_cache: str | None) -> str | None:
 
 
 def download_snapshot(
-    model_id: str,
-    revision: str | None,
-    hub_cache: str | None,
-    trust_remote_code: bool = False,
-    gguf_quant: str | None = None,
+    model_id: str, revision: str | None, hub_cache: str | None, trust_remote_code: bool = False
 ) -> Path:
-    """The local snapshot folder of `model_id` at `revision`, downloading what is missing; with `gguf_quant`
-    (llama.cpp's `org/name-GGUF:Q4_K_M`), the small files and the GGUF files whose name carries that tag."""
-    if gguf_quant:
-        tags = {gguf_quant, gguf_quant.upper(), gguf_quant.lower()}
-        return _snapshot(model_id, revision, hub_cache, METADATA_PATTERNS + [f"*{tag}*.gguf" for tag in tags])
+    """The local snapshot folder of `model_id` at `revision`, downloading what is missing: the small files and
+    the safetensors weights (the PyTorch checkpoint when there are none)."""
     patterns = METADATA_PATTERNS + SAFETENSORS_PATTERNS + (CODE_PATTERNS if trust_remote_code else [])
     folder = _snapshot(model_id, revision, hub_cache, patterns)
     if not any(folder.glob("*.safetensors")):
@@ -47,12 +43,41 @@ def download_snapshot(
     return folder
 
 
+def download_files(model_id: str, revision: str | None, hub_cache: str | None, files: list[str]) -> Path:
+    """The snapshot folder of `model_id` holding its small files and exactly `files` (paths in the repository),
+    downloading what is missing."""
+    # allow_patterns are fnmatch patterns: escape the names, so a `[` in one cannot widen the match.
+    return _snapshot(model_id, revision, hub_cache, METADATA_PATTERNS + [glob.escape(name) for name in files])
+
+
+def gguf_files(model_id: str, revision: str | None, hub_cache: str | None) -> tuple[list[str], str]:
+    """The `.gguf` files of `model_id` at `revision` (paths in the repository) and where the list comes from:
+    the Hub's file list, or offline (or when the Hub cannot be reached) the files already in the local cache."""
+    from huggingface_hub import HfApi, constants, errors
+
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            names = HfApi().list_repo_files(model_id, revision=revision)
+        except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError) as error:
+            raise explain(model_id, revision, error) from error
+        except Exception as error:  # the network: what the cache holds may still serve
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            log.warning("Cannot list the files of %s on the Hub (%s); looking in the local cache", model_id, reason)
+        else:
+            return sorted(name for name in names if name.endswith(".gguf")), "on the Hub"
+    snapshot = _snapshot(model_id, revision, hub_cache, METADATA_PATTERNS)
+    return sorted(path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*.gguf")), "in the local cache"
+
+
 def _snapshot(model_id: str, revision: str | None, hub_cache: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
+    # huggingface_hub's own bars on a terminal; log lines every tenth of the way in a redirected or JSON log,
+    # where its bars would be hidden (or break the JSON lines).
+    bars = None if bars_shown() else LoggedProgress
     try:
         path = snapshot_download(
-            model_id, revision=revision, cache_dir=hub_cache_dir(hub_cache), allow_patterns=patterns
+            model_id, revision=revision, cache_dir=hub_cache_dir(hub_cache), allow_patterns=patterns, tqdm_class=bars
         )
     except Exception as error:
         raise explain(model_id, revision, error) from error

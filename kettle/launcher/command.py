@@ -38,6 +38,15 @@ ModelId = Annotated[
     option("--model-id", "Hub model id, local folder or .gguf file (default: the bundled SmolLM2-135M).", MODEL),
 ]
 Revision = Annotated[str | None, option("--revision", "Hub revision: branch, tag or commit.", MODEL)]
+GgufFile = Annotated[
+    str | None,
+    option(
+        "--gguf-file",
+        "The GGUF file of a --model-id repository (or folder) to serve, e.g. `--model-id org/name-GGUF --gguf-file "
+        "name.Q4_K_M.gguf`; only that file is downloaded. `--model-id org/name-GGUF:Q4_K_M` picks one by its tag.",
+        MODEL,
+    ),
+]
 Sharded = Annotated[
     str | None,
     option("--sharded", "Split the model across shards: true or false (true alone: one shard per GPU).", MODEL),
@@ -206,6 +215,7 @@ MaxInputLength = Annotated[
 def launch(
     model_id: ModelId = None,
     revision: Revision = None,
+    gguf_file: GgufFile = None,
     sharded: Sharded = None,
     num_shard: NumShard = None,
     quantize: Quantize = None,

@@ -54,6 +54,7 @@ class LauncherConfig:
 
     model_id: str | None = None
     revision: str | None = None
+    gguf_file: str | None = None
     sharded: bool | None = None
     num_shard: int | None = None
     quantize: str | None = None
@@ -117,6 +118,7 @@ class LauncherConfig:
         self._check_sharding()
         self._check_quantize()
         AdapterSource.parse_list(self.lora_adapters)  # a malformed list fails here, before any process starts
+        self._check_gguf_file()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("port", "master_port"):
@@ -155,6 +157,14 @@ class LauncherConfig:
             raise ValueError(
                 f"--node-rank must be in [0, --nnodes) and --nnodes >= 1, got {self.node_rank}/{self.nnodes}"
             )
+
+    def _check_gguf_file(self) -> None:
+        if self.gguf_file is None:
+            return
+        if not self.gguf_file.endswith(".gguf"):
+            raise ValueError(f"--gguf-file names a .gguf file, got {self.gguf_file!r}")
+        if self.model_id is None and self.weights_cache_override is None:
+            raise ValueError("--gguf-file names a file of the --model-id repository (or folder): give --model-id too")
 
     def _check_quantize(self) -> None:
         from kettle.catalog import check_scheme
@@ -244,5 +254,6 @@ class LauncherConfig:
             model_id=model_id,
             model_sha=model_sha,
             adapters=tuple(source.name for source in AdapterSource.parse_list(self.lora_adapters)),
+            launcher_pid=os.getpid(),  # this process: the router reports its memory beside its own
             **shared,
         )

@@ -64,15 +64,16 @@ def launch(config: LauncherConfig) -> int:
 
 
 def resolve(config: LauncherConfig) -> ResolvedModel:
-    """The model folder: --model-id resolved (downloaded, converted), or with --weights-cache-override the local
-    folder it names, served under --model-id's name."""
+    """The model folder: --model-id resolved (downloaded, converted; --gguf-file picks a file of it), or with
+    --weights-cache-override the local folder it names, served under --model-id's name."""
+    hub_cache, trust = config.huggingface_hub_cache, config.trust_remote_code
     if config.weights_cache_override is None:
-        return resolve_model(config.model_id, config.revision, config.huggingface_hub_cache, config.trust_remote_code)
+        return resolve_model(config.model_id, config.revision, hub_cache, trust, config.gguf_file)
     if not os.path.exists(config.weights_cache_override):
         raise ModelNotFound(
             f"--weights-cache-override {config.weights_cache_override!r} does not exist on this machine"
         )
-    local = resolve_model(config.weights_cache_override, None, config.huggingface_hub_cache, config.trust_remote_code)
+    local = resolve_model(config.weights_cache_override, None, hub_cache, trust, config.gguf_file)
     return dataclasses.replace(local, display_id=config.model_id or local.display_id)
 
 

@@ -14,6 +14,7 @@ import time
 from kettle.launcher.child import Child, stop_children
 from kettle.launcher.sockets import SocketInUse, answers, clear_stale, remove
 from kettle.launcher.specs import ProcessSpec
+from kettle.process_memory import log_resident_memory
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class Supervisor:
             return code
         if self.router_spec is not None:  # None: a --node-rank > 0 host runs shards only
             self.router = Child(self.router_spec)
+        # Everything is started: the launcher holds what it will hold until shutdown (the model resolution is done).
+        log_resident_memory(log, "launcher")
         return self._watch()
 
     def _wait_for_shards(self) -> int | None:

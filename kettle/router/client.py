@@ -136,6 +136,11 @@ class ShardedClient:
         """Raises ShardError when any shard does not answer."""
         await self._broadcast(lambda s: s.Health(pb.HealthRequest()))
 
+    async def resident_memory(self) -> list[int]:
+        """Each rank's resident memory in bytes (0: unknown), in rank order: Health answers carry it."""
+        answers = await self._broadcast(lambda s: s.Health(pb.HealthRequest()))
+        return [answer.resident_memory_bytes for answer in answers]
+
     async def warmup(
         self, max_input_tokens: int, max_prefill_tokens: int, max_total_tokens: int, max_batch_size: int | None
     ) -> pb.WarmupResponse:

@@ -43,6 +43,7 @@ class RouterConfig:
     model_sha: str | None = None
     model_pipeline_tag: str = "text-generation"
     adapters: tuple[str, ...] = ()  # the LoRA adapters the shards loaded, by the names requests use
+    launcher_pid: int | None = None  # the `kettle launch` that started this router: its memory is a gauge here
 
     def __post_init__(self) -> None:
         positive = ("max_concurrent_requests", "max_best_of", "validation_workers", "max_client_batch_size")

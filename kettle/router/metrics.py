@@ -6,10 +6,13 @@ Request-level metrics are recorded by the route handlers, batch-level ones by th
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from kettle.process_memory import resident_bytes
 
 # `*_created` series are noise for dashboards built on TGI's exporter, which has none.
 disable_created_metrics()
@@ -68,6 +71,30 @@ KV_BLOCKS_TOTAL = Gauge("kettle_kv_blocks_total", "KV cache blocks in the pool")
 # Kettle's own: steps after which the referenced KV blocks differed from the live requests' blocks (a leak or a
 # double free). Always 0 in a healthy server; tests assert it.
 KV_LEDGER_VIOLATIONS = Counter("kettle_kv_ledger_violations", "Steps after which the KV block ledger did not balance")
+
+
+# Kettle's own: resident memory (RSS) of each process of the server, by `process`: "router" and "launcher" read at
+# scrape time, "shard-N" as of the shards' last Health answer (refreshed every few seconds, server.py).
+PROCESS_RESIDENT_MEMORY = Gauge(
+    "kettle_process_resident_memory_bytes", "Resident memory of each Kettle process (bytes)", ["process"]
+)
+
+
+def track_process_memory(launcher_pid: int | None) -> None:
+    """Reports the router's own RSS and, when it was started by `kettle launch`, the launcher's, on every scrape."""
+    PROCESS_RESIDENT_MEMORY.labels("router").set_function(lambda: _bytes_or_nan(resident_bytes()))
+    if launcher_pid is not None:
+        PROCESS_RESIDENT_MEMORY.labels("launcher").set_function(lambda: _bytes_or_nan(resident_bytes(launcher_pid)))
+
+
+def record_shard_memory(sizes: list[int]) -> None:
+    """The shards' RSS as their Health answers gave it, rank by rank (0 means the shard could not read it)."""
+    for rank, size in enumerate(sizes):
+        PROCESS_RESIDENT_MEMORY.labels(f"shard-{rank}").set(size or math.nan)
+
+
+def _bytes_or_nan(size: int | None) -> float:
+    return math.nan if size is None else float(size)
 
 
 class _BlockPool(Protocol):

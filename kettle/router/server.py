@@ -9,6 +9,7 @@ sizes the KV cache, which gives `max_batch_total_tokens` and the block layout fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -17,9 +18,11 @@ from pathlib import Path
 import uvicorn
 
 from kettle import tracing
+from kettle.process_memory import log_resident_memory
 from kettle.proto import generate_pb2
+from kettle.router import metrics
 from kettle.router.app import create_app
-from kettle.router.client import ShardedClient
+from kettle.router.client import ShardedClient, ShardError
 from kettle.router.config import RouterConfig
 from kettle.router.infer import Infer, SchedulerConfig
 from kettle.router.metrics_server import start_metrics_server
@@ -34,6 +37,8 @@ _PREFILL_MARGIN = 50  # TGI's edge over max_input_tokens, for block-size alignme
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length", "n_ctx")
 _UNSET_MODEL_MAX_LENGTH = 10**9  # transformers writes ~1e30 when a tokenizer has no limit
 _CLOSE_SECONDS = 5  # after the drain: closing connections and the lifespan shutdown
+# How often the router asks the shards for their resident memory (a Health call each: no model work).
+MEMORY_REFRESH_SECONDS = 5.0
 
 
 class StartupError(Exception):
@@ -77,6 +82,7 @@ async def serve(config: RouterConfig) -> None:
 async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
     info = await client.info()
     limits = choose_limits(config, context_length(config, info))
+    logger.info("Warming up the shards: they size and allocate the KV cache, then run a prefill")
     warmup = await client.warmup(
         limits.max_input_tokens, limits.max_batch_prefill_tokens, limits.max_total_tokens, config.max_batch_size
     )
@@ -96,15 +102,30 @@ async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
     drain = Drain()
     app = create_app(config, infer, validation, info, validation_limits, drain)
     _log_serving(config, info, validation_limits)
+    log_resident_memory(logger, "router")
+    metrics.track_process_memory(config.launcher_pid)
+    # The first reading before serving, so /metrics has every process from its first answer.
+    metrics.record_shard_memory(await client.resident_memory())
+    memory = asyncio.create_task(_refresh_shard_memory(client), name="kettle-shard-memory")
     metrics_server = start_metrics_server(config.hostname, config.prometheus_port)
     infer.start()
     try:
         await DrainingServer(_uvicorn_config(app, config), drain, config.graceful_termination_timeout).serve()
     finally:
+        memory.cancel()
         await infer.stop()
         tokenizers.close()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+async def _refresh_shard_memory(client: ShardedClient) -> None:
+    """Asks the shards for their resident memory every few seconds, for /metrics. A scrape never waits on the
+    shards, and a shard that does not answer leaves its last value: /health is what reports it."""
+    while True:
+        await asyncio.sleep(MEMORY_REFRESH_SECONDS)
+        with contextlib.suppress(ShardError):
+            metrics.record_shard_memory(await client.resident_memory())
 
 
 def _log_serving(config: RouterConfig, info: generate_pb2.InfoResponse, limits: ValidationLimits) -> None:

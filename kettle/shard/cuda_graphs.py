@@ -22,7 +22,9 @@ import torch
 
 from kettle import settings
 from kettle.layers.attention import AttentionMetadata, DecodePlan, get_backend
+from kettle.progress import progress_bar
 from kettle.shard.config import parse_graph_buckets
+from kettle.tensors import distributed
 from kettle.tensors.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.kv_cache.device)
         # Largest first, so smaller graphs fit in the memory the larger ones already reserved in the pool.
+        bar = progress_bar(len(self.buckets), "Capturing CUDA graphs", "graph", enabled=distributed.current().rank == 0)
         for n in reversed(self.buckets):
             meta = self._meta(n)
             side.wait_stream(torch.cuda.current_stream())
@@ -139,6 +142,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 hidden, logits = self._run(n, meta)
             self._graphs[n] = _Captured(graph, hidden, logits)
+            bar.update()
+        bar.close()
         # The graphs read the RoPE table they were captured with: keep it alive if the model ever regrows it.
         rotary = getattr(self.model, "rotary", None)
         self._pinned = (getattr(rotary, "cos", None), getattr(rotary, "sin", None))

@@ -110,20 +110,28 @@ class ShardEngine:
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         """Sizes the KV cache from the memory available, then runs a prefill to prove the model runs."""
         self._claim_ahead(None)
+        started = time.monotonic()
         spec, device = self.runner.model.spec, self.runner.device
         plan = self._same_on_all_ranks(
             plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
+        )
+        # Said before the wait (a large cache, a long prefill on the CPU, CUDA graph captures: it can take minutes).
+        logger.info(
+            "Warming up: a KV cache of %.1f MiB, then a prefill of up to %d tokens",
+            plan.bytes / 2**20,
+            plan.warmup_tokens,
         )
         self.runner.allocate_cache(plan.num_blocks, plan.block_size)
         self._warmup_forward(request.batch, plan.block_size, plan.warmup_tokens)
         self.batches.clear()
         self.runner.release(None)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); warmed up in %.1f s",
             plan.num_blocks,
             plan.block_size,
             plan.num_blocks * plan.block_size,
             plan.bytes / 2**20,
+            time.monotonic() - started,
         )
         return pb.WarmupResponse(
             max_supported_total_tokens=plan.num_blocks * plan.block_size,

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from kettle import tracing
+from kettle.process_memory import log_resident_memory, resident_bytes
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.engine import ShardEngine
@@ -64,7 +65,7 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         return self.info
 
     async def Health(self, request, context):
-        return pb.HealthResponse()
+        return pb.HealthResponse(resident_memory_bytes=resident_bytes() or 0)
 
     async def ServiceDiscovery(self, request, context):
         return pb.ServiceDiscoveryResponse(urls=self.urls)
@@ -77,7 +78,10 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         return await self._call(context, self.engine.filter_batch, request)
 
     async def Warmup(self, request, context):
-        return await self._call(context, self.engine.warmup, request)
+        answer = await self._call(context, self.engine.warmup, request)
+        # Ready now: the weights are loaded and the KV cache allocated, so this is the memory the shard serves with.
+        log_resident_memory(logger, f"shard-{self.engine.rank}")
+        return answer
 
     async def Prefill(self, request, context):
         return await self._call(context, self.engine.prefill, request)

@@ -7,6 +7,9 @@ the size of the model in its target dtype, never two copies of the checkpoint.
 A folder prepared from a GGUF file (config, tokenizer and a `model.gguf` link) is read through
 `kettle/tensors/gguf_file.py` instead: the same names and calls, with `weights.gguf` exposing the file's
 quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.py).
+
+Loading shows its progress in distinct tensors read (`kettle/progress.py`: a bar on a terminal, a log line every
+tenth otherwise), on the first rank only, so tensor-parallel shards do not draw over each other.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kettle.progress import progress_bar
 from kettle.tensors import distributed
 from kettle.tensors.gguf_file import GgufTensors, folder_gguf
 
@@ -40,6 +44,23 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
         with safe_open(file, framework="pt") as handle:
             mapping.update(dict.fromkeys(handle.keys(), file))
     return mapping
+
+
+class ReadProgress:
+    """The distinct tensors read so far out of a checkpoint's `total`, as a progress bar: a tensor read again
+    (slices of one fused projection, a tied embedding) counts once."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar = progress_bar(total, "Loading weights", "tensor", enabled=enabled)
+        self._seen: set[str] = set()
+
+    def read(self, name: str) -> None:
+        if name not in self._seen:
+            self._seen.add(name)
+            self._bar.update()
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 class LinearLoader(Protocol):
@@ -77,6 +98,20 @@ class Weights:
         # This shard's tensor-parallel rank and group: loaders that support tensor parallelism read only their
         # slice (`get_slice`); at world size 1 it changes nothing.
         self.tp = distributed.current()
+        self.progress = ReadProgress(len(self.names), enabled=self.tp.rank == 0)
+        if quantize is not None:
+            # A quantization scheme may read the file itself (GGUF blocks): count what it loads here.
+            self.quantize = self._counted(quantize)
+
+    def _counted(self, quantize: LinearLoader) -> LinearLoader:
+        def load(weights: Weights, prefixes: list[str]) -> nn.Module | None:
+            layer = quantize(weights, prefixes)
+            if layer is not None:
+                for prefix in prefixes:
+                    self.progress.read(f"{prefix}.weight")
+            return layer
+
+        return load
 
     def __enter__(self) -> Weights:
         return self
@@ -86,6 +121,7 @@ class Weights:
 
     def close(self) -> None:
         """Releases the open files (their memory maps)."""
+        self.progress.close()
         self._stack.close()
         self._handles.clear()
 
@@ -104,9 +140,12 @@ class Weights:
     def get(self, name: str) -> torch.Tensor:
         """One tensor, converted to the target dtype (if floating point) and device."""
         if self.gguf is not None:
-            return self.gguf.dense(name).to(device=self.device, dtype=self.dtype)
+            tensor = self.gguf.dense(name).to(device=self.device, dtype=self.dtype)
+            self.progress.read(name)
+            return tensor
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+        self.progress.read(name)
         tensor = self._handle(self._files[name]).get_tensor(name)
         dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=self.device, dtype=dtype)
@@ -126,6 +165,7 @@ class Weights:
             return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+        self.progress.read(name)
         view = self._handle(self._files[name]).get_slice(name)
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         dtype = self.dtype if tensor.is_floating_point() else tensor.dtype

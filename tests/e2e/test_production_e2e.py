@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from kettle.bench.process import KettleServer, free_port
@@ -88,6 +89,20 @@ def test_prometheus_port_serves_every_spec_metric_with_tgi_names(prod):
     assert re.search(r"^kettle_kv_blocks_total [1-9]", text, re.MULTILINE)
     api_names = set(re.findall(r"^# TYPE (\w+)", httpx.get(f"{prod.url}/metrics").text, re.MULTILINE))
     assert api_names == set(re.findall(r"^# TYPE (\w+)", text, re.MULTILINE))
+
+
+def test_every_process_logs_its_resident_memory_once_and_exposes_it_as_a_gauge(prod):
+    text = httpx.get(prod.prometheus_url, timeout=10).text
+    gauges = re.findall(r'^kettle_process_resident_memory_bytes\{process="([\w-]+)"\} (\S+)$', text, re.MULTILINE)
+    values = {process: float(value) for process, value in gauges}
+    assert set(values) == {"launcher", "router", "shard-0"}, text
+    # Plausible: more than 16 MiB each (any Python process with its imports), less than the machine has.
+    assert all(16 * 2**20 < value < psutil.virtual_memory().total for value in values.values()), values
+    assert values["shard-0"] > values["launcher"], values  # the shard holds torch and the model; the launcher neither
+    records = [json.loads(line) for line in Path(prod.log.name).read_text().splitlines() if line.strip()]
+    logged = [r["fields"] for r in records if "resident_memory_bytes" in r.get("fields", {})]
+    assert sorted(fields["process"] for fields in logged) == ["launcher", "router", "shard-0"]
+    assert all(fields["resident_memory_bytes"] > 16 * 2**20 for fields in logged)
 
 
 def test_one_trace_across_router_and_shard_parented_on_the_client(prod, receiver):

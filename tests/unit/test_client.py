@@ -26,7 +26,7 @@ class FakeShard(generate_pb2_grpc.TextGenerationServiceServicer):
         return pb.ServiceDiscoveryResponse(urls=self.urls)
 
     async def Health(self, request, context):
-        return pb.HealthResponse()
+        return pb.HealthResponse(resident_memory_bytes=(100 + self.rank) * 2**20)
 
     async def Prefill(self, request, context):
         batch = request.batch
@@ -77,6 +77,7 @@ def test_discovery_broadcast_and_merged_answers(socket_dir):
         try:
             assert client.world_size == 2
             await client.health()
+            assert await client.resident_memory() == [100 * 2**20, 101 * 2**20]  # rank order
             requests = [pb.Request(id=i, input_ids=[10 * i]) for i in range(4)]
             generations, cached, timings = await client.prefill(pb.Batch(id=7, requests=requests, size=4))
             assert sorted((g.request_id, g.tokens.ids[0]) for g in generations) == [(0, 1), (1, 11), (2, 21), (3, 31)]
@@ -117,3 +118,17 @@ def test_warmup_batch_respects_max_batch_size():
     assert batch.size == 3 and [len(r.input_ids) for r in batch.requests] == [8, 8, 8]
     assert len({r.id for r in batch.requests}) == 3
     assert all(r.stopping_parameters.ignore_eos_token for r in batch.requests)
+
+
+def test_resident_memory_gauges_name_each_process():
+    import os
+    import re
+
+    from kettle.router import metrics
+
+    metrics.track_process_memory(os.getppid())  # any other live process stands for the launcher
+    metrics.record_shard_memory([100 * 2**20, 0])
+    text = metrics.render().decode()
+    values = dict(re.findall(r'^kettle_process_resident_memory_bytes\{process="([\w-]+)"\} (\S+)$', text, re.M))
+    assert float(values["router"]) > 10 * 2**20 and float(values["launcher"]) > 0
+    assert float(values["shard-0"]) == 100 * 2**20 and values["shard-1"] == "NaN"  # 0: the shard could not read it

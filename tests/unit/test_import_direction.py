@@ -3,9 +3,9 @@
 Layers, top to bottom: the CLI; the launcher and the benchmarks; the router and the shard (which never import
 each other: they talk over gRPC); models; quantization; layers; kernels; tensors (checkpoints, KV cache,
 process group); then the torch-free foundations every process shares (catalog, proto, hub, grammar,
-tracing, logging); and the settings they all read. A module may import its own package or any package below
-it, at module level or inside a function alike; the launcher and the router import nothing of the torch stack
-(shard to tensors).
+tracing, process memory); progress reporting; logging; and the settings they all read. A module may import its
+own package or any package below it, at module level or inside a function alike; the launcher and the router
+import nothing of the torch stack (shard to tensors).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ LAYERS = [
     {"layers"},
     {"kernels"},
     {"tensors"},
-    {"catalog", "proto", "hub", "grammar", "tracing", "logging_setup"},
+    {"catalog", "proto", "hub", "grammar", "tracing", "process_memory"},
+    {"progress"},
+    {"logging_setup"},
     {"", "settings"},
 ]
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}

@@ -112,6 +112,14 @@ def test_every_tgi_flag_parses_and_reaches_the_configuration(names, envvar, valu
         assert launched[-1] == launched[-2], f"{envvar} differs from {names[-1]}"
 
 
+def test_gguf_file_flag_and_its_environment_variable_reach_the_configuration(launched):
+    # Not a flag of TGI's launcher: Kettle's own, for GGUF repositories that hold one file per quantization.
+    args = ["launch", "--model-id", "org/x-GGUF"]
+    assert runner.invoke(app, [*args, "--gguf-file", "x.Q4_K_M.gguf"]).exit_code == 0
+    assert runner.invoke(app, args, env={"GGUF_FILE": "x.Q4_K_M.gguf"}).exit_code == 0
+    assert launched[-1] == launched[-2] and launched[-1].gguf_file == "x.Q4_K_M.gguf"
+
+
 def test_text_generation_launcher_is_kettle_launch(launched):
     result = runner.invoke(launcher_app, ["--model-id", "/models/x", "-p", "8080"])
     assert result.exit_code == 0, result.output
@@ -153,6 +161,8 @@ def test_help_says_which_flags_do_nothing_and_why():
         (["--rope-factor", "0"], "--rope-factor must be > 0"),
         (["--kv-cache-dtype", "int8"], "--kv-cache-dtype must be one of fp8_e4m3fn, fp8_e5m2"),
         (["--usage-stats", "maybe"], "--usage-stats must be one of on, off, no-stack"),
+        (["--model-id", "org/x-GGUF", "--gguf-file", "x.bin"], "--gguf-file names a .gguf file"),
+        (["--gguf-file", "x.gguf"], "give --model-id too"),
     ],
 )
 def test_bad_values_are_usage_errors(args, message, launched):

@@ -162,6 +162,77 @@ def test_the_quant_tag_picks_one_gguf_of_a_hub_snapshot(tmp_path, monkeypatch):
     snapshot = hub_cache / "models--kettle-tests--tiny-GGUF" / "snapshots" / SHA
     assert prepared == [snapshot / "tiny.Q8_0.gguf"] and model.path == prepared[0]
     assert model.display_id == "kettle-tests/tiny-GGUF:q8_0" and model.sha == SHA
-    files = r"\(files there: tiny.Q4_0.gguf, tiny.Q8_0.gguf\)"
-    with pytest.raises(ModelNotFound, match=rf"no GGUF file matches the tag 'Q6_K' {files}"):
+    files = r"\(GGUF files there: tiny.Q4_0.gguf, tiny.Q8_0.gguf\)"
+    with pytest.raises(ModelNotFound, match=rf"in the local cache has no GGUF file matching the tag 'Q6_K' {files}"):
         resolve_model("kettle-tests/tiny-GGUF:Q6_K", hub_cache=str(hub_cache))
+
+
+def test_gguf_file_picks_that_file_of_a_hub_snapshot_through_the_same_resolver(tmp_path, monkeypatch):
+    from kettle.hub import resolve
+
+    hub_cache = _gguf_snapshot(tmp_path, monkeypatch)
+    prepared = []
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: prepared.append(path) or path)
+    model = resolve_model("kettle-tests/tiny-GGUF", hub_cache=str(hub_cache), gguf_file="tiny.Q4_0.gguf")
+    snapshot = hub_cache / "models--kettle-tests--tiny-GGUF" / "snapshots" / SHA
+    assert prepared == [snapshot / "tiny.Q4_0.gguf"] and model.path == prepared[0]
+    assert model.display_id == "kettle-tests/tiny-GGUF" and model.sha == SHA
+    files = r"\(GGUF files there: tiny.Q4_0.gguf, tiny.Q8_0.gguf\)"
+    with pytest.raises(ModelNotFound, match=rf"in the local cache has no file 'tiny.Q6_K.gguf' {files}"):
+        resolve_model("kettle-tests/tiny-GGUF", hub_cache=str(hub_cache), gguf_file="tiny.Q6_K.gguf")
+    with pytest.raises(ModelNotFound, match="already picks a GGUF file by its tag 'Q8_0'"):
+        resolve_model("kettle-tests/tiny-GGUF:Q8_0", hub_cache=str(hub_cache), gguf_file="tiny.Q4_0.gguf")
+
+
+def test_online_the_pick_is_made_from_the_hub_list_and_only_that_file_is_downloaded(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from kettle.hub import download, resolve
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    listing = ["README.md", "Q8_0/big.Q8_0.gguf", "tiny.Q4_K.gguf", "tiny.Q4_K_M.gguf", "tiny.Q4_K_S.gguf"]
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: listing)
+    fetched = []
+    snapshot = tmp_path / "snapshots" / SHA
+
+    def fake_snapshot(model_id, revision, hub_cache, patterns):
+        fetched.append((model_id, revision, patterns))
+        return snapshot
+
+    monkeypatch.setattr(download, "_snapshot", fake_snapshot)
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: path)
+    assert resolve_model("org/tiny-GGUF:q4_k", "v2").path == snapshot / "tiny.Q4_K.gguf"  # the tag standing alone
+    assert resolve_model("org/tiny-GGUF", gguf_file="big.Q8_0.gguf").path == snapshot / "Q8_0/big.Q8_0.gguf"
+    assert [patterns[-1] for _, _, patterns in fetched] == ["tiny.Q4_K.gguf", "Q8_0/big.Q8_0.gguf"]
+    assert fetched[0][:2] == ("org/tiny-GGUF", "v2")
+    assert all(not any(p.endswith("*.gguf") for p in patterns) for _, _, patterns in fetched)
+    with pytest.raises(ModelNotFound, match=r"at revision 'v2' on the Hub has several GGUF files matching the tag"):
+        resolve_model("org/tiny-GGUF:Q4", "v2")
+
+
+def test_gguf_file_picks_a_file_of_a_local_folder(tmp_path, monkeypatch):
+    from kettle.hub import resolve
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in ("a.Q4_0.gguf", "a.Q8_0.gguf"):
+        (folder / name).write_bytes(b"GGUF")
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: path)
+    assert resolve_model(str(folder), gguf_file="a.Q8_0.gguf").path == folder / "a.Q8_0.gguf"
+    with pytest.raises(ModelNotFound, match=r"has no file 'b.gguf' \(GGUF files there: a.Q4_0.gguf, a.Q8_0.gguf\)"):
+        resolve_model(str(folder), gguf_file="b.gguf")
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_download_weights_gguf_file_not_in_the_repo_is_one_line_listing_the_files(tmp_path, monkeypatch, how):
+    (tmp_path / "hf-home").mkdir()
+    shutil.move(_gguf_snapshot(tmp_path, monkeypatch), tmp_path / "hf-home" / "hub")
+    args = ["--gguf-file", "tiny.Q6_K.gguf"] if how == "flag" else []
+    if how == "env":
+        monkeypatch.setenv("GGUF_FILE", "tiny.Q6_K.gguf")
+    result = _offline_cli(tmp_path, "download-weights", "kettle-tests/tiny-GGUF", *args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "has no file 'tiny.Q6_K.gguf' (GGUF files there: tiny.Q4_0.gguf, tiny.Q8_0.gguf)" in lines[0]

@@ -1,0 +1,34 @@
+"""Resident memory (RSS) of Kettle's processes: read for the start-up log lines and the router's gauges.
+
+psutil (already a dependency: the shard sizes its threads with it) reads it on every platform Kettle runs on;
+on Linux that is one small read of /proc/PID/statm, cheap enough for every metrics scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+
+
+def resident_bytes(pid: int | None = None) -> int | None:
+    """The resident set size of process `pid` (default: this one) in bytes; None when it is gone or unreadable."""
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except (psutil.Error, OSError):
+        return None
+
+
+def format_bytes(size: int) -> str:
+    """`size` in MiB, or GiB from 1 GiB on, with one decimal."""
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def log_resident_memory(logger: logging.Logger, process: str) -> None:
+    """One line saying how much memory `process` (launcher, router, shard-N) holds now that it is ready; with
+    --json-output the number and the process are also structured fields."""
+    size = resident_bytes()
+    if size is None:
+        return
+    fields = {"process": process, "resident_memory_bytes": size}
+    logger.info("Resident memory of %s: %s", process, format_bytes(size), extra={"fields": fields})
