@@ -74,6 +74,24 @@ class LinearLoader(Protocol):
         quantized; None to keep it dense."""
 
 
+class CountedLoader:
+    """A scheme's loader whose projections count in the loading progress (a GGUF scheme reads the file itself,
+    not through `Weights.get`)."""
+
+    def __init__(self, scheme: LinearLoader, progress: ReadProgress) -> None:
+        self.scheme, self.progress = scheme, progress
+
+    def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
+        layer = self.scheme.load_linear(weights, prefixes)
+        if layer is not None:
+            for prefix in prefixes:
+                self.progress.read(f"{prefix}.weight")
+        return layer
+
+    def quantize_tensor(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        return self.scheme.quantize_tensor(weight, bias)
+
+
 class Weights:
     """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
     integer packs, scales kept as-is by their loaders) keep their stored dtype. Use as a context manager.
@@ -101,17 +119,7 @@ class Weights:
         self.progress = ReadProgress(len(self.names), enabled=self.tp.rank == 0)
         if quantize is not None:
             # A quantization scheme may read the file itself (GGUF blocks): count what it loads here.
-            self.quantize = self._counted(quantize)
-
-    def _counted(self, quantize: LinearLoader) -> LinearLoader:
-        def load(weights: Weights, prefixes: list[str]) -> nn.Module | None:
-            layer = quantize(weights, prefixes)
-            if layer is not None:
-                for prefix in prefixes:
-                    self.progress.read(f"{prefix}.weight")
-            return layer
-
-        return load
+            self.quantize = CountedLoader(quantize, self.progress)
 
     def __enter__(self) -> Weights:
         return self

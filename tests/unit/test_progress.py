@@ -123,10 +123,19 @@ def test_projections_a_quantization_scheme_loads_count_too(tiny_llama_path, no_q
     from kettle.tensors.weights import Weights
 
     caplog.set_level(logging.INFO)
-    # A scheme that reads the file itself (as GGUF blocks are read) and never calls `get`.
-    with Weights(tiny_llama_path, torch.float32, "cpu", quantize=lambda weights, prefixes: nn.Identity()) as weights:
+
+    class FileReadingScheme:
+        """Reads the file itself (as GGUF blocks are read) and never calls `get`."""
+
+        def load_linear(self, weights, prefixes):
+            return nn.Identity()
+
+        def quantize_tensor(self, weight, bias):
+            return None
+
+    with Weights(tiny_llama_path, torch.float32, "cpu", quantize=FileReadingScheme()) as weights:
         projections = [name for name in weights.names if name.endswith("proj.weight")]
-        weights.quantize(weights, [name.removesuffix(".weight") for name in projections])
+        weights.quantize.load_linear(weights, [name.removesuffix(".weight") for name in projections])
         for name in set(weights.names) - set(projections):
             weights.get(name)
     assert _lines(caplog)[-1].startswith("Loading weights: 100% (")
