@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from kettle.bench.process import KettleServer
 from kettle.hub.resolve import resolve_model
 
-PROMPT = "Write a long story about a dragon who learns to cook."
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -59,7 +59,9 @@ def write_adapter(folder: Path, config: dict, rank: int, seed: int) -> Path:
 
 
 async def batch_tok_s(url: str, adapters: list[str | None], max_new_tokens: int) -> float:
-    """Aggregate generated tokens per second of one request per entry of `adapters`, all sent at once."""
+    """Aggregate generated tokens per second of one request per entry of `adapters`, all sent at once. A request
+    that stops early (EOS) would leave a smaller batch behind and flatter the rate, so every request must run to
+    `max_new_tokens`: the prompt asks for a long story, and a run where one stops early is reported as such."""
 
     async def one(client: httpx.AsyncClient, adapter: str | None) -> int:
         parameters = {"max_new_tokens": max_new_tokens, "details": True}
@@ -72,6 +74,8 @@ async def batch_tok_s(url: str, adapters: list[str | None], max_new_tokens: int)
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
         tokens = await asyncio.gather(*(one(client, a) for a in adapters))
+    if min(tokens) < max_new_tokens:
+        raise SystemExit(f"a request stopped after {min(tokens)} tokens: the rates would not compare batches alike")
     return sum(tokens) / (time.perf_counter() - start)
 
 
