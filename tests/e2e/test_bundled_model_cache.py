@@ -74,3 +74,16 @@ def test_the_float32_conversion_for_transformers_answers_sensibly(bundled):
         output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_the_router_reads_the_bundled_tokenizer_without_transformers(bundled):
+    """The bundled tokenizer.json is read with `tokenizers` directly and tokenizes as transformers does."""
+    from transformers import AutoTokenizer
+
+    from kettle.router.tokenizer import RustTokenizer, _encode, _tokenize, load_tokenizer
+
+    ours, theirs = load_tokenizer(str(bundled.path)), AutoTokenizer.from_pretrained(bundled.path)
+    assert isinstance(ours, RustTokenizer)
+    for text in ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n", "naïve café 東京 🙂  x"]:
+        assert _encode(ours, text, None, True) == _encode(theirs, text, None, True)
+        assert _tokenize(ours, text, False) == _tokenize(theirs, text, False)
