@@ -129,6 +129,34 @@ int kettle_q8_linear_qa(
     return 0;
 }
 
+/* The Q8G (GGUF Q8_0) entry points: W = q [N, K] int8 · d [N, K/32] float16. K a multiple of 32. */
+
+/* y[M, N] = x · Wᵀ (+ bias): quantized activations (`quantized` 1) or the float32 tiles (exact to W). -1 when out
+ * of memory. */
+int kettle_q8g_linear(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
+    const float *bias, float *y, int64_t ldy, int quantized, int threads
+) {
+    const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
+    if (!quantized) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+    QuantizedRows xq;
+    if (quantize_rows(x, ldx, rows, k, 32, &xq)) return free_rows(&xq), -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
+    free_rows(&xq);
+    return 0;
+}
+
+/* Rows `ids` [count] of W as float32 [count, K] (the embedding lookup of a tied Q8_0 table). */
+void kettle_q8g_rows(
+    const int8_t *qw, const uint16_t *scales, int64_t n, int64_t k, const int64_t *ids, int64_t count, float *out,
+    int threads
+) {
+    const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, NULL};
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) q8g_dequant_row(&w, ids[i], out + i * k);
+}
+
 /* ---- element-wise kernels of a decoder layer (float32): each replaces a chain of PyTorch ops whose fixed
  * per-op cost dominates at decode sizes. Rows run in parallel only when there is enough work to pay for it. */
 

@@ -170,3 +170,13 @@ int kettle_q8_gemm(
     const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
     return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
 }
+
+/* `kettle_q8g_linear` for prompt chunks (GGUF Q8_0 weights: the block scales are folded in as each panel is
+ * dequantized). */
+int kettle_q8g_gemm(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
+    const float *bias, float *y, int64_t ldy, int threads
+) {
+    const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
+    return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
+}

@@ -31,13 +31,14 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3 };
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4 };
 
-/* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). */
+/* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
+ * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
 typedef struct {
-    int64_t kind, group, n, k; /* group: Q4's group size (Q8, F32: k) */
-    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8: [N, K] int8; F32: [N, K] float */
-    const void *scales;        /* Q4: [N, K/group] float16; Q8: [N] float32 */
+    int64_t kind, group, n, k; /* group: Q4's group size (Q8G: 32; Q8, F32: k) */
+    const void *weight;        /* Q4: packed [N, K/2] uint8; Q8, Q8G: [N, K] int8; F32: [N, K] float */
+    const void *scales;        /* Q4, Q8G: [N, K/group] float16; Q8: [N] float32 */
     const uint16_t *mins;      /* Q4: [N, K/group] float16 */
     const float *bias;         /* [N] or NULL */
 } Linear;
@@ -244,6 +245,27 @@ static inline __attribute__((always_inline)) void q8_row_qa(
     for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
 }
 
+/* One Q8G output channel for `tile` quantized activation rows: Σ_blocks (d_x · d_w) · (q_w · q_x), each
+ * weight block's scale folded into the row's activation scale (as `q4_row_qa` does). */
+static inline __attribute__((always_inline)) void q8g_row_qa(
+    const QuantizedRows *xq, int64_t row0, int tile, int64_t k, const int8_t *qw, const uint16_t *scales, float *out
+) {
+    const int64_t blocks = k / 32;
+    __m256 acc[MAX_TILE];
+    for (int m = 0; m < tile; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32)));
+        const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32 + 16)));
+        const float scale = _cvtsh_ss(scales[b]);
+        for (int m = 0; m < tile; m++) {
+            const int64_t r = row0 + m;
+            const __m256 d = _mm256_set1_ps(xq->scale[r * blocks + b] * scale);
+            acc[m] = _mm256_fmadd_ps(block_dot(w_lo, w_hi, xq->q + r * k + b * 32), d, acc[m]);
+        }
+    }
+    for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
+}
+
 /* Output channel j of `w` for every row quantized in xq: y[m, j] (rows of y ldy floats apart), with the
  * channel's bias and, for int8, its scale. */
 static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j, float *y,
@@ -257,6 +279,14 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
         const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
         const uint16_t *row_s = (const uint16_t *)w->scales + j * groups, *row_m = w->mins + j * groups;
 #define ROW(t) q4_row_qa(xq, m0, t, k, group, row_q, row_s, row_m, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
+    } else if (w->kind == LINEAR_Q8G) {
+        const int8_t *row_q = (const int8_t *)w->weight + j * k;
+        const uint16_t *row_s = (const uint16_t *)w->scales + j * (k / 32);
+#define ROW(t) q8g_row_qa(xq, m0, t, k, row_q, row_s, out)
 #define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
         FOR_EACH_TILE(rows, ROW, STORE)
 #undef ROW
@@ -305,8 +335,23 @@ static inline void q8_widen_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
+/* Row j of a Q8G weight as K floats: q · d per block (exactly GGUF's Q8_0 dequantization). */
+static inline void q8g_dequant_row(const Linear *w, int64_t j, float *dst) {
+    const int8_t *qw = (const int8_t *)w->weight + j * w->k;
+    const uint16_t *scales = (const uint16_t *)w->scales + j * (w->k / 32);
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[b]));
+        for (int64_t col = b * 32; col < b * 32 + 32; col += 16) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(qw + col));
+            _mm256_storeu_ps(dst + col, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+            _mm256_storeu_ps(dst + col + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d));
+        }
+    }
+}
+
 static inline void dequant_channel(const Linear *w, int64_t j, float *dst) {
     if (w->kind == LINEAR_Q4) q4_dequant_row(w, j, dst);
+    else if (w->kind == LINEAR_Q8G) q8g_dequant_row(w, j, dst);
     else q8_widen_row(w, j, dst);
 }
 

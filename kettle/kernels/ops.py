@@ -98,6 +98,36 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     return y
 
 
+def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 · Wᵀ (+ bias) for GGUF's Q8_0 layout, W = q [N, K] int8 · scales [N, K/32] float16 per
+    block: quantized activations below Q8_FLOAT_ROWS rows (or none with KETTLE_QUANTIZED_ACTIVATIONS=0), the
+    float32 tiles above, the panel GEMM for prompt chunks. [M, N] float32."""
+    rows, k = x.shape
+    n = q.shape[0]
+    x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
+    if rows >= GEMM_ROWS:
+        status = library().kettle_q8g_gemm(*args, torch.get_num_threads())
+    else:
+        quantized = QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS
+        status = library().kettle_q8g_linear(*args, int(quantized), torch.get_num_threads())
+    if status:
+        raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
+    return y
+
+
+def q8g_rows(q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a Q8_0 weight (q [N, K] int8, scales [N, K/32] float16) as float32 [len(ids), K]."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), q.shape[1], dtype=torch.float32)
+    library().kettle_q8g_rows(
+        q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,

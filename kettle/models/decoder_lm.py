@@ -75,6 +75,7 @@ class CausalLM(nn.Module):
     rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
     embed_scale: torch.Tensor | None = None  # Gemma multiplies embeddings by sqrt(hidden)
     lora_rows: LoraRows | None = None  # set when LoRA adapters are attached (kettle/models/lora_adapters.py)
+    embed_rows = None  # ids → rows, when the embedding reads a quantized tied head's table (no float copy)
 
     def load_embeddings(self, weights: Weights, embed: str, head: str, tied: bool, head_bias: str | None = None):
         """Loads the input embedding and the LM head and returns the vocabulary size; tied, the embedding reads
@@ -124,7 +125,10 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → the first layer's input [T, hidden]."""
-        h = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
+        if self.embed_rows is not None:
+            h = self.embed_rows(input_ids)
+        else:
+            h = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
         return h if self.embed_scale is None else h * self.embed_scale
 
     def rope(self, positions: torch.Tensor, meta: AttentionMetadata):

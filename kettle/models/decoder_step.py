@@ -37,6 +37,7 @@ from kettle.kernels.decoder_step import (
     LINEAR_F32,
     LINEAR_Q4,
     LINEAR_Q8,
+    LINEAR_Q8G,
     MAX_EXPERTS,
     NORM_LAYER,
     NORM_NONE,
@@ -59,6 +60,7 @@ from kettle.models.blocks import DenseMLP, GatedMLP
 from kettle.models.decoder import Attention, BlockPlan
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q8 import Q8Linear
 from kettle.tensors.kv_cache import KVCache
 
 
@@ -83,6 +85,9 @@ def _linear(module: nn.Module) -> Linear:
     if isinstance(module, Q4Linear):
         weights = (module.packed.data_ptr(), module.scales.data_ptr(), module.mins.data_ptr())
         return Linear(LINEAR_Q4, module.group_size, module.out_features, module.in_features, *weights, bias)
+    if isinstance(module, Q8Linear):
+        n, k = module.out_features, module.in_features
+        return Linear(LINEAR_Q8G, 32, n, k, module.q.data_ptr(), module.scales.data_ptr(), None, bias)
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         n, k = module.out_features, module.in_features
         return Linear(LINEAR_Q8, k, n, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)

@@ -66,8 +66,12 @@ def load_model(
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     apply_rope_override(config)  # --rope-scaling / --rope-factor, handed over by the launcher
     scheme = resolve_scheme(quantize, config, torch.device(device).type)  # clear errors for unsupported values
-    if scheme is None and quantize is None and not dequantize:
-        scheme = default_gguf_scheme(path, torch.device(device).type)
+    serve_as_stored = scheme is None and quantize is None and not dequantize
+    if serve_as_stored or quantize in ("int4", "int8"):
+        own = default_gguf_scheme(path, torch.device(device).type)
+        # A GGUF file already on the scheme asked for keeps its own blocks: requantizing them could only lose.
+        if own is not None and (quantize is None or own.method == quantize):
+            scheme = own
     quantize = quantize or (scheme and scheme.method)
     loader = ARCHITECTURES.get(config.model_type)
     check_tensor_parallel(config.model_type, distributed.current().world_size)

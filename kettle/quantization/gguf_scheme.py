@@ -2,10 +2,11 @@
 
 With no `--quantize` and no float `--dtype`, a GGUF model's projections load from the file's blocks:
 - Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py);
-- Q8_0, Q5_0, Q5_1, Q5_K, Q6_K → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
+- Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
+- Q5_0, Q5_1, Q5_K, Q6_K → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
   dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
 - F32, F16, BF16 → dense, as any float checkpoint.
-A fused projection (q/k/v, gate/up) whose parts mix an int4 type with another quantized type loads as int8.
+A fused projection (q/k/v, gate/up) whose parts mix types loads as per-channel int8.
 The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact.
 """
 
@@ -16,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from kettle.kernels import ops
@@ -23,6 +25,7 @@ from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import CHUNK, Q4Linear
+from kettle.quantization.q8 import Q8Linear
 from kettle.quantization.qparams import QParams
 from kettle.tensors.gguf_file import DENSE, EXACT_INT4, GgufTensors
 from kettle.tensors.weights import Weights
@@ -55,6 +58,11 @@ class GgufScheme:
         another grid would lose more than the file's own blocks)."""
         return None
 
+    @property
+    def tied_head(self) -> bool:
+        """Whether the file keeps one table for the embedding and the LM head (no `output.weight`)."""
+        return not self.gguf.has("lm_head.weight")
+
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""
         name = "lm_head.weight" if self.gguf.has("lm_head.weight") else "model.embed_tokens.weight"
@@ -69,6 +77,8 @@ class GgufScheme:
             layer = int4_linear(_concat([int4_groups(self.gguf.blocks(name)) for name in names]), bias)
             if layer is not None:
                 return layer
+        if all(qtype == T.Q8_0 for qtype in qtypes) and ops.available():  # the file's own grid, exactly
+            return Q8Linear.concat([Q8Linear.from_blocks(self.gguf.blocks(name)) for name in names], bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
 
 

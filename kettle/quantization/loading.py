@@ -25,6 +25,7 @@ from kettle.quantization.gptq import GptqFormat
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import CHUNK, Q4Linear
+from kettle.quantization.q8 import Q8Linear
 from kettle.quantization.qparams import QParams
 from kettle.tensors.weights import Weights
 
@@ -139,6 +140,10 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     load_head = getattr(scheme, "load_head", None)  # a GGUF file's own head tensor (gguf_scheme.py)
     if load_head is not None and isinstance(head, Linear):
         model.lm_head = load_head(head)
+        if scheme.tied_head and isinstance(model.lm_head, Q8Linear) and not model.tp.sharded:
+            # The embedding reads its rows from the head's Q8_0 table: the float32 copy goes (exact: the same
+            # dequantized values).
+            model.embed_rows, model.embed_tokens = model.lm_head.embed, None
     if scheme.head is not None and isinstance(head, Linear):
         weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
         bias = None if head.bias is None else head.bias.data

@@ -53,7 +53,8 @@ def test_a_config_asking_for_a_bos_the_file_does_not_add_takes_transformers(fold
 def test_the_router_imports_neither_torch_nor_transformers_to_tokenize(folder):
     code = (
         "import sys; from kettle.router.tokenizer import load_tokenizer; "
-        f"load_tokenizer({str(folder)!r})('hi'); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        f"load_tokenizer({str(folder)!r})('hi'); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

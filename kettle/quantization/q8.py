@@ -1,0 +1,72 @@
+"""GGUF's Q8_0 served as it is stored: int8 weights with one float16 scale per block of 32 input channels.
+
+W = q · d per block, the file's own grid, so nothing is rounded on the way in (per-channel int8 would round every
+weight a second time). The kernels (kettle/kernels/cpu_kernels.c, `LINEAR_Q8G`) fold each block's scale into the
+activations' per-block scale for the integer dot products, or dequantize a row at a time for the float32 tiles
+and the prompt GEMM. A tied Q8_0 embedding table reads its rows from the same storage (`embed`), so the
+embedding needs no float copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from kettle.kernels import ops
+from kettle.tensors.gguf_file import Blocks
+
+BLOCK = 32  # input channels per scale
+BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
+
+
+class Q8Linear(nn.Module):
+    """y = x Wᵀ (+ b) with W [out, in] in GGUF's Q8_0 layout on Kettle's CPU kernels; same call shape as `Linear`."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n, k = q.shape
+        if k % BLOCK or scales.shape != (n, k // BLOCK):
+            raise ValueError(f"Q8_0: in_features {k} must be a multiple of {BLOCK}, with one scale per block")
+        self.out_features, self.in_features = int(n), int(k)
+        self.register_buffer("q", q.to(torch.int8).contiguous(), persistent=False)
+        self.register_buffer("scales", scales.to(torch.float16).contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> Q8Linear:
+        """The raw blocks of a Q8_0 tensor, rows in Hugging Face order."""
+        raw = np.ascontiguousarray(blocks.data).reshape(-1, BLOCK_BYTES)
+        scales = torch.from_numpy(raw[:, :2].copy().view(np.float16)).view(blocks.rows, blocks.cols // BLOCK)
+        q = torch.from_numpy(raw[:, 2:].copy().view(np.int8)).view(blocks.rows, blocks.cols)
+        if blocks.order is not None:
+            q, scales = q[blocks.order], scales[blocks.order]
+        return cls(q, scales, bias)
+
+    @classmethod
+    def concat(cls, parts: list[Q8Linear], bias: torch.Tensor | None) -> Q8Linear:
+        """Projections fused along the outputs (q|k|v, gate|up)."""
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor, exactly the file's dequantization."""
+        blocks = self.q.float().view(self.out_features, -1, BLOCK) * self.scales.float()[..., None]
+        return blocks.view(self.out_features, self.in_features)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32: the embedding lookup of a tied Q8_0 table."""
+        if ops.available():
+            return ops.q8g_rows(self.q, self.scales, ids).view(*ids.shape, self.in_features)
+        rows = self.q[ids].float().view(*ids.shape, -1, BLOCK) * self.scales[ids].float()[..., None]
+        return rows.view(*ids.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if ops.available():
+            y = ops.q8g_linear(rows.float(), self.q, self.scales, self.bias)
+        else:  # PyTorch's ops over the dequantized weight (machines without the kernels)
+            y = torch.nn.functional.linear(rows.float(), self.dequantized(), self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, Q8_0"
