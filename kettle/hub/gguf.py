@@ -12,7 +12,10 @@ importing this module is free.
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # GGUF architectures whose weights Kettle's native families read straight from the file (tested in
@@ -37,8 +40,9 @@ def reads_natively(gguf_path: Path) -> bool:
 
 def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
     """Writes config.json, generation_config.json, the tokenizer files and a `model.gguf` link into `out_dir`."""
-    config = _save_config(gguf_path, out_dir, trust_remote_code)
-    _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(config))
+    with _metadata_read_once():
+        config = _save_config(gguf_path, out_dir, trust_remote_code)
+        _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(config))
     _add_legacy_config_keys(out_dir / "config.json")
     (out_dir / GGUF_LINK).symlink_to(gguf_path.resolve())
 
@@ -48,6 +52,29 @@ def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
     model = _save_model(gguf_path, out_dir, trust_remote_code)
     _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(model.config))
     _add_legacy_config_keys(out_dir / "config.json")
+
+
+@contextmanager
+def _metadata_read_once() -> Iterator[None]:
+    """transformers parses a GGUF's whole metadata for the config, and again for the tokenizer's config (~3 s
+    each for the bundled file, most of a first start); inside the block the second parse is the first's result.
+    Only metadata reads (`return_tensors=False`) are shared; each caller gets its own copy to change."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original, parsed = gguf_utils.load_gguf_checkpoint, {}
+
+    def load_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original(path, return_tensors, **kwargs)
+        if str(path) not in parsed:
+            parsed[str(path)] = original(path, return_tensors=False)
+        return copy.deepcopy(parsed[str(path)])
+
+    gguf_utils.load_gguf_checkpoint = load_once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
 
 
 def _save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool):

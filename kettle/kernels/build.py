@@ -72,9 +72,9 @@ def enabled() -> bool:
     return settings.current().cpu_kernels
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built first if needed; None when switched off or it cannot be built here."""
+def built_folder() -> Path | None:
+    """The folder of the compiled library, compiled first if missing; None when switched off or it cannot be
+    built here (with one warning). Torch-free: the launcher calls it to build beside the model's preparation."""
     if not enabled():
         return None
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
@@ -83,10 +83,22 @@ def library() -> ctypes.CDLL | None:
         log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
         return None
     try:
-        folder = build_once(cache_root() / "kernels" / f"cpu-{_key(compiler)}", _compiler(compiler), "the CPU kernels")
-        lib = ctypes.CDLL(str(folder / "libkettle_cpu.so"))
+        return build_once(cache_root() / "kernels" / f"cpu-{_key(compiler)}", _compiler(compiler), "the CPU kernels")
     except (OSError, subprocess.CalledProcessError) as error:
-        log.warning("CPU kernels failed to build or load (%s): using PyTorch's kernels", error)
+        log.warning("CPU kernels failed to build (%s): using PyTorch's kernels", error)
+        return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built first if needed; None when switched off or it cannot be built here."""
+    folder = built_folder()
+    if folder is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(folder / "libkettle_cpu.so"))
+    except OSError as error:
+        log.warning("CPU kernels failed to load (%s): using PyTorch's kernels", error)
         return None
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 
 from kettle.hub import ModelNotFound, ResolvedModel, resolve_model
 from kettle.launcher import tgi_environment
@@ -28,6 +29,7 @@ def launch(config: LauncherConfig) -> int:
     for name in config.no_effect_flags_set():
         log.warning("--%s is accepted for compatibility with TGI and does nothing in Kettle", _flag(name))
     tgi_environment.apply_token_alias()
+    kernels = _build_kernels_meanwhile()
     try:
         model = resolve(config)
     except ModelNotFound as error:
@@ -53,6 +55,7 @@ def launch(config: LauncherConfig) -> int:
             log.error("%s", error)
             return 1
     log.info("Model %s ready in %s", model.display_id, model.path)
+    kernels.join()  # the shards then only load the library (else each would compile its own copy)
     supervisor = Supervisor(
         shard_specs(config, str(model.path)),
         # With --nnodes, the router runs on node 0 only: it reaches every rank through rank 0's discovery.
@@ -61,6 +64,17 @@ def launch(config: LauncherConfig) -> int:
         start_timeout=config.shard_start_timeout,
     )
     return supervisor.run()
+
+
+def _build_kernels_meanwhile() -> threading.Thread:
+    """Compiles the CPU kernels (a first start only; ~5 s) on a thread while the model is resolved and prepared
+    (a first start converts a GGUF's metadata for ~9 s, mostly one core's Python), instead of after it in the
+    shard: on two cores the two overlap. The compiler runs as a subprocess; nothing here loads torch."""
+    from kettle.kernels.build import built_folder
+
+    thread = threading.Thread(target=built_folder, name="kettle-kernel-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def resolve(config: LauncherConfig) -> ResolvedModel:

@@ -38,7 +38,9 @@ RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in pac
 # lines from their config dataclass, which is torch-free.
 TORCH_FREE = {"launcher", "router"}
 TORCH_STACK = {"shard", "models", "quantization", "layers", "kernels", "tensors"}
-ALLOWED = {("launcher", "kettle.shard.config")}
+# The kernel builder compiles C through a subprocess and imports nothing of torch: the launcher builds the
+# kernels while it prepares the model.
+ALLOWED = {("launcher", "kettle.shard.config"), ("launcher", "kettle.kernels.build")}
 ROOT = Path(kettle.__file__).parent
 
 
