@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kettle.hub.resolve import float_folder
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
@@ -55,7 +56,7 @@ def transformers_prefill(path: str, ids: torch.Tensor):
     """One transformers forward over the prompt per call, logits of the last position only."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(float_folder(path), dtype=torch.float32).eval()
 
     @torch.inference_mode()
     def prefill() -> None:
