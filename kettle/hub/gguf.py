@@ -37,7 +37,7 @@ def reads_natively(gguf_path: Path) -> bool:
 
 def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
     """Writes config.json, generation_config.json, the tokenizer files and a `model.gguf` link into `out_dir`."""
-    config = _save_config(gguf_path, out_dir, trust_remote_code)
+    config = save_config(gguf_path, out_dir, trust_remote_code)
     _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(config))
     _add_legacy_config_keys(out_dir / "config.json")
     (out_dir / GGUF_LINK).symlink_to(gguf_path.resolve())
@@ -50,7 +50,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
     _add_legacy_config_keys(out_dir / "config.json")
 
 
-def _save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool):
+def save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False):
+    """Writes config.json and generation_config.json as transformers reads them from the file's metadata."""
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=trust_remote_code)
