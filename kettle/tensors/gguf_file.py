@@ -5,9 +5,12 @@ view of the map, so nothing is read until a loader asks for a tensor. Names are 
 `TensorNameMap` (the table llama.cpp's converter wrote them with), so `model.layers.0.self_attn.q_proj.weight`
 finds `blk.0.attn_q.weight`.
 
-llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbouring channels,
-Hugging Face's pairs halves); reading them back undoes that permutation on whole rows, which is exact for
-quantized rows too (their blocks run along the input channels).
+The converter also changes some tensors on the way; reading them back undoes what the families expect undone:
+- Llama's q and k rows are permuted (its RoPE pairs neighbouring channels, Hugging Face's pairs halves): the
+  permutation is undone on whole rows, which is exact for quantized rows too (their blocks run along the input
+  channels), so they stay quantized;
+- Gemma 2's RMSNorm weights are stored as 1 + w (what llama.cpp multiplies by): 1 is taken off again, since
+  the Gemma families add it themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from kettle.hub.gguf_header import TensorInfo, read_header
 
 # Architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor undoes the same).
 PERMUTED_QK = ("llama",)
+# Architectures whose RMSNorm weights the converter stored as 1 + w (transformers' Gemma2TensorProcessor).
+NORMS_PLUS_ONE = ("gemma2",)
 # What Kettle serves: dense floats, 4-bit types on the int4 kernel exactly, 5-8-bit types on int8 (the nearest).
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
 NEAREST_INT8 = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
@@ -123,6 +128,9 @@ class GgufTensors:
         # A copy, also for F32: a tensor over the read-only map would crash anything that writes in place.
         values = torch.from_numpy(np.array(dequantize(self._raw(tensor), T(tensor.qtype)), np.float32))
         values = values.reshape(self.shape(name))
+        if self.architecture in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            # The family adds the 1 back: 1 + (s - 1) gives the stored s exactly for s >= 0.5, within an ulp below.
+            values -= 1.0
         order = self._row_order(name, values.shape[0])
         return values if order is None else values[order]
 
