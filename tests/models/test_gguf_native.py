@@ -1,12 +1,12 @@
 """GGUF files read natively: Kettle's logits against transformers running gguf's own dequantization of the file.
 
-Tiny random Llama, Qwen2, Qwen3, Phi-3 and Gemma 2 models are written with `gguf.GGUFWriter` in F32, Q8_0,
-Q4_0, Q4_1 and Q4_K, laid out as llama.cpp's converter lays them out (tests/gguf_files.py). That layout is
-checked against transformers' own GGUF loader: reading the F32 file, it must give the original model's logits.
-With no `quantize`, Kettle serves the file's own quantization: the 4-bit types on the int4 kernel with the
-file's exact values (logits within 1e-4 of the reference; Q4_K within 1e-3 of the largest logit, its scale
-products rounded to float16 by the kernel's layout), Q8_0 requantized to int8 per channel (a stated relative
-error and KL). Greedy tokens are identical in every exact case.
+Tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma 2, StarCoder2 and Falcon models are written with
+`gguf.GGUFWriter` in F32, Q8_0, Q4_0, Q4_1 and Q4_K, laid out as llama.cpp's converter lays them out
+(tests/gguf_files.py). That layout is checked against transformers' own GGUF loader: reading the F32 file, it
+must give the original model's logits. With no `quantize`, Kettle serves the file's own quantization: the 4-bit
+types on the int4 kernel with the file's exact values (logits within 1e-4 of the reference; Q4_K within 1e-3 of
+the largest logit, its scale products rounded to float16 by the kernel's layout), Q8_0 requantized to int8 per
+channel (a stated relative error and KL). Greedy tokens are identical in every exact case.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ CASES = [
     ("gemma2", T.F32),
     ("gemma2", T.Q4_1),
     ("gemma2", T.Q4_K),
+    ("starcoder2", T.F32),
+    ("starcoder2", T.Q4_0),
+    ("falcon", T.F32),
+    ("falcon", T.Q4_1),
 ]
 
 
