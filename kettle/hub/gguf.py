@@ -17,7 +17,7 @@ from pathlib import Path
 
 # GGUF architectures whose weights Kettle's native families read straight from the file (tested in
 # tests/models/test_gguf_native.py); the others are converted to a float32 safetensors folder.
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "starcoder2", "falcon")
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "starcoder2", "falcon", "gpt2", "bloom")
 GGUF_LINK = "model.gguf"  # the name under which a prepared folder points at its GGUF file
 
 # Below this, `model_max_length` is a real limit; at or above it, transformers' "no limit known" sentinel.

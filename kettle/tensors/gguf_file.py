@@ -10,7 +10,12 @@ The converter also changes some tensors on the way; reading them back undoes wha
   permutation is undone on whole rows, which is exact for quantized rows too (their blocks run along the input
   channels), so they stay quantized;
 - Gemma 2's RMSNorm weights are stored as 1 + w (what llama.cpp multiplies by): 1 is taken off again, since
-  the Gemma families add it themselves.
+  the Gemma families add it themselves;
+- BLOOM's names lose their "transformer." prefix: both spellings find the tensor.
+Two tensors are left as the converter wrote them, because it wrote them in Kettle's own layout and their
+loaders read them as such from a GGUF (`Weights.gguf`), keeping them quantized: GPT-2's Conv1D weights,
+transposed to [out, in], and BLOOM's fused query_key_value, regrouped from per-head [q, k, v] triples into
+[q heads | k heads | v heads] (weight and bias).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from kettle.hub.gguf_header import TensorInfo, read_header
 PERMUTED_QK = ("llama",)
 # Architectures whose RMSNorm weights the converter stored as 1 + w (transformers' Gemma2TensorProcessor).
 NORMS_PLUS_ONE = ("gemma2",)
+# Architectures whose converter strips this prefix from every name before mapping it.
+STRIPPED_PREFIX = {"bloom": "transformer."}
 # What Kettle serves: dense floats, 4-bit types on the int4 kernel exactly, 5-8-bit types on int8 (the nearest).
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
 NEAREST_INT8 = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
@@ -87,6 +94,9 @@ class GgufTensors:
     def gguf_name(self, name: str) -> str | None:
         """`name`'s tensor in the file (None when absent)."""
         mapped = self._names.get_name(name, try_suffixes=(".weight", ".bias"))
+        prefix = STRIPPED_PREFIX.get(self.architecture)
+        if mapped is None and prefix and name.startswith(prefix):
+            mapped = self._names.get_name(name.removeprefix(prefix), try_suffixes=(".weight", ".bias"))
         return mapped if mapped in self._tensors else None
 
     def has(self, name: str) -> bool:

@@ -1,6 +1,6 @@
 """GGUF files read natively: Kettle's logits against transformers running gguf's own dequantization of the file.
 
-Tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma 2, StarCoder2 and Falcon models are written with
+Tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma 2, StarCoder2, Falcon, GPT-2 and BLOOM models are written with
 `gguf.GGUFWriter` in F32, Q8_0, Q4_0, Q4_1 and Q4_K, laid out as llama.cpp's converter lays them out
 (tests/gguf_files.py). That layout is checked against transformers' own GGUF loader: reading the F32 file, it
 must give the original model's logits. With no `quantize`, Kettle serves the file's own quantization: the 4-bit
@@ -52,6 +52,11 @@ CASES = [
     ("starcoder2", T.Q4_0),
     ("falcon", T.F32),
     ("falcon", T.Q4_1),
+    ("gpt2", T.F32),
+    ("gpt2", T.Q4_0),
+    ("gpt2", T.Q8_0),
+    ("bloom", T.F32),
+    ("bloom", T.Q4_1),
 ]
 
 
