@@ -56,10 +56,14 @@ def _config_kwargs(arch: str, hidden: int) -> dict:
         "llama": llama_like | {"head_dim": hidden // 4},
         "qwen2": llama_like | {"head_dim": hidden // 4},
         "qwen3": llama_like | {"head_dim": hidden // 4},
-        "phi3": llama_like | {"pad_token_id": 0},
-        # A sliding window shorter than the prompts, so the alternating layers differ.
-        "gemma2": llama_like | tied | {"head_dim": hidden // 4, "sliding_window": 4, "pad_token_id": 0},
-        "starcoder2": llama_like | tied | {"norm_epsilon": 1e-5},
+        # Sliding windows shorter than the prompts; RoPE bases and soft caps off their defaults: the config
+        # must come from the file's metadata.
+        "phi3": llama_like | {"pad_token_id": 0, "sliding_window": 5},
+        "gemma2": llama_like
+        | tied
+        | {"head_dim": hidden // 4, "sliding_window": 4, "pad_token_id": 0}
+        | {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0},
+        "starcoder2": llama_like | tied | {"norm_epsilon": 1e-5, "rope_theta": 1e5},
         "gpt2": tied | {"n_embd": hidden, "n_layer": 2, "n_head": 4, "n_positions": 1024},
         "falcon": heads | tied | {"hidden_size": hidden},
         "bloom": {"hidden_size": hidden, "n_layer": 2, "n_head": 4},
@@ -177,6 +181,10 @@ def _write_metadata(writer, arch: str, config) -> None:
             writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch in ("llama", "qwen2", "qwen3"):
         writer.add_rope_dimension_count(config.head_dim)
+    if arch in ("starcoder2", "phi3"):
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if arch == "phi3":
+        writer.add_sliding_window(config.sliding_window or 0)
     if arch == "gemma2":
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)

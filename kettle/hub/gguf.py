@@ -19,6 +19,18 @@ from pathlib import Path
 # tests/models/test_gguf_native.py); the others are converted to a float32 safetensors folder.
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "starcoder2", "falcon", "gpt2", "bloom")
 GGUF_LINK = "model.gguf"  # the name under which a prepared folder points at its GGUF file
+# Metadata llama.cpp's converter writes that transformers' GGUF reader leaves out of the config (transformers
+# 5.x), which would otherwise keep its class default: StarCoder2's RoPE base (1e5 or more in the published
+# models, default 1e4), Phi-3's sliding window, Gemma 2's soft caps, GPT-2's number of positions.
+UNMAPPED_METADATA = {
+    "starcoder2": {"rope.freq_base": "rope_theta"},
+    "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma2": {
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
+    "gpt2": {"context_length": "n_positions"},
+}
 
 # Below this, `model_max_length` is a real limit; at or above it, transformers' "no limit known" sentinel.
 _UNLIMITED = 10**18
@@ -58,9 +70,28 @@ def save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False)
     # transformers marks configs read from GGUF as "quantized with gguf"; Kettle reads the file itself.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    _add_unmapped_metadata(gguf_path, config)
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     return config
+
+
+def _add_unmapped_metadata(gguf_path: Path, config) -> None:
+    """Sets the config values of `UNMAPPED_METADATA` the file carries."""
+    from kettle.hub.gguf_header import read_header
+
+    fields = read_header(gguf_path).fields
+    arch = fields["general.architecture"]
+    for key, attribute in UNMAPPED_METADATA.get(arch, {}).items():
+        value = fields.get(f"{arch}.{key}")
+        if value is None:
+            continue
+        if attribute == "rope_theta":  # transformers 5 keeps it in `rope_parameters`
+            config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": float(value)}
+        elif attribute == "sliding_window":
+            config.sliding_window = int(value) or None  # llama.cpp writes 0 for "no window" (Phi-4)
+        else:
+            setattr(config, attribute, value)
 
 
 def _save_model(gguf_path: Path, out_dir: Path, trust_remote_code: bool):

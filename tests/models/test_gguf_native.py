@@ -107,13 +107,16 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
 
 @pytest.mark.parametrize("arch", FROM_METADATA)
 def test_the_files_layout_is_what_transformers_gguf_loader_reads(tmp_path, arch):
-    """The tiny file's layout and metadata, read back by transformers' own GGUF loader (its implementation of
-    llama.cpp's conventions), give the original model's logits: the writer is right, independently of Kettle."""
-    from transformers import AutoModelForCausalLM
+    """The tiny file's layout, read back by transformers' own GGUF loader (its implementation of llama.cpp's
+    conventions), gives the original model's logits: the writer is right, independently of Kettle. The config
+    is the one Kettle prepares from the metadata (transformers' own reading of it, plus what that leaves out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model = tiny_model(arch, 64)
     folder = write_gguf(model, tmp_path / arch, arch, T.F32)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file="model.gguf", config=AutoConfig.from_pretrained(folder), dtype=torch.float32
+    ).eval()
     torch.testing.assert_close(reference_logits(loaded), reference_logits(model), atol=1e-5, rtol=0)
 
 
