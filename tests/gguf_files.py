@@ -71,10 +71,10 @@ def _config_kwargs(arch: str, hidden: int) -> dict:
     return kwargs | {"vocab_size": VOCAB, "initializer_range": 0.2}
 
 
-def tiny_model(arch: str, hidden: int, seed: int = 0):
+def tiny_model(arch: str, hidden: int, seed: int = 0, **overrides):
     import transformers
 
-    config = getattr(transformers, CONFIGS[arch])(**_config_kwargs(arch, hidden))
+    config = getattr(transformers, CONFIGS[arch])(**_config_kwargs(arch, hidden) | overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHES[arch])(config).eval()
     if arch in FROM_METADATA:

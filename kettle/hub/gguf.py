@@ -77,11 +77,18 @@ def save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False)
 
 
 def _add_unmapped_metadata(gguf_path: Path, config) -> None:
-    """Sets the config values of `UNMAPPED_METADATA` the file carries."""
+    """Sets what the metadata says and transformers' reader left out: `UNMAPPED_METADATA`, Falcon's layout."""
     from kettle.hub.gguf_header import read_header
 
-    fields = read_header(gguf_path).fields
-    arch = fields["general.architecture"]
+    header = read_header(gguf_path)
+    fields, arch = header.fields, header.fields["general.architecture"]
+    kv_heads = fields.get(f"{arch}.attention.head_count_kv")
+    if arch == "falcon" and kv_heads and kv_heads > 1:
+        # transformers reads every Falcon as the 7B (one KV head, one norm): several KV heads are the 40B/180B/11B
+        # layout, with separate attention and MLP norms where the file has the second one (attn_norm_2).
+        config.new_decoder_architecture, config.num_kv_heads = True, int(kv_heads)
+        two_norms = any(tensor.name == "blk.0.attn_norm_2.weight" for tensor in header.tensors)
+        config.num_ln_in_parallel_attn = 2 if two_norms else 1
     for key, attribute in UNMAPPED_METADATA.get(arch, {}).items():
         value = fields.get(f"{arch}.{key}")
         if value is None:

@@ -11,6 +11,9 @@ The converter also changes some tensors on the way; reading them back undoes wha
   channels), so they stay quantized;
 - Gemma 2's RMSNorm weights are stored as 1 + w (what llama.cpp multiplies by): 1 is taken off again, since
   the Gemma families add it themselves;
+- Falcon's query_key_value with several KV heads (40B, 180B, 11B), grouped per KV head in Hugging Face's
+  layout, is regrouped into [q heads | k heads | v heads]: its rows are moved back (for the 7B's single KV
+  head both layouts are the same);
 - BLOOM's names lose their "transformer." prefix: both spellings find the tensor.
 Two tensors are left as the converter wrote them, because it wrote them in Kettle's own layout and their
 loaders read them as such from a GGUF (`Weights.gguf`), keeping them quantized: GPT-2's Conv1D weights,
@@ -151,10 +154,24 @@ class GgufTensors:
         return Blocks(self._raw(tensor), T(tensor.qtype), rows, cols, self._row_order(name, rows))
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
-        """The row order that undoes llama.cpp's q/k permutation, or None when the rows are as stored."""
+        """The row order that undoes llama.cpp's q/k permutation or Falcon's q/k/v regrouping, or None when the
+        rows are as stored."""
+        heads, kv_heads = self._heads
+        if self.architecture == "falcon" and kv_heads and kv_heads > 1 and "query_key_value." in name:
+            return falcon_grouped_order(heads, kv_heads, rows)
         if self.architecture not in PERMUTED_QK or not name.endswith(("q_proj.weight", "k_proj.weight")):
             return None
-        heads = self._heads[0] if name.endswith("q_proj.weight") else self._heads[1]
+        heads = heads if name.endswith("q_proj.weight") else kv_heads
         half = rows // heads // 2
         # Stored row (h, i, j) for i < half, j < 2 holds Hugging Face row (h, j, i).
         return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def falcon_grouped_order(heads: int, kv_heads: int, rows: int) -> torch.Tensor:
+    """Rows taking llama.cpp's [q heads | k heads | v heads] back to Falcon's grouped layout (40B, 180B, 11B):
+    per KV head, its group of query heads, then its k, then its v."""
+    head_dim = rows // (heads + 2 * kv_heads)
+    stored = torch.arange(rows)
+    q = stored[: heads * head_dim].view(kv_heads, heads // kv_heads, head_dim)
+    k, v = stored[heads * head_dim :].view(2, kv_heads, 1, head_dim)
+    return torch.cat([q, k, v], dim=1).reshape(rows)

@@ -120,6 +120,20 @@ def test_the_files_layout_is_what_transformers_gguf_loader_reads(tmp_path, arch)
     torch.testing.assert_close(reference_logits(loaded), reference_logits(model), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("norms", [2, 1], ids=["40B-two-norms", "11B-one-norm"])
+def test_falcon_with_grouped_kv_heads(tmp_path, norms):
+    """Falcon 40B/180B (and 11B, one norm): llama.cpp regroups the grouped query_key_value into [q | k | v] and
+    transformers' reader takes every Falcon GGUF for the 7B; Kettle reads the layout from the metadata and puts
+    the rows back. (transformers' loader cannot check this layout: it loads it wrongly.)"""
+    overrides = {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": norms}
+    model = tiny_model("falcon", 64, **overrides)
+    folder = write_gguf(model, tmp_path / "falcon", "falcon", T.Q4_0)
+    reference = dequantized_reference(model, folder, "falcon")
+    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert loaded.spec.num_kv_heads == 2
+    torch.testing.assert_close(kettle_logits(loaded), reference_logits(reference), atol=1e-4, rtol=0)
+
+
 def test_every_native_architecture_is_tested():
     assert set(NATIVE_ARCHITECTURES) == {arch for arch, _ in CASES}
 
