@@ -20,8 +20,20 @@ from pathlib import Path
 
 # GGUF architectures whose weights Kettle's native families read straight from the file (tested in
 # tests/models/test_gguf_native.py); the others are converted to a float32 safetensors folder.
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "starcoder2", "falcon", "gpt2", "bloom")
 GGUF_LINK = "model.gguf"  # the name under which a prepared folder points at its GGUF file
+# Metadata llama.cpp's converter writes that transformers' GGUF reader leaves out of the config (transformers
+# 5.x), which would otherwise keep its class default: StarCoder2's RoPE base (1e5 or more in the published
+# models, default 1e4), Phi-3's sliding window, Gemma 2's soft caps, GPT-2's number of positions.
+UNMAPPED_METADATA = {
+    "starcoder2": {"rope.freq_base": "rope_theta"},
+    "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma2": {
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
+    "gpt2": {"context_length": "n_positions"},
+}
 
 # Below this, `model_max_length` is a real limit; at or above it, transformers' "no limit known" sentinel.
 _UNLIMITED = 10**18
@@ -41,7 +53,7 @@ def reads_natively(gguf_path: Path) -> bool:
 def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
     """Writes config.json, generation_config.json, the tokenizer files and a `model.gguf` link into `out_dir`."""
     with _metadata_read_once():
-        config = _save_config(gguf_path, out_dir, trust_remote_code)
+        config = save_config(gguf_path, out_dir, trust_remote_code)
         _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(config))
     _add_legacy_config_keys(out_dir / "config.json")
     (out_dir / GGUF_LINK).symlink_to(gguf_path.resolve())
@@ -77,16 +89,43 @@ def _metadata_read_once() -> Iterator[None]:
         gguf_utils.load_gguf_checkpoint = original
 
 
-def _save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool):
+def save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False):
+    """Writes config.json and generation_config.json as transformers reads them from the file's metadata."""
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=trust_remote_code)
     # transformers marks configs read from GGUF as "quantized with gguf"; Kettle reads the file itself.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    _add_unmapped_metadata(gguf_path, config)
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     return config
+
+
+def _add_unmapped_metadata(gguf_path: Path, config) -> None:
+    """Sets what the metadata says and transformers' reader left out: `UNMAPPED_METADATA`, Falcon's layout."""
+    from kettle.hub.gguf_header import read_header
+
+    header = read_header(gguf_path)
+    fields, arch = header.fields, header.fields["general.architecture"]
+    kv_heads = fields.get(f"{arch}.attention.head_count_kv")
+    if arch == "falcon" and kv_heads and kv_heads > 1:
+        # transformers reads every Falcon as the 7B (one KV head, one norm): several KV heads are the 40B/180B/11B
+        # layout, with separate attention and MLP norms where the file has the second one (attn_norm_2).
+        config.new_decoder_architecture, config.num_kv_heads = True, int(kv_heads)
+        two_norms = any(tensor.name == "blk.0.attn_norm_2.weight" for tensor in header.tensors)
+        config.num_ln_in_parallel_attn = 2 if two_norms else 1
+    for key, attribute in UNMAPPED_METADATA.get(arch, {}).items():
+        value = fields.get(f"{arch}.{key}")
+        if value is None:
+            continue
+        if attribute == "rope_theta":  # transformers 5 keeps it in `rope_parameters`
+            config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": float(value)}
+        elif attribute == "sliding_window":
+            config.sliding_window = int(value) or None  # llama.cpp writes 0 for "no window" (Phi-4)
+        else:
+            setattr(config, attribute, value)
 
 
 def _save_model(gguf_path: Path, out_dir: Path, trust_remote_code: bool):

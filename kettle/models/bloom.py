@@ -30,7 +30,12 @@ class BloomBlock(SequentialBlock):
 
     def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, slopes: torch.Tensor) -> None:
         eps, attn, mlp = config.layer_norm_epsilon, f"{prefix}.self_attention", f"{prefix}.mlp"
-        qkv = load_per_head_qkv(weights, f"{attn}.query_key_value", spec.num_heads)
+        if weights.gguf is not None:
+            # llama.cpp's converter already regrouped it into [q | k | v]: loading it as stored keeps a quantized
+            # file's blocks.
+            qkv = Linear.load(weights, [f"{attn}.query_key_value"])
+        else:
+            qkv = load_per_head_qkv(weights, f"{attn}.query_key_value", spec.num_heads)
         super().__init__(
             load_layer_norm(weights, f"{prefix}.input_layernorm", eps),
             Attention(qkv, Linear.load(weights, [f"{attn}.dense"]), spec, None, alibi_slopes=slopes),

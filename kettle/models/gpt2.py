@@ -21,6 +21,10 @@ from kettle.tensors.weights import Weights
 
 def load_conv1d(weights: Weights, prefix: str) -> Linear:
     """A GPT-2 Conv1D (weight [in, out]) as a Linear (weight [out, in])."""
+    if weights.gguf is not None:
+        # llama.cpp's converter already stored it transposed, as a Linear: loading it as one keeps a quantized
+        # file's blocks (a transposed copy would have to be dense).
+        return Linear.load(weights, [prefix])
     weight = weights.get(f"{prefix}.weight").t().contiguous()
     return Linear.from_tensor(weights, weight, weights.get_optional(f"{prefix}.bias"))
 

@@ -5,9 +5,20 @@ view of the map, so nothing is read until a loader asks for a tensor. Names are 
 `TensorNameMap` (the table llama.cpp's converter wrote them with), so `model.layers.0.self_attn.q_proj.weight`
 finds `blk.0.attn_q.weight`.
 
-llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbouring channels,
-Hugging Face's pairs halves); reading them back undoes that permutation on whole rows, which is exact for
-quantized rows too (their blocks run along the input channels).
+The converter also changes some tensors on the way; reading them back undoes what the families expect undone:
+- Llama's q and k rows are permuted (its RoPE pairs neighbouring channels, Hugging Face's pairs halves): the
+  permutation is undone on whole rows, which is exact for quantized rows too (their blocks run along the input
+  channels), so they stay quantized;
+- Gemma 2's RMSNorm weights are stored as 1 + w (what llama.cpp multiplies by): 1 is taken off again, since
+  the Gemma families add it themselves;
+- Falcon's query_key_value with several KV heads (40B, 180B, 11B), grouped per KV head in Hugging Face's
+  layout, is regrouped into [q heads | k heads | v heads]: its rows are moved back (for the 7B's single KV
+  head both layouts are the same);
+- BLOOM's names lose their "transformer." prefix: both spellings find the tensor.
+Two tensors are left as the converter wrote them, because it wrote them in Kettle's own layout and their
+loaders read them as such from a GGUF (`Weights.gguf`), keeping them quantized: GPT-2's Conv1D weights,
+transposed to [out, in], and BLOOM's fused query_key_value, regrouped from per-head [q, k, v] triples into
+[q heads | k heads | v heads] (weight and bias).
 """
 
 from __future__ import annotations
@@ -24,6 +35,10 @@ from kettle.hub.gguf_header import TensorInfo, read_header
 
 # Architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor undoes the same).
 PERMUTED_QK = ("llama",)
+# Architectures whose RMSNorm weights the converter stored as 1 + w (transformers' Gemma2TensorProcessor).
+NORMS_PLUS_ONE = ("gemma2",)
+# Architectures whose converter strips this prefix from every name before mapping it.
+STRIPPED_PREFIX = {"bloom": "transformer."}
 # What Kettle serves: dense floats, 4-bit types on the int4 kernel exactly, 5-8-bit types on int8 (the nearest).
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
 NEAREST_INT8 = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
@@ -82,6 +97,9 @@ class GgufTensors:
     def gguf_name(self, name: str) -> str | None:
         """`name`'s tensor in the file (None when absent)."""
         mapped = self._names.get_name(name, try_suffixes=(".weight", ".bias"))
+        prefix = STRIPPED_PREFIX.get(self.architecture)
+        if mapped is None and prefix and name.startswith(prefix):
+            mapped = self._names.get_name(name.removeprefix(prefix), try_suffixes=(".weight", ".bias"))
         return mapped if mapped in self._tensors else None
 
     def has(self, name: str) -> bool:
@@ -123,6 +141,9 @@ class GgufTensors:
         # A copy, also for F32: a tensor over the read-only map would crash anything that writes in place.
         values = torch.from_numpy(np.array(dequantize(self._raw(tensor), T(tensor.qtype)), np.float32))
         values = values.reshape(self.shape(name))
+        if self.architecture in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            # The family adds the 1 back: 1 + (s - 1) gives the stored s exactly for s >= 0.5, within an ulp below.
+            values -= 1.0
         order = self._row_order(name, values.shape[0])
         return values if order is None else values[order]
 
@@ -133,10 +154,24 @@ class GgufTensors:
         return Blocks(self._raw(tensor), T(tensor.qtype), rows, cols, self._row_order(name, rows))
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
-        """The row order that undoes llama.cpp's q/k permutation, or None when the rows are as stored."""
+        """The row order that undoes llama.cpp's q/k permutation or Falcon's q/k/v regrouping, or None when the
+        rows are as stored."""
+        heads, kv_heads = self._heads
+        if self.architecture == "falcon" and kv_heads and kv_heads > 1 and "query_key_value." in name:
+            return falcon_grouped_order(heads, kv_heads, rows)
         if self.architecture not in PERMUTED_QK or not name.endswith(("q_proj.weight", "k_proj.weight")):
             return None
-        heads = self._heads[0] if name.endswith("q_proj.weight") else self._heads[1]
+        heads = heads if name.endswith("q_proj.weight") else kv_heads
         half = rows // heads // 2
         # Stored row (h, i, j) for i < half, j < 2 holds Hugging Face row (h, j, i).
         return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def falcon_grouped_order(heads: int, kv_heads: int, rows: int) -> torch.Tensor:
+    """Rows taking llama.cpp's [q heads | k heads | v heads] back to Falcon's grouped layout (40B, 180B, 11B):
+    per KV head, its group of query heads, then its k, then its v."""
+    head_dim = rows // (heads + 2 * kv_heads)
+    stored = torch.arange(rows)
+    q = stored[: heads * head_dim].view(kv_heads, heads // kv_heads, head_dim)
+    k, v = stored[heads * head_dim :].view(2, kv_heads, 1, head_dim)
+    return torch.cat([q, k, v], dim=1).reshape(rows)

@@ -1,11 +1,13 @@
 """GGUF files read natively: Kettle's logits against transformers running gguf's own dequantization of the file.
 
-Tiny random Llama, Qwen2 and Qwen3 models are written with `gguf.GGUFWriter` in F32, Q8_0, Q4_0, Q4_1 and Q4_K
-(tests/gguf_files.py). With no `quantize`, Kettle serves the file's own quantization: the 4-bit types on the
-int4 kernel with the file's exact values (logits within 1e-4 of the reference; Q4_K within 1e-3 of the largest
-logit, its scale products rounded to float16 by the kernel's layout), Q8_0 on the grouped int8 kernel with the
-file's exact values (within 1e-4), Q5_0 requantized to int8 per channel (a stated relative error and KL).
-Greedy tokens are identical in every exact case.
+Tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma 2, StarCoder2, Falcon, GPT-2 and BLOOM models are written with
+`gguf.GGUFWriter` in F32, Q8_0, Q5_0, Q4_0, Q4_1 and Q4_K, laid out as llama.cpp's converter lays them out
+(tests/gguf_files.py). That layout is checked against transformers' own GGUF loader: reading the F32 file, it
+must give the original model's logits. With no `quantize`, Kettle serves the file's own quantization: the 4-bit
+types on the int4 kernel with the file's exact values (logits within 1e-4 of the reference; Q4_K within 1e-3 of
+the largest logit, its scale products rounded to float16 by the kernel's layout), Q8_0 on the grouped int8 kernel
+with the file's exact values (within 1e-4), Q5_0 requantized to int8 per channel (a stated relative error and
+KL). Greedy tokens are identical in every exact case.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from kettle.hub.gguf import NATIVE_ARCHITECTURES
 from kettle.kernels import ops
 from kettle.models.registry import load_model
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q8 import Q8Linear
-from tests.gguf_files import dequantized_reference, tiny_model, write_gguf
+from tests.gguf_files import FROM_METADATA, dequantized_reference, tiny_model, write_gguf
 from tests.models.drive import greedy, new_cache, scattered_tables, step
 
 PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 95, 20]]
@@ -40,6 +43,24 @@ CASES = [
     ("qwen2", T.Q5_0),
     ("qwen3", T.Q4_0),
     ("qwen3", T.Q4_K),
+    # Random Q4_K blocks make large weights: on the tiny LayerNorm models (StarCoder2, GPT-2) even float32
+    # dequantized weights then differ from the reference by 2e-4 of the largest logit, the kernel's float16 scale
+    # products by 2e-2. Q4_K runs on the RMSNorm families only (every 4-bit type takes the same path).
+    ("phi3", T.F32),
+    ("phi3", T.Q4_K),
+    ("phi3", T.Q8_0),
+    ("gemma2", T.F32),
+    ("gemma2", T.Q4_1),
+    ("gemma2", T.Q4_K),
+    ("starcoder2", T.F32),
+    ("starcoder2", T.Q4_0),
+    ("falcon", T.F32),
+    ("falcon", T.Q4_1),
+    ("gpt2", T.F32),
+    ("gpt2", T.Q4_0),
+    ("gpt2", T.Q8_0),
+    ("bloom", T.F32),
+    ("bloom", T.Q4_1),
 ]
 
 
@@ -85,9 +106,43 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert (Q4Linear in kinds) == (qtype != T.F32 and ops.available())
     atol = Q4_K_RTOL * float(expected.abs().max()) if qtype == T.Q4_K else EXACT_ATOL[qtype]
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+    reference.generation_config.eos_token_id = None  # Kettle's `greedy` runs its 8 tokens whatever they are
     with torch.inference_mode():
         hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
     assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
+
+
+@pytest.mark.parametrize("arch", FROM_METADATA)
+def test_the_files_layout_is_what_transformers_gguf_loader_reads(tmp_path, arch):
+    """The tiny file's layout, read back by transformers' own GGUF loader (its implementation of llama.cpp's
+    conventions), gives the original model's logits: the writer is right, independently of Kettle. The config
+    is the one Kettle prepares from the metadata (transformers' own reading of it, plus what that leaves out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = tiny_model(arch, 64)
+    folder = write_gguf(model, tmp_path / arch, arch, T.F32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file="model.gguf", config=AutoConfig.from_pretrained(folder), dtype=torch.float32
+    ).eval()
+    torch.testing.assert_close(reference_logits(loaded), reference_logits(model), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("norms", [2, 1], ids=["40B-two-norms", "11B-one-norm"])
+def test_falcon_with_grouped_kv_heads(tmp_path, norms):
+    """Falcon 40B/180B (and 11B, one norm): llama.cpp regroups the grouped query_key_value into [q | k | v] and
+    transformers' reader takes every Falcon GGUF for the 7B; Kettle reads the layout from the metadata and puts
+    the rows back. (transformers' loader cannot check this layout: it loads it wrongly.)"""
+    overrides = {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": norms}
+    model = tiny_model("falcon", 64, **overrides)
+    folder = write_gguf(model, tmp_path / "falcon", "falcon", T.Q4_0)
+    reference = dequantized_reference(model, folder, "falcon")
+    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert loaded.spec.num_kv_heads == 2
+    torch.testing.assert_close(kettle_logits(loaded), reference_logits(reference), atol=1e-4, rtol=0)
+
+
+def test_every_native_architecture_is_tested():
+    assert set(NATIVE_ARCHITECTURES) == {arch for arch, _ in CASES}
 
 
 def test_float_dtype_asks_for_dequantized_weights(tmp_path):
