@@ -99,7 +99,7 @@ class Linear(nn.Module):
         loads instead (an int8/int4 linear with the same call shape), quantized as it is read or built from
         GPTQ/AWQ tensors.
         """
-        quantized = weights.quantize(weights, prefixes) if weights.quantize is not None else None
+        quantized = weights.quantize.load_linear(weights, prefixes) if weights.quantize is not None else None
         if quantized is not None:
             return quantized
         parts = [weights.get(f"{prefix}.weight") for prefix in prefixes]

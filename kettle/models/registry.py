@@ -76,8 +76,7 @@ def load_model(
         if quantize is not None:
             raise ValueError(f"--quantize {quantize} needs a native implementation; {config.model_type!r} has none")
         return load_transformers_model(path, config, dtype, torch.device(device), trust_remote_code)
-    linear_loader = None if scheme is None else scheme.load_linear
-    model = finish(loader(path, config, dtype, torch.device(device), linear_loader), scheme)
+    model = finish(loader(path, config, dtype, torch.device(device), scheme), scheme)
     if quantize == "fp8":
         from kettle.quantization.fp8 import quantize_fp8
 

@@ -50,6 +50,11 @@ class GgufScheme:
         bias = _fused_bias([weights.get_optional(f"{prefix}.bias") for prefix in prefixes])
         return self._load([f"{prefix}.weight" for prefix in prefixes], bias)
 
+    def quantize_dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """A slice of already dequantized blocks as int8 (a sharded GGUF load dequantizes instead: this scheme
+        is the default on one CPU shard only, `default_gguf_scheme`)."""
+        return Int8Linear.from_weight(weight, bias)
+
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""
         name = "lm_head.weight" if self.gguf.has("lm_head.weight") else "model.embed_tokens.weight"

@@ -1,7 +1,7 @@
 """Weight-only quantization applied while a model loads, so model files need no change.
 
 `load_model` resolves the scheme (`resolve_scheme`: the `--quantize` flag and the checkpoint's own
-`quantization_config`), then reads the checkpoint with `Weights(..., quantize=scheme.load_linear)`:
+`quantization_config`), then reads the checkpoint with `Weights(..., quantize=scheme)`:
 `Linear.load` asks the scheme first, so each projection is quantized as it is read (int8/int4), or built
 from the checkpoint's packed tensors (GPTQ/AWQ), and the float32 weights of the whole model never sit in
 memory at once. `finish` then quantizes the LM head, which the models build directly.
@@ -56,6 +56,13 @@ class Scheme:
         weight = torch.cat([weights.get(f"{prefix}.weight") for prefix in prefixes])
         return quantize_weight(self, weight, _fused_bias(biases, weight))
 
+    def quantize_dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """A tensor-parallel rank's slice of a projection, quantized like a whole one (int8/int4 only:
+        `resolve_scheme` keeps GPTQ/AWQ checkpoints, whose packed tensors are not sliced, on one shard)."""
+        if self.checkpoint is not None:
+            raise ValueError(f"{self.method} checkpoints are not sliced per rank: use --num-shard 1")
+        return quantize_weight(self, weight, bias)
+
 
 def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | None:
     """The scheme for `--quantize` and the checkpoint's `quantization_config`, or None for plain loading;
@@ -75,8 +82,9 @@ def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | N
         return None
     from kettle.tensors import distributed
 
-    if distributed.current().world_size > 1:  # the tensor-parallel loaders slice dense weights only
-        raise ValueError(f"--quantize {quantize} runs on one shard: use --num-shard 1")
+    if quantize in PREQUANTIZED and distributed.current().world_size > 1:
+        # int8/int4 quantize each rank's slice as it is read; packed GPTQ/AWQ tensors are not sliced.
+        raise ValueError(f"--quantize {quantize} runs on one shard (packed tensors are not split): use --num-shard 1")
     if quantize in PREQUANTIZED:  # the head stays as the checkpoint has it (these formats leave it dense)
         return Scheme(quantize, checkpoint=PREQUANTIZED[quantize].from_config(qconfig))
     return Scheme(quantize, int4_group_size(), head=lm_head_scheme(quantize))
@@ -127,6 +135,7 @@ def _fused_bias(biases: list[torch.Tensor | None], stacked: torch.Tensor) -> tor
 def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     """Quantizes the model's dense LM head under `scheme` (its tied embedding keeps its own float table)."""
     from kettle.layers.linear import Linear
+    from kettle.layers.parallel import VocabParallelHead
 
     head = getattr(model, "lm_head", None)
     if scheme is None:
@@ -135,9 +144,9 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     if load_head is not None and isinstance(head, Linear):
         model.lm_head = load_head(head)
     if scheme.head is not None and isinstance(head, Linear):
-        weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
-        bias = None if head.bias is None else head.bias.data
-        model.lm_head = quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
+        model.lm_head = _quantized_head(scheme, head)
+    elif scheme.head is not None and isinstance(head, VocabParallelHead):  # this rank's block of the vocabulary
+        head.lm_head = _quantized_head(scheme, head.lm_head)
     release_freed_memory()
     if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
         torch.cuda.empty_cache()
@@ -146,6 +155,12 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     head_kind = type(model.lm_head).__name__ if hasattr(model, "lm_head") else None
     logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, head_kind)
     return model
+
+
+def _quantized_head(scheme: Scheme, head) -> nn.Module:
+    weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
+    bias = None if head.bias is None else head.bias.data
+    return quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
 
 
 def release_freed_memory() -> None:

@@ -12,9 +12,9 @@ quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -42,17 +42,26 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     return mapping
 
 
-# (weights, fused projection names) → the quantized projection, or None to load it dense.
-LinearLoader = Callable[["Weights", list[str]], nn.Module | None]
+class LinearLoader(Protocol):
+    """How projections load under a quantization scheme (`Scheme` in kettle/quantization/loading.py)."""
+
+    def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
+        """The fused projections `prefixes`, quantized as they are read; None loads them dense."""
+        ...
+
+    def quantize_dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """A dense [out, in] weight already read (a tensor-parallel rank's slice of a projection), quantized."""
+        ...
 
 
 class Weights:
     """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
     integer packs, scales kept as-is by their loaders) keep their stored dtype. Use as a context manager.
 
-    `quantize` is how projections load when a quantization scheme applies (the scheme's `load_linear`):
-    the loaders ask it first, so each projection is quantized as it is read and the float weights of the
-    whole model never sit in memory at once. None loads every projection as stored."""
+    `quantize` is how projections load when a quantization scheme applies (the scheme itself): the loaders
+    ask its `load_linear` first (tensor-parallel loaders hand it the slices they read: `quantize_dense`), so
+    each projection is quantized as it is read and the float weights of the whole model never sit in memory
+    at once. None loads every projection as stored."""
 
     def __init__(
         self, folder: str | Path, dtype: torch.dtype, device: torch.device | str, quantize: LinearLoader | None = None
