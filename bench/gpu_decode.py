@@ -385,7 +385,7 @@ def load_weight_only(method: str, config, source):
     from kettle.quantization.loading import Scheme, finish
 
     scheme = Scheme(method, None, head=lm_head_scheme(method))
-    source.quantize = scheme.load_linear
+    source.quantize = scheme
     model = LlamaForCausalLM(config, source).eval()
     source.quantize = None
     return finish(model, scheme)

@@ -22,14 +22,22 @@ from kettle import settings
 
 @dataclass(frozen=True)
 class Family:
-    """A native implementation: `kettle.models.<module>.<cls>`, and whether it loads per-rank slices."""
+    """A native implementation: `kettle.models.<module>.<cls>`; `no_tensor_parallel`, when set, says why it
+    cannot load per-rank slices (the launcher's one-line refusal of --num-shard > 1)."""
 
     module: str
     cls: str
-    tensor_parallel: bool = False
+    no_tensor_parallel: str | None = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.no_tensor_parallel is None
 
 
-_LLAMA = Family("llama", "LlamaForCausalLM", tensor_parallel=True)
+# Model types transformers' own code serves: it loads every weight whole on one process.
+FALLBACK_REASON = "it has no native implementation (transformers' own code serves it, whole on one process)"
+
+_LLAMA = Family("llama", "LlamaForCausalLM")
 _FALCON = Family("falcon", "FalconForCausalLM")
 
 # model_type → family; aliases are the model_types older configs carry.
@@ -38,7 +46,7 @@ NATIVE: dict[str, Family] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "gpt2": Family("gpt2", "GPT2ForCausalLM"),
-    "gpt_bigcode": Family("gpt_bigcode", "GPTBigCodeForCausalLM", tensor_parallel=True),
+    "gpt_bigcode": Family("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "opt": Family("opt", "OPTForCausalLM"),
     "bloom": Family("bloom", "BloomForCausalLM"),
     "mpt": Family("mpt", "MptForCausalLM"),
@@ -47,8 +55,8 @@ NATIVE: dict[str, Family] = {
     "RefinedWebModel": _FALCON,
     "gemma2": Family("gemma2", "Gemma2ForCausalLM"),
     "mixtral": Family("mixtral", "MixtralForCausalLM"),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", tensor_parallel=True),
-    "gemma": Family("gemma", "GemmaForCausalLM", tensor_parallel=True),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM"),
+    "gemma": Family("gemma", "GemmaForCausalLM"),
     "phi": Family("phi", "PhiForCausalLM"),
     "phi3": Family("phi3", "Phi3ForCausalLM"),
     "gptj": Family("gptj", "GPTJForCausalLM"),
@@ -71,13 +79,15 @@ def read_config(path: str | Path) -> dict:
 
 
 def check_tensor_parallel(model_type: str, world_size: int) -> None:
-    """Refuses a sharded run of a family that has no tensor-parallel implementation, naming it."""
+    """Refuses a sharded run of a model type that cannot split, in one line naming it and the reason."""
+    if world_size <= 1:
+        return
     family = NATIVE.get(model_type)
-    if world_size > 1 and not (family and family.tensor_parallel):
-        supported = ", ".join(sorted(t for t, f in NATIVE.items() if f.tensor_parallel))
+    reason = FALLBACK_REASON if family is None else family.no_tensor_parallel
+    if reason is not None:
         raise ValueError(
-            f"model type {model_type!r} does not support tensor parallelism (--num-shard {world_size}): "
-            f"run it with --num-shard 1 (tensor-parallel families: {supported})"
+            f"model type {model_type!r} does not support tensor parallelism (--num-shard {world_size}): {reason}; "
+            "run it with --num-shard 1"
         )
 
 

@@ -2,12 +2,15 @@
 
 - `checkpoint_prefix`: the same architecture is saved with or without its base-model prefix ("transformer.",
   "model.decoder." ...) depending on which class wrote it; loaders probe once instead of guessing.
-- `per_head_to_grouped` / `load_per_head_qkv`: fused q/k/v stored interleaved per head ([heads, 3, head_dim]
-  rows: BLOOM, GPT-NeoX, Falcon without multi-query, GPT-BigCode without multi-query) reordered once at load
-  into [q heads | k heads | v heads], so the attention splits them with views like every other family.
-- `load_qkv`, `load_layer_norm`, `rms_norm_loader`: separate q/k/v fused into one Linear; a LayerNorm with an
-  optional bias; RMSNorms by name.
+- `load_grouped_qkv` / `load_per_head_qkv`: fused q/k/v stored grouped per KV head ([kv, G q heads + k + v,
+  head_dim] rows: Falcon), or interleaved per head ([heads, 3, head_dim]: BLOOM, GPT-NeoX, GPT-BigCode without
+  multi-query), reordered once at load into [q heads | k heads | v heads], so the attention splits them with
+  views like every other family.
+- `load_attention_projections`, `load_layer_norm`, `rms_norm_loader`: separate q/k/v fused into one Linear
+  and the output projection; a LayerNorm with an optional bias; RMSNorms by name.
 - `DenseMLP`: proj(act(fc(x))); `GatedMLP`: down(act(gate(x)) * up(x)).
+Under tensor parallelism the projection loaders here read this rank's slice (kettle/layers/parallel.py): q/k/v
+and fc/gate/up column-parallel, the output projections row-parallel; norms are replicated.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from kettle.layers.backend import Backend, choose
 from kettle.layers.cuda_fused import silu_mul, unit_stride
 from kettle.layers.linear import Linear
 from kettle.layers.norm import LayerNorm, RMSNorm
-from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from kettle.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    attention_columns,
+    grouped_qkv_rows,
+    query_columns,
+    read_rows,
+)
 from kettle.tensors.weights import Weights
 
 
@@ -36,24 +46,38 @@ def checkpoint_prefix(weights: Weights, name: str, prefixes: Sequence[str]) -> s
     raise KeyError(f"tensor {name!r} is not in the checkpoint at {weights.folder} under any of {list(prefixes)}")
 
 
-def per_head_to_grouped(tensor: torch.Tensor, num_heads: int, parts: int = 3) -> torch.Tensor:
-    """Rows laid out [heads, parts, head_dim] (weight [rows, in] or bias [rows]) → [parts, heads, head_dim]."""
-    rest = tensor.shape[1:]
-    head_dim = tensor.shape[0] // (num_heads * parts)
-    grouped = tensor.view(num_heads, parts, head_dim, *rest).transpose(0, 1)
-    return grouped.reshape(tensor.shape).contiguous()
+def load_grouped_qkv(weights: Weights, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int) -> Linear:
+    """A fused query_key_value stored grouped per KV head, as one Linear producing [q | k | v]; under tensor
+    parallelism a rank reads the block of rows of its KV groups and keeps its heads (`grouped_qkv_rows`)."""
+    block, order = grouped_qkv_rows(num_heads, num_kv_heads, head_dim, weights.tp)
+    order = order.to(weights.device)
+    weight = read_rows(weights, f"{prefix}.weight", block)[order]
+    bias = read_rows(weights, f"{prefix}.bias", block)[order] if weights.has(f"{prefix}.bias") else None
+    return Linear.from_tensor(weights, weight, bias)  # quantized under the load's scheme, as `Linear.load` does
 
 
 def load_per_head_qkv(weights: Weights, prefix: str, num_heads: int) -> Linear:
-    """A fused query_key_value projection stored per head, as one Linear producing [q | k | v]."""
-    weight = per_head_to_grouped(weights.get(f"{prefix}.weight"), num_heads)
-    bias = weights.get_optional(f"{prefix}.bias")
-    return Linear.from_tensor(weights, weight, None if bias is None else per_head_to_grouped(bias, num_heads))
+    """A fused query_key_value stored interleaved per head (multi-head attention: a group per head)."""
+    head_dim = weights.shape(f"{prefix}.weight")[0] // (3 * num_heads)
+    return load_grouped_qkv(weights, prefix, num_heads, num_heads, head_dim)
 
 
-def load_qkv(weights: Weights, prefix: str, names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> Linear:
-    """Separate q/k/v projections (optional biases) fused into one Linear."""
-    return Linear.load(weights, [f"{prefix}.{name}" for name in names])
+def load_per_head_attention(
+    weights: Weights, qkv: str, out: str, num_heads: int, head_dim: int
+) -> tuple[nn.Module, nn.Module]:
+    """(`load_per_head_qkv` of `qkv`, the output projection `out`): a rank's heads and the matching columns."""
+    columns = attention_columns(weights.tp, num_heads, num_heads, head_dim)
+    return load_per_head_qkv(weights, qkv, num_heads), RowParallelLinear.load(weights, out, columns)
+
+
+def load_attention_projections(
+    weights: Weights, prefix: str, head_dim: int, names: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
+) -> tuple[nn.Module, nn.Module]:
+    """(q/k/v fused into one Linear, the output projection), named `names` under `prefix` (optional biases).
+    Under tensor parallelism q/k/v hold this rank's heads and the output projection the matching columns."""
+    qkv = [f"{prefix}.{name}" for name in names[:3]]
+    out = RowParallelLinear.load(weights, f"{prefix}.{names[3]}", query_columns(weights, qkv, head_dim))
+    return ColumnParallelLinear.load_qkv(weights, qkv, head_dim), out
 
 
 def load_layer_norm(weights: Weights, prefix: str, eps: float) -> LayerNorm:
@@ -75,8 +99,10 @@ class DenseMLP(nn.Module):
 
     @classmethod
     def load(cls, weights: Weights, fc: str, proj: str, hidden_act: str) -> DenseMLP:
-        """From the projections named `fc` and `proj` and a transformers activation name."""
-        return cls(Linear.load(weights, [fc]), Linear.load(weights, [proj]), activation(hidden_act))
+        """From the projections named `fc` and `proj` and a transformers activation name (fc column-parallel,
+        proj row-parallel under tensor parallelism)."""
+        fc_layer, proj_layer = ColumnParallelLinear.load(weights, [fc]), RowParallelLinear.load(weights, proj)
+        return cls(fc_layer, proj_layer, activation(hidden_act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
@@ -96,12 +122,22 @@ class GatedMLP(nn.Module):
         self.backend: Backend | None = None  # chosen from the first input (quantized projections hide the dtype)
 
     @classmethod
-    def load(cls, weights: Weights, prefix: str, hidden_act: str, names=("gate_proj", "up_proj", "down_proj")):
+    def load(
+        cls, weights: Weights, prefix: str, hidden_act: str, names=("gate_proj", "up_proj", "down_proj"), reduce=True
+    ) -> GatedMLP:
         """From separate gate/up projections (fused here) and a down projection under `prefix`; under tensor
-        parallelism gate/up hold this rank's rows and down the matching columns."""
+        parallelism gate/up hold this rank's rows and down the matching columns. `reduce=False` leaves down's
+        output this rank's partial sum (a mixture of experts reduces the sum of its experts once)."""
         gate, up, down = (f"{prefix}.{name}" for name in names)
         gate_up = ColumnParallelLinear.load(weights, [gate, up])
-        return cls(gate_up, RowParallelLinear.load(weights, down), hidden_act)
+        down_layer = RowParallelLinear.load(weights, down) if reduce else RowParallelLinear.load_partial(weights, down)
+        return cls(gate_up, down_layer, hidden_act)
+
+    @classmethod
+    def load_fused(cls, weights: Weights, gate_up: str, down: str, hidden_act: str) -> GatedMLP:
+        """From a checkpoint whose gate and up are one stacked tensor (Phi-3's gate_up_proj)."""
+        gate_up_layer = ColumnParallelLinear.load_stacked(weights, gate_up, parts=2)
+        return cls(gate_up_layer, RowParallelLinear.load(weights, down), hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)

@@ -13,10 +13,11 @@ from torch import nn
 from kettle.layers.alibi import bloom_alibi_slopes
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
-from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, load_per_head_qkv
+from kettle.layers.parallel import rank_heads
+from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, load_per_head_attention
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
-from kettle.models.spec import ModelSpec
+from kettle.models.spec import ModelSpec, shard_heads
 from kettle.tensors.weights import Weights
 
 # ALiBi has no trained length limit; BLOOM was trained on 2048-token sequences.
@@ -30,15 +31,17 @@ class BloomBlock(SequentialBlock):
 
     def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, slopes: torch.Tensor) -> None:
         eps, attn, mlp = config.layer_norm_epsilon, f"{prefix}.self_attention", f"{prefix}.mlp"
-        if weights.gguf is not None:
+        if weights.gguf is not None and not weights.tp.sharded:
             # llama.cpp's converter already regrouped it into [q | k | v]: loading it as stored keeps a quantized
             # file's blocks.
-            qkv = Linear.load(weights, [f"{attn}.query_key_value"])
+            qkv, dense = Linear.load(weights, [f"{attn}.query_key_value"]), Linear.load(weights, [f"{attn}.dense"])
         else:
-            qkv = load_per_head_qkv(weights, f"{attn}.query_key_value", spec.num_heads)
+            qkv, dense = load_per_head_attention(
+                weights, f"{attn}.query_key_value", f"{attn}.dense", config.n_head, spec.head_dim
+            )
         super().__init__(
             load_layer_norm(weights, f"{prefix}.input_layernorm", eps),
-            Attention(qkv, Linear.load(weights, [f"{attn}.dense"]), spec, None, alibi_slopes=slopes),
+            Attention(qkv, dense, spec, None, alibi_slopes=slopes),
             load_layer_norm(weights, f"{prefix}.post_attention_layernorm", eps),
             # BLOOM's own GELU is the tanh approximation.
             DenseMLP.load(weights, f"{mlp}.dense_h_to_4h", f"{mlp}.dense_4h_to_h", "gelu_new"),
@@ -63,10 +66,13 @@ class BloomForCausalLM(CausalLM):
         eps = config.layer_norm_epsilon
         self.embed_norm = load_layer_norm(weights, f"{prefix}word_embeddings_layernorm", eps)
         max_positions = getattr(config, "seq_length", None) or DEFAULT_MAX_POSITIONS
-        self.spec = decoder_spec(
+        spec = decoder_spec(
             config, weights.dtype, vocab, num_kv_heads=config.n_head, max_position_embeddings=max_positions
         )
-        slopes = bloom_alibi_slopes(self.spec.num_heads).to(weights.device)
+        self.spec = shard_heads(spec, weights.tp)
+        # Each rank adds the slopes of its own heads (they are computed for the whole model's head count).
+        slopes = rank_heads(bloom_alibi_slopes(config.n_head), config.n_head, config.n_head, weights.tp)
+        slopes = slopes.to(weights.device)
         self.layers = nn.ModuleList(
             BloomBlock(weights, f"{prefix}h.{i}", config, self.spec, slopes) for i in range(config.n_layer)
         )

@@ -26,6 +26,7 @@ from kettle.layers.parallel import (
     query_columns,
     vocab_parallel_embedding,
     vocab_parallel_head,
+    vocab_rows,
 )
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.decoder import Attention, PreNormLayer
@@ -82,7 +83,8 @@ class CausalLM(nn.Module):
         the head's storage (no copy). Under tensor parallelism each rank holds a block of the vocabulary."""
         self.tp = weights.tp
         embed_weight, head_weight, vocab_size = load_vocab_parallel(weights, embed, head, tied)
-        bias = weights.get_optional(head_bias) if head_bias else None
+        # A head's bias goes with its vocabulary rows (this rank's block of it under tensor parallelism).
+        bias = vocab_rows(weights, head_bias) if head_bias and weights.has(head_bias) else None
         self.lm_head = vocab_parallel_head(head_weight, vocab_size, self.tp, bias)
         # A oneDNN-packed head has no row view, so there the embedding keeps the checkpoint tensor.
         shared = head_weight is embed_weight and self.lm_head.layout != "onednn"

@@ -7,6 +7,8 @@ Three layouts, all read from the config:
   `num_ln_in_parallel_attn` is 1); query_key_value rows are grouped per KV head ([kv, G q heads + k + v]).
 - RW-1B style (neither): one K/V head per query head, rows interleaved per head, sequential blocks.
 RoPE on the full head, or ALiBi when `alibi` is set (BLOOM's slopes, rounded to bfloat16 like the reference).
+Under tensor parallelism each rank reads the KV groups of its heads (a replicated one when there are fewer
+KV heads than ranks) and adds its heads' slopes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from torch import nn
 from kettle.layers.alibi import bloom_alibi_slopes
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
-from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm, per_head_to_grouped
+from kettle.layers.parallel import RowParallelLinear, attention_columns, rank_heads
+from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_grouped_qkv, load_layer_norm
 from kettle.models.decoder import Attention, BlockPlan, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec, rotary_embedding
 from kettle.models.hf_config import rope_parameters
-from kettle.models.spec import ModelSpec
+from kettle.models.spec import ModelSpec, shard_heads
 from kettle.tensors.weights import Weights
 
 
@@ -57,22 +60,10 @@ class FalconLayout:
 
 
 def load_qkv(weights: Weights, prefix: str, layout: FalconLayout, head_dim: int) -> Linear:
-    """query_key_value as one Linear producing [q heads | k heads | v heads] whatever the stored layout."""
-    weight, bias = weights.get(f"{prefix}.weight"), weights.get_optional(f"{prefix}.bias")
-    if layout.new_decoder:
-        order = new_decoder_order(layout.num_heads, layout.num_kv_heads, head_dim, weight.device)
-        weight, bias = weight[order], None if bias is None else bias[order]
-    elif layout.num_kv_heads == layout.num_heads:
-        weight = per_head_to_grouped(weight, layout.num_heads)
-        bias = None if bias is None else per_head_to_grouped(bias, layout.num_heads)
-    return Linear.from_tensor(weights, weight.contiguous(), None if bias is None else bias.contiguous())
-
-
-def new_decoder_order(num_heads: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
-    """Row indices taking the 40B layout [kv, G + 2, head_dim] to [q (kv-major) | k | v]."""
-    group = num_heads // num_kv_heads
-    rows = torch.arange(num_kv_heads * (group + 2) * head_dim, device=device).view(num_kv_heads, group + 2, head_dim)
-    return torch.cat([rows[:, :group].reshape(-1), rows[:, group].reshape(-1), rows[:, group + 1].reshape(-1)])
+    """query_key_value as one Linear producing [q heads | k heads | v heads] whatever the stored layout (this
+    rank's heads under tensor parallelism). Every layout is rows grouped per KV head: 40B's [kv, G + 2], the
+    7B's one group of all heads, RW-1B's groups of one head (the per-head interleave)."""
+    return load_grouped_qkv(weights, prefix, layout.num_heads, layout.num_kv_heads, head_dim)
 
 
 class FalconDecoderLayer(SequentialBlock):
@@ -85,9 +76,11 @@ class FalconDecoderLayer(SequentialBlock):
         if not layout.parallel_attn:
             norm_names = ("input_layernorm", "post_attention_layernorm")
         qkv = load_qkv(weights, f"{attn}.query_key_value", layout, spec.head_dim)
+        columns = attention_columns(weights.tp, layout.num_heads, layout.num_kv_heads, spec.head_dim)
+        dense = RowParallelLinear.load(weights, f"{attn}.dense", columns)
         super().__init__(
             load_layer_norm(weights, f"{prefix}.{norm_names[0]}", eps),
-            Attention(qkv, Linear.load(weights, [f"{attn}.dense"]), spec, rotate, alibi_slopes=slopes),
+            Attention(qkv, dense, spec, rotate, alibi_slopes=slopes),
             None if norm_names[1] is None else load_layer_norm(weights, f"{prefix}.{norm_names[1]}", eps),
             DenseMLP.load(
                 weights, f"{mlp}.dense_h_to_4h", f"{mlp}.dense_4h_to_h", getattr(config, "activation", None) or "gelu"
@@ -118,17 +111,18 @@ class FalconForCausalLM(CausalLM):
         tied = getattr(config, "tie_word_embeddings", True)
         vocab = self.load_embeddings(weights, f"{prefix}word_embeddings.weight", "lm_head.weight", tied)
         # The KV cache holds `num_kv_heads` per layer: 1 for the 7B's multi-query attention.
-        self.spec = decoder_spec(
+        spec = decoder_spec(
             config, weights.dtype, vocab, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
             num_layers=getattr(config, "num_hidden_layers", None) or config.n_layer,
             head_dim=config.hidden_size // layout.num_heads,
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
         )  # fmt: skip
+        self.spec = shard_heads(spec, weights.tp)
         slopes, rotate = None, None
         if layout.alibi:
             # The reference rounds the slopes to bfloat16, and adds them before the 1/sqrt(head_dim) scaling.
             slopes = bloom_alibi_slopes(layout.num_heads).bfloat16().float() * self.spec.head_dim**-0.5
-            slopes = slopes.to(weights.device)
+            slopes = rank_heads(slopes, layout.num_heads, layout.num_kv_heads, weights.tp).to(weights.device)
         else:
             self.rotary = rotary_embedding(self.spec, rope_parameters(config), weights)
             rotate = self.rotary.rotate_fn

@@ -7,6 +7,7 @@ The Llama block with Gemma 2's differences, all read from the config:
 - attention scaled by query_pre_attn_scalar^-0.5 (not head_dim^-0.5), scores soft-capped
   (cap · tanh(s / cap), `attn_logit_softcapping`), sliding-window attention on the layers `layer_types` mark;
 - GELU (tanh approximation) gated MLP; final logits soft-capped (`final_logit_softcapping`).
+Tensor parallelism splits heads and the MLP as in Llama; the soft-caps act per head and on the gathered logits.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 from torch import nn
 
 from kettle.layers.attention import AttentionMetadata
-from kettle.layers.linear import Linear
-from kettle.models.blocks import GatedMLP, load_qkv
+from kettle.models.blocks import GatedMLP, load_attention_projections
 from kettle.models.decoder import Attention, BlockPlan
 from kettle.models.decoder_lm import CausalLM
 from kettle.models.gemma import gemma_norm
@@ -40,10 +40,10 @@ class Gemma2DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_norm = gemma_norm(weights, f"{prefix}.input_layernorm.weight", eps)
-        attn = f"{prefix}.self_attn"
+        qkv, o_proj = load_attention_projections(weights, f"{prefix}.self_attn", spec.head_dim)
         self.attn = Attention(
-            load_qkv(weights, attn), Linear.load(weights, [f"{attn}.o_proj"]), spec, rotate, sliding_window=window,
-            scale=config.query_pre_attn_scalar**-0.5, softcap=config.attn_logit_softcapping,
+            qkv, o_proj, spec, rotate, sliding_window=window, scale=config.query_pre_attn_scalar**-0.5,
+            softcap=config.attn_logit_softcapping,
         )  # fmt: skip
         self.post_attention_norm = gemma_norm(weights, f"{prefix}.post_attention_layernorm.weight", eps)
         self.pre_feedforward_norm = gemma_norm(weights, f"{prefix}.pre_feedforward_layernorm.weight", eps)

@@ -23,13 +23,13 @@ from kettle.tensors.weights import Weights
 
 def load_attention(weights: Weights, prefix: str, config, spec: ModelSpec) -> Attention:
     """c_attn → q [T, H, D], k/v [T, Hkv, D], paged attention (no RoPE: learned positions), c_proj."""
-    # Under tensor parallelism (multi-query only) each rank takes its query heads; the one KV head is replicated.
+    # Under tensor parallelism each rank takes its query heads; multi-query's one KV head is replicated.
     heads, kv_heads, head_dim = config.n_head, 1 if config.multi_query else config.n_head, spec.head_dim
     c_attn: Linear
     if config.multi_query:
         c_attn = ColumnParallelLinear.load_fused_qkv(weights, f"{prefix}.c_attn", heads, kv_heads, head_dim)
     else:
-        c_attn = load_per_head_qkv(weights, f"{prefix}.c_attn", spec.num_heads)
+        c_attn = load_per_head_qkv(weights, f"{prefix}.c_attn", heads)
     columns = attention_columns(weights.tp, heads, kv_heads, head_dim)
     c_proj = RowParallelLinear.load(weights, f"{prefix}.c_proj", columns)
     return Attention(c_attn, c_proj, spec, None, scale=head_dim**-0.5 if config.scale_attn_weights else 1.0)
@@ -58,8 +58,6 @@ class GPTBigCodeForCausalLM(CausalLM):
         prefix = checkpoint_prefix(weights, "wte.weight", ("transformer.", ""))
         vocab = self.load_embeddings(weights, f"{prefix}wte.weight", "lm_head.weight", config.tie_word_embeddings)
         self.wpe = nn.Parameter(weights.get(f"{prefix}wpe.weight"), requires_grad=False)
-        if weights.tp.sharded and not config.multi_query:
-            raise ValueError("GPT-BigCode without multi_query has no tensor-parallel implementation: use --num-shard 1")
         # One KV head with multi-query attention (the KV cache is sized from it), else one per query head.
         kv_heads = 1 if config.multi_query else config.n_head
         self.spec = shard_heads(decoder_spec(config, weights.dtype, vocab, num_kv_heads=kv_heads), weights.tp)

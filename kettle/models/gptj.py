@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from kettle.layers.linear import Linear
-from kettle.models.blocks import DenseMLP, load_layer_norm, load_qkv
+from kettle.models.blocks import DenseMLP, load_attention_projections, load_layer_norm
 from kettle.models.decoder import Attention, ParallelLayer
 from kettle.models.decoder_lm import DecoderLM, decoder_spec, rotary_embedding
+from kettle.models.spec import shard_heads
 from kettle.tensors.weights import Weights
 
 
@@ -26,7 +26,8 @@ class GPTJForCausalLM(DecoderLM):
         tied = getattr(config, "tie_word_embeddings", False)
         vocab = self.load_embeddings(weights, "transformer.wte.weight", "lm_head.weight", tied, "lm_head.bias")
         windows = [None] * config.n_layer
-        self.spec = decoder_spec(config, weights.dtype, vocab, windows, num_kv_heads=config.n_head)
+        spec = decoder_spec(config, weights.dtype, vocab, windows, num_kv_heads=config.n_head)
+        self.spec = shard_heads(spec, weights.tp)
         rotary_dim = config.rotary_dim or self.spec.head_dim
         rope = {"rope_theta": 10000.0}
         self.rotary = rotary_embedding(self.spec, rope, weights, rotary_dim=rotary_dim, interleaved=True)
@@ -35,9 +36,9 @@ class GPTJForCausalLM(DecoderLM):
 
     def _layer(self, weights: Weights, prefix: str, config) -> ParallelLayer:
         attn, mlp = f"{prefix}.attn", f"{prefix}.mlp"
-        attention = Attention(
-            load_qkv(weights, attn), Linear.load(weights, [f"{attn}.out_proj"]), self.spec, self.rotary.rotate_fn
-        )
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        qkv, out_proj = load_attention_projections(weights, attn, self.spec.head_dim, names)
+        attention = Attention(qkv, out_proj, self.spec, self.rotary.rotate_fn)
         feed_forward = DenseMLP.load(weights, f"{mlp}.fc_in", f"{mlp}.fc_out", config.activation_function)
         return ParallelLayer(
             load_layer_norm(weights, f"{prefix}.ln_1", config.layer_norm_epsilon), attention, feed_forward

@@ -8,33 +8,47 @@ experts, never over tokens), its outputs weighted and scattered back with one in
 Checkpoints name experts either the original way (`block_sparse_moe.experts.{e}.w1/w2/w3`, w1 = gate,
 w3 = up, w2 = down, which transformers still writes) or transformers v5's fused 3-D tensors
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); both load.
+
+Under tensor parallelism the router is replicated (every rank routes the same tokens to the same experts)
+and each expert's inner dimension is split over the ranks: a rank holds its rows of every expert's gate/up
+and the matching columns of its down; the weighted sum of the experts' partial outputs is all-reduced once
+per layer, not once per expert.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
 
 from kettle.layers.linear import Linear
+from kettle.layers.parallel import projection, split_range
 from kettle.models.blocks import GatedMLP
 from kettle.models.llama import LlamaForCausalLM
 from kettle.tensors.weights import Weights
 
 
 def load_experts(weights: Weights, prefix: str, num_experts: int, hidden_act: str) -> tuple[str, list[GatedMLP]]:
-    """(router weight name, one gated MLP per expert) under a layer's `prefix`, from either naming."""
+    """(router weight name, one gated MLP per expert) under a layer's `prefix`, from either naming; each
+    expert's down projection returns this rank's partial sum (`SparseMoE` reduces them)."""
     legacy = f"{prefix}.block_sparse_moe"
     if weights.has(f"{legacy}.gate.weight"):
         experts = [
-            GatedMLP.load(weights, f"{legacy}.experts.{e}", hidden_act, names=("w1", "w3", "w2"))
+            GatedMLP.load(weights, f"{legacy}.experts.{e}", hidden_act, names=("w1", "w3", "w2"), reduce=False)
             for e in range(num_experts)
         ]
         return f"{legacy}.gate.weight", experts
     gate_up, down = weights.get(f"{prefix}.mlp.experts.gate_up_proj"), weights.get(f"{prefix}.mlp.experts.down_proj")
-    linear = functools.partial(Linear.from_tensor, weights)
-    experts = [GatedMLP(linear(gate_up[e]), linear(down[e]), hidden_act) for e in range(num_experts)]
+    inner = down.shape[2]
+    start, stop = split_range(inner, weights.tp)  # all of it unsharded
+    rows = torch.cat([torch.arange(start, stop), torch.arange(inner + start, inner + stop)]).to(gate_up.device)
+    experts = [
+        GatedMLP(
+            projection(weights, gate_up[e, rows].contiguous(), None),
+            projection(weights, down[e, :, start:stop].contiguous(), None),
+            hidden_act,
+        )
+        for e in range(num_experts)
+    ]
     return f"{prefix}.mlp.gate.weight", experts
 
 
@@ -51,6 +65,7 @@ class SparseMoE(nn.Module):
         self.register_buffer("router_rows", router_weight.float().contiguous(), persistent=False)
         self.experts = nn.ModuleList(experts)
         self.top_k = config.num_experts_per_tok
+        self.tp = weights.tp
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, k] and their renormalised probabilities [T, k] (float32)."""
@@ -61,8 +76,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._dense(x, experts, weights)
-        return self._grouped(x, experts, weights)
+            return self.tp.all_reduce(self._dense(x, experts, weights))
+        return self.tp.all_reduce(self._grouped(x, experts, weights))
 
     def _dense(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, weighted by a [T, E] routing matrix that is zero off the top-k.

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.layers.alibi import mpt_alibi_slopes
-from kettle.layers.linear import Linear
+from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear, attention_columns, rank_heads
 from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_layer_norm
 from kettle.models.decoder import Attention, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
-from kettle.models.spec import ModelSpec
+from kettle.models.spec import ModelSpec, shard_heads
 from kettle.tensors.weights import LinearLoader, Weights
 
 
@@ -38,13 +38,15 @@ def check_supported(config) -> None:
 def mpt_block(weights: Weights, prefix: str, config, spec: ModelSpec, slopes: torch.Tensor) -> SequentialBlock:
     """x + attn(norm_1(x)), then x + ffn(norm_2(x)) with an exact-GELU MLP; attention reads Wqkv (clamped to
     ±clip_qkv when set) and adds ALiBi instead of positions."""
-    eps, attn = config.layer_norm_epsilon, f"{prefix}.attn"
+    eps, attn, heads = config.layer_norm_epsilon, f"{prefix}.attn", (config.n_heads, config.n_heads, spec.head_dim)
     attention = Attention(
-        Linear.load(weights, [f"{attn}.Wqkv"]), Linear.load(weights, [f"{attn}.out_proj"]), spec, None,
+        ColumnParallelLinear.load_fused_qkv(weights, f"{attn}.Wqkv", *heads),
+        RowParallelLinear.load(weights, f"{attn}.out_proj", attention_columns(weights.tp, *heads)), spec, None,
         scale=config.attn_config.softmax_scale or spec.head_dim**-0.5, alibi_slopes=slopes,
         clip=config.attn_config.clip_qkv,
     )  # fmt: skip
-    up, down = Linear.load(weights, [f"{prefix}.ffn.up_proj"]), Linear.load(weights, [f"{prefix}.ffn.down_proj"])
+    up = ColumnParallelLinear.load(weights, [f"{prefix}.ffn.up_proj"])
+    down = RowParallelLinear.load(weights, f"{prefix}.ffn.down_proj")
     return SequentialBlock(
         load_layer_norm(weights, f"{prefix}.norm_1", eps),
         attention,
@@ -62,10 +64,13 @@ class MptForCausalLM(CausalLM):
         prefix = checkpoint_prefix(weights, "wte.weight", ("transformer.", ""))
         tied = getattr(config, "tie_word_embeddings", True)
         vocab = self.load_embeddings(weights, f"{prefix}wte.weight", "lm_head.weight", tied)
-        self.spec = decoder_spec(
+        spec = decoder_spec(
             config, weights.dtype, vocab, num_kv_heads=config.n_heads, max_position_embeddings=config.max_seq_len
         )
-        slopes = mpt_alibi_slopes(self.spec.num_heads, config.attn_config.alibi_bias_max).to(weights.device)
+        self.spec = shard_heads(spec, weights.tp)
+        heads = config.n_heads  # each rank adds the slopes of its own heads
+        slopes = rank_heads(mpt_alibi_slopes(heads, config.attn_config.alibi_bias_max), heads, heads, weights.tp)
+        slopes = slopes.to(weights.device)
         self.layers = nn.ModuleList(
             mpt_block(weights, f"{prefix}blocks.{i}", config, self.spec, slopes) for i in range(config.n_layers)
         )

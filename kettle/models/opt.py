@@ -14,10 +14,10 @@ from torch import nn
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
 from kettle.layers.norm import LayerNorm
-from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_qkv
+from kettle.models.blocks import DenseMLP, checkpoint_prefix, load_attention_projections
 from kettle.models.decoder import Attention, BlockPlan, SequentialBlock
 from kettle.models.decoder_lm import CausalLM, decoder_spec
-from kettle.models.spec import ModelSpec
+from kettle.models.spec import ModelSpec, shard_heads
 from kettle.tensors.weights import Weights
 
 POSITION_OFFSET = 2  # OPT's learned position table starts two rows in (a fairseq legacy)
@@ -36,10 +36,11 @@ class OPTDecoderLayer(SequentialBlock):
     """Pre-norm: x + attn(ln(x)), x + fc(ln(x)). Post-norm (350m): ln(x + attn(x)), ln(x + fc(x))."""
 
     def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec) -> None:
-        attn = f"{prefix}.self_attn"
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        qkv, out_proj = load_attention_projections(weights, f"{prefix}.self_attn", spec.head_dim, names)
         super().__init__(
             load_norm(weights, f"{prefix}.self_attn_layer_norm", config),
-            Attention(load_qkv(weights, attn), Linear.load(weights, [f"{attn}.out_proj"]), spec, None),
+            Attention(qkv, out_proj, spec, None),
             load_norm(weights, f"{prefix}.final_layer_norm", config),
             DenseMLP.load(weights, f"{prefix}.fc1", f"{prefix}.fc2", config.activation_function),
         )
@@ -68,7 +69,8 @@ class OPTForCausalLM(CausalLM):
         # 350m: embeddings live in word_embed_proj_dim and are projected in and out of the hidden size.
         self.project_in = self._optional_linear(weights, f"{prefix}project_in")
         self.project_out = self._optional_linear(weights, f"{prefix}project_out")
-        self.spec = decoder_spec(config, weights.dtype, vocab, num_kv_heads=config.num_attention_heads)
+        spec = decoder_spec(config, weights.dtype, vocab, num_kv_heads=config.num_attention_heads)
+        self.spec = shard_heads(spec, weights.tp)
         self.layers = nn.ModuleList(
             OPTDecoderLayer(weights, f"{prefix}layers.{i}", config, self.spec) for i in range(config.num_hidden_layers)
         )

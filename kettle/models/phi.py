@@ -9,8 +9,7 @@ MLP is fc1 → gelu_new → fc2, a final LayerNorm precedes the LM head, which h
 
 from __future__ import annotations
 
-from kettle.layers.linear import Linear
-from kettle.models.blocks import DenseMLP, load_layer_norm, load_qkv
+from kettle.models.blocks import DenseMLP, load_attention_projections, load_layer_norm
 from kettle.models.decoder import Attention, ParallelLayer
 from kettle.models.decoder_lm import DecoderLM
 from kettle.models.hf_config import rope_parameters
@@ -33,12 +32,8 @@ class PhiForCausalLM(DecoderLM):
                 load_layer_norm(weights, f"{attn}.q_layernorm", eps),
                 load_layer_norm(weights, f"{attn}.k_layernorm", eps),
             )
-        attention = Attention(
-            load_qkv(weights, attn),
-            Linear.load(weights, [f"{attn}.dense"]),
-            self.spec,
-            self.rotary.rotate_fn,
-            qk_norms=qk_norms,
-        )
+        names = ("q_proj", "k_proj", "v_proj", "dense")
+        qkv, dense = load_attention_projections(weights, attn, self.spec.head_dim, names)
+        attention = Attention(qkv, dense, self.spec, self.rotary.rotate_fn, qk_norms=qk_norms)
         feed_forward = DenseMLP.load(weights, f"{mlp}.fc1", f"{mlp}.fc2", config.hidden_act)
         return ParallelLayer(load_layer_norm(weights, f"{prefix}.input_layernorm", eps), attention, feed_forward)

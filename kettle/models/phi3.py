@@ -5,12 +5,13 @@ Checkpoints store q/k/v as one `qkv_proj` ([q; k; v] rows, our fused layout alre
 checkpoints): per-frequency short factors up to `original_max_position_embeddings`, long factors for
 sequences past it, and cos/sin scaled by the attention factor (kettle/layers/rotary.py). A partial rotary
 factor, when the config has one, rotates the first part of each head. `sliding_window` applies to every layer.
+Under tensor parallelism each rank cuts its heads out of each of q, k and v, and its rows out of gate and up.
 """
 
 from __future__ import annotations
 
-from kettle.layers.linear import Linear
 from kettle.layers.norm import RMSNorm
+from kettle.layers.parallel import ColumnParallelLinear, RowParallelLinear, attention_columns
 from kettle.models.blocks import GatedMLP
 from kettle.models.decoder import Attention, PreNormLayer
 from kettle.models.decoder_lm import DecoderLM
@@ -37,16 +38,15 @@ class Phi3ForCausalLM(DecoderLM):
 
     def load_layer(self, weights: Weights, prefix: str, config, window: int | None) -> PreNormLayer:
         eps, attn, mlp = config.rms_norm_eps, f"{prefix}.self_attn", f"{prefix}.mlp"
+        heads = (config.num_attention_heads, config.num_key_value_heads, self.spec.head_dim)
         attention = Attention(
-            Linear.load(weights, [f"{attn}.qkv_proj"]),
-            Linear.load(weights, [f"{attn}.o_proj"]),
+            ColumnParallelLinear.load_fused_qkv(weights, f"{attn}.qkv_proj", *heads),
+            RowParallelLinear.load(weights, f"{attn}.o_proj", attention_columns(weights.tp, *heads)),
             self.spec,
             self.rotary.rotate_fn,
             window,
         )
-        gated = GatedMLP(
-            Linear.load(weights, [f"{mlp}.gate_up_proj"]), Linear.load(weights, [f"{mlp}.down_proj"]), config.hidden_act
-        )
+        gated = GatedMLP.load_fused(weights, f"{mlp}.gate_up_proj", f"{mlp}.down_proj", config.hidden_act)
         return PreNormLayer(
             RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"), eps),
             attention,

@@ -81,8 +81,9 @@ def resolve_scheme(quantize: str | None, config, device_type: str) -> Scheme | N
         return None
     from kettle.tensors import distributed
 
-    if distributed.current().world_size > 1:  # the tensor-parallel loaders slice dense weights only
-        raise ValueError(f"--quantize {quantize} runs on one shard: use --num-shard 1")
+    if quantize in PREQUANTIZED and distributed.current().world_size > 1:
+        # int8/int4 quantize each rank's slice as it is read; packed GPTQ/AWQ tensors are not sliced.
+        raise ValueError(f"--quantize {quantize} runs on one shard (packed tensors are not split): use --num-shard 1")
     if quantize in PREQUANTIZED:  # the head stays as the checkpoint has it (these formats leave it dense)
         return Scheme(quantize, checkpoint=PREQUANTIZED[quantize].from_config(qconfig))
     return Scheme(quantize, int4_group_size(), head=lm_head_scheme(quantize))
@@ -133,6 +134,7 @@ def _fused_bias(biases: list[torch.Tensor | None], stacked: torch.Tensor) -> tor
 def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     """Quantizes the model's dense LM head under `scheme` (its tied embedding keeps its own float table)."""
     from kettle.layers.linear import Linear
+    from kettle.layers.parallel import VocabParallelHead
 
     head = getattr(model, "lm_head", None)
     if scheme is None:
@@ -145,9 +147,9 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
             # dequantized values).
             model.embed_rows, model.embed_tokens = model.lm_head.embed, None
     if scheme.head is not None and isinstance(head, Linear):
-        weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
-        bias = None if head.bias is None else head.bias.data
-        model.lm_head = quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
+        model.lm_head = _quantized_head(scheme, head)
+    elif scheme.head is not None and isinstance(head, VocabParallelHead):  # this rank's block of the vocabulary
+        head.lm_head = _quantized_head(scheme, head.lm_head)
     release_freed_memory()
     if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
         torch.cuda.empty_cache()
@@ -156,6 +158,12 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     head_kind = type(model.lm_head).__name__ if hasattr(model, "lm_head") else None
     logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, head_kind)
     return model
+
+
+def _quantized_head(scheme: Scheme, head) -> nn.Module:
+    weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
+    bias = None if head.bias is None else head.bias.data
+    return quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
 
 
 def release_freed_memory() -> None:

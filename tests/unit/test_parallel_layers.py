@@ -213,10 +213,24 @@ def test_heads_split_with_their_kv_heads_or_replicate_them():
     assert vocab_block(7, TensorParallel(0, 4, group=object())) == 2
 
 
-def test_families_without_tensor_parallelism_are_refused_by_name(tmp_path):
-    from kettle.catalog import check_tensor_parallel_folder
+def test_types_that_cannot_split_are_refused_in_one_line_with_the_reason(tmp_path, monkeypatch):
+    from kettle import catalog
 
+    (tmp_path / "config.json").write_text('{"model_type": "t5"}')  # served by transformers' own code
+    with pytest.raises(ValueError, match="'t5' does not support tensor parallelism") as refused:
+        catalog.check_tensor_parallel_folder(str(tmp_path), 2)
+    assert catalog.FALLBACK_REASON in str(refused.value) and "\n" not in str(refused.value)
+    catalog.check_tensor_parallel_folder(str(tmp_path), 1)  # one shard: any type
+    # A native family that names why it cannot split is refused with that reason, before any shard starts.
+    family = catalog.Family("gpt2", "GPT2ForCausalLM", no_tensor_parallel="its ALiBi slopes are not sliced")
+    monkeypatch.setitem(catalog.NATIVE, "gpt2", family)
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="'gpt2' does not support tensor parallelism"):
-        check_tensor_parallel_folder(str(tmp_path), 2)
-    check_tensor_parallel_folder(str(tmp_path), 1)  # one shard: any family
+    message = "'gpt2' does not support tensor parallelism .--num-shard 2.: its ALiBi slopes are not sliced; run it"
+    with pytest.raises(ValueError, match=message):
+        catalog.check_tensor_parallel_folder(str(tmp_path), 2)
+
+
+def test_every_native_family_splits():
+    from kettle.catalog import NATIVE
+
+    assert [model_type for model_type, family in NATIVE.items() if not family.tensor_parallel] == []
