@@ -56,6 +56,7 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
         execution_path=info.execution_path or None,
         quantization=info.quantization or None,
         speculate=info.speculate,
+        kv_cache_dtype=info.kv_cache_dtype or None,
     )
 
 

@@ -224,3 +224,5 @@ class Info(BaseModel):
     execution_path: str | None = Field(None, examples=["native"])
     # Kettle's addition: the weight quantization that serves (null: dense weights in `model_dtype`).
     quantization: str | None = Field(None, examples=["gguf Q4_1+Q8_0 → int4"])
+    # Kettle's addition: the KV cache's dtype (`--kv-cache-dtype`; null from a shard that does not say).
+    kv_cache_dtype: str | None = Field(None, examples=["float32"])

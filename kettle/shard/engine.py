@@ -112,7 +112,9 @@ class ShardEngine:
         self._claim_ahead(None)
         spec, device = self.runner.model.spec, self.runner.device
         plan = self._same_on_all_ranks(
-            plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
+            plan_kv_cache(
+                spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction, self.runner.cache_dtype
+            )
         )
         self.runner.allocate_cache(plan.num_blocks, plan.block_size)
         self._warmup_forward(request.batch, plan.block_size, plan.warmup_tokens)
