@@ -605,13 +605,14 @@ static inline __attribute__((always_inline)) void attend_dim(
     const int64_t stride = p->kv_heads * dim; /* elements from one slot to the next */
     const int64_t *table = p->tables + s * p->max_blocks;
     const float *qs = q + (s * p->heads + h * group) * dim;
+    const void *k_cache = p->k_cache, *v_cache = p->v_cache;
     for (int64_t b = first / bs; b * bs < len; b++) {
         const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const int64_t keys = table[b] * bs * stride + h * dim; /* position b·bs + i at keys + i·stride */
         for (int64_t t = t0; t < t1; t++)
             for (int64_t g = 0; g < group; g++)
                 scores[g * span + t - first] =
-                    dot_kv(qs + g * dim, p->k_cache, keys + (t - b * bs) * stride, dim, dtype) * p->scale;
+                    dot_kv(qs + g * dim, k_cache, keys + (t - b * bs) * stride, dim, dtype) * p->scale;
     }
     softmax_rows(scores, group, span);
     for (int64_t g = 0; g < group; g++) {
@@ -623,7 +624,7 @@ static inline __attribute__((always_inline)) void attend_dim(
                 for (int64_t d = 0; d < width; d++) dst[d0 + d] = 0.0f;
                 for (int64_t t = first; t < len; t++) {
                     const int64_t slot = table[t / bs] * bs + t % bs;
-                    axpy_kv(dst + d0, weights[t], p->v_cache, (slot * p->kv_heads + h) * dim + d0, width, dtype);
+                    axpy_kv(dst + d0, weights[t], v_cache, (slot * p->kv_heads + h) * dim + d0, width, dtype);
                 }
                 continue;
             }
@@ -635,7 +636,7 @@ static inline __attribute__((always_inline)) void attend_dim(
                 for (int64_t t = t0; t < t1; t++) {
                     const __m256 w = _mm256_set1_ps(weights[t]);
                     const int64_t row = values + (t - b * bs) * stride;
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(p->v_cache, row + 8 * i, dtype), acc[i]);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(v_cache, row + 8 * i, dtype), acc[i]);
                 }
             }
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + d0 + 8 * i, acc[i]);
