@@ -64,6 +64,9 @@ def serve(
         str | None, typer.Option(help="LoRA adapters to attach: `name=path` or Hub ids, comma-separated.")
     ] = None,
     speculate: Annotated[int, typer.Option(help="N-gram draft tokens verified per step (0: off).")] = 0,
+    kv_cache_dtype: Annotated[
+        str | None, typer.Option(help="KV cache dtype: fp16, bf16, float32 or auto (the model's, the default).")
+    ] = None,
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",

@@ -43,14 +43,16 @@ SIGNATURES["kettle_q8_gemm"] = SIGNATURES["kettle_q8_linear"]
 SIGNATURES["kettle_q8g_gemm"] = SIGNATURES["kettle_q8_linear"]  # float16 block scales in place of float32 ones
 SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
-# q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, threads
+# q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
+# threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
-SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int]
-# q, ldq, k_cache, v_cache, table, tokens, cache_len, heads, kv_heads, dim, block_size, scale, window, out, threads
+SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int, ctypes.c_int]
+# q, ldq, k_cache, v_cache, table, tokens, cache_len, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
+# threads
 SIGNATURES["kettle_paged_prefill"] = [_ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _int, ctypes.c_float]
-SIGNATURES["kettle_paged_prefill"] += [_int, _ptr, ctypes.c_int]
-# k_new, ld_k, v_new, ld_v, slots, tokens, width, k_cache, v_cache, threads
-SIGNATURES["kettle_cache_write"] = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _ptr, _ptr, ctypes.c_int]
+SIGNATURES["kettle_paged_prefill"] += [_int, _ptr, ctypes.c_int, ctypes.c_int]
+# k_new, ld_k, v_new, ld_v, slots, tokens, width, k_cache, v_cache, kv_dtype, threads
+SIGNATURES["kettle_cache_write"] = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
 # x, residual, weight, rows, dim, eps, out, total, threads
 SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
 SIGNATURES["kettle_silu_mul"] = SIGNATURES["kettle_gelu_tanh_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]

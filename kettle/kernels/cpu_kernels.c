@@ -195,14 +195,16 @@ void kettle_rope(
     for (int64_t t = 0; t < rows; t++) rope_row(x + t * stride, cos + t * dim, sin + t * dim, heads, dim, out + t * heads * dim);
 }
 
-/* Paged decode attention: q [S, H, D], caches [slots, Hkv, D], tables [S, max_blocks], positions [S] (of the
- * new token), out [S, H, D]. `window` > 0 keeps only the last `window` positions. -1 when out of memory. */
+/* Paged decode attention: q [S, H, D], caches [slots, Hkv, D] of `kv_dtype` (KV_F32, KV_F16, KV_BF16),
+ * tables [S, max_blocks], positions [S] (of the new token), out [S, H, D]. `window` > 0 keeps only the last
+ * `window` positions. -1 when out of memory. */
 int kettle_paged_decode(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *tables, int64_t max_blocks,
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t max_blocks,
     const int64_t *positions, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-    float scale, int64_t window, float *out, int threads
+    float scale, int64_t window, float *out, int kv_dtype, int threads
 ) {
-    const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window, scale, 0.0f};
+    const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window,
+                           scale, 0.0f, kv_dtype};
     const int64_t scores_size = heads / kv_heads * (longest_context(positions, seqs) + 1);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -218,15 +220,16 @@ int kettle_paged_decode(
 }
 
 /* The new tokens' K and V rows (`width` floats each; rows ld_k / ld_v floats apart, e.g. views of the fused qkv
- * output) into their cache slots: one call for both caches instead of two index_copy_ calls, each its own
- * parallel region over a prompt chunk. */
+ * output) into their cache slots, converted to the caches' `kv_dtype` (rounded to nearest-even when 16-bit):
+ * one call for both caches instead of two index_copy_ calls, each its own parallel region over a prompt chunk. */
 void kettle_cache_write(
     const float *k_new, int64_t ld_k, const float *v_new, int64_t ld_v, const int64_t *slots, int64_t tokens,
-    int64_t width, float *k_cache, float *v_cache, int threads
+    int64_t width, void *k_cache, void *v_cache, int kv_dtype, int threads
 ) {
+    const int64_t row_bytes = width * kv_size(kv_dtype);
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * width >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(k_cache + slots[t] * width, k_new + t * ld_k, sizeof(float) * (size_t)width);
-        memcpy(v_cache + slots[t] * width, v_new + t * ld_v, sizeof(float) * (size_t)width);
+        store_kv_row((char *)k_cache + slots[t] * row_bytes, k_new + t * ld_k, width, kv_dtype);
+        store_kv_row((char *)v_cache + slots[t] * row_bytes, v_new + t * ld_v, width, kv_dtype);
     }
 }

@@ -64,6 +64,7 @@ typedef struct {
     int64_t rot_dim, interleaved;         /* RoPE over the first rot_dim of each head (0: no RoPE) */
     const Layer *layers;
     Norm final_norm;
+    int64_t kv_dtype; /* the cache's KV_* element type (kernels.h), set per step from the cache */
 } Decoder;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -157,7 +158,7 @@ static void rope_heads(const Decoder *m, const float *src, const float *cos, con
 /* The step's activations, one allocation (rows = sequences). h: the residual stream; x: a norm's output;
  * out: the attention branch; mlp: the MLP branch; routing: each row's chosen experts and weights. */
 typedef struct {
-    float *h, *x, *qkv, *q, *attn, *out, *gate_up, *act, *mlp, *gathered;
+    float *h, *x, *qkv, *q, *k, *attn, *out, *gate_up, *act, *mlp, *gathered;
     int64_t *chosen;
     float *route;
     QuantizedRows xq;
@@ -168,16 +169,17 @@ typedef struct {
 
 static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim, heads = m->heads * m->head_dim;
-    const int64_t sizes[] = {m->hidden, m->hidden, qkv, heads, heads, m->hidden, 2 * m->inner, m->inner, m->hidden, m->hidden};
-    float **slots[] = {&s->h, &s->x, &s->qkv, &s->q, &s->attn, &s->out, &s->gate_up, &s->act, &s->mlp, &s->gathered};
+    const int64_t kv = m->kv_heads * m->head_dim;
+    const int64_t sizes[] = {m->hidden, m->hidden, qkv, heads, kv, heads, m->hidden, 2 * m->inner, m->inner, m->hidden, m->hidden};
+    float **slots[] = {&s->h, &s->x, &s->qkv, &s->q, &s->k, &s->attn, &s->out, &s->gate_up, &s->act, &s->mlp, &s->gathered};
     s->loras = NULL, s->lora_slot = NULL, s->lora_t = NULL;
     int64_t total = MAX_EXPERTS, widest = 0; /* + each row's routing weights */
-    for (int i = 0; i < 10; i++) total += sizes[i], widest = sizes[i] > widest ? sizes[i] : widest;
+    for (int i = 0; i < 11; i++) total += sizes[i], widest = sizes[i] > widest ? sizes[i] : widest;
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
     s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
     if (!base || !s->chosen) return free(base), free(s->chosen), -1;
     if (alloc_rows(rows, widest, &s->xq)) return free(base), free(s->chosen), free_rows(&s->xq), -1;
-    for (int i = 0; i < 10; i++) *slots[i] = base, base += rows * sizes[i];
+    for (int i = 0; i < 11; i++) *slots[i] = base, base += rows * sizes[i];
     s->route = base;
     return 0;
 }
@@ -274,10 +276,12 @@ static void norm_heads(const Decoder *m, const Norm *norm, float *row, int64_t h
     for (int64_t h = 0; h < heads; h++) norm_row(norm, row + h * m->head_dim, m->head_dim, row + h * m->head_dim);
 }
 
-/* The q/k norms when the layer has them, then RoPE on q (into s->q) and k (straight into its cache slot), v
- * copied to its slot. */
+/* The q/k norms when the layer has them, then RoPE on q (into s->q) and k, k and v written to their cache slot
+ * (rounded to nearest-even in a 16-bit cache). */
 static void rope_and_store(const Decoder *m, const Layer *l, Scratch *s, const float *cos, const float *sin,
-                           const int64_t *slots, float *k_cache, float *v_cache, int64_t rows) {
+                           const int64_t *slots, void *k_cache, void *v_cache, int64_t rows) {
+    const int dtype = (int)m->kv_dtype;
+    const int64_t size = kv_size(dtype);
     const int64_t dim = m->head_dim, kv = m->kv_heads * dim;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -285,8 +289,13 @@ static void rope_and_store(const Decoder *m, const Layer *l, Scratch *s, const f
         const float *c = cos ? cos + r * m->rot_dim : NULL, *sn = sin ? sin + r * m->rot_dim : NULL;
         if (l->q_norm.kind) norm_heads(m, &l->q_norm, row, m->heads), norm_heads(m, &l->k_norm, row + m->heads * dim, m->kv_heads);
         rope_heads(m, row, c, sn, m->heads, s->q + r * m->heads * dim);
-        rope_heads(m, row + m->heads * dim, c, sn, m->kv_heads, k_cache + slots[r] * kv);
-        memcpy(v_cache + slots[r] * kv, row + m->heads * dim + kv, sizeof(float) * (size_t)kv);
+        if (dtype == KV_F32) { /* rotated straight into the slot */
+            rope_heads(m, row + m->heads * dim, c, sn, m->kv_heads, (float *)k_cache + slots[r] * kv);
+        } else {
+            rope_heads(m, row + m->heads * dim, c, sn, m->kv_heads, s->k + r * kv);
+            store_kv_row((char *)k_cache + slots[r] * kv * size, s->k + r * kv, kv, dtype);
+        }
+        store_kv_row((char *)v_cache + slots[r] * kv * size, row + m->heads * dim + kv, kv, dtype);
     }
 }
 
@@ -375,13 +384,14 @@ static void moe_mlp(const Decoder *m, const Layer *l, Scratch *s, const float *x
 }
 
 /* One layer (number `index`), run by every thread of the team: h (the residual stream) in, h out. */
-static void layer_step(const Decoder *m, int64_t index, Scratch *s, float *k_cache, float *v_cache,
+static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cache, void *v_cache,
                        const PagedDecode *shape, const float *cos, const float *sin, const int64_t *slots,
                        float *scores, float *buffer, int64_t rows) {
     const Layer *l = m->layers + index;
     const int64_t heads = m->heads * m->head_dim;
     PagedDecode p = *shape;
     p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window, p.scale = l->scale, p.softcap = l->softcap;
+    p.kv_dtype = (int)m->kv_dtype;
     add_norm(m, s, NULL, NULL, &l->input_norm, &l->qkv, rows);
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
     lora_delta(s, lora_of(s, index, LORA_QKV), s->x, m->hidden, rows, s->qkv, l->qkv.n);
@@ -414,7 +424,7 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, float *k_cac
  * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_paged_decode`; loras [layers · 4] and
  * lora_slot [rows] when the step has adapter rows (else NULL). -1 when out of memory. */
 int kettle_decoder_step(
-    const Decoder *m, float *const *k_caches, float *const *v_caches, const float *embedded, int64_t rows,
+    const Decoder *m, void *const *k_caches, void *const *v_caches, const float *embedded, int64_t rows,
     const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
     const int64_t *positions, float *out, int threads, const Lora *loras, const int64_t *lora_slot
 ) {

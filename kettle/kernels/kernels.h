@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_TILE 4
 
@@ -488,7 +489,8 @@ static inline void rope_row(const float *src, const float *cos, const float *sin
     }
 }
 
-/* ---- paged decode attention (float32): one new query token per sequence, its K/V read in place from the
+/* ---- paged decode attention (float32 math over a cache of any KV_* type): one new query token per sequence,
+ * its K/V read in place from the
  * paged cache (no gather of the context into a contiguous copy). Work items are (sequence, KV head) pairs;
  * the `group` query heads sharing a KV head are scored together so each K/V row is loaded once. */
 
@@ -511,14 +513,102 @@ static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* ---- the KV cache's element type. With `--kv-cache-dtype fp16 | bf16` the cache holds K/V in 16 bits (half
+ * the memory per token, so twice the tokens in the same budget) while every product and sum stays float32:
+ * elements are widened as they are loaded and rounded to nearest-even once, when a row is written. The helpers
+ * take the type as an argument that is a compile-time constant wherever the callers dispatch on it (once per
+ * call, through always_inline), so the float32 path compiles to the plain loads it always had and no element
+ * pays a branch. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* kettle/kernels/ops.py's KV_DTYPES */
+
+static inline int64_t kv_size(int dtype) { return dtype == KV_F32 ? 4 : 2; }
+
+/* Elements i .. i + 7 of a K/V array of `dtype` as floats. bfloat16 is the high half of a float32: a shift. */
+static inline __attribute__((always_inline)) __m256 load8_kv(const void *base, int64_t i, int dtype) {
+    if (dtype == KV_F32) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (dtype == KV_F16) return _mm256_cvtph_ps(half);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* Element i of a K/V array of `dtype` as a float. */
+static inline __attribute__((always_inline)) float load1_kv(const void *base, int64_t i, int dtype) {
+    if (dtype == KV_F32) return ((const float *)base)[i];
+    const uint16_t half = ((const uint16_t *)base)[i];
+    if (dtype == KV_F16) return _cvtsh_ss(half);
+    const uint32_t bits = (uint32_t)half << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* float32 → bfloat16, rounded to nearest-even as PyTorch's `.to(torch.bfloat16)` (NaN → 0x7FC0). */
+static inline uint16_t bf16_round(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* 8 floats → 8 bfloat16, as `bf16_round`. */
+static inline __m128i bf16_round8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); /* values fit 16 bits */
+}
+
+/* dst[0 .. n) (a K/V row of `dtype`) = src[0 .. n) float32, rounded to nearest-even when 16-bit. */
+static inline void store_kv_row(void *dst, const float *src, int64_t n, int dtype) {
+    if (dtype == KV_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *out = dst;
+    int64_t i = 0;
+    if (dtype == KV_F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; i++) out[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(out + i), bf16_round8(_mm256_loadu_ps(src + i)));
+        for (; i < n; i++) out[i] = bf16_round(src[i]);
+    }
+}
+
+/* a · b[off ..] over n elements, b a K/V array of `dtype` (two chains, as `dot_f32`). */
+static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int64_t off, int64_t n,
+                                                          int dtype) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_kv(b, off + i, dtype), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8_kv(b, off + i + 8, dtype), acc1);
+    }
+    float total = hsum(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) total += a[i] * load1_kv(b, off + i, dtype);
+    return total;
+}
+
+/* y += a · x[off ..] over n elements, x a K/V array of `dtype`. */
+static inline __attribute__((always_inline)) void axpy_kv(float *y, float a, const void *x, int64_t off, int64_t n,
+                                                          int dtype) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8_kv(x, off + i, dtype), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * load1_kv(x, off + i, dtype);
+}
+
 /* The shape of one paged decode attention call. */
 typedef struct {
-    const float *k_cache, *v_cache; /* [slots, kv_heads, dim] */
-    const int64_t *tables;          /* [seqs, max_blocks] */
-    const int64_t *positions;       /* [seqs]: of the new token; the context is position + 1 long */
+    const void *k_cache, *v_cache; /* [slots, kv_heads, dim] of kv_dtype */
+    const int64_t *tables;         /* [seqs, max_blocks] */
+    const int64_t *positions;      /* [seqs]: of the new token; the context is position + 1 long */
     int64_t max_blocks, heads, kv_heads, dim, block_size, window; /* window > 0: the last `window` positions */
     float scale;
     float softcap; /* > 0: scores → softcap · tanh(scores / softcap) after scaling (Gemma 2); 0: none */
+    int kv_dtype; /* KV_F32 (0, what an initializer that leaves it out gets), KV_F16 or KV_BF16 */
 } PagedDecode;
 
 /* The longest context of the call, which sizes each thread's scores (group · (longest + 1) floats). */
@@ -564,21 +654,25 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span) {
 /* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. The context is
  * walked block by block (one table lookup per block, no division per position); `dim` is a compile-time
  * constant where the caller dispatches on the common head sizes, so the dot products unroll and each 64-wide
- * slice of an output head accumulates in registers over the whole context. */
+ * slice of an output head accumulates in registers over the whole context. `dtype` (the cache's) is a
+ * compile-time constant too: 16-bit K/V rows are widened in registers as they are loaded. */
 static inline __attribute__((always_inline)) void attend_dim(
-    const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out, const int64_t dim
+    const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out, const int64_t dim,
+    const int dtype
 ) {
     const int64_t group = p->heads / p->kv_heads, len = p->positions[s] + 1, bs = p->block_size;
     const int64_t first = p->window > 0 && len > p->window ? len - p->window : 0, span = len - first;
-    const int64_t stride = p->kv_heads * dim; /* floats from one slot to the next */
+    const int64_t stride = p->kv_heads * dim; /* elements from one slot to the next */
     const int64_t *table = p->tables + s * p->max_blocks;
     const float *qs = q + (s * p->heads + h * group) * dim;
+    const void *k_cache = p->k_cache, *v_cache = p->v_cache;
     for (int64_t b = first / bs; b * bs < len; b++) {
         const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const float *keys = p->k_cache + table[b] * bs * stride + h * dim; /* position b·bs + i at keys + i·stride */
+        const int64_t keys = table[b] * bs * stride + h * dim; /* position b·bs + i at keys + i·stride */
         for (int64_t t = t0; t < t1; t++)
             for (int64_t g = 0; g < group; g++)
-                scores[g * span + t - first] = dot_f32(qs + g * dim, keys + (t - b * bs) * stride, dim) * p->scale;
+                scores[g * span + t - first] =
+                    dot_kv(qs + g * dim, k_cache, keys + (t - b * bs) * stride, dim, dtype) * p->scale;
     }
     if (p->softcap > 0.0f) softcap_rows(scores, group * span, p->softcap);
     softmax_rows(scores, group, span);
@@ -591,7 +685,7 @@ static inline __attribute__((always_inline)) void attend_dim(
                 for (int64_t d = 0; d < width; d++) dst[d0 + d] = 0.0f;
                 for (int64_t t = first; t < len; t++) {
                     const int64_t slot = table[t / bs] * bs + t % bs;
-                    axpy_f32(dst + d0, weights[t], p->v_cache + (slot * p->kv_heads + h) * dim + d0, width);
+                    axpy_kv(dst + d0, weights[t], v_cache, (slot * p->kv_heads + h) * dim + d0, width, dtype);
                 }
                 continue;
             }
@@ -599,11 +693,11 @@ static inline __attribute__((always_inline)) void attend_dim(
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t b = first / bs; b * bs < len; b++) {
                 const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-                const float *values = p->v_cache + table[b] * bs * stride + h * dim + d0;
+                const int64_t values = table[b] * bs * stride + h * dim + d0;
                 for (int64_t t = t0; t < t1; t++) {
                     const __m256 w = _mm256_set1_ps(weights[t]);
-                    const float *row = values + (t - b * bs) * stride;
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
+                    const int64_t row = values + (t - b * bs) * stride;
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(v_cache, row + 8 * i, dtype), acc[i]);
                 }
             }
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + d0 + 8 * i, acc[i]);
@@ -611,10 +705,19 @@ static inline __attribute__((always_inline)) void attend_dim(
     }
 }
 
+/* `attend_dim` for the call's head size and cache type: one dispatch per item, constants inside. */
+#define ATTEND_TYPED(dim_)                                                                                    \
+    switch (p->kv_dtype) {                                                                                    \
+    case KV_F16: attend_dim(p, q, s, h, scores, out, dim_, KV_F16); break;                                   \
+    case KV_BF16: attend_dim(p, q, s, h, scores, out, dim_, KV_BF16); break;                                 \
+    default: attend_dim(p, q, s, h, scores, out, dim_, KV_F32);                                              \
+    }
+
 static inline void attend_item(const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out) {
-    if (p->dim == 64) attend_dim(p, q, s, h, scores, out, 64);
-    else if (p->dim == 128) attend_dim(p, q, s, h, scores, out, 128);
-    else attend_dim(p, q, s, h, scores, out, p->dim);
+    if (p->dim == 64) ATTEND_TYPED(64)
+    else if (p->dim == 128) ATTEND_TYPED(128)
+    else ATTEND_TYPED(p->dim)
 }
+#undef ATTEND_TYPED
 
 #endif

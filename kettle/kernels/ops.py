@@ -2,7 +2,9 @@
 
 Callers check `available()` (or `fits`, which also checks device and dtype; the build is cached, so a check is a
 dictionary lookup) and keep PyTorch's ops as the other path. The wrappers take float32 tensors, write into a
-fresh output tensor, and pass PyTorch's thread count to the kernels' parallel loops.
+fresh output tensor, and pass PyTorch's thread count to the kernels' parallel loops. The attention kernels also
+take a KV cache in float16 or bfloat16 (`--kv-cache-dtype`): they widen its rows as they read them and round
+the new rows to nearest-even as they write them; their math stays float32.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 # L2 for the tiles; a sweep on the shared 2-core machine could not separate 16-128 rows from its noise).
 # `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
 GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
+
+# The KV cache element types the attention kernels read and write, by their code in kernels.h (KV_F32, ...).
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # Prefill attention on kettle_paged_prefill (prefill_attention.c); `KETTLE_CPU_PREFILL_ATTENTION=0`: SDPA's kernel.
 PREFILL_ATTENTION = settings.current().cpu_prefill_attention
@@ -138,49 +143,63 @@ def paged_decode(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache read in place: q [S, H, D] float32, caches [slots, Hkv, D],
-    tables [S, max_blocks] int64, positions [S] int64 of the new tokens (context = position + 1) → [S, H, D]."""
+    """Decode attention over the paged cache read in place: q [S, H, D] float32, caches [slots, Hkv, D] of a
+    `KV_DTYPES` type, tables [S, max_blocks] int64, positions [S] int64 of the new tokens (context = position + 1)
+    → [S, H, D] float32."""
     seqs, heads, dim = q.shape
     q, tables, positions = q.contiguous(), tables.contiguous(), positions.contiguous()
     out = torch.empty_like(q)
     status = library().kettle_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], positions.data_ptr(),
-        seqs, heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), torch.get_num_threads(),
+        seqs, heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), KV_DTYPES[k_cache.dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the attention scores")
     return out
 
 
+def kv_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the attention kernels take these: float32 queries (or new K/V rows) and contiguous CPU caches of one
+    `KV_DTYPES` type (as KVCache allocates them), kernels built and on."""
+    return (
+        fits(q)
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in KV_DTYPES
+        and k_cache.device.type == v_cache.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
 def cache_write_fits(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `cache_write` takes these: float32 CPU tensors, each new token's heads packed in its row (views of
-    the fused qkv output are fine), contiguous caches."""
+    """Whether `cache_write` takes these: float32 new rows, each token's heads packed in its row (views of the
+    fused qkv output are fine), caches as `kv_fits` wants them."""
     rows_packed = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k_new, v_new))
-    return fits(k_new, v_new, k_cache, v_cache) and rows_packed and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return fits(v_new) and kv_fits(k_new, k_cache, v_cache) and rows_packed
 
 
 def cache_write(
     k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> None:
-    """k_cache[slots] = k_new and v_cache[slots] = v_new (k_new/v_new [T, Hkv, D], caches [slots, Hkv, D])."""
+    """k_cache[slots] = k_new and v_cache[slots] = v_new (k_new/v_new [T, Hkv, D] float32, caches [slots, Hkv, D]
+    of a `KV_DTYPES` type: 16-bit caches get the rows rounded to nearest-even, as `.to(dtype)` rounds them)."""
     tokens, heads, dim = k_new.shape
     slots = slots.contiguous()
     library().kettle_cache_write(
         k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0), slots.data_ptr(), tokens, heads * dim,
-        k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads(),
+        k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], torch.get_num_threads(),
     )  # fmt: skip
 
 
 def paged_prefill_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:
-    """Whether `paged_prefill` takes these: float32 CPU tensors, the heads of each q row packed (a view of the
-    fused qkv output is fine), contiguous caches, head size a multiple of 8, blocks a multiple of 16 slots."""
+    """Whether `paged_prefill` takes these: float32 queries with the heads of each row packed (a view of the fused
+    qkv output is fine), caches as `kv_fits` wants them, head size a multiple of 8, blocks a multiple of 16 slots."""
     dim = q.shape[-1]
     return (
-        fits(q, k_cache, v_cache)
+        kv_fits(q, k_cache, v_cache)
         and q.stride(-1) == 1
         and q.stride(-2) == dim
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
         and dim % 8 == 0
         and block_size % 16 == 0
     )
@@ -198,14 +217,16 @@ def paged_prefill(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its paged context, read in place (their K/V already
-    written): q [L, H, D] at positions cache_len .., caches [slots, Hkv, D], table [blocks] int64 → [L, H, D],
+    written): q [L, H, D] at positions cache_len .., caches [slots, Hkv, D] of a `KV_DTYPES` type, table [blocks]
+    int64 → [L, H, D],
     written into `out` when given (contiguous, e.g. the sequence's rows of the whole step's output)."""
     tokens, heads, dim = q.shape
     table = table.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=torch.float32) if out is None else out
     status = library().kettle_paged_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), tokens, cache_len,
-        heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), torch.get_num_threads(),
+        heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), KV_DTYPES[k_cache.dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the attention tiles")

@@ -1,4 +1,4 @@
-/* Flash-style prefill attention over the paged KV cache (float32, AVX2 + FMA), for one sequence's prompt chunk.
+/* Flash-style prefill attention over the paged KV cache (float32 math, AVX2 + FMA), for one sequence's prompt chunk.
  *
  * The chunk's K/V are already in their cache slots (with any cached prefix before them), so the keys are read in
  * place through the block table: no gathered copy of the context, no [L, context] mask, no score matrix. A work
@@ -8,7 +8,8 @@
  * maximum grew. The queries are transposed once per item, so a key's scores for 8 query rows are one vector
  * (each key element broadcast from the cache row, no transposed copy of the keys) and the mask and softmax run 8
  * rows a vector; the value rows are read straight from the cache. Later tiles see more keys (causal), so items
- * are handed out longest first.
+ * are handed out longest first. A 16-bit cache (KV_F16, KV_BF16) has each key tile's K and V rows widened into a
+ * float32 scratch once per item and tile: every row of the item then reads them as it reads a float32 cache.
  */
 #include "kernels.h"
 
@@ -17,10 +18,12 @@
 
 /* One prefill attention call: q rows `ldq` floats apart ([tokens, heads, dim] inside a wider row is fine). */
 typedef struct {
-    const float *q, *k_cache, *v_cache; /* caches [slots, kv_heads, dim] */
-    const int64_t *table;               /* the sequence's blocks */
+    const float *q;
+    const void *k_cache, *v_cache; /* [slots, kv_heads, dim] of kv_dtype */
+    const int64_t *table;          /* the sequence's blocks */
     int64_t ldq, tokens, cache_len, heads, kv_heads, dim, block_size, window; /* window > 0: the last `window` */
     float scale;
+    int kv_dtype; /* KV_F32, KV_F16 or KV_BF16 (kernels.h) */
 } PagedPrefill;
 
 #define MASKED -1e30f /* a masked score: finite, so a row that has seen no key yet never computes inf - inf */
@@ -31,6 +34,7 @@ typedef struct {
 typedef struct {
     float *q, *out, *scores;   /* [D, rows] (scaled), [rows, D], [KEY_TILE, rows] */
     float *max, *sum, *alpha, *position; /* [rows] each: running maximum and sum, this tile's rescale, position */
+    float *keys, *values;      /* [KEY_TILE, D] each: a 16-bit cache's key tile, widened */
 } Scratch;
 
 /* Scores of keys j0, j0 + 1 (pairs = 2) or j0 alone against row vectors v0 .. v0 + count - 1 (count ≤ 6). */
@@ -122,6 +126,23 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Scratch 
     }
 }
 
+/* `valid` rows of `dim` elements, `stride` apart from element `off` of a 16-bit K/V array, as floats [valid, dim]. */
+static inline __attribute__((always_inline)) void widen_rows(float *dst, const void *src, int64_t off, int64_t stride,
+                                                             int valid, int64_t dim, int dtype) {
+    for (int j = 0; j < valid; j++)
+        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(dst + j * dim + d, load8_kv(src, off + j * stride + d, dtype));
+}
+
+static void widen_tile(const PagedPrefill *p, int64_t off, int64_t stride, int valid, Scratch *s) {
+    if (p->kv_dtype == KV_F16) {
+        widen_rows(s->keys, p->k_cache, off, stride, valid, p->dim, KV_F16);
+        widen_rows(s->values, p->v_cache, off, stride, valid, p->dim, KV_F16);
+    } else {
+        widen_rows(s->keys, p->k_cache, off, stride, valid, p->dim, KV_BF16);
+        widen_rows(s->values, p->v_cache, off, stride, valid, p->dim, KV_BF16);
+    }
+}
+
 /* Item (KV head h, tokens t0 .. t0 + count - 1) into out [tokens, heads, dim]. */
 static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count,
                                                               Scratch *s, float *out, const int64_t dim) {
@@ -137,13 +158,18 @@ static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill
     }
     for (int64_t key0 = first / KEY_TILE * KEY_TILE; key0 < keys; key0 += KEY_TILE) {
         const int valid = keys - key0 < KEY_TILE ? (int)(keys - key0) : KEY_TILE;
-        const int64_t slot0 = p->table[key0 / bs] * bs + key0 % bs;
-        score_tile(s, p->k_cache + slot0 * stride + h * dim, stride, valid, rows, dim);
+        const int64_t slot0 = p->table[key0 / bs] * bs + key0 % bs, off = slot0 * stride + h * dim;
+        const float *keys_f = (const float *)p->k_cache + off, *values = (const float *)p->v_cache + off;
+        int64_t row_stride = stride;
+        if (p->kv_dtype != KV_F32) { /* one branch per tile; the float32 cache is read in place as before */
+            widen_tile(p, off, stride, valid, s);
+            keys_f = s->keys, values = s->values, row_stride = dim;
+        }
+        score_tile(s, keys_f, row_stride, valid, rows, dim);
         softmax_tile(s, key0, valid, rows, p->window);
-        const float *values = p->v_cache + slot0 * stride + h * dim;
         int64_t r = 0;
-        for (; r + 2 <= used; r += 2) accumulate_rows(s, r, 2, values, stride, valid, rows, dim);
-        if (r < used) accumulate_rows(s, r, 1, values, stride, valid, rows, dim);
+        for (; r + 2 <= used; r += 2) accumulate_rows(s, r, 2, values, row_stride, valid, rows, dim);
+        if (r < used) accumulate_rows(s, r, 1, values, row_stride, valid, rows, dim);
     }
     for (int64_t r = 0; r < used; r++) {
         float *dst = out + ((t0 + r / group) * p->heads + h * group + r % group) * dim;
@@ -164,29 +190,32 @@ static Scratch alloc_scratch(int64_t rows, int64_t dim) {
     Scratch s = {malloc(sizeof(float) * (size_t)(rows * dim)), malloc(sizeof(float) * (size_t)(rows * dim)),
                  malloc(sizeof(float) * (size_t)(rows * KEY_TILE)), malloc(sizeof(float) * (size_t)rows),
                  malloc(sizeof(float) * (size_t)rows), malloc(sizeof(float) * (size_t)rows),
-                 malloc(sizeof(float) * (size_t)rows)};
+                 malloc(sizeof(float) * (size_t)rows), malloc(sizeof(float) * (size_t)(KEY_TILE * dim)),
+                 malloc(sizeof(float) * (size_t)(KEY_TILE * dim))};
     return s;
 }
 
 static void free_scratch(Scratch *s) {
     free(s->q), free(s->out), free(s->scores), free(s->max), free(s->sum), free(s->alpha), free(s->position);
+    free(s->keys), free(s->values);
 }
 
 /* Causal attention of one sequence's `tokens` new queries (positions cache_len ..) over its paged context:
- * q rows ldq floats apart, each [heads, dim]; out [tokens, heads, dim]. dim a multiple of 8, block_size of
- * KEY_TILE. -1 when out of memory. */
+ * q rows ldq floats apart, each [heads, dim]; caches of `kv_dtype`; out [tokens, heads, dim]. dim a multiple
+ * of 8, block_size of KEY_TILE. -1 when out of memory. */
 int kettle_paged_prefill(
-    const float *q, int64_t ldq, const float *k_cache, const float *v_cache, const int64_t *table, int64_t tokens,
+    const float *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *table, int64_t tokens,
     int64_t cache_len, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
-    float *out, int threads
+    float *out, int kv_dtype, int threads
 ) {
-    const PagedPrefill p = {q, k_cache, v_cache, table, ldq, tokens, cache_len, heads, kv_heads, dim, block_size, window, scale};
+    const PagedPrefill p = {q,         k_cache,   v_cache, table,      ldq,    tokens, cache_len,
+                            heads,     kv_heads,  dim,     block_size, window, scale,  kv_dtype};
     const int64_t tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE, rows = heads / kv_heads * QUERY_TILE;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         Scratch s = alloc_scratch(rows, dim);
-        failed = !(s.q && s.out && s.scores && s.max && s.sum && s.alpha && s.position);
+        failed = !(s.q && s.out && s.scores && s.max && s.sum && s.alpha && s.position && s.keys && s.values);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tiles * kv_heads; item++) {
             const int64_t t0 = (tiles - 1 - item / kv_heads) * QUERY_TILE; /* the longest items first */

@@ -107,9 +107,9 @@ KvCacheDtype = Annotated[
     str | None,
     option(
         "--kv-cache-dtype",
-        "KV cache dtype: fp8_e4m3fn or fp8_e5m2 (default: the model's dtype).",
+        "KV cache dtype: fp16 or bf16 (half the memory per token of float32, on the CPU), float32, auto (the "
+        "model's dtype, the default), or TGI's fp8_e4m3fn / fp8_e5m2 (CUDA only; not active there yet).",
         MODEL,
-        inactive=True,
     ),
 ]
 DisableCustomKernels = Annotated[

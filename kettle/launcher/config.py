@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 from kettle.hub.adapters import AdapterSource
 from kettle.router.config import RouterConfig
-from kettle.shard.config import DTYPES, ShardConfig
+from kettle.shard.config import DTYPES, FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
-INACTIVE_FLAGS: dict[str, object] = {"kv_cache_dtype": None}
+INACTIVE_FLAGS: dict[str, object] = {}
 # Flags of TGI that will never mean anything here (the help says why), with their inert values.
 NO_EFFECT_FLAGS: dict[str, object] = {"ngrok": False, "ngrok_authtoken": None, "ngrok_edge": None}
 # TGI's values for the flags that take one of a few words.
 CHOICES: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("linear", "dynamic"),
-    "kv_cache_dtype": ("fp8_e4m3fn", "fp8_e5m2"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,  # TGI's fp8 ones (CUDA), Kettle's fp16 / bf16 / float32 / auto
     "usage_stats": ("on", "off", "no-stack"),
 }
 # RouterConfig fields the launcher fills from the resolved model rather than from a flag of the same name.
@@ -136,6 +136,8 @@ class LauncherConfig:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES and not cuda_available():
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs a CUDA GPU: on the CPU use fp16 or bf16")
         # Building both child configs runs their own checks now, before any process is started.
         self.shard_config("model", rank=0)
         self.router_config("model", "model")
@@ -191,7 +193,11 @@ class LauncherConfig:
 
     def inactive_flags_set(self) -> list[str]:
         """The not-yet-active flags given a value other than their inert one (the launcher warns about them)."""
-        return [name for name, inert in INACTIVE_FLAGS.items() if getattr(self, name) != inert]
+        names = [name for name, inert in INACTIVE_FLAGS.items() if getattr(self, name) != inert]
+        # The KV cache dtype applies on the CPU; on CUDA the cache stays in the model's dtype for now.
+        if self.kv_cache_dtype not in (None, "auto") and cuda_available():
+            names.append("kv_cache_dtype")
+        return names
 
     def no_effect_flags_set(self) -> list[str]:
         """The never-active flags given a value other than their inert one (the launcher says they do nothing)."""
@@ -239,6 +245,7 @@ class LauncherConfig:
             watermark_delta=self.watermark_delta,
             lora_adapters=self.lora_adapters,
             speculate=self.speculate or 0,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def router_config(self, tokenizer_name: str, model_id: str, model_sha: str | None = None) -> RouterConfig:

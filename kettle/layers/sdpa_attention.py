@@ -10,6 +10,10 @@ are laid out as G query rows of that head, so one SDPA call sees [Nd, Hkv, G, D]
 On the CPU, float32 decodes and prefills without score modifiers go to Kettle's kernels instead
 (`kettle_paged_decode`, `kettle_paged_prefill`), which read the K/V in place through the block tables, and the
 new K/V go into their slots in one C call.
+
+The cache may hold K/V in another dtype than the model's (`--kv-cache-dtype`, e.g. float16 under a float32
+model): the kernels widen it as they read; here the new K/V are cast on write and the gathered context is cast
+back to the queries' dtype on read.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata, DecodePlan, PrefillPlan, window_mask
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, block_size: int) -> torch.Tensor:
-    """[num_seqs, blocks_per_seq * block_size, Hkv, D] contexts read from a flat [slots, Hkv, D] cache."""
+def gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, block_size: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """[num_seqs, blocks_per_seq * block_size, Hkv, D] contexts read from a flat [slots, Hkv, D] cache, in `dtype`
+    when given (a no-op when the cache already is)."""
     blocks = cache.view(-1, block_size, *cache.shape[1:])
-    return blocks.index_select(0, block_ids).view(num_seqs, -1, *cache.shape[1:])
+    gathered = blocks.index_select(0, block_ids).view(num_seqs, -1, *cache.shape[1:])
+    return gathered if dtype is None else gathered.to(dtype)
 
 
 class SdpaBackend:
@@ -48,8 +56,9 @@ class SdpaBackend:
         if ops.cache_write_fits(k_new, v_new, k_cache, v_cache):
             ops.cache_write(k_new, v_new, meta.slots, k_cache, v_cache)
         else:
-            k_cache.index_copy_(0, meta.slots, k_new)
-            v_cache.index_copy_(0, meta.slots, v_new)
+            # `.to` rounds to nearest-even into a 16-bit cache, as the C write does; a no-op when dtypes match.
+            k_cache.index_copy_(0, meta.slots, k_new.to(k_cache.dtype))
+            v_cache.index_copy_(0, meta.slots, v_new.to(v_cache.dtype))
         mods = (alibi_slopes, softcap)
         if meta.decode_only:
             return self.decode(q, k_cache, v_cache, meta.decode, meta.block_size, scale, sliding_window, *mods)
@@ -96,8 +105,8 @@ class SdpaBackend:
             positions = plan.query_positions.view(num_seqs)
             return ops.paged_decode(q, k_cache, v_cache, tables, positions, block_size, scale, sliding_window)
         num_kv_heads = k_cache.shape[1]
-        k = gather_blocks(k_cache, plan.block_ids, num_seqs, block_size).transpose(1, 2)
-        v = gather_blocks(v_cache, plan.block_ids, num_seqs, block_size).transpose(1, 2)
+        k = gather_blocks(k_cache, plan.block_ids, num_seqs, block_size, q.dtype).transpose(1, 2)
+        v = gather_blocks(v_cache, plan.block_ids, num_seqs, block_size, q.dtype).transpose(1, 2)
         grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if alibi_slopes is None and softcap is None:
             out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.mask(sliding_window), scale=scale)
@@ -131,8 +140,8 @@ class SdpaBackend:
                 sliding_window, out,
             )  # fmt: skip
         if plan.cache_len:
-            k = gather_blocks(k_cache, plan.block_ids, 1, block_size)[0]
-            v = gather_blocks(v_cache, plan.block_ids, 1, block_size)[0]
+            k = gather_blocks(k_cache, plan.block_ids, 1, block_size, q.dtype)[0]
+            v = gather_blocks(v_cache, plan.block_ids, 1, block_size, q.dtype)[0]
         else:
             # Nothing cached: the new K/V are the whole context, no gather needed.
             k, v = k_new[plan.start : plan.end], v_new[plan.start : plan.end]
@@ -154,10 +163,9 @@ class SdpaBackend:
 
 
 def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether Kettle's CPU decode kernel takes these tensors (float32 on the CPU, caches contiguous as
-    KVCache allocates them, kernels built and on)."""
-    caches_dense = k_cache.is_contiguous() and v_cache.is_contiguous()
-    return ops.fits(q, k_cache, v_cache) and caches_dense
+    """Whether Kettle's CPU decode kernel takes these tensors (float32 queries; float32, float16 or bfloat16
+    caches on the CPU, contiguous as KVCache allocates them; kernels built and on)."""
+    return ops.kv_fits(q, k_cache, v_cache)
 
 
 def _prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:

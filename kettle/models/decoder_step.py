@@ -11,13 +11,15 @@ residuals; branch-output norms (Gemma 2); RoPE over the whole head or a leading 
 pairs, or none (learned positions); per-head q/k norms; score soft-capping; sliding windows; gated or plain
 MLPs (SiLU, tanh-GELU, erf-GELU, ReLU) and top-k mixtures of gated experts. That covers Llama, Mistral, Qwen2,
 Qwen3, Gemma, Gemma 2, Phi, Phi-3, StarCoder2, GPT-NeoX, GPT-J, Falcon (RoPE layouts), Mixtral, GPT-2,
-GPT-BigCode and pre-norm OPT. Not described: ALiBi (BLOOM, MPT, Falcon-ALiBi), qkv clipping, post-norm blocks.
+GPT-BigCode. Not described: ALiBi (BLOOM, MPT, Falcon-ALiBi), qkv clipping, post-norm blocks, OPT's final
+projection.
 
-It applies to a CPU float32 model whose every projection is a `Q4Linear`, a kernel-backed `Int8Linear` or a
-float32 `Linear` stored dense (`KETTLE_CPU_LINEAR=dense`: the default oneDNN-packed layout has no rows to
-read), on one shard, with quantized activations on, a float32 cache and a decode batch the packed kernels take
-(`dense_rows`). Anything else returns None from `build` (with the reason in `DecoderStep.why_not`) or False
-from `fits`, and the model's forward runs layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
+It applies to a CPU float32 model whose every projection is a `Q4Linear`, a `Q8Linear` (GGUF Q8_0), a
+kernel-backed `Int8Linear` or a float32 `Linear` stored dense (`KETTLE_CPU_LINEAR=dense`: the default
+oneDNN-packed layout has no rows to read), on one shard, with quantized activations on, a KV cache of float32,
+float16 or bfloat16 (`--kv-cache-dtype`) and a decode batch the packed kernels take (`dense_rows`). Anything else
+returns None from `build` (with the reason in `DecoderStep.why_not`) or False from `fits`, and the model's
+forward runs layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
 """
 
 from __future__ import annotations
@@ -236,11 +238,12 @@ class DecoderStep:
         self.inner = inner
 
     def fits(self, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
-        """Whether this step can run `meta` over `kv_cache`: decodes only, a float32 CPU cache, few enough rows."""
+        """Whether this step can run `meta` over `kv_cache`: decodes only, a CPU cache of float32, float16 or
+        bfloat16 (read with float32 math, written rounded to nearest-even), few enough rows."""
         return (
             meta.decode_only
             and meta.num_tokens <= self.max_rows
-            and kv_cache.dtype == torch.float32
+            and kv_cache.dtype in ops.KV_DTYPES
             and kv_cache.device.type == "cpu"
         )
 
@@ -255,7 +258,7 @@ class DecoderStep:
     ) -> torch.Tensor:
         """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V. With `lora`
         active, each row also gets its adapter's deltas on the projections the adapters touch."""
-        self.decoder.block_size = meta.block_size
+        self.decoder.block_size, self.decoder.kv_dtype = meta.block_size, ops.KV_DTYPES[kv_cache.dtype]
         k_caches, v_caches = self._cache_pointers(kv_cache)
         plan = meta.decode
         loras, slot = (self._lora_array(lora.present), lora.slot) if lora is not None and lora.active else (None, None)

@@ -57,6 +57,7 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
         quantization=info.quantization or None,
         decode_path=info.decode_path or None,
         speculate=info.speculate,
+        kv_cache_dtype=info.kv_cache_dtype or None,
     )
 
 

@@ -226,3 +226,5 @@ class Info(BaseModel):
     quantization: str | None = Field(None, examples=["gguf Q4_1+Q8_0 → int4"])
     # Kettle's addition: how decode steps run ("fused CPU step", or "layer by layer" and why).
     decode_path: str | None = Field(None, examples=["fused CPU step"])
+    # Kettle's addition: the KV cache's dtype (`--kv-cache-dtype`; null from a shard that does not say).
+    kv_cache_dtype: str | None = Field(None, examples=["float32"])

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("fp8", "int8", "int4", "gptq", "awq")  # kettle/quantization/config.py says where each runs
+# `--kv-cache-dtype`: TGI's two float8 formats (CUDA only), and the CPU's 16-bit and float32 caches; "auto" (and
+# no flag) is the model's dtype. kettle/shard/dtype.py maps them to torch dtypes per device.
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "fp16", "bf16", *FP8_KV_CACHE_DTYPES)
 
 
 def parse_graph_buckets(value: str) -> tuple[int, ...]:
@@ -43,6 +47,7 @@ class ShardConfig:
     watermark_delta: float = 2.0
     lora_adapters: str | None = None  # `name=path` or Hub ids, comma-separated (kettle/models/lora_adapters.py)
     speculate: int = 0  # n-gram draft tokens verified per step and request (TGI's --speculate); 0: off
+    kv_cache_dtype: str | None = None  # one of KV_CACHE_DTYPES; None: the model's dtype
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -60,6 +65,10 @@ class ShardConfig:
             raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")
         if self.speculate < 0:
             raise ValueError("--speculate must be >= 0")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.cuda_graphs is not None:
             parse_graph_buckets(self.cuda_graphs)
 

@@ -6,17 +6,26 @@
   else bfloat16 (float32 checkpoints would double the memory and miss the tensor cores).
 - `--dtype float16` on the CPU is refused: PyTorch's CPU float16 kernels are slow here and fp16's range
   overflows on checkpoints trained in bf16, for no memory gain over bfloat16, which the error suggests instead.
+
+The KV cache has its own dtype (`choose_kv_dtype`, `--kv-cache-dtype`), the model's by default. On the CPU it may
+be float16 or bfloat16 under a float32 model: half the bytes per token, so twice the tokens in the same share of
+RAM; Kettle's attention kernels widen the rows as they read them (docs/performance.md measures what it costs in
+accuracy). fp8 is CUDA-only, and on CUDA the cache stays in the model's dtype for now.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HALF = (torch.float16, torch.bfloat16)
+# `--kv-cache-dtype` values the CPU cache takes (kettle.shard.config.KV_CACHE_DTYPES lists them all).
+KV_DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def choose_dtype(name: str | None, device: torch.device, model_path: str | Path | None = None) -> torch.dtype:
@@ -30,6 +39,24 @@ def choose_dtype(name: str | None, device: torch.device, model_path: str | Path 
         return torch.float32
     declared = checkpoint_dtype(model_path) if model_path is not None else None
     return declared if declared in _HALF else torch.bfloat16
+
+
+def choose_kv_dtype(name: str | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for `--kv-cache-dtype NAME` (None or "auto": the model's), see the module docstring."""
+    if name is None or name == "auto":
+        return model_dtype
+    if name.startswith("fp8"):
+        if device.type != "cuda":
+            raise ValueError(f"--kv-cache-dtype {name} needs a CUDA GPU: on the CPU use fp16 or bf16")
+        log.warning("--kv-cache-dtype %s is not active on CUDA yet: the KV cache stays in %s", name, model_dtype)
+        return model_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of auto, {', '.join(KV_DTYPES)}, fp8_e4m3fn, fp8_e5m2")
+    if device.type != "cpu" and KV_DTYPES[name] != model_dtype:
+        # The CUDA attention kernels read the cache in the model's dtype; a cast there is not written yet.
+        log.warning("--kv-cache-dtype %s is not active on CUDA yet: the KV cache stays in %s", name, model_dtype)
+        return model_dtype
+    return KV_DTYPES[name]
 
 
 def checkpoint_dtype(model_path: str | Path) -> torch.dtype | None:

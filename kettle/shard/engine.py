@@ -113,7 +113,9 @@ class ShardEngine:
         started = time.monotonic()
         spec, device = self.runner.model.spec, self.runner.device
         plan = self._same_on_all_ranks(
-            plan_kv_cache(spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction)
+            plan_kv_cache(
+                spec, device, request, self.kv_memory_fraction, self.cuda_memory_fraction, self.runner.cache_dtype
+            )
         )
         # Said before the wait (a large cache, a long prefill on the CPU, CUDA graph captures: it can take minutes).
         logger.info(

@@ -69,10 +69,16 @@ class ModelRunner:
         self._sampler: BatchSampler | None = None
         self.grammars = Grammars(vocab.tokenizer, vocab.eos_token_ids)
         self.speculate = 0  # draft tokens per step and request (--speculate); 0: off
+        self.kv_dtype: torch.dtype | None = None  # the paged KV cache's (--kv-cache-dtype); None: the model's
 
     def release(self, request_ids: Iterable[int] | None) -> None:
         """Forgets per-request state kept between steps (None: all). The paged runner keeps none: its K/V
         lives in router-owned blocks; runners over transformers caches (fallback, seq2seq) override this."""
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: `kv_dtype`, else the model's dtype."""
+        return self.kv_dtype or self.model.spec.dtype
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """(Re)creates the KV cache with `num_blocks` blocks."""
@@ -82,7 +88,13 @@ class ModelRunner:
         # With decode graphs, one block beyond the router's: padded graph rows write their K/V there.
         extra = 1 if graphs_enabled(self.device, self.graph_buckets) else 0
         self.kv_cache = KVCache(
-            spec.num_layers, num_blocks + extra, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, self.device
+            spec.num_layers,
+            num_blocks + extra,
+            block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            self.cache_dtype,
+            self.device,
         )
         if extra:
             self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, num_blocks, self.graph_buckets)

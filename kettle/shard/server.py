@@ -15,7 +15,7 @@ from kettle import settings
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import ShardConfig
-from kettle.shard.dtype import choose_dtype
+from kettle.shard.dtype import choose_dtype, choose_kv_dtype
 from kettle.shard.engine import ShardEngine
 from kettle.shard.runner import ModelRunner
 from kettle.shard.service import ShardService, on_engine_thread
@@ -75,6 +75,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
 
     device = choose_device()
     dtype = choose_dtype(config.dtype, device, config.model_path)
+    kv_dtype = choose_kv_dtype(config.kv_cache_dtype, dtype, device)  # before loading: a refusal costs nothing
     # Join the tensor-parallel group before loading: the loaders read only this rank's slices.
     init_distributed(config.rank, config.world_size, device)
     # A float --dtype asks a quantized (GGUF) checkpoint for dequantized weights; without one it serves quantized.
@@ -89,6 +90,11 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     logger.info("Decode steps run %s", decode_path)
     # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
     runner.speculate = config.speculate if execution_path == "native" else 0
+    # The paged cache only: the transformers runners keep transformers' own caches, in the model's dtype.
+    if execution_path == "native":
+        runner.kv_dtype = kv_dtype
+    elif kv_dtype != dtype:
+        logger.warning("--kv-cache-dtype applies to the paged KV cache only: this model's stays in %s", dtype)
     # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
     # could not roll back. Opt-in (KETTLE_OVERLAP=1): on a 2-core machine the step computed ahead competes for
     # the cores with the router and measured slower than waiting (docs/performance.md).
@@ -111,6 +117,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         quantization=getattr(model, "quantization", None) or config.quantize or "",
         decode_path=decode_path,
         speculate=runner.speculate,
+        kv_cache_dtype=str(runner.cache_dtype).removeprefix("torch."),
     )
     return engine, info
 

@@ -33,11 +33,17 @@ class KVPlan:
 
 
 def plan_kv_cache(
-    spec, device: torch.device, request: pb.WarmupRequest, cpu_fraction: float, cuda_fraction: float = 0.9
+    spec,
+    device: torch.device,
+    request: pb.WarmupRequest,
+    cpu_fraction: float,
+    cuda_fraction: float = 0.9,
+    kv_dtype: torch.dtype | None = None,
 ) -> KVPlan:
     """Chooses the number of KV blocks from the memory the cache may use on `device`: `cuda_fraction` of the
-    free GPU memory on CUDA, `cpu_fraction` of the available RAM elsewhere."""
-    per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    free GPU memory on CUDA, `cpu_fraction` of the available RAM elsewhere. Tokens are counted in the cache's
+    `kv_dtype` (default: the model's), so a 16-bit cache under a float32 model holds twice the tokens."""
+    per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype or spec.dtype)
     fraction = cuda_fraction if device.type == "cuda" else cpu_fraction
     budget = int(_available_bytes(device) * fraction)
     cap = int(os.environ.get("KETTLE_MAX_KV_TOKENS", DEFAULT_MAX_KV_TOKENS))

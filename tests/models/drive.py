@@ -85,9 +85,11 @@ def scattered_tables(lengths: list[int], seed: int = 0) -> tuple[list[list[int]]
     return tables, sum(needs) + 1
 
 
-def new_cache(model: CausalLM, num_blocks: int) -> KVCache:
+def new_cache(model: CausalLM, num_blocks: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+    """A CPU cache for `model` in `kv_dtype` (default: the model's dtype)."""
     spec = model.spec
-    return KVCache(spec.num_layers, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cpu")
+    dtype = kv_dtype or spec.dtype
+    return KVCache(spec.num_layers, num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, "cpu")
 
 
 def step(

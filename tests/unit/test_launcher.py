@@ -106,6 +106,8 @@ def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handl
 
     monkeypatch.setattr(launcher_main, "resolve_model", missing)
     monkeypatch.setattr(launcher_main, "setup_logging", lambda _json: None)
+    # On CUDA the KV cache stays in the model's dtype for now (on the CPU fp8 is refused outright).
+    monkeypatch.setattr("kettle.launcher.config.cuda_available", lambda: True)
     code = launcher_main.launch(LauncherConfig(kv_cache_dtype="fp8_e5m2"))
     assert code == 1
     assert "--kv-cache-dtype is not active yet" in caplog.text

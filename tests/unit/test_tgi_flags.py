@@ -29,7 +29,7 @@ TGI_LAUNCHER_FLAGS: list[tuple[tuple[str, ...], str | None, str | None]] = [
     (("--quantize",), "QUANTIZE", "awq"),
     (("--speculate",), "SPECULATE", "2"),
     (("--dtype",), "DTYPE", "bfloat16"),
-    (("--kv-cache-dtype",), "KV_CACHE_DTYPE", "fp8_e5m2"),
+    (("--kv-cache-dtype",), "KV_CACHE_DTYPE", "bf16"),
     (("--trust-remote-code",), "TRUST_REMOTE_CODE", None),
     (("--max-concurrent-requests",), "MAX_CONCURRENT_REQUESTS", "16"),
     (("--max-best-of",), "MAX_BEST_OF", "3"),
@@ -159,7 +159,8 @@ def test_help_says_which_flags_do_nothing_and_why():
     [
         (["--rope-scaling", "yarn"], "--rope-scaling must be one of linear, dynamic"),
         (["--rope-factor", "0"], "--rope-factor must be > 0"),
-        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype must be one of fp8_e4m3fn, fp8_e5m2"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype must be one of auto, float32, fp16, bf16, fp8_e4m3fn"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2 needs a CUDA GPU: on the CPU use fp16 or bf16"),
         (["--usage-stats", "maybe"], "--usage-stats must be one of on, off, no-stack"),
         (["--model-id", "org/x-GGUF", "--gguf-file", "x.bin"], "--gguf-file names a .gguf file"),
         (["--gguf-file", "x.gguf"], "give --model-id too"),

@@ -1,0 +1,179 @@
+"""A KV cache in float16 or bfloat16 under a float32 model (`--kv-cache-dtype`): the C attention kernels and the
+PyTorch fallbacks over it, the cache sizing, and the flag's validation."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kettle.kernels import build, ops
+from kettle.launcher.config import LauncherConfig
+from kettle.layers.attention import AttentionMetadata
+from kettle.layers.sdpa_attention import SdpaBackend
+from kettle.proto import generate_pb2 as pb
+from kettle.shard.config import ShardConfig
+from kettle.shard.dtype import choose_kv_dtype
+from kettle.shard.warmup import plan_kv_cache
+from kettle.tensors.kv_cache import KVCache
+
+CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
+needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
+HALF = [torch.float16, torch.bfloat16]
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def scattered(lens: list[int], block_size: int, spare: int = 3) -> tuple[list[list[int]], int]:
+    blocks = sum(-(-n // block_size) for n in lens) + spare
+    order = torch.randperm(blocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(order[used : used + -(-n // block_size)])
+        used += len(tables[-1])
+    return tables, blocks
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("width", [3 * 64, 2 * 80 + 5])  # whole vectors, and a tail the scalar loop rounds
+def test_cache_write_rounds_as_torch_does(dtype, width):
+    torch.manual_seed(0)
+    rows = torch.randn(37, width) * 100
+    # Ties, subnormals, overflow to infinity and NaN: the cases where rounding modes differ.
+    rows[0, :8] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 1e-7, 7e4, 1e39, float("nan")])
+    rows[1, :4] = torch.tensor([float("inf"), -float("inf"), -0.0, 3.4e38])
+    k_new, v_new = rows.view(37, 1, width), (-rows).view(37, 1, width)
+    slots = torch.randperm(100)[:37]
+    k_cache, v_cache = torch.zeros(100, 1, width, dtype=dtype), torch.zeros(100, 1, width, dtype=dtype)
+    assert ops.cache_write_fits(k_new, v_new, k_cache, v_cache)
+    ops.cache_write(k_new, v_new, slots, k_cache, v_cache)
+    expected_k = torch.zeros_like(k_cache).index_copy_(0, slots, k_new.to(dtype))
+    expected_v = torch.zeros_like(v_cache).index_copy_(0, slots, v_new.to(dtype))
+    # Bit for bit, as `.to(dtype)` rounds (NaN stays NaN; its payload is PyTorch's choice per code path).
+    for got, expected in ((k_cache, expected_k), (v_cache, expected_v)):
+        nan = expected.isnan()
+        assert torch.equal(got.isnan(), nan) and nan.any()
+        assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [64, 80, 128])  # the unrolled head sizes and the general path with a remainder
+@pytest.mark.parametrize(("lens", "window"), [([5, 40, 130, 17], None), ([100, 50, 7], 32)])
+def test_paged_decode_over_a_16_bit_cache_is_float32_math_over_the_rounded_kv(monkeypatch, dtype, dim, lens, window):
+    torch.manual_seed(dim + len(lens))
+    block_size, heads, kv_heads = 16, 6, 2
+    tables, blocks = scattered(lens, block_size)
+    k_cache, v_cache = torch.randn(2, blocks * block_size, kv_heads, dim).to(dtype).unbind(0)
+    meta = AttentionMetadata.build([1] * len(lens), [n - 1 for n in lens], tables, block_size, "cpu")
+    q = torch.randn(len(lens), heads, dim)
+    got = SdpaBackend.decode(q, k_cache, v_cache, meta.decode, block_size, dim**-0.5, window)
+    # The reference: the kernel over the same (already rounded) K/V held in float32.
+    expected = ops.paged_decode(
+        q, k_cache.float(), v_cache.float(), meta.decode.block_ids.view(len(lens), -1),
+        meta.decode.query_positions.view(-1), block_size, dim**-0.5, window,
+    )  # fmt: skip
+    assert relative(got, expected) < 1e-5
+    monkeypatch.setattr(ops, "available", lambda: False)  # SDPA over gathered blocks, cast on read
+    fallback = SdpaBackend.decode(q, k_cache, v_cache, meta.decode, block_size, dim**-0.5, window)
+    assert fallback.dtype == torch.float32
+    assert relative(got, fallback) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(("tokens", "cache_len", "window"), [(37, 0, None), (40, 19, None), (100, 64, 24)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 80)])
+def test_paged_prefill_over_a_16_bit_cache(dtype, tokens, cache_len, window, heads, kv_heads, dim):
+    torch.manual_seed(tokens + dim)
+    block_size, context = 16, cache_len + tokens
+    blocks = -(-context // block_size)
+    table = torch.randperm(blocks + 5)[:blocks]
+    k_cache = torch.randn((blocks + 5) * block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    q = qkv[:, :heads]
+    assert ops.paged_prefill_fits(q, k_cache, v_cache, block_size)
+    got = ops.paged_prefill(q, k_cache, v_cache, table, cache_len, block_size, dim**-0.5, window)
+    expected = ops.paged_prefill(q, k_cache.float(), v_cache.float(), table, cache_len, block_size, dim**-0.5, window)
+    assert relative(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_sdpa_fallback_writes_and_reads_a_16_bit_cache(monkeypatch, dtype):
+    """Without the kernels: the new K/V are cast on write, the gathered context cast back on read."""
+    monkeypatch.setattr(ops, "available", lambda: False)
+    torch.manual_seed(0)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 16
+    lens = [9, 6]
+    tables, blocks = scattered(lens, block_size)
+    caches = [torch.zeros(blocks * block_size, kv_heads, dim, dtype=dtype) for _ in "kv"]
+    backend = SdpaBackend()
+    # A prefill of both prompts (nothing cached: it attends to its new K/V as they came), then a decode step over
+    # the cached prefix, which a float32 cache holding the same rounded rows must attend to identically.
+    meta = AttentionMetadata.build([8, 5], [0, 0], tables, block_size, "cpu")
+    q, k, v = (torch.randn(13, h, dim) for h in (heads, kv_heads, kv_heads))
+    reference = [torch.zeros(blocks * block_size, kv_heads, dim) for _ in "kv"]
+    expected = backend.forward(q, k, v, *reference, meta, dim**-0.5, None)
+    assert torch.equal(backend.forward(q, k, v, *caches, meta, dim**-0.5, None), expected)
+    assert torch.equal(caches[0].float(), reference[0].to(dtype).float())
+    reference = [cache.float() for cache in caches]
+    meta = AttentionMetadata.build([1, 1], [8, 5], tables, block_size, "cpu")
+    q, k, v = (torch.randn(2, h, dim) for h in (heads, kv_heads, kv_heads))
+    got = backend.forward(q, k, v, *caches, meta, dim**-0.5, None)
+    assert got.dtype == torch.float32
+    rounded = k.to(dtype).float(), v.to(dtype).float()
+    assert relative(got, backend.forward(q, *rounded, *reference, meta, dim**-0.5, None)) < 1e-5
+
+
+def test_a_16_bit_cache_holds_twice_the_tokens(monkeypatch):
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    assert KVCache.bytes_per_token(30, 3, 64, torch.float32) == 46080  # SmolLM2-135M: 45 KiB per token
+    monkeypatch.setattr("kettle.shard.warmup._available_bytes", lambda device: 2**30)
+    monkeypatch.setenv("KETTLE_MAX_KV_TOKENS", str(1 << 30))
+    request = pb.WarmupRequest(max_total_tokens=16, max_prefill_tokens=16)
+    full = plan_kv_cache(spec, torch.device("cpu"), request, 0.1)
+    half = plan_kv_cache(spec, torch.device("cpu"), request, 0.1, kv_dtype=torch.float16)
+    assert half.num_blocks in (2 * full.num_blocks, 2 * full.num_blocks + 1)
+    assert abs(half.bytes - full.bytes) <= 46080 * 16
+
+
+def test_kv_dtype_choice_per_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_kv_dtype(None, torch.float32, cpu) == torch.float32
+    assert choose_kv_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert choose_kv_dtype("fp16", torch.float32, cpu) == torch.float16
+    assert choose_kv_dtype("bf16", torch.float32, cpu) == torch.bfloat16
+    assert choose_kv_dtype("float32", torch.bfloat16, cpu) == torch.float32
+    with pytest.raises(ValueError) as refused:
+        choose_kv_dtype("fp8_e5m2", torch.float32, cpu)
+    assert str(refused.value) == "--kv-cache-dtype fp8_e5m2 needs a CUDA GPU: on the CPU use fp16 or bf16"
+    # On CUDA the cache stays in the model's dtype for now (a warning says so).
+    assert choose_kv_dtype("fp8_e4m3fn", torch.bfloat16, cuda) == torch.bfloat16
+    assert choose_kv_dtype("fp16", torch.bfloat16, cuda) == torch.bfloat16
+
+
+def test_the_flag_reaches_the_shard_and_is_validated(monkeypatch):
+    from kettle.launcher import config as launcher_config
+    from kettle.launcher.specs import shard_spec
+
+    monkeypatch.setattr(launcher_config, "cuda_available", lambda: False)
+    spec = shard_spec(LauncherConfig(kv_cache_dtype="fp16"), "/models/m", 0)
+    assert spec.argv[spec.argv.index("--kv-cache-dtype") + 1] == "fp16"
+    assert LauncherConfig(kv_cache_dtype="bf16").inactive_flags_set() == []
+    with pytest.raises(ValueError) as refused:
+        LauncherConfig(kv_cache_dtype="fp8_e4m3fn")
+    assert str(refused.value) == "--kv-cache-dtype fp8_e4m3fn needs a CUDA GPU: on the CPU use fp16 or bf16"
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, fp16, bf16, fp8_e4m3fn"):
+        LauncherConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        ShardConfig(model_path="m", kv_cache_dtype="float16")
+    # On CUDA TGI's values are accepted, and the launcher says they change nothing there yet.
+    monkeypatch.setattr(launcher_config, "cuda_available", lambda: True)
+    assert LauncherConfig(kv_cache_dtype="fp8_e5m2").inactive_flags_set() == ["kv_cache_dtype"]
