@@ -22,6 +22,9 @@ def tiny_server(tiny_llama_path):
         "256",
         "--max-best-of",
         "3",
+        # A float32 KV cache (the CPU's default is float16): tests compare its outputs with transformers' float32.
+        "--kv-cache-dtype",
+        "float32",
         # Overlap scheduling is opt-in; the session server runs with it so every e2e test here exercises it.
         env={**fault_env(), "KETTLE_OVERLAP": "1"},
     )

@@ -19,7 +19,8 @@ SUFFIXES = ("What next?", "Hello world! How are you today?", "Numbers 0 1 2 3 4 
 PROMPTS = [prefix + suffix for prefix in PREFIXES for suffix in SUFFIXES]
 BACKGROUND = ["Hello world!", "你好，世界！", "Emoji: 😀 🎉"]  # short prompts that decode throughout
 NEW_TOKENS = {**dict.fromkeys(PROMPTS, 8), **dict.fromkeys(BACKGROUND, 40)}
-FLAGS = ("--max-input-tokens", "200", "--max-total-tokens", "256", "--num-threads", "1")
+# A float32 KV cache (the CPU's default is float16): prompt logprobs are compared with transformers' float32.
+FLAGS = ("--max-input-tokens", "200", "--max-total-tokens", "256", "--num-threads", "1", "--kv-cache-dtype", "float32")
 _HIT_TOKENS = re.compile(r"^kettle_prefix_cache_hit_tokens_total (\S+)$", re.MULTILINE)
 
 

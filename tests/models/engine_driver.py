@@ -15,7 +15,9 @@ BLOCK = 16
 def warm_engine(path: Path, **settings):
     """A shard engine over `path` (with more ShardConfig `settings`), warmed up like the router does; returns
     (engine, info)."""
-    # float32 on any device (a GPU defaults to bf16): the results are compared with transformers in fp32.
+    # float32 on any device (a GPU defaults to bf16), and a float32 KV cache (the CPU's default is float16): the
+    # results are compared with transformers in fp32.
+    settings.setdefault("kv_cache_dtype", "float32")
     engine, info = build_engine(ShardConfig(model_path=str(path), dtype="float32", **settings))
     warm = pb.WarmupRequest(max_input_tokens=200, max_prefill_tokens=256, max_total_tokens=256)
     warm.batch.requests.add(id=0, input_ids=[1, 2, 3]).stopping_parameters.max_new_tokens = 1

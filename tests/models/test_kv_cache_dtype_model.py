@@ -73,6 +73,10 @@ def test_the_shard_allocates_reports_and_sizes_the_cache_in_the_flag_s_dtype(tin
     assert info.kv_cache_dtype == "float16" and info.dtype == "float32"
     assert engine.runner.kv_cache.dtype == torch.float16
     half = run_to_end(engine, make_batch(1, PROMPTS, 100, 8))
-    engine, info = warm_engine(tiny_llama_path)
+    engine, info = warm_engine(tiny_llama_path, kv_cache_dtype="float32")
     assert info.kv_cache_dtype == "float32" and engine.runner.kv_cache.dtype == torch.float32
     assert run_to_end(engine, make_batch(1, PROMPTS, 100, 8)) == half
+    # With no flag, a float32 model on Kettle's CPU kernels keeps float16 K/V (as llama.cpp does).
+    engine, info = warm_engine(tiny_llama_path, kv_cache_dtype=None)
+    expected = "float16" if CAN_BUILD else "float32"
+    assert info.kv_cache_dtype == expected and str(engine.runner.kv_cache.dtype) == f"torch.{expected}"

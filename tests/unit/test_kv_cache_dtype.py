@@ -17,6 +17,7 @@ from kettle.shard.config import ShardConfig
 from kettle.shard.dtype import choose_kv_dtype
 from kettle.shard.warmup import plan_kv_cache
 from kettle.tensors.kv_cache import KVCache
+from tests.fixtures import cpu_kernels
 
 CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
 needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
@@ -146,8 +147,12 @@ def test_a_16_bit_cache_holds_twice_the_tokens(monkeypatch):
 
 def test_kv_dtype_choice_per_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert choose_kv_dtype(None, torch.float32, cpu) == torch.float32
+    # By default a float32 model on the CPU keeps float16 K/V where Kettle's kernels read them, as llama.cpp does.
+    assert choose_kv_dtype(None, torch.float32, cpu) == (torch.float16 if ops.available() else torch.float32)
+    with cpu_kernels(False):
+        assert choose_kv_dtype("auto", torch.float32, cpu) == torch.float32
     assert choose_kv_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert choose_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     assert choose_kv_dtype("fp16", torch.float32, cpu) == torch.float16
     assert choose_kv_dtype("bf16", torch.float32, cpu) == torch.bfloat16
     assert choose_kv_dtype("float32", torch.bfloat16, cpu) == torch.float32
