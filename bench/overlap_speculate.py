@@ -28,14 +28,17 @@ CONFIGS = {"off": ({}, []), "overlap": ({"KETTLE_OVERLAP": "1"}, []), "speculate
 PASSAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
-def copy_prompt(model_path: str, tokens: int = 500) -> str:
-    """A chat prompt asking to repeat the first `tokens` tokens of PASSAGE."""
+def copy_prompt(model_path: str, tokens: int = 500, started: int = 16) -> str:
+    """A chat prompt asking to repeat the first `tokens` tokens of PASSAGE, the answer begun with its first
+    `started` tokens: a 135M model asked cold may answer something else (the bundled one starts writing code),
+    which would measure chat, not copying; begun, it goes on copying."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    passage = tokenizer.decode(tokenizer(PASSAGE.read_text()).input_ids[:tokens])
+    ids = tokenizer(PASSAGE.read_text()).input_ids
+    passage = tokenizer.decode(ids[:tokens])
     ask = f"Repeat the following text exactly, word for word:\n\n{passage}"
-    return chat_prompts(model_path, [ask])[0]
+    return chat_prompts(model_path, [ask])[0] + tokenizer.decode(ids[:started])
 
 
 def measure(url: str, chat: list[str], copy: str, max_new_tokens: int) -> dict[str, float]:
