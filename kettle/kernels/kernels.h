@@ -227,28 +227,10 @@ static inline __attribute__((always_inline)) void q4_row_qa(
 }
 
 /* One int8 output channel for `tile` quantized activation rows, widened from memory as in `q4_row_qa` (one
- * accumulator per row: two measured ~5% slower here at one row). */
+ * accumulator per row: two measured ~5% slower here at one row). With `scales` (Q8G: a float16 scale per block of
+ * 32), each block's scale is folded into the row's activation scale, as `q4_row_qa` does; without, the channel's
+ * one scale is applied by the caller. */
 static inline __attribute__((always_inline)) void q8_row_qa(
-    const QuantizedRows *xq, int64_t row0, int tile, int64_t k, const int8_t *qw, float *out
-) {
-    const int64_t blocks = k / 32;
-    __m256 acc[MAX_TILE];
-    for (int m = 0; m < tile; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32)));
-        const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32 + 16)));
-        for (int m = 0; m < tile; m++) {
-            const int64_t r = row0 + m;
-            const __m256 d = _mm256_broadcast_ss(xq->scale + r * blocks + b);
-            acc[m] = _mm256_fmadd_ps(block_dot(w_lo, w_hi, xq->q + r * k + b * 32), d, acc[m]);
-        }
-    }
-    for (int m = 0; m < tile; m++) out[m] = hsum(acc[m]);
-}
-
-/* One Q8G output channel for `tile` quantized activation rows: Σ_blocks (d_x · d_w) · (q_w · q_x), each
- * weight block's scale folded into the row's activation scale (as `q4_row_qa` does). */
-static inline __attribute__((always_inline)) void q8g_row_qa(
     const QuantizedRows *xq, int64_t row0, int tile, int64_t k, const int8_t *qw, const uint16_t *scales, float *out
 ) {
     const int64_t blocks = k / 32;
@@ -257,7 +239,7 @@ static inline __attribute__((always_inline)) void q8g_row_qa(
     for (int64_t b = 0; b < blocks; b++) {
         const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32)));
         const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32 + 16)));
-        const float scale = _cvtsh_ss(scales[b]);
+        const float scale = scales ? _cvtsh_ss(scales[b]) : 1.0f;
         for (int m = 0; m < tile; m++) {
             const int64_t r = row0 + m;
             const __m256 d = _mm256_set1_ps(xq->scale[r * blocks + b] * scale);
@@ -287,7 +269,7 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
     } else if (w->kind == LINEAR_Q8G) {
         const int8_t *row_q = (const int8_t *)w->weight + j * k;
         const uint16_t *row_s = (const uint16_t *)w->scales + j * (k / 32);
-#define ROW(t) q8g_row_qa(xq, m0, t, k, row_q, row_s, out)
+#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, row_s, out)
 #define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
         FOR_EACH_TILE(rows, ROW, STORE)
 #undef ROW
@@ -295,7 +277,7 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
     } else {
         const int8_t *row_q = (const int8_t *)w->weight + j * k;
         const float scale = ((const float *)w->scales)[j];
-#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, out)
+#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, NULL, out)
 #define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scale + b
         FOR_EACH_TILE(rows, ROW, STORE)
 #undef ROW

@@ -115,3 +115,28 @@ def greedy(model: CausalLM, prompts: list[list[int]], max_new_tokens: int) -> li
         tokens = logits.argmax(-1)
         generated.append(tokens)
     return torch.stack(generated, dim=1).tolist()
+
+
+def decode_logits(
+    model: CausalLM, prompts: list[list[int]], fused: bool, steps: int = 12, adapters: list[int] | None = None
+) -> torch.Tensor:
+    """Prefills `prompts`, then decodes them together greedily through the fused CPU decode step or layer by
+    layer (`fused`); the logits of every decode step [steps, S, V]. `adapters`: each prompt's LoRA adapter (-1:
+    the base model) when the model has adapters attached."""
+    model.__dict__.pop("cpu_decoder_step", None)
+    if not fused:
+        model.__dict__["cpu_decoder_step"] = None  # the cached property, overridden: layer by layer
+    tables, num_blocks = scattered_tables([len(p) + steps for p in prompts])
+    cache = new_cache(model, num_blocks)
+    if adapters is not None:
+        model.lora_rows.set([a for p, a in zip(prompts, adapters, strict=True) for _ in p], torch.device("cpu"))
+    logits, meta = step(model, cache, prompts, [0] * len(prompts), tables)
+    tokens, out = logits[meta.last_token_indices].argmax(-1), []
+    if adapters is not None:
+        model.lora_rows.set(adapters, torch.device("cpu"))
+    for i in range(steps):
+        logits, _ = step(model, cache, [[t] for t in tokens.tolist()], [len(p) + i for p in prompts], tables)
+        out.append(logits)
+        tokens = logits.argmax(-1)
+    model.__dict__.pop("cpu_decoder_step", None)
+    return torch.stack(out)

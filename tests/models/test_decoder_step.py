@@ -17,7 +17,8 @@ from kettle.layers.attention import AttentionMetadata
 from kettle.models import decoder_step
 from kettle.models.registry import load_model
 from tests.fixtures import torch_threads
-from tests.models.drive import BLOCK_SIZE, make_variant, new_cache, scattered_tables, step
+from tests.models import drive
+from tests.models.drive import BLOCK_SIZE, make_variant, new_cache
 from tests.models.family_parity import save_tiny, tiny_settings
 from tests.unit.test_cpu_kernels import CAN_BUILD
 
@@ -45,20 +46,8 @@ def family_path(tmp_path, variant: str):
 
 
 def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
-    """Prefills PROMPTS, then decodes them together greedily; the logits of every decode step [steps, S, V]."""
-    model.__dict__.pop("cpu_decoder_step", None)
-    if not fused:
-        model.__dict__["cpu_decoder_step"] = None  # the cached property, overridden: layer by layer
-    tables, num_blocks = scattered_tables([len(p) + steps for p in PROMPTS])
-    cache = new_cache(model, num_blocks)
-    logits, meta = step(model, cache, PROMPTS, [0] * len(PROMPTS), tables)
-    tokens, out = logits[meta.last_token_indices].argmax(-1), []
-    for i in range(steps):
-        logits, _ = step(model, cache, [[t] for t in tokens.tolist()], [len(p) + i for p in PROMPTS], tables)
-        out.append(logits)
-        tokens = logits.argmax(-1)
-    model.__dict__.pop("cpu_decoder_step", None)
-    return torch.stack(out)
+    """PROMPTS prefilled, then decoded together greedily (fused or layer by layer): [steps, S, V] logits."""
+    return drive.decode_logits(model, PROMPTS, fused, steps)
 
 
 FAMILIES = ["llama", "qwen2", "mistral_sliding", "phi3", "qwen3", "gemma"]

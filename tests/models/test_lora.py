@@ -12,7 +12,7 @@ import torch
 from kettle.models.lora_adapters import AdapterError, AdapterSource, load_adapters, read_adapter
 from kettle.models.registry import load_model
 from tests.fixtures import make_tiny_llama
-from tests.models.drive import new_cache, scattered_tables, step
+from tests.models.drive import decode_logits, new_cache, scattered_tables, step
 from tests.models.engine_driver import make_batch, run_to_end
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -163,21 +163,7 @@ def test_adapters_that_do_not_fit_get_one_line_errors(base, adapters, tmp_path):
 def lora_decode(model, rows_adapter: list[int], fused: bool, steps: int = 6) -> torch.Tensor:
     """PROMPTS prefilled (each on its row's adapter), then `steps` greedy decode steps of all three together,
     through the fused CPU decode step or layer by layer; the logits of every decode step [steps, 3, V]."""
-    model.__dict__.pop("cpu_decoder_step", None)
-    if not fused:
-        model.__dict__["cpu_decoder_step"] = None  # the cached property, overridden: layer by layer
-    tables, num_blocks = scattered_tables([len(p) + steps for p in PROMPTS])
-    cache = new_cache(model, num_blocks)
-    model.lora_rows.set([a for p, a in zip(PROMPTS, rows_adapter, strict=True) for _ in p], torch.device("cpu"))
-    logits, meta = step(model, cache, PROMPTS, [0] * len(PROMPTS), tables)
-    tokens, out = logits[meta.last_token_indices].argmax(-1), []
-    model.lora_rows.set(rows_adapter, torch.device("cpu"))
-    for i in range(steps):
-        logits, _ = step(model, cache, [[t] for t in tokens.tolist()], [len(p) + i for p in PROMPTS], tables)
-        out.append(logits)
-        tokens = logits.argmax(-1)
-    model.__dict__.pop("cpu_decoder_step", None)
-    return torch.stack(out)
+    return decode_logits(model, PROMPTS, fused, steps, adapters=rows_adapter)
 
 
 @pytest.mark.parametrize("quantize, atol", [(None, 1e-4), ("int4", 3e-3)])
