@@ -40,7 +40,6 @@ SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear_tiled"] = SIGNA
 SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear_tiled"] = SIGNATURES["kettle_q8_linear"]
 SIGNATURES["kettle_q4_gemm"] = SIGNATURES["kettle_q4_linear"]
 SIGNATURES["kettle_q8_gemm"] = SIGNATURES["kettle_q8_linear"]
-SIGNATURES["kettle_q8g_gemm"] = SIGNATURES["kettle_q8_linear"]  # float16 block scales in place of float32 ones
 SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
@@ -65,7 +64,7 @@ SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_tiled", "kettle_q8_linear_tiled")
 RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q4_gemm", "kettle_q8_gemm")
-RETURNS_STATUS += ("kettle_q8g_linear", "kettle_q8g_gemm")
+RETURNS_STATUS += ("kettle_q8g_linear",)
 RETURNS_STATUS += ("kettle_paged_prefill",)
 
 

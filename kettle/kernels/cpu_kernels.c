@@ -131,14 +131,16 @@ int kettle_q8_linear_qa(
 
 /* The Q8G (GGUF Q8_0) entry points: W = q [N, K] int8 · d [N, K/32] float16. K a multiple of 32. */
 
-/* y[M, N] = x · Wᵀ (+ bias): quantized activations (`quantized` 1) or the float32 tiles (exact to W). -1 when out
- * of memory. */
+/* y[M, N] = x · Wᵀ (+ bias) by `path`: Q8G_TILES (float32 tiles, exact to W), Q8G_QUANTIZED (int16 activations)
+ * or Q8G_GEMM (gemm.c's panels, for prompt chunks). -1 when out of memory. */
+enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2 }; /* kettle/kernels/ops.py's `q8g_linear` */
 int kettle_q8g_linear(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
-    const float *bias, float *y, int64_t ldy, int quantized, int threads
+    const float *bias, float *y, int64_t ldy, int path, int threads
 ) {
     const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
-    if (!quantized) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+    if (path == Q8G_GEMM) return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
+    if (path == Q8G_TILES) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
     QuantizedRows xq;
     if (quantize_rows(x, ldx, rows, k, 32, &xq)) return free_rows(&xq), -1;
 #pragma omp parallel for num_threads(threads) schedule(static)

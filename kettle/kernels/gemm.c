@@ -127,7 +127,7 @@ static void panel_rows(const Linear *w, const float *x, int64_t ldx, int64_t r0,
 
 /* y = x Wᵀ (+ bias) panel by panel: each thread owns a contiguous range of panels and walks the rows block by
  * block over them. -1 when out of memory. */
-static int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
+int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
     const int wide = kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512;
     const int64_t panels = (w->n + PANEL - 1) / PANEL, k = w->k;
     const int64_t block = ROW_BLOCK_BYTES / (int64_t)sizeof(float) / k / 12 * 12 + 12;
@@ -171,12 +171,3 @@ int kettle_q8_gemm(
     return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
 }
 
-/* `kettle_q8g_linear` for prompt chunks (GGUF Q8_0 weights: the block scales are folded in as each panel is
- * dequantized). */
-int kettle_q8g_gemm(
-    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
-    const float *bias, float *y, int64_t ldy, int threads
-) {
-    const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
-    return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
-}

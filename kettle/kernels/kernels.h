@@ -285,6 +285,9 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
     }
 }
 
+/* The prompt-chunk GEMM of gemm.c: y = x Wᵀ (+ bias) panel by panel; -1 when out of memory. */
+int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
+
 /* ---- float32 tiles for several activation rows: each output channel's weights are dequantized once into a
  * per-thread buffer, then every row multiplies them in float32 (exact to the dequantized weights), three channels
  * by four rows at a time. From a few rows on this beats the quantized-activation dot products, whose per-block

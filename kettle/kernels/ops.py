@@ -111,12 +111,12 @@ def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: tor
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
-    if rows >= GEMM_ROWS:
-        status = library().kettle_q8g_gemm(*args, torch.get_num_threads())
-    else:
-        quantized = QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS
-        status = library().kettle_q8g_linear(*args, int(quantized), torch.get_num_threads())
+    # The C entry's paths: 0 float32 tiles, 1 quantized activations, 2 the prompt GEMM.
+    path = 2 if rows >= GEMM_ROWS else int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
+    status = library().kettle_q8g_linear(
+        x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n, path,
+        torch.get_num_threads(),
+    )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y

@@ -141,7 +141,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        backend = self.backend = self.backend or choose(gate_up)
+        if self.backend is None:  # chosen once, from the first activations
+            self.backend = choose(gate_up)
+        backend = self.backend
         if self.silu and backend is Backend.TRITON and unit_stride(gate_up):
             return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0)
         if self.silu and backend is Backend.C:

@@ -58,7 +58,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
-        self.backend = self.backend or get_backend(device_type=x.device.type)
+        if self.backend is None:  # chosen once, from the first input's device
+            self.backend = get_backend(device_type=x.device.type)
         qkv = self.qkv(x)
         if self.clip is not None:
             qkv = qkv.clamp(min=-self.clip, max=self.clip)
