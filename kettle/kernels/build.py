@@ -36,11 +36,12 @@ SIGNATURES = {
     "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
     "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
 }
-SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear_tiled"] = SIGNATURES["kettle_q4_linear"]
-SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear_tiled"] = SIGNATURES["kettle_q8_linear"]
-SIGNATURES["kettle_q4_gemm"] = SIGNATURES["kettle_q4_linear"]
-SIGNATURES["kettle_q8_gemm"] = SIGNATURES["kettle_q8_linear"]
-SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
+SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear"]
+SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
+# The several-row entries take one more int before the threads: the path (tiles or GEMM; Q8_0 also int16 rows).
+SIGNATURES["kettle_q4_linear_rows"] = [*SIGNATURES["kettle_q4_linear"][:-1], ctypes.c_int, ctypes.c_int]
+SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
+SIGNATURES["kettle_q8g_linear"] = SIGNATURES["kettle_q8_linear_rows"]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
 # threads
@@ -62,9 +63,8 @@ SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int
 # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]
-RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_tiled", "kettle_q8_linear_tiled")
-RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q4_gemm", "kettle_q8_gemm")
-RETURNS_STATUS += ("kettle_q8g_linear",)
+RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_rows", "kettle_q8_linear_rows")
+RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q8g_linear")
 RETURNS_STATUS += ("kettle_paged_prefill",)
 
 

@@ -76,22 +76,22 @@ static int linear_tiled(const Linear *w, const float *x, int64_t ldx, int64_t ro
     return failed ? -1 : 0;
 }
 
-/* `kettle_q4_linear` over the float32 tiles, for several rows. */
-int kettle_q4_linear_tiled(
+/* `kettle_q4_linear` for several rows: the float32 tiles, or with `gemm` gemm.c's panels (prompt chunks). */
+int kettle_q4_linear_rows(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
+    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int gemm, int threads
 ) {
     const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
-    return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+    return gemm ? quant_gemm(&w, x, ldx, rows, y, ldy, threads) : linear_tiled(&w, x, ldx, rows, y, ldy, threads);
 }
 
-/* `kettle_q8_linear` over the float32 tiles, for several rows. */
-int kettle_q8_linear_tiled(
+/* `kettle_q8_linear` for several rows, as `kettle_q4_linear_rows` (K a multiple of 16). */
+int kettle_q8_linear_rows(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
-    const float *bias, float *y, int64_t ldy, int threads
+    const float *bias, float *y, int64_t ldy, int gemm, int threads
 ) {
     const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
-    return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+    return gemm ? quant_gemm(&w, x, ldx, rows, y, ldy, threads) : linear_tiled(&w, x, ldx, rows, y, ldy, threads);
 }
 
 /* x [rows, K] (rows ldx floats apart) quantized for a weight with groups of `group`; -1 when out of memory. */

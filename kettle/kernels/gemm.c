@@ -153,21 +153,3 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     return failed ? -1 : 0;
 }
 
-/* `kettle_q4_linear` for prompt chunks (many rows). */
-int kettle_q4_gemm(
-    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
-) {
-    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
-    return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
-}
-
-/* `kettle_q8_linear` for prompt chunks (K a multiple of 16). */
-int kettle_q8_gemm(
-    const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
-    const float *bias, float *y, int64_t ldy, int threads
-) {
-    const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
-    return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
-}
-

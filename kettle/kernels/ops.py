@@ -62,13 +62,13 @@ def q4_linear(
     n = packed.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
-    if rows >= Q4_FLOAT_ROWS:
-        kernel = library().kettle_q4_gemm if rows >= GEMM_ROWS else library().kettle_q4_linear_tiled
-    status = kernel(
-        x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size,
-        _ptr(bias), y.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
+    args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size)
+    args += (_ptr(bias), y.data_ptr(), n)
+    if rows >= Q4_FLOAT_ROWS:  # the float32 tiles, or the panel GEMM for prompt chunks
+        status = library().kettle_q4_linear_rows(*args, int(rows >= GEMM_ROWS), torch.get_num_threads())
+    else:
+        kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
+        status = kernel(*args, torch.get_num_threads())
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y
@@ -91,13 +91,12 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    kernel = library().kettle_q8_linear_qa if QUANTIZED_ACTIVATIONS and k % 32 == 0 else library().kettle_q8_linear
-    if rows >= Q8_FLOAT_ROWS:
-        kernel = library().kettle_q8_linear_tiled if rows < GEMM_ROWS else library().kettle_q8_gemm
-    status = kernel(
-        x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
+    if rows >= Q8_FLOAT_ROWS:  # the float32 tiles, or the panel GEMM for prompt chunks
+        status = library().kettle_q8_linear_rows(*args, int(rows >= GEMM_ROWS), torch.get_num_threads())
+    else:
+        qa = QUANTIZED_ACTIVATIONS and k % 32 == 0
+        status = (library().kettle_q8_linear_qa if qa else library().kettle_q8_linear)(*args, torch.get_num_threads())
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y
