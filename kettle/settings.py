@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 LM_HEAD_SCHEMES = ("int8", "int4", "dense")
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
+# A decode call's steps within this window reach the streams together: short enough to read as a steady stream,
+# long enough to share one round trip to the shard between several steps of a small batch (docs/performance.md).
+DEFAULT_DECODE_WINDOW_MS = 50.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Settings:
     fallback_padding: bool  # KETTLE_FALLBACK_PADDING=0: the transformers fallback runs one request per forward
     adaptive_chunks: bool  # KETTLE_ADAPTIVE_CHUNKS=0: every prefill chunk may take the whole token budget
     overlap: bool  # KETTLE_OVERLAP=1: the shard computes the next decode step while the router handles the last
+    decode_window_ms: float  # KETTLE_DECODE_WINDOW_MS: one decode call may run steps for this long (0: one step)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -75,6 +79,7 @@ class Settings:
             fallback_padding=env.get("KETTLE_FALLBACK_PADDING", "1") != "0",
             adaptive_chunks=env.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0",
             overlap=env.get("KETTLE_OVERLAP", "0") == "1",
+            decode_window_ms=_window(env.get("KETTLE_DECODE_WINDOW_MS")),
         )
 
 
@@ -83,6 +88,13 @@ def _timeout(value: str | None) -> float:
     if seconds <= 0:
         raise ValueError(f"KETTLE_DISTRIBUTED_TIMEOUT must be a positive number of seconds, got {value!r}")
     return seconds
+
+
+def _window(value: str | None) -> float:
+    milliseconds = float(value) if value else DEFAULT_DECODE_WINDOW_MS
+    if milliseconds < 0:
+        raise ValueError(f"KETTLE_DECODE_WINDOW_MS must be a number of milliseconds >= 0, got {value!r}")
+    return milliseconds
 
 
 def _group_size(value: str | None) -> int | None:

@@ -37,6 +37,7 @@ class Timings:
     decode_ns: int = 0
     total_ns: int = 0
     concat_ns: int = 0
+    steps: int = 1  # decode steps the call ran
 
 
 StepResult = tuple[list[pb.Generation], pb.CachedBatch | None, Timings]
@@ -59,7 +60,9 @@ def _step_result(responses: Sequence[Any]) -> StepResult:
     first = responses[0]
     batch = first.batch if first.HasField("batch") else None
     concat = getattr(first, "concat_ns", 0)
-    return _merge_generations(responses), batch, Timings(first.forward_ns, first.decode_ns, first.total_ns, concat)
+    steps = max(1, getattr(first, "steps", 1))
+    timings = Timings(first.forward_ns, first.decode_ns, first.total_ns, concat, steps)
+    return _merge_generations(responses), batch, timings
 
 
 def warmup_batch(
@@ -162,8 +165,8 @@ class ShardedClient:
         request = pb.PrefillRequest(batch=batch, cached_batch=cached_batch)
         return _step_result(await self._broadcast(lambda s: s.Prefill(request)))
 
-    async def decode(self, batches: Sequence[pb.CachedBatch]) -> StepResult:
-        request = pb.DecodeRequest(batches=batches)
+    async def decode(self, batches: Sequence[pb.CachedBatch], max_steps: int = 1) -> StepResult:
+        request = pb.DecodeRequest(batches=batches, max_steps=max_steps)
         return _step_result(await self._broadcast(lambda s: s.Decode(request)))
 
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch | None:

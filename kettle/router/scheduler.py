@@ -27,6 +27,7 @@ from kettle.router.block_ledger import BlockLedger
 from kettle.router.blocks import Allocator
 from kettle.router.chunk_budget import ChunkBudget
 from kettle.router.client import StepResult
+from kettle.router.decode_steps import DecodeSteps
 from kettle.router.events import generation_events
 from kettle.router.liveness import Liveness
 from kettle.router.queue import Entry, NextBatch, Queue
@@ -44,7 +45,7 @@ class ShardClient(Protocol):
 
     async def prefill(self, batch: pb.Batch, cached_batch: pb.CachedBatch | None = None) -> StepResult: ...
 
-    async def decode(self, batches: Sequence[pb.CachedBatch]) -> StepResult: ...
+    async def decode(self, batches: Sequence[pb.CachedBatch], max_steps: int = 1) -> StepResult: ...
 
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch | None: ...
 
@@ -63,6 +64,8 @@ class Scheduler:
         self._batch: pb.CachedBatch | None = None
         self._waiting_steps = 0  # steps since a batch last joined (TGI's `waiting_tokens`)
         self._chunks = ChunkBudget(config.max_batch_prefill_tokens, config.adaptive_chunks)
+        self._decode_steps = DecodeSteps(config.decode_window_ms / 1000)
+        self._call_steps = 1  # decode steps the last shard call ran
         self._wake = asyncio.Event()
         self.last_call_ok = True  # read by the health check
         self.ledger = BlockLedger(allocator)
@@ -113,9 +116,10 @@ class Scheduler:
             batches += await self._prefill(new)
         if batches:
             batch_ids = [b.id for b in batches]
-            decoded = await self._execute("decode", list(self._running), batch_ids, self._client.decode(batches))
+            call = self._client.decode(batches, self._steps_allowed(new is None))
+            decoded = await self._execute("decode", list(self._running), batch_ids, call)
             self._batch = decoded[0] if decoded else None
-            self._waiting_steps += 1
+            self._waiting_steps += self._call_steps
         self._update_gauges()
         return new is not None or bool(batches)
 
@@ -142,7 +146,11 @@ class Scheduler:
         running = self._with_chunks(self._batch, chunks)
         if new is None:
             assert running is not None
-            call, method, batch_ids = self._client.decode([running]), "decode", [running.id]
+            call, method, batch_ids = (
+                self._client.decode([running], self._steps_allowed(not chunks)),
+                "decode",
+                [running.id],
+            )
         else:
             self._admit(new)
             prefilling += new.entries.values()
@@ -150,10 +158,19 @@ class Scheduler:
             batch_ids = [new.batch.id, *([running.id] if running is not None else [])]
         prompt_tokens, start = sum(e.chunk_len for e in prefilling), time.monotonic()
         decoded = await self._execute(method, list(self._running), batch_ids, self._progressed(prefilling, call))
-        self._chunks.observe(time.monotonic() - start, prompt_tokens)
+        self._chunks.observe((time.monotonic() - start) / self._call_steps, prompt_tokens)
         self._batch = decoded[0] if decoded else None
         self._update_gauges()
         return True
+
+    def _steps_allowed(self, nothing_joins: bool) -> int:
+        """Decode steps the next call may run: several only while the batch is settled (see decode_steps.py)."""
+        settled = (
+            nothing_joins
+            and len(self._queue) == 0
+            and not any(e.in_prefill or e.cancelled for e in self._running.values())
+        )
+        return self._decode_steps.steps(settled)
 
     def _continue_prefills(self, budget: int) -> tuple[int, dict[int, int]]:
         """The next chunk of every running request whose prompt is incomplete, and what is left of `budget`.
@@ -244,16 +261,22 @@ class Scheduler:
 
     async def _timed(self, method: str, call: Awaitable[StepResult]) -> tuple[list, pb.CachedBatch | None]:
         """Awaits a prefill or decode, recording the batch metrics and whether the shards are healthy."""
-        metrics.BATCH_INFERENCE_COUNT.labels(method=method).inc()
         start = time.monotonic()
         try:
-            generations, cached, _timings = await call
+            generations, cached, timings = await call
         except Exception:
+            metrics.BATCH_INFERENCE_COUNT.labels(method=method).inc()
             metrics.BATCH_INFERENCE_FAILURE.labels(method=method).inc()
             self.last_call_ok = False
             raise
-        metrics.BATCH_FORWARD_DURATION.labels(method=method).observe(time.monotonic() - start)
-        metrics.BATCH_INFERENCE_SUCCESS.labels(method=method).inc()
+        # The batch metrics count forwards: a decode call that ran several steps counts each, at its share.
+        elapsed, self._call_steps = time.monotonic() - start, max(1, timings.steps if timings is not None else 1)
+        for _ in range(self._call_steps):
+            metrics.BATCH_INFERENCE_COUNT.labels(method=method).inc()
+            metrics.BATCH_FORWARD_DURATION.labels(method=method).observe(elapsed / self._call_steps)
+            metrics.BATCH_INFERENCE_SUCCESS.labels(method=method).inc()
+        if method == "decode":
+            self._decode_steps.observe(elapsed, self._call_steps)
         self.last_call_ok = True
         return generations, cached
 

@@ -71,19 +71,28 @@ class ShardEngine:
         )
 
     def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
-        """One decode step over the concatenation of the given cached batches."""
+        """Decode steps over the concatenation of the given cached batches: one, or up to `max_steps` while the
+        batch has requests left and none of them waits for a prompt chunk from the router."""
         start = time.perf_counter_ns()
         ahead = self._claim_ahead(request.batches)
         batch = self._assemble(request.batches)
         concat_ns = time.perf_counter_ns() - start
         result, kept = self._run(batch, ahead)
+        merged = {g.request_id: g for g in result.generations}
+        forward_ns, decode_ns, steps = result.forward_ns, result.decode_ns, 1
+        while kept is not None and steps < request.max_steps and not any(r.in_prefill for r in batch.requests):
+            batch = self._take(kept.id)
+            result, kept = self._run(batch)
+            _append_step(merged, result.generations)
+            forward_ns, decode_ns, steps = forward_ns + result.forward_ns, decode_ns + result.decode_ns, steps + 1
         return pb.DecodeResponse(
-            generations=result.generations,
+            generations=merged.values(),
             batch=kept,
-            forward_ns=result.forward_ns,
-            decode_ns=result.decode_ns,
+            forward_ns=forward_ns,
+            decode_ns=decode_ns,
             total_ns=time.perf_counter_ns() - start,
             concat_ns=concat_ns,
+            steps=steps,
         )
 
     def filter_batch(self, request: pb.FilterBatchRequest) -> pb.FilterBatchResponse:
@@ -282,3 +291,19 @@ class ShardEngine:
             used, next_block = used + len(ids), next_block + n_blocks
         if requests:
             self.runner.step(requests)
+
+
+def _append_step(merged: dict[int, pb.Generation], generations: Sequence[pb.Generation]) -> None:
+    """Adds one more step's generations to those of the call's earlier steps: one Generation per request, its
+    tokens and top tokens in order (MergeFrom appends repeated fields), ending with the step that finished it."""
+    for generation in generations:
+        earlier = merged.get(generation.request_id)
+        if earlier is None:
+            merged[generation.request_id] = generation
+            continue
+        drafted, accepted = (
+            earlier.draft_tokens + generation.draft_tokens,
+            earlier.accepted_tokens + generation.accepted_tokens,
+        )
+        earlier.MergeFrom(generation)
+        earlier.draft_tokens, earlier.accepted_tokens = drafted, accepted

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 from kettle.proto import generate_pb2 as pb
+from kettle.router.client import Timings
 from kettle.router.queue import Entry
 from kettle.router.types import SamplingParameters, StoppingParameters, ValidGenerateRequest
 
@@ -50,6 +51,7 @@ class FakeClient:
         self.forwards: list[tuple[dict[int, int], list[int]]] = []  # ({id: prompt tokens}, [decoded ids])
         self.fail_next: dict[str, str] = {}  # method -> error message, used once
         self.healthy = True
+        self.steps: list[int] = []  # decode steps each decode call ran
 
     async def _enter(self, method: str, *args) -> None:
         await asyncio.sleep(0)  # like a real RPC, let other tasks run
@@ -75,10 +77,23 @@ class FakeClient:
             ids = self._continue(cached_batch) + ids
         return self._forward(ids), self._keep(batch.id if cached_batch is None else cached_batch.id, ids), None
 
-    async def decode(self, batches: Sequence[pb.CachedBatch]):
+    async def decode(self, batches: Sequence[pb.CachedBatch], max_steps: int = 1):
+        """Up to `max_steps` forwards, as the shard runs them: each request's tokens of all of them in one
+        Generation, stopping early when no request is left or one is still in prefill."""
         await self._enter("decode", [b.id for b in batches])
         ids = [i for b in batches for i in self._continue(b)]
-        return self._forward(ids), self._keep(batches[0].id, ids), None
+        merged = {g.request_id: g for g in self._forward(ids)}
+        kept, steps = self._keep(batches[0].id, ids), 1
+        while kept is not None and steps < max_steps and all(self._prompt_done(i) for i in kept.request_ids):
+            ids = self._continue(kept)
+            for generation in self._forward(ids):
+                merged.setdefault(generation.request_id, pb.Generation()).MergeFrom(generation)
+            kept, steps = self._keep(kept.id, ids), steps + 1
+        self.steps.append(steps)
+        return list(merged.values()), kept, Timings(steps=steps)
+
+    def _prompt_done(self, request_id: int) -> bool:
+        return self.prefilled[request_id] == len(self.requests[request_id].input_ids)
 
     def _continue(self, cached: pb.CachedBatch) -> list[int]:
         """Takes a cached batch, applying the router's next chunks."""

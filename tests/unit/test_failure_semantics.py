@@ -207,7 +207,7 @@ def test_liveness_counts_silence_only_while_there_is_work():
 class StalledClient(FakeClient):
     """Shards whose decode never returns."""
 
-    async def decode(self, batches):
+    async def decode(self, batches, max_steps=1):
         await asyncio.Event().wait()
 
 

@@ -81,8 +81,8 @@ def test_a_failed_batch_raises_generation_error_and_the_next_request_succeeds():
 
 def test_request_the_shards_drop_without_finishing_is_incomplete():
     class DroppingClient(FakeClient):
-        async def decode(self, batches):
-            generations, _, timings = await super().decode(batches)
+        async def decode(self, batches, max_steps=1):
+            generations, _, timings = await super().decode(batches, max_steps)
             return generations, None, timings
 
     async def main():

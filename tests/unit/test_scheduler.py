@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -64,7 +65,8 @@ def test_event_stream_of_one_request():
         assert all(t.end is None for t in tokens[:-1])
         assert tokens[-1].end == GeneratedText("t1t2t3t4", 4, FinishReason.LENGTH, None)
         assert tokens[-1].queued_at <= tokens[-1].started_at
-        assert client.method_calls("prefill") == [(0, [1])] and len(client.method_calls("decode")) == 3
+        # Three decode steps; once a step time is known the settled batch runs the last two in one call.
+        assert client.method_calls("prefill") == [(0, [1])] and client.steps == [1, 2]
         assert allocator.free_blocks == 64 and client.batches == {}
 
     asyncio.run(main())
@@ -252,3 +254,51 @@ def test_all_blocks_return_to_the_pool_after_a_mixed_run(chunked):
             assert last.end is not None and last.end.generated_tokens == entry.request.stopping.max_new_tokens
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_settled_batch_runs_several_steps_per_call_with_the_same_events(chunked):
+    """Requests of different lengths: the events of each equal those of one step per call, in fewer calls."""
+
+    async def run(window_ms: float) -> tuple[list[list], FakeClient]:
+        client = FakeClient()
+        scheduler, queue, allocator = setup(client, chunked_prefill=chunked, decode_window_ms=window_ms)
+        entries = [make_entry(i, input_len=3 + i, max_new=4 + 3 * i, details=True) for i in range(3)]
+        for entry in entries:
+            queue.append(entry)
+        await run_until_idle(scheduler)
+        assert allocator.free_blocks == 64 and client.batches == {} and all(finished(e) for e in entries)
+        # Timestamps aside (the runs differ in time), every event of every request.
+        events = [[_untimed(e) for e in drain(x)] for x in entries]
+        return events, client
+
+    several, batched = asyncio.run(run(50.0))
+    one, single = asyncio.run(run(0.0))
+    assert several == one
+    assert set(single.steps) == {1} and max(batched.steps) > 1
+    assert sum(batched.steps) == sum(single.steps) and len(batched.steps) < len(single.steps)
+
+
+def test_decode_calls_run_one_step_while_a_request_waits_to_join():
+    async def main():
+        client = FakeClient()
+        scheduler, queue, _ = setup(client, max_batch_size=1, decode_window_ms=50.0)
+        first, second = make_entry(1, max_new=12), make_entry(2, max_new=12)
+        queue.append(first)
+        await scheduler.step()  # the prefill, then one step: now a step time is known
+        queue.append(second)  # waits: the batch is full
+        await run_until_idle(scheduler)
+        assert token_ids(drain(first)) == list(range(1, 13)) and token_ids(drain(second)) == list(range(1, 13))
+        # Every call while the second request waited ran one step, so it joined as soon as the first ended;
+        # alone and settled, it then ran several per call.
+        admitted = next(i for i, c in enumerate(client.calls) if c[0] == "prefill" and c[2] == [2])
+        waited = sum(1 for c in client.calls[:admitted] if c[0] == "decode")
+        assert client.steps[:waited] == [1] * 11 and max(client.steps[waited:]) > 1
+
+    asyncio.run(main())
+
+    asyncio.run(main())
+
+
+def _untimed(event):
+    return dataclasses.replace(event, queued_at=None, started_at=None) if isinstance(event, TokenEvent) else event
