@@ -61,7 +61,7 @@ def _config_kwargs(arch: str, hidden: int) -> dict:
         "phi3": llama_like | {"pad_token_id": 0, "sliding_window": 5},
         "gemma2": llama_like
         | tied
-        | {"head_dim": hidden // 4, "sliding_window": 4, "pad_token_id": 0}
+        | {"head_dim": hidden // 4, "query_pre_attn_scalar": hidden // 4, "sliding_window": 4, "pad_token_id": 0}
         | {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0},
         "starcoder2": llama_like | tied | {"norm_epsilon": 1e-5, "rope_theta": 1e5},
         "gpt2": tied | {"n_embd": hidden, "n_layer": 2, "n_head": 4, "n_positions": 1024},
@@ -185,6 +185,11 @@ def _write_metadata(writer, arch: str, config) -> None:
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     if arch == "phi3":
         writer.add_sliding_window(config.sliding_window or 0)
+        if (config.rope_parameters or {}).get("rope_type") == "longrope":
+            writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+            for kind in ("long", "short"):
+                factors = np.array(config.rope_parameters[f"{kind}_factor"], np.float32)
+                writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     if arch == "gemma2":
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)

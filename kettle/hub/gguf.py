@@ -116,6 +116,12 @@ def _add_unmapped_metadata(gguf_path: Path, config) -> None:
         config.new_decoder_architecture, config.num_kv_heads = True, int(kv_heads)
         two_norms = any(tensor.name == "blk.0.attn_norm_2.weight" for tensor in header.tensors)
         config.num_ln_in_parallel_attn = 2 if two_norms else 1
+    if arch == "phi3":
+        _add_long_context_factors(gguf_path, header, config)
+    if arch == "gemma2":
+        config.query_pre_attn_scalar = gemma2_query_scalar(
+            config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim
+        )
     for key, attribute in UNMAPPED_METADATA.get(arch, {}).items():
         value = fields.get(f"{arch}.{key}")
         if value is None:
@@ -126,6 +132,40 @@ def _add_unmapped_metadata(gguf_path: Path, config) -> None:
             config.sliding_window = int(value) or None  # llama.cpp writes 0 for "no window" (Phi-4)
         else:
             setattr(config, attribute, value)
+
+
+def gemma2_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """What Gemma 2 divides queries by (the square root of it): the head size, except for the 27B model, trained
+    with hidden / heads (144, its head size being 128). The metadata has no key for it, so llama.cpp tells the 27B
+    by its 46 layers; transformers' reader leaves the class default (256, right for the 2B and 9B only)."""
+    return hidden / heads if layers == 46 else head_dim
+
+
+def _add_long_context_factors(gguf_path: Path, header, config) -> None:
+    """Phi-3's long-context RoPE ("longrope", the 128k models): llama.cpp stores the per-frequency factors as two
+    tensors and the trained length as metadata, none of which transformers' reader maps."""
+    import numpy as np
+
+    tensors = {t.name: t for t in header.tensors}
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    original = header.fields.get("phi3.rope.scaling.original_context_length")
+    if long is None or short is None or not original:
+        return
+
+    def values(tensor) -> list[float]:
+        if tensor.qtype != 0:  # F32, as the converter writes them
+            raise ValueError(f"{tensor.name} is not float32 (ggml type {tensor.qtype})")
+        count = int(np.prod(tensor.dims))
+        return np.fromfile(gguf_path, dtype=np.float32, count=count, offset=tensor.offset).tolist()
+
+    config.rope_parameters = {
+        **(config.rope_parameters or {}),
+        "rope_type": "longrope",
+        "long_factor": values(long),
+        "short_factor": values(short),
+        "original_max_position_embeddings": int(original),
+    }
+    config.original_max_position_embeddings = int(original)
 
 
 def _save_model(gguf_path: Path, out_dir: Path, trust_remote_code: bool):

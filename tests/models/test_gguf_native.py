@@ -112,6 +112,27 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
 
 
+def test_phi3_long_context_factors_come_from_the_file(tmp_path):
+    """A Phi-3 128k-style file: longrope factors as tensors, the trained length (8 here) as metadata. The prompt of
+    9 tokens runs on the long factors, the shorter ones on the short factors, in one batch."""
+    longrope = {
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5],
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+    }  # fmt: skip
+    model = tiny_model("phi3", 64, original_max_position_embeddings=8, rope_parameters=longrope)
+    folder = write_gguf(model, tmp_path / "phi3-128k", "phi3", T.F32)
+    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(kettle_logits(loaded), reference_logits(model), atol=1e-4, rtol=0)
+
+
+def test_gemma2_27b_scales_queries_by_hidden_over_heads():
+    from kettle.hub.gguf import gemma2_query_scalar
+
+    assert gemma2_query_scalar(46, 4608, 32, 128) == 144  # the 27B
+    assert gemma2_query_scalar(42, 3584, 16, 256) == 256  # the 9B (and the 2B, 26 layers)
+
+
 @pytest.mark.parametrize("arch", FROM_METADATA)
 def test_the_files_layout_is_what_transformers_gguf_loader_reads(tmp_path, arch):
     """The tiny file's layout, read back by transformers' own GGUF loader (its implementation of llama.cpp's
