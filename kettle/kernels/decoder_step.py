@@ -66,7 +66,7 @@ class Decoder(ctypes.Structure):
     KV cache's element type (ops.KV_DTYPES, set per step)."""
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
-    _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int)]
+    _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int), ("gemm_rows", _int)]
     _fields_ += [("rot_dim", _int), ("interleaved", _int)]
     _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int)]
 

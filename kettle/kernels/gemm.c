@@ -19,18 +19,42 @@
 
 #define PANEL 32 /* output channels per dequantized panel */
 
+/* Eight rows of 8 floats (r[0..7], each 8 consecutive inputs of one channel) transposed in registers: r[t]
+ * becomes input t's 8 channels. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
 /* Channels j0 .. j0 + count - 1 of w dequantized into panel[i * PANEL + c] (channel j0 + c, input i); missing
- * channels of a short last panel are zero. `row` holds K floats. Q8's per-channel scale is folded in, as its
- * dense path (`Int8Linear.dequantized`) does. */
-static void dequant_panel(const Linear *w, int64_t j0, int count, float *row, float *panel) {
-    for (int c = 0; c < PANEL; c++) {
-        if (c >= count) {
-            for (int64_t i = 0; i < w->k; i++) panel[i * PANEL + c] = 0.0f;
-            continue;
+ * channels of a short last panel are zero. `rows` holds 8·K floats: eight channels are dequantized row by row,
+ * then written into the panel's layout 8 × 8 at a time through a register transpose (a scalar scatter of every
+ * weight cost about as much as a 16-row tile's FMAs). Q8's per-channel scale is folded in, as its dense path
+ * (`Int8Linear.dequantized`) does. */
+static void dequant_panel(const Linear *w, int64_t j0, int count, float *rows, float *panel) {
+    const int64_t k = w->k; /* a multiple of 8 (of 32 for every quantized kind) */
+    for (int c0 = 0; c0 < PANEL; c0 += 8) {
+        __m256 scale[8];
+        for (int c = 0; c < 8; c++) {
+            const int64_t channel = j0 + c0 + c;
+            if (c0 + c < count) dequant_channel(w, channel, rows + c * k);
+            else for (int64_t i = 0; i < k; i++) rows[c * k + i] = 0.0f;
+            scale[c] = _mm256_set1_ps(w->kind == LINEAR_Q8 && c0 + c < count ? ((const float *)w->scales)[channel] : 1.0f);
         }
-        dequant_channel(w, j0 + c, row);
-        const float scale = w->kind == LINEAR_Q8 ? ((const float *)w->scales)[j0 + c] : 1.0f;
-        for (int64_t i = 0; i < w->k; i++) panel[i * PANEL + c] = row[i] * scale;
+        for (int64_t i = 0; i < k; i += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; c++) r[c] = _mm256_mul_ps(_mm256_loadu_ps(rows + c * k + i), scale[c]);
+            transpose8(r);
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps(panel + (i + t) * PANEL + c0, r[t]);
+        }
     }
 }
 
@@ -125,8 +149,27 @@ static void panel_rows(const Linear *w, const float *x, int64_t ldx, int64_t r0,
     }
 }
 
-/* y = x Wᵀ (+ bias) panel by panel: each thread owns a contiguous range of panels and walks the rows block by
- * block over them. -1 when out of memory. */
+/* Floats of the per-thread buffer `gemm_panels` needs for an input width of k: the panel, eight dequantized rows and
+ * a tile's outputs (64-byte multiples). */
+int64_t gemm_buffer_floats(int64_t k) { return (k * PANEL + 8 * k + 12 * PANEL + 15) / 16 * 16; }
+
+/* y = x Wᵀ (+ bias) for m rows, run by every thread of the calling team (an orphaned `omp for` over the panels,
+ * whose closing barrier makes y complete): the decode step's projections from `gemm_rows` rows on. `buffer`:
+ * this thread's gemm_buffer_floats(K) floats, 64-byte aligned. */
+void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer) {
+    const int wide = kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512;
+    float *rows = buffer + w->k * PANEL, *tile = rows + 8 * w->k;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < (w->n + PANEL - 1) / PANEL; p++) {
+        const int64_t j0 = p * PANEL;
+        const int count = w->n - j0 < PANEL ? (int)(w->n - j0) : PANEL;
+        dequant_panel(w, j0, count, rows, buffer);
+        panel_rows(w, x, ldx, 0, m, buffer, tile, wide, j0, count, y, ldy);
+    }
+}
+
+/* y = x Wᵀ (+ bias) panel by panel for prompt chunks: each thread owns a contiguous range of panels and walks the
+ * rows block by block over them. -1 when out of memory. */
 int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
     const int wide = kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512;
     const int64_t panels = (w->n + PANEL - 1) / PANEL, k = w->k;
@@ -136,15 +179,15 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     {
         const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t p0 = panels * id / team, p1 = panels * (id + 1) / team;
-        float *panel = aligned_alloc(64, sizeof(float) * (size_t)((k * PANEL + k + 12 * PANEL + 15) / 16 * 16));
+        float *panel = aligned_alloc(64, sizeof(float) * (size_t)gemm_buffer_floats(k));
         failed = panel == NULL;
         for (int64_t r0 = 0; panel && r0 < m; r0 += block) {
             const int64_t r1 = m - r0 < block ? m : r0 + block;
             for (int64_t p = p0; p < p1; p++) {
                 const int64_t j0 = p * PANEL;
                 const int count = w->n - j0 < PANEL ? (int)(w->n - j0) : PANEL;
-                float *row = panel + k * PANEL, *tile = row + k;
-                dequant_panel(w, j0, count, row, panel);
+                float *rows = panel + k * PANEL, *tile = rows + 8 * k;
+                dequant_panel(w, j0, count, rows, panel);
                 panel_rows(w, x, ldx, r0, r1, panel, tile, wide, j0, count, y, ldy);
             }
         }
@@ -152,4 +195,3 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     }
     return failed ? -1 : 0;
 }
-

@@ -287,6 +287,10 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
 
 /* The prompt-chunk GEMM of gemm.c: y = x Wᵀ (+ bias) panel by panel; -1 when out of memory. */
 int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
+/* The same panels inside a parallel region (the calling team splits them), with a per-thread buffer of
+ * gemm_buffer_floats(K) floats. */
+void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);
+int64_t gemm_buffer_floats(int64_t k);
 
 /* ---- float32 tiles for several activation rows: each output channel's weights are dequantized once into a
  * per-thread buffer, then every row multiplies them in float32 (exact to the dequantized weights), three channels

@@ -26,10 +26,11 @@ QUANTIZED_ACTIVATIONS = settings.current().quantized_activations
 _FLOAT_ROWS = settings.current().cpu_float_rows
 Q4_FLOAT_ROWS = (8 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
-# From this many rows on (prompt chunks), the int4/int8 kernels are gemm.c's blocked GEMM: the weight dequantized
-# panel by panel into a cache-sized buffer that a register-blocked micro-kernel multiplies with every row. 128 is
-# where the dense float32 GEMM it replaces took over from the tiles (at 64 rows a chunk's activations still sit in
-# L2 for the tiles; a sweep on the shared 2-core machine could not separate 16-128 rows from its noise).
+# From this many rows on (prompt chunks, and decode steps of 16 streams or more, in the fused step too), the
+# int4/int8 kernels are gemm.c's blocked GEMM: the weight dequantized panel by panel into a cache-sized buffer
+# (written through a register transpose) that a register-blocked micro-kernel multiplies with every row. At 16 rows
+# it beat the float32 tiles on the bundled model's shapes (down_proj 133 vs 170 us, the whole fused step 1.10x;
+# equal at 8 rows), and Q8_0's head there matches the quantized activations (1.8x them at 32 rows).
 # `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
 GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
 
@@ -64,7 +65,7 @@ def q4_linear(
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size)
     args += (_ptr(bias), y.data_ptr(), n)
-    if rows >= Q4_FLOAT_ROWS:  # the float32 tiles, or the panel GEMM for prompt chunks
+    if rows >= min(Q4_FLOAT_ROWS, GEMM_ROWS):  # the float32 tiles or the panel GEMM (the decode step's choice)
         status = library().kettle_q4_linear_rows(*args, int(rows >= GEMM_ROWS), torch.get_num_threads())
     else:
         kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
@@ -92,7 +93,7 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
-    if rows >= Q8_FLOAT_ROWS:  # the float32 tiles, or the panel GEMM for prompt chunks
+    if rows >= min(Q8_FLOAT_ROWS, GEMM_ROWS):  # the float32 tiles or the panel GEMM (the decode step's choice)
         status = library().kettle_q8_linear_rows(*args, int(rows >= GEMM_ROWS), torch.get_num_threads())
     else:
         qa = QUANTIZED_ACTIVATIONS and k % 32 == 0

@@ -71,6 +71,23 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
     assert torch.equal(fused, reference)
 
 
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding"])
+def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize):
+    """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's panels inside its
+    parallel region, as the layer-by-layer forward runs them per call: the same numbers."""
+    monkeypatch.setattr(ops, "GEMM_ROWS", 2)
+    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
+    assert model.cpu_decoder_step.decoder.gemm_rows == 2
+    fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    assert torch.equal(fused, reference)
+    # Both exact to the dequantized weights, as the float32 tiles are: float32 rounding apart.
+    monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
+    monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 2)
+    monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", 2)
+    torch.testing.assert_close(fused, decode_logits(model, fused=False), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "qwen3", "gemma"])
 def test_float32_weights_stored_dense_decode_fused(tmp_path, monkeypatch, variant):
     """Float32 projections in the dense layout: the C step's tiles read them in place, while the layer-by-layer
