@@ -41,7 +41,7 @@ class Grammars:
     """The shard's grammar support: the llguidance view of the tokenizer, new matchers, and the per-step mask.
 
     The tokenizer view is built on the first grammar request: ~0.26 s once for the bundled model's 49k
-    vocabulary, against ~26 MB held for the shard's whole life by a shard that may never see a grammar (it keeps
+    vocabulary, against ~40 MiB resident for the whole life of a shard that may never see a grammar (it keeps
     its own copy of the Rust tokenizer and a token trie)."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
