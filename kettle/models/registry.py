@@ -56,14 +56,13 @@ def load_model(
     found from their `quantization_config`) quantize the CPU model as it loads (kettle/quantization/loading.py).
     A GGUF folder with no `quantize` serves its own quantization on the CPU unless `dequantize` (a float --dtype)
     asks for dense weights (kettle/quantization/gguf_scheme.py)."""
-    from transformers import AutoConfig
-
+    from kettle.models.hf_config import load_config
     from kettle.models.rope_override import apply_rope_override
     from kettle.models.transformers_fallback import load_transformers_model
     from kettle.quantization.loading import default_gguf_scheme, finish, resolve_scheme
 
     check_loadable(path, trust_remote_code)  # clear errors for custom code / unknown types, before transformers'
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = load_config(path, trust_remote_code)
     apply_rope_override(config)  # --rope-scaling / --rope-factor, handed over by the launcher
     scheme = resolve_scheme(quantize, config, torch.device(device).type)  # clear errors for unsupported values
     serve_as_stored = scheme is None and quantize is None and not dequantize

@@ -19,17 +19,17 @@ step and the answer is the same, except that `generated_tokens` does not count a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from copy import copy
 from functools import lru_cache
+from typing import Any
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from kettle.grammar import grammar_text
+from kettle.process_memory import release_free_memory
 from kettle.proto import generate_pb2
 
 # Matchers computed per step on one thread: it keeps the shard's CPU budget predictable on small machines.
@@ -40,32 +40,28 @@ _BITS = 32
 class Grammars:
     """The shard's grammar support: the llguidance view of the tokenizer, new matchers, and the per-step mask.
 
-    The tokenizer view takes ~2 s to build for a 49k vocabulary; it is built in a background thread from the
-    start, so the first grammar request does not pay for it."""
+    The tokenizer view is built on the first grammar request: ~0.26 s once for the bundled model's 49k
+    vocabulary, against ~40 MiB resident for the whole life of a shard that may never see a grammar (it keeps
+    its own copy of the Rust tokenizer and a token trie)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         # The grammar ends on one EOS id; it must be one the stopping criteria stop on.
         own = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id = own if own in eos_token_ids or not eos_token_ids else min(eos_token_ids)
         self._executor = llguidance.LLExecutor(num_threads=_THREADS)
         self._shifts: dict[torch.device, torch.Tensor] = {}
-        self._built: Future[llguidance.LLTokenizer] | None = None
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
         self._prototype = lru_cache(maxsize=64)(self._prototype)  # type: ignore[method-assign]
-        self._start_build()
-
-    def _start_build(self) -> Future[llguidance.LLTokenizer]:
-        if self._built is None:
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tokenizer")
-            self._built = pool.submit(
-                llguidance.hf.from_tokenizer, self._tokenizer, n_vocab=len(self._tokenizer), eos_token=self.eos_token_id
-            )
-            pool.shutdown(wait=False)
-        return self._built
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        return self._start_build().result()
+        with self._lock:  # matchers are built on the engine thread, but nothing here requires it
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = ll_tokenizer(self._tokenizer, self.eos_token_id)
+                release_free_memory()  # the serialized tokenizer and llguidance's parse of it
+            return self._ll_tokenizer
 
     def matcher(self, parameters: generate_pb2.NextTokenChooserParameters) -> llguidance.LLMatcher | None:
         """A fresh matcher for a request's grammar, or None when it has none."""
@@ -87,7 +83,10 @@ class Grammars:
         vocab = self.ll_tokenizer.vocab_size
         bitmask = torch.full((len(matchers), -(-vocab // _BITS)), -1, dtype=torch.int32)
         constrained = [(m, row) for row, m in enumerate(matchers) if m is not None]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, bitmask)
+        # What `llguidance.torch.fill_next_token_bitmask_par` does, called directly: that module compiles a
+        # kernel with `torch.compile` at import, which loads torch._dynamo and torch._inductor (~1.7 s and tens
+        # of MB resident in every shard) for a function Kettle never calls.
+        self._executor.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
         mask = self._unpack(bitmask.to(device, non_blocking=True), min(vocab, width))
         if width > vocab:
             free = torch.tensor([m is None for m in matchers], device=device).unsqueeze(1)
@@ -101,6 +100,20 @@ class Grammars:
         if shifts is None:
             shifts = self._shifts[bitmask.device] = torch.arange(_BITS, dtype=torch.int32, device=bitmask.device)
         return ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :width].bool()
+
+
+def ll_tokenizer(tokenizer: Any, eos_token_id: int | None) -> llguidance.LLTokenizer:
+    """llguidance's view of a fast tokenizer (a transformers one or the shard's `FileTokenizer`), built as
+    `llguidance.hf.from_tokenizer` builds it (that module imports transformers): the Rust tokenizer serialized
+    without padding or truncation, over `len(tokenizer)` ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("Only fast tokenizers are supported")
+    # A copy: the tokenizer shared with the detokenizers keeps its own settings.
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=len(tokenizer), eos_token=eos_token_id)
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:

@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from kettle import settings
+from kettle.process_memory import release_free_memory
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import ShardConfig
@@ -119,6 +120,8 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         speculate=runner.speculate,
         kv_cache_dtype=str(runner.cache_dtype).removeprefix("torch."),
     )
+    # Loading freed far more than it kept (the tokenizer's JSON tree, conversion temporaries): give it back.
+    release_free_memory()
     return engine, info
 
 
