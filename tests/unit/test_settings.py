@@ -18,6 +18,7 @@ def test_defaults_without_any_variable():
     assert (settings.int4_group_size, settings.quant_lm_head) == (None, "int8")
     assert settings.cpu_kernels and settings.cpu_decoder_step and settings.cuda_fused_kernels
     assert not settings.cuda_weight_only and settings.cuda_graphs is None
+    assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows == 16
 
 
 def test_variables_are_parsed():
@@ -27,11 +28,17 @@ def test_variables_are_parsed():
     assert settings.cache_dir == Path("/tmp/k") and not settings.cpu_kernels
     assert (settings.int4_group_size, settings.quant_lm_head) == (64, "dense")
     assert settings.distributed_timeout_s == 12.5 and settings.cuda_weight_only
+    assert Settings.from_env({"KETTLE_DECODE_WINDOW_MS": "0"}).decode_window_ms == 0.0
 
 
 @pytest.mark.parametrize(
     "name, value",
-    [("KETTLE_INT4_GROUP_SIZE", "100"), ("KETTLE_QUANT_LM_HEAD", "fp4"), ("KETTLE_DISTRIBUTED_TIMEOUT", "0")],
+    [
+        ("KETTLE_INT4_GROUP_SIZE", "100"),
+        ("KETTLE_QUANT_LM_HEAD", "fp4"),
+        ("KETTLE_DISTRIBUTED_TIMEOUT", "0"),
+        ("KETTLE_DECODE_WINDOW_MS", "-5"),
+    ],
 )
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ValueError, match=name):
