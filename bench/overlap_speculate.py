@@ -1,16 +1,20 @@
 """Overlap scheduling and `--speculate` over HTTP, compared in one run on the same server flags.
 
-    .venv/bin/python bench/overlap_speculate.py                          # bundled model, --quantize int4, 2 rounds
+    .venv/bin/python bench/overlap_speculate.py                          # bundled model, --quantize int4, 3 rounds
     .venv/bin/python bench/overlap_speculate.py --rounds 1 --max-new-tokens 64 --configs off,overlap
+    .venv/bin/python bench/overlap_speculate.py --configs off,speculate,speculate-always
 
 Configurations (each its own server; the rounds alternate them so machine drift hits all alike):
 - `off`: the default, the shard waits for each call;
 - `overlap`: `KETTLE_OVERLAP=1`, the next decode step computed while the router handles the last one;
-- `speculate`: the default plus `--speculate 4`.
+- `speculate`: the default plus `--speculate 4`;
+- `speculate-always`: `--speculate 4` drafting every step in full from 1-gram matches on (the drafting before
+  it weighed acceptance against cost: `KETTLE_SPECULATE_MIN_NGRAM=1 KETTLE_SPECULATE_ROW_COST=0`).
 
 Workloads: kettle.bench.loadgen's chat prompts at 1 and 16 streams (decode tok/s as loadgen defines it), and a
 copy-heavy single stream: the model is asked to repeat a ~500-token passage (this repository's
-docs/architecture.md) word for word. Each cell is the best of the rounds.
+docs/architecture.md) word for word. Each cell is the median of the rounds (the table also gives each
+round's ratio to `off` in the same round, whose median is the figure to quote on a shared machine).
 """
 
 from __future__ import annotations
@@ -18,13 +22,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 from pathlib import Path
 
 from kettle.bench.loadgen import chat_prompts, run_load
 from kettle.bench.process import KettleServer
 from kettle.hub import resolve_model
 
-CONFIGS = {"off": ({}, []), "overlap": ({"KETTLE_OVERLAP": "1"}, []), "speculate": ({}, ["--speculate", "4"])}
+CONFIGS = {
+    "off": ({}, []),
+    "overlap": ({"KETTLE_OVERLAP": "1"}, []),
+    "speculate": ({}, ["--speculate", "4"]),
+    "speculate-always": ({"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0"}, ["--speculate", "4"]),
+}
 PASSAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
@@ -53,12 +63,12 @@ def main() -> None:
     parser.add_argument("--model-id", help="default: the bundled model")
     parser.add_argument("--server-args", default="--quantize int4")
     parser.add_argument("--configs", default="off,overlap,speculate")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
     model_path = str(resolve_model(args.model_id).path)
     chat, copy = chat_prompts(model_path), copy_prompt(model_path)
-    best: dict[str, dict[str, float]] = {}
+    rounds: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for name in args.configs.split(","):
             env, flags = CONFIGS[name]
@@ -68,15 +78,23 @@ def main() -> None:
             finally:
                 server.stop()
             print(name, {k: round(v, 1) for k, v in rates.items()}, flush=True)
-            best[name] = {k: max(v, best.get(name, {}).get(k, 0.0)) for k, v in rates.items()}
-    print_table(best)
+            rounds.setdefault(name, []).append(rates)
+    print_table(rounds)
 
 
-def print_table(best: dict[str, dict[str, float]]) -> None:
-    base = best.get("off")
+def print_table(rounds: dict[str, list[dict[str, float]]]) -> None:
+    """Median tok/s per cell; beside it, the median over rounds of the ratio to `off` in the same round (each
+    round's servers ran minutes apart, so the ratio cancels most of the machine's drift)."""
+    base = rounds.get("off")
     print("| config | chat x1 tok/s | chat x16 tok/s | copy x1 tok/s |\n|---|---|---|---|")
-    for name, rates in best.items():
-        cells = [f"{rates[k]:.1f}" + (f" ({rates[k] / base[k]:.2f}x)" if base else "") for k in rates]
+    for name, runs in rounds.items():
+        cells = []
+        for key in runs[0]:
+            cell = f"{statistics.median(r[key] for r in runs):.1f}"
+            if base is not None and name != "off":
+                ratios = [r[key] / b[key] for r, b in zip(runs, base, strict=True)]
+                cell += f" ({statistics.median(ratios):.2f}x: " + ", ".join(f"{x:.2f}" for x in ratios) + ")"
+            cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
