@@ -286,6 +286,8 @@ class ModelRunner:
                 continue
             tokens, logprobs = accepted_tokens(draft, host[offset : offset + 3 + len(draft)])
             offset += 3 + len(draft)
+            # Recorded here, with the step applied, not when drafted: a step computed ahead may be dropped.
+            request.drafter.record(len(request.all_ids), len(draft), len(tokens) - 1)
             request.cache_len += len(tokens) - 1
             generation = self._advance(request, tokens, logprobs, [])
             generation.draft_tokens, generation.accepted_tokens = len(draft), len(tokens) - 1

@@ -14,10 +14,16 @@ generator, so a seeded run is reproducible (it draws other numbers than a run wi
 The K/V the forward wrote for rejected drafts is rolled back by not counting it: the request's `cache_len`
 advances over its last token and the accepted drafts only, and the next step overwrites the rest.
 
-A step drafts only within `STEP_ROWS` rows in all: single streams and small batches, where the weights read per
-step are shared by few tokens. And only requests whose token choice depends on nothing but the row's logits
-draft: no grammar, penalties, watermark or top tokens (their per-row state would have to follow the draft). The
-others in the same batch decode one token as usual.
+Drafting has to pay for itself: on the CPU a verified draft token costs about a third of a decode step
+(`KETTLE_SPECULATE_ROW_COST`, 0.35 by default: kettle/settings.py), and on a plain chat answer most n-gram drafts
+are rejected. So each step decides how many tokens each request drafts (`drafts_for`) from its drafter's
+acceptance estimate (`NgramDrafter.acceptance`): a draft token is verified only when its expected yield (the
+chance that it and every draft token before it are accepted) beats what the step already gets per unit of cost.
+A request that copies drafts `--speculate` tokens every step; one whose drafts keep failing stops drafting until
+its bad record fades, then probes with a token or two. A step drafts within `STEP_ROWS` rows in all: single
+streams and small batches (a batch of 7 or more is already using the step well). And only requests whose token
+choice depends on nothing but the row's logits draft: no grammar, penalties, watermark or top tokens (their
+per-row state would have to follow the draft). The others in the same batch decode one token as usual.
 """
 
 from __future__ import annotations
@@ -27,39 +33,59 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kettle import settings
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.ngram import NgramDrafter
 from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
 
-# Rows (tokens) a step that verifies drafts may feed. A decode step reads the weights once for all its rows, so
-# up to a few rows cost about what one does and a rejected draft is nearly free; past that the step becomes
-# compute bound (and the int4 kernels switch to float tiles at 8 rows), so a big batch gets no drafts: it is
-# already using the step well.
-STEP_ROWS = 8
+# Rows (tokens) a step that verifies drafts may feed. The int4 kernels switch to their float32 tiles at 8 rows
+# (`ops.Q4_FLOAT_ROWS`), which cost more per step than 7 rows on the integer path (bundled model, fused step,
+# context 200: 7 rows 12.1 ms, 8 rows 15.7 ms, 1 row 3.7 ms); and a batch of 8 is already using the step well.
+STEP_ROWS = 7
 
 
 def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> NgramDrafter | None:
     """A drafter when `--speculate` is on and the request's tokens depend on its logits alone."""
     plain = not (request.parameters.grammar or request.top_n_tokens or params.watermark)
     unpenalised = params.repetition_penalty == 1.0 and params.frequency_penalty == 0 and params.presence_penalty == 0
-    return NgramDrafter() if speculate > 0 and plain and unpenalised else None
+    if speculate <= 0 or not plain or not unpenalised:
+        return None
+    return NgramDrafter(settings.current().speculate_min_ngram)
 
 
 def drafts_for(requests: Sequence[RequestState], speculate: int) -> list[list[int]]:
-    """Each request's draft for this step, within the step's row budget (`STEP_ROWS`), first come first served."""
-    budget = STEP_ROWS - sum(len(r.next_query()) for r in requests)
-    drafts = []
-    for request in requests:
-        draft = draft_for(request, min(speculate, budget)) if budget > 0 else []
-        budget -= len(draft)
-        drafts.append(draft)
-    return drafts
+    """Each request's draft for this step: the draft tokens whose expected yield pays for their row.
+
+    With each request's acceptance estimate a (`NgramDrafter.acceptance`), its j-th draft token yields a token
+    with probability a^j (it and the j-1 before it accepted). With c the cost of a row as a share of a one-row
+    step (`KETTLE_SPECULATE_ROW_COST`), the step costs 1 + c per row past the first, for one token per request;
+    draft tokens are added best first while one's expected yield beats c times the step's current tokens per
+    unit of cost (so the step's expected tokens per unit of cost grow with each), within `STEP_ROWS` rows. For
+    one request that is the draft length that maximises tokens per unit of cost: up to `speculate` tokens when
+    a is near 1, none when a is below c. c = 0 drafts in full."""
+    rows = sum(len(r.next_query()) for r in requests)
+    if rows >= STEP_ROWS:  # checked first: a big batch looks nothing up
+        return [[] for _ in requests]
+    proposals = [proposal(r, speculate) for r in requests]
+    rates = [r.drafter.acceptance(len(r.all_ids)) if p else 0.0 for r, p in zip(requests, proposals, strict=True)]
+    row_cost = settings.current().speculate_row_cost
+    lengths, gains = [0] * len(requests), list(rates)
+    tokens, cost = float(len(requests)), 1.0 + row_cost * (rows - 1)
+    while rows < STEP_ROWS:
+        open_ = [i for i, p in enumerate(proposals) if lengths[i] < len(p)]
+        best = max(open_, key=gains.__getitem__, default=None)
+        if best is None or gains[best] <= row_cost * tokens / cost:
+            break
+        lengths[best] += 1
+        tokens, cost, rows = tokens + gains[best], cost + row_cost, rows + 1
+        gains[best] *= rates[best]
+    return [p[:n] for p, n in zip(proposals, lengths, strict=True)]
 
 
-def draft_for(request: RequestState, speculate: int) -> list[int]:
-    """One request's draft: at most `speculate` tokens, and never so many that the step could pass
-    `max_new_tokens` (so every row writes inside the blocks the router reserved)."""
+def proposal(request: RequestState, speculate: int) -> list[int]:
+    """One request's longest possible draft: at most `speculate` tokens, and never so many that the step could
+    pass `max_new_tokens` (so every row writes inside the blocks the router reserved)."""
     if request.drafter is None or request.in_prefill:
         return []
     left = request.stopping.max_new_tokens - request.stopping.current_tokens

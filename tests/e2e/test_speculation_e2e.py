@@ -18,10 +18,17 @@ COPY = "Repeat after me: the kettle sings, the kettle sings, the kettle sings on
 PROMPTS = [COPY, "Hello there", "1 2 3 4 1 2 3 4 1 2 3 4", "abc abc abc abc"]
 
 
+# The tiny random model never repeats two tokens of its context: its server drafts from 1-gram matches, every
+# step in full, so that steps verify (and accept) drafts; the default drafting policy is tested in process.
+DRAFT_EVERY_STEP = {"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0"}
+
+
 @pytest.fixture(scope="module")
 def speculating_server(tiny_llama_path):
     server = KettleServer(
-        str(tiny_llama_path), "--max-input-tokens", "200", "--max-total-tokens", "256", "--speculate", "4"
+        str(tiny_llama_path),
+        *("--max-input-tokens", "200", "--max-total-tokens", "256", "--speculate", "4"),
+        env=DRAFT_EVERY_STEP,
     )
     yield server
     try:

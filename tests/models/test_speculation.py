@@ -1,6 +1,7 @@
 """Speculative decoding (--speculate) on the tiny model: greedy output equals plain greedy, batched with requests
 that do not draft; sampled output is reproducible; and the verifier's rejection sampling keeps the model's
-distribution (a statistical check on a tiny vocabulary with fixed seeds)."""
+distribution (a statistical check on a tiny vocabulary with fixed seeds). On the bundled model, asked to copy,
+the default drafting policy drafts and equals plain greedy too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from kettle.shard.speculation import accepted_tokens, verify
 from tests.models.engine_driver import make_batch, warm_engine
 
 # Repetitive prompts, so that n-gram drafts exist; the model is random, so what it accepts is its own business.
+# It never repeats two tokens of its context, so the tiny-model tests draft from 1-gram matches, every step in
+# full (`draft_every_step`): what they check is the verification, not the drafting policy.
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [40, 41, 42, 43, 40, 41, 42], [7, 7, 7, 7]]
+
+
+@pytest.fixture
+def draft_every_step(monkeypatch):
+    monkeypatch.setenv("KETTLE_SPECULATE_MIN_NGRAM", "1")
+    monkeypatch.setenv("KETTLE_SPECULATE_ROW_COST", "0")
 
 
 def run(engine, speculate: int, configure=None, max_new_tokens: int = 40):
@@ -41,7 +50,7 @@ def run(engine, speculate: int, configure=None, max_new_tokens: int = 40):
         engine.runner.speculate = 0
 
 
-def test_greedy_with_drafts_equals_plain_greedy(engine):
+def test_greedy_with_drafts_equals_plain_greedy(engine, draft_every_step):
     def configure(batch):
         batch.requests[2].parameters.repetition_penalty = 1.3  # never drafts: decodes beside the others
         batch.requests[3].stopping_parameters.max_new_tokens = 7
@@ -56,7 +65,7 @@ def test_greedy_with_drafts_equals_plain_greedy(engine):
     assert len(speculative[4][0]) == 7
 
 
-def test_seeded_sampling_with_drafts_is_reproducible(engine):
+def test_seeded_sampling_with_drafts_is_reproducible(engine, draft_every_step):
     def configure(batch):
         for i, request in enumerate(batch.requests[1:]):  # the first stays greedy: processors take a subset
             request.parameters.do_sample, request.parameters.seed, request.parameters.temperature = True, i, 0.2
@@ -66,7 +75,7 @@ def test_seeded_sampling_with_drafts_is_reproducible(engine):
     assert accepted > 0 and first == again
 
 
-def test_stops_inside_accepted_drafts_end_the_request_there(engine):
+def test_stops_inside_accepted_drafts_end_the_request_there(engine, draft_every_step):
     """EOS and a stop sequence that fall among accepted drafts end the request at that very token."""
     plain, _, _ = run(engine, 0, max_new_tokens=24)
     text = plain[1][2]
@@ -118,11 +127,11 @@ def test_bundled_int4_greedy_with_drafts_equals_plain_greedy():
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
-    drafter = NgramDrafter()
+    drafter = NgramDrafter(1)
     assert drafter.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
     assert drafter.propose([1, 2, 3, 4, 1, 2, 9], 3) == []
     assert drafter.propose([1, 2, 3, 4, 1, 2, 9, 2], 2) == [9, 2]  # the latest "2" was followed by 9
-    assert NgramDrafter().propose([5], 4) == [] and NgramDrafter().propose([5, 5], 0) == []
+    assert NgramDrafter(1).propose([5], 4) == [] and NgramDrafter(1).propose([5, 5], 0) == []
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
