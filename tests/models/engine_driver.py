@@ -67,3 +67,18 @@ def join_mid_batch(engine, first: list[int], second: list[int], n: int, base_id:
     while cached:
         cached = collect(engine.decode(pb.DecodeRequest(batches=cached)), tokens)
     return tokens
+
+
+def mixed_batch(ids: list[list[int]], max_new_tokens: int, **extra) -> pb.Batch:
+    """Batch 1 of four requests (ids 10-13) over prompts ids[0], ids[1], ids[2], ids[0]: greedy with the stop
+    sequence "一起", seeded sampling, a regex grammar (EOS allowed), plain greedy."""
+    from kettle.grammar import GRAMMAR_TYPE_REGEX
+
+    batch = make_batch(1, [*ids[:3], ids[0]], first_id=10, max_new_tokens=max_new_tokens, **extra)
+    batch.requests[0].stopping_parameters.stop_sequences.append("一起")
+    sampled = batch.requests[1].parameters
+    sampled.do_sample, sampled.temperature, sampled.top_k, sampled.seed = True, 0.9, 40, 11
+    batch.requests[2].parameters.grammar = "[a-z]{3,8}"
+    batch.requests[2].parameters.grammar_type = GRAMMAR_TYPE_REGEX
+    batch.requests[2].stopping_parameters.ignore_eos_token = False
+    return batch

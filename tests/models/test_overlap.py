@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from kettle.grammar import GRAMMAR_TYPE_REGEX
 from kettle.proto import generate_pb2 as pb
-from tests.models.engine_driver import make_batch
+from tests.models.engine_driver import make_batch, mixed_batch
 
 PROMPTS = ["The capital of France is", "Hello", "def add(a, b):\n    return a + b\n", "你好，世界！今天"]
 
@@ -38,13 +37,7 @@ def script(driver: Driver, tokenizer) -> None:
     """Four requests (greedy with a stop sequence, seeded sampling, a regex grammar, plain greedy), two decodes,
     the last one cancelled, a sampled request joining, then decoding to the end."""
     ids = [tokenizer(p).input_ids for p in PROMPTS]
-    first = make_batch(1, [*ids[:3], ids[0]], first_id=10, max_new_tokens=12)
-    first.requests[0].stopping_parameters.stop_sequences.append("一起")
-    sampled = first.requests[1].parameters
-    sampled.do_sample, sampled.temperature, sampled.top_k, sampled.seed = True, 0.9, 40, 11
-    first.requests[2].parameters.grammar = "[a-z]{3,8}"
-    first.requests[2].parameters.grammar_type = GRAMMAR_TYPE_REGEX
-    first.requests[2].stopping_parameters.ignore_eos_token = False
+    first = mixed_batch(ids, max_new_tokens=12)
     cached = driver.call("prefill", pb.PrefillRequest(batch=first)).batch
     for _ in range(2):
         cached = driver.call("decode", pb.DecodeRequest(batches=[cached])).batch
