@@ -64,7 +64,7 @@ class ShardEngine:
         result, kept = self._run(batch)
         return pb.PrefillResponse(
             generations=result.generations,
-            batch=kept,
+            batch=self._cached(kept),
             forward_ns=result.forward_ns,
             decode_ns=result.decode_ns,
             total_ns=time.perf_counter_ns() - start,
@@ -80,14 +80,14 @@ class ShardEngine:
         result, kept = self._run(batch, ahead)
         merged = {g.request_id: g for g in result.generations}
         forward_ns, decode_ns, steps = result.forward_ns, result.decode_ns, 1
-        while kept is not None and steps < request.max_steps and not any(r.in_prefill for r in batch.requests):
+        while kept is not None and steps < request.max_steps and not any(r.in_prefill for r in kept.requests):
             batch = self._take(kept.id)
             result, kept = self._run(batch)
             _append_step(merged, result.generations)
             forward_ns, decode_ns, steps = forward_ns + result.forward_ns, decode_ns + result.decode_ns, steps + 1
         return pb.DecodeResponse(
             generations=merged.values(),
-            batch=kept,
+            batch=self._cached(kept),
             forward_ns=forward_ns,
             decode_ns=decode_ns,
             total_ns=time.perf_counter_ns() - start,
@@ -218,7 +218,7 @@ class ShardEngine:
                 request.chunk_len = cached.chunk_lens.get(request.id, request.chunk_len)
         return batch
 
-    def _run(self, batch: Batch, ahead: Computed | None = None) -> tuple[StepResult, pb.CachedBatch | None]:
+    def _run(self, batch: Batch, ahead: Computed | None = None) -> tuple[StepResult, Batch | None]:
         """One step (or the one computed `ahead` applied); the batch is cached again without its finished
         requests. A failure drops the batch."""
         try:
@@ -232,7 +232,11 @@ class ShardEngine:
         if kept is None:
             return self._local(result), None
         self.batches[kept.id] = kept
-        return self._local(result), kept.to_pb(self._block_size)
+        return self._local(result), kept
+
+    def _cached(self, kept: Batch | None) -> pb.CachedBatch | None:
+        """The router's view of the batch a call kept (built once per call, not per step)."""
+        return None if kept is None else kept.to_pb(self._block_size)
 
     def _local(self, result: StepResult) -> StepResult:
         # Tensor-parallel ranks compute every request; each reports its share so the router gets one copy.

@@ -34,15 +34,17 @@ import torch
 from torch import Tensor
 
 from kettle import settings
+from kettle.kernels import ops
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.ngram import NgramDrafter
 from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
 
-# Rows (tokens) a step that verifies drafts may feed. The int4 kernels switch to their float32 tiles at 8 rows
-# (`ops.Q4_FLOAT_ROWS`), which cost more per step than 7 rows on the integer path (bundled model, fused step,
-# context 200: 7 rows 12.1 ms, 8 rows 15.7 ms, 1 row 3.7 ms); and a batch of 8 is already using the step well.
-STEP_ROWS = 7
+# Rows (tokens) a step that verifies drafts may feed: fewer than where the int4 kernels leave their integer path
+# for the float32 tiles (`ops.Q4_FLOAT_ROWS`, 8 by default), which cost more per step than 7 rows on the integer
+# path (bundled model, fused step, context 200: 7 rows 12.1 ms, 8 rows 15.7 ms, 1 row 3.7 ms); and never 8 or
+# more: a batch of 8 is already using the step well.
+STEP_ROWS = min(ops.Q4_FLOAT_ROWS, ops.GEMM_ROWS, 8) - 1
 
 
 def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> NgramDrafter | None:
