@@ -149,29 +149,35 @@ static void panel_rows(const Linear *w, const float *x, int64_t ldx, int64_t r0,
     }
 }
 
-/* Floats of the per-thread buffer `gemm_panels` needs for an input width of k: the panel, eight dequantized rows and
- * a tile's outputs (64-byte multiples). */
+/* Floats of the per-thread buffer a panel needs for an input width of k: the panel, eight dequantized rows and a
+ * tile's outputs (64-byte multiples). */
 int64_t gemm_buffer_floats(int64_t k) { return (k * PANEL + 8 * k + 12 * PANEL + 15) / 16 * 16; }
+
+static int wide_kernel(void) { return kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512; }
+
+/* Panel p of w dequantized into `buffer` (gemm_buffer_floats(K) floats), then multiplied with rows r0 .. r1 - 1. */
+static void panel_gemm(const Linear *w, int64_t p, const float *x, int64_t ldx, int64_t r0, int64_t r1, float *buffer,
+                       int wide, float *y, int64_t ldy) {
+    const int64_t j0 = p * PANEL;
+    const int count = w->n - j0 < PANEL ? (int)(w->n - j0) : PANEL;
+    float *rows = buffer + w->k * PANEL, *tile = rows + 8 * w->k;
+    dequant_panel(w, j0, count, rows, buffer);
+    panel_rows(w, x, ldx, r0, r1, buffer, tile, wide, j0, count, y, ldy);
+}
 
 /* y = x Wᵀ (+ bias) for m rows, run by every thread of the calling team (an orphaned `omp for` over the panels,
  * whose closing barrier makes y complete): the decode step's projections from `gemm_rows` rows on. `buffer`:
  * this thread's gemm_buffer_floats(K) floats, 64-byte aligned. */
 void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer) {
-    const int wide = kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512;
-    float *rows = buffer + w->k * PANEL, *tile = rows + 8 * w->k;
+    const int wide = wide_kernel();
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < (w->n + PANEL - 1) / PANEL; p++) {
-        const int64_t j0 = p * PANEL;
-        const int count = w->n - j0 < PANEL ? (int)(w->n - j0) : PANEL;
-        dequant_panel(w, j0, count, rows, buffer);
-        panel_rows(w, x, ldx, 0, m, buffer, tile, wide, j0, count, y, ldy);
-    }
+    for (int64_t p = 0; p < (w->n + PANEL - 1) / PANEL; p++) panel_gemm(w, p, x, ldx, 0, m, buffer, wide, y, ldy);
 }
 
 /* y = x Wᵀ (+ bias) panel by panel for prompt chunks: each thread owns a contiguous range of panels and walks the
  * rows block by block over them. -1 when out of memory. */
 int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
-    const int wide = kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512;
+    const int wide = wide_kernel();
     const int64_t panels = (w->n + PANEL - 1) / PANEL, k = w->k;
     const int64_t block = ROW_BLOCK_BYTES / (int64_t)sizeof(float) / k / 12 * 12 + 12;
     int failed = 0;
@@ -179,19 +185,11 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     {
         const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t p0 = panels * id / team, p1 = panels * (id + 1) / team;
-        float *panel = aligned_alloc(64, sizeof(float) * (size_t)gemm_buffer_floats(k));
-        failed = panel == NULL;
-        for (int64_t r0 = 0; panel && r0 < m; r0 += block) {
-            const int64_t r1 = m - r0 < block ? m : r0 + block;
-            for (int64_t p = p0; p < p1; p++) {
-                const int64_t j0 = p * PANEL;
-                const int count = w->n - j0 < PANEL ? (int)(w->n - j0) : PANEL;
-                float *rows = panel + k * PANEL, *tile = rows + 8 * k;
-                dequant_panel(w, j0, count, rows, panel);
-                panel_rows(w, x, ldx, r0, r1, panel, tile, wide, j0, count, y, ldy);
-            }
-        }
-        free(panel);
+        float *buffer = aligned_alloc(64, sizeof(float) * (size_t)gemm_buffer_floats(k));
+        failed = buffer == NULL;
+        for (int64_t r0 = 0; buffer && r0 < m; r0 += block)
+            for (int64_t p = p0; p < p1; p++) panel_gemm(w, p, x, ldx, r0, m - r0 < block ? m : r0 + block, buffer, wide, y, ldy);
+        free(buffer);
     }
     return failed ? -1 : 0;
 }

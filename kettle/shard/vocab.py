@@ -6,6 +6,10 @@ with the `tokenizers` library alone (`FileTokenizer`): transformers' AutoTokeniz
 into the shard, ~100 MB resident and over a second of start-up (it loads torch._dynamo and torch._inductor on
 the way), and keep a second Python-side copy of the vocabulary. Any other folder (another tokenizer class, a
 special token tokenizer.json does not declare, remote code) still goes through AutoTokenizer.
+
+The router reads the same file with a looser test (kettle/router/tokenizer.py: only that the post-processor adds
+the BOS/EOS the config asks for), because it only encodes; the shard also names the special tokens and decodes
+with them, so it needs everything transformers would change about them to be absent.
 """
 
 from __future__ import annotations
