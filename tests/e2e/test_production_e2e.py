@@ -190,8 +190,14 @@ async def _drain_scenario(prod: KettleServer) -> tuple[list[dict], int | str, in
     streams = [asyncio.ensure_future(_stream(prod.url, event)) for event in started]
     await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
     prod.process.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.5)  # the launcher forwards it to the router, which starts draining
+    # The launcher forwards it to the router, which starts draining: probed as soon as that shows, not after a fixed
+    # pause (on the tiny model, with several decode steps per call, 400 tokens take well under a second).
     health = await _status("GET", f"{prod.url}/health")
+    for _ in range(100):
+        if health != 200:
+            break
+        await asyncio.sleep(0.02)
+        health = await _status("GET", f"{prod.url}/health")
     refused = await _status("POST", f"{prod.url}/generate", json={"inputs": "late"})
     return list(await asyncio.gather(*streams)), health, refused
 
