@@ -1,16 +1,15 @@
-"""`kettle launch`: resolve the model, then run the shards and the router under the supervisor."""
+"""`kettle launch`: prepare the model (in a child process), then run the shards and the router under the supervisor."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import signal
 import threading
 
-from kettle.hub import ModelNotFound, ResolvedModel, resolve_model
+from kettle.hub import ModelNotFound
 from kettle.launcher import tgi_environment
 from kettle.launcher.config import LauncherConfig
+from kettle.launcher.prepare import PreparationFailed, prepare_model
 from kettle.launcher.specs import router_spec, shard_specs
 from kettle.launcher.supervisor import Supervisor
 from kettle.logging_setup import setup_logging
@@ -21,8 +20,8 @@ log = logging.getLogger("kettle.launcher")
 def launch(config: LauncherConfig) -> int:
     """Runs the whole server until it is stopped; returns the process exit code."""
     setup_logging(config.json_output)
-    # Until the supervisor takes over, SIGTERM unwinds like Ctrl-C, so a download or conversion in progress
-    # removes its temporary files instead of dying mid-write.
+    # Until the supervisor takes over, SIGTERM unwinds like Ctrl-C: the model's preparation is then stopped
+    # (its child removes its temporary files) and the launcher exits as on Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     for name in config.inactive_flags_set():
         log.warning("--%s is not active yet: it is accepted for compatibility and has no effect", _flag(name))
@@ -31,8 +30,9 @@ def launch(config: LauncherConfig) -> int:
     tgi_environment.apply_token_alias()
     kernels = _build_kernels_meanwhile()
     try:
-        model = resolve(config)
-    except ModelNotFound as error:
+        # In a child process: what preparing a model imports (transformers, torch) never enters the launcher.
+        model = prepare_model(config)
+    except (ModelNotFound, PreparationFailed) as error:
         log.error("%s", error)
         return 1
     except KeyboardInterrupt:
@@ -67,7 +67,7 @@ def launch(config: LauncherConfig) -> int:
 
 
 def _build_kernels_meanwhile() -> threading.Thread:
-    """Compiles the CPU kernels (a first start only; ~5 s) on a thread while the model is resolved and prepared
+    """Compiles the CPU kernels (a first start only; ~5 s) on a thread while the child process prepares the model
     (a first start converts a GGUF's metadata for ~9 s, mostly one core's Python), instead of after it in the
     shard: on two cores the two overlap. The compiler runs as a subprocess; nothing here loads torch."""
     from kettle.kernels.build import built_folder
@@ -75,20 +75,6 @@ def _build_kernels_meanwhile() -> threading.Thread:
     thread = threading.Thread(target=built_folder, name="kettle-kernel-build", daemon=True)
     thread.start()
     return thread
-
-
-def resolve(config: LauncherConfig) -> ResolvedModel:
-    """The model folder: --model-id resolved (downloaded, converted; --gguf-file picks a file of it), or with
-    --weights-cache-override the local folder it names, served under --model-id's name."""
-    hub_cache, trust = config.huggingface_hub_cache, config.trust_remote_code
-    if config.weights_cache_override is None:
-        return resolve_model(config.model_id, config.revision, hub_cache, trust, config.gguf_file)
-    if not os.path.exists(config.weights_cache_override):
-        raise ModelNotFound(
-            f"--weights-cache-override {config.weights_cache_override!r} does not exist on this machine"
-        )
-    local = resolve_model(config.weights_cache_override, None, hub_cache, trust, config.gguf_file)
-    return dataclasses.replace(local, display_id=config.model_id or local.display_id)
 
 
 def _flag(name: str) -> str:

@@ -101,10 +101,10 @@ def keep_sigterm_handler():
 
 
 def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handler):
-    def missing(*_args):
+    def missing(_config):
         raise ModelNotFound("Model 'x' is missing")
 
-    monkeypatch.setattr(launcher_main, "resolve_model", missing)
+    monkeypatch.setattr(launcher_main, "prepare_model", missing)
     monkeypatch.setattr(launcher_main, "setup_logging", lambda _json: None)
     # On CUDA the KV cache stays in the model's dtype for now (on the CPU fp8 is refused outright).
     monkeypatch.setattr("kettle.launcher.config.cuda_available", lambda: True)

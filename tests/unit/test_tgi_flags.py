@@ -263,13 +263,13 @@ def test_router_binds_everywhere_when_hostname_is_a_container_name(monkeypatch):
 
 def test_weights_cache_override_serves_a_local_folder_under_the_model_id(tiny_llama_path, tmp_path):
     from kettle.hub import ModelNotFound
-    from kettle.launcher.main import resolve
+    from kettle.launcher.prepare import ModelRequest, resolve
 
-    model = resolve(LauncherConfig(model_id="org/model", weights_cache_override=str(tiny_llama_path)))
+    model = resolve(ModelRequest.of(LauncherConfig(model_id="org/model", weights_cache_override=str(tiny_llama_path))))
     assert model.display_id == "org/model"
     assert (model.path / "config.json").is_file()
     with pytest.raises(ModelNotFound, match="--weights-cache-override"):
-        resolve(LauncherConfig(model_id="org/model", weights_cache_override=str(tmp_path / "missing")))
+        resolve(ModelRequest.of(LauncherConfig(model_id="org/model", weights_cache_override=str(tmp_path / "missing"))))
 
 
 def test_launcher_applies_the_hostname_rule_too(launched):

@@ -1,0 +1,165 @@
+"""The model's resolution and preparation in a short-lived child process, as TGI's launcher runs
+`text-generation-server download-weights` before it starts the shards.
+
+Resolving a model may download it, prepare a GGUF's config and tokenizer through transformers, or convert pickled
+weights through torch: hundreds of MiB of imports and heap. Done in the launcher, they would stay resident for as
+long as it supervises (CPython hands little of it back): 344 MiB instead of 37 after a first start of the bundled
+model. So the launcher runs `python -m kettle.launcher.prepare` and reads back only the result, the
+`ResolvedModel` as a small JSON file; a later start pays one interpreter start and a few light imports (~0.1 s).
+
+The child is started as the shards are (kettle/launcher/child.py): in its own process group and dying with the
+launcher. It inherits stdout and stderr, so download bars and log lines reach the user as before, in the same
+format (`--json-output` is passed on). Ctrl-C or SIGTERM to the launcher is forwarded as SIGTERM, which the child
+turns into KeyboardInterrupt so a conversion in progress removes its temporary folder (kettle/hub/cache.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kettle.hub import ModelNotFound, ResolvedModel, resolve_model
+
+if TYPE_CHECKING:
+    from kettle.launcher.child import Child
+    from kettle.launcher.config import LauncherConfig
+
+# What the child exits with when it was stopped (by the launcher's forwarded SIGTERM), as a shell reports Ctrl-C.
+STOPPED_EXIT_CODE = 130
+
+
+class PreparationFailed(Exception):
+    """The child ended without a result: an unexpected error (its traceback is above, on the same stderr) or a
+    signal from outside. The message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """What to resolve: the launcher's model flags, all the child needs to know."""
+
+    model_id: str | None = None
+    revision: str | None = None
+    hub_cache: str | None = None
+    trust_remote_code: bool = False
+    gguf_file: str | None = None
+    weights_cache_override: str | None = None
+
+    @classmethod
+    def of(cls, config: LauncherConfig) -> ModelRequest:
+        """The request `kettle launch` makes with `config`'s flags."""
+        return cls(
+            model_id=config.model_id,
+            revision=config.revision,
+            hub_cache=config.huggingface_hub_cache,
+            trust_remote_code=config.trust_remote_code,
+            gguf_file=config.gguf_file,
+            weights_cache_override=config.weights_cache_override,
+        )
+
+
+def resolve(request: ModelRequest) -> ResolvedModel:
+    """The model folder: --model-id resolved (downloaded, converted; --gguf-file picks a file of it), or with
+    --weights-cache-override the local folder it names, served under --model-id's name. Runs in the child."""
+    trust = request.trust_remote_code
+    if request.weights_cache_override is None:
+        return resolve_model(request.model_id, request.revision, request.hub_cache, trust, request.gguf_file)
+    if not os.path.exists(request.weights_cache_override):
+        raise ModelNotFound(
+            f"--weights-cache-override {request.weights_cache_override!r} does not exist on this machine"
+        )
+    local = resolve_model(request.weights_cache_override, None, request.hub_cache, trust, request.gguf_file)
+    return dataclasses.replace(local, display_id=request.model_id or local.display_id)
+
+
+def prepare_model(config: LauncherConfig) -> ResolvedModel:
+    """Resolves and prepares `config`'s model in a child process and returns what it resolved to.
+
+    Raises `ModelNotFound` with the child's one-line reason, `PreparationFailed` when it ended without a result,
+    and KeyboardInterrupt (Ctrl-C, or SIGTERM as the launcher maps it) once the child has stopped and cleaned up.
+    """
+    from kettle.launcher.child import Child
+    from kettle.launcher.specs import ProcessSpec, child_env
+
+    handle, result = tempfile.mkstemp(prefix="kettle-model-", suffix=".json")
+    os.close(handle)
+    argv = [sys.executable, "-m", __name__, result, json.dumps(dataclasses.asdict(ModelRequest.of(config)))]
+    if config.json_output:
+        argv.append("--json-output")
+    try:
+        child = Child(ProcessSpec("model preparation", tuple(argv), child_env({})))
+        try:
+            code = child.process.wait()
+        except KeyboardInterrupt:
+            _stop(child, config.graceful_termination_timeout)
+            raise
+        return _read_result(Path(result), code)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(result)
+
+
+def _stop(child: Child, timeout: float) -> None:
+    """SIGTERM to the child, then the wait for it to remove its temporary files (SIGKILL after `timeout`)."""
+    from kettle.launcher.child import stop_children
+
+    try:
+        stop_children([child], timeout)
+    except KeyboardInterrupt:
+        # A second Ctrl-C: stop waiting. What the child leaves behind, the next start sweeps (cache.py).
+        child.signal_group(signal.SIGKILL)
+        child.process.wait()
+
+
+def _read_result(result: Path, code: int) -> ResolvedModel:
+    """The child's answer: a model, or the reason it found none; anything else ends the launch."""
+    try:
+        answer = json.loads(result.read_text())
+    except (OSError, ValueError):
+        answer = {}  # it ended before writing one
+    if "error" in answer:
+        raise ModelNotFound(answer["error"])
+    if code == 0 and "path" in answer:
+        return ResolvedModel(Path(answer["path"]), answer["display_id"], answer["sha"])
+    if code == STOPPED_EXIT_CODE:
+        raise KeyboardInterrupt  # stopped from outside, not by the launcher: the same end as Ctrl-C here
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    raise PreparationFailed(f"Preparing the model failed: the child process {how} (its error, if any, is above)")
+
+
+def main(argv: list[str]) -> int:
+    """The child: `python -m kettle.launcher.prepare RESULT_FILE REQUEST_JSON [--json-output]`."""
+    from kettle.logging_setup import setup_logging
+
+    result, request = Path(argv[0]), ModelRequest(**json.loads(argv[1]))
+    setup_logging("--json-output" in argv[2:])
+    # SIGTERM (forwarded by the launcher) unwinds like Ctrl-C, so a download or conversion in progress removes
+    # its temporary files instead of dying mid-write.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        model = resolve(request)
+    except ModelNotFound as error:
+        result.write_text(json.dumps({"error": str(error)}))
+        return 1
+    except KeyboardInterrupt:
+        return STOPPED_EXIT_CODE
+    result.write_text(json.dumps({"path": str(model.path), "display_id": model.display_id, "sha": model.sha}))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is written and closed: skip the interpreter's teardown of what the preparation imported
+    # (transformers, torch), which took 1.3 s of a first start on a busy 2-core machine and saves nothing.
+    os._exit(code)
