@@ -76,22 +76,34 @@ static int linear_tiled(const Linear *w, const float *x, int64_t ldx, int64_t ro
     return failed ? -1 : 0;
 }
 
-/* `kettle_q4_linear` for several rows: the float32 tiles, or with `gemm` gemm.c's panels (prompt chunks). */
-int kettle_q4_linear_rows(
-    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int gemm, int threads
-) {
-    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
-    return gemm ? quant_gemm(&w, x, ldx, rows, y, ldy, threads) : linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+/* How the several-row entries below multiply (kettle/kernels/ops.py's `path`): the float32 tiles, gemm.c's float32
+ * panels (prompt chunks) or its integer panels (the decode step's LM head, on CPUs with AVX-512 VNNI). */
+enum { ROWS_TILES = 0, ROWS_GEMM = 1, ROWS_INT_GEMM = 2 };
+
+static int linear_rows(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
+                       int threads) {
+    if (path == ROWS_INT_GEMM) return quant_gemm_int(w, x, ldx, rows, y, ldy, threads);
+    if (path == ROWS_GEMM) return quant_gemm(w, x, ldx, rows, y, ldy, threads);
+    return linear_tiled(w, x, ldx, rows, y, ldy, threads);
 }
 
-/* `kettle_q8_linear` for several rows, as `kettle_q4_linear_rows` (K a multiple of 16). */
+/* `kettle_q4_linear` for several rows, by `path`. */
+int kettle_q4_linear_rows(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int path, int threads
+) {
+    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
+    return linear_rows(&w, x, ldx, rows, y, ldy, path, threads);
+}
+
+/* `kettle_q8_linear` for several rows, as `kettle_q4_linear_rows` (K a multiple of 16; of 32 for the integer
+ * panels). */
 int kettle_q8_linear_rows(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales, int64_t n,
-    const float *bias, float *y, int64_t ldy, int gemm, int threads
+    const float *bias, float *y, int64_t ldy, int path, int threads
 ) {
     const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
-    return gemm ? quant_gemm(&w, x, ldx, rows, y, ldy, threads) : linear_tiled(&w, x, ldx, rows, y, ldy, threads);
+    return linear_rows(&w, x, ldx, rows, y, ldy, path, threads);
 }
 
 /* x [rows, K] (rows ldx floats apart) quantized for a weight with groups of `group`; -1 when out of memory. */
@@ -131,14 +143,16 @@ int kettle_q8_linear_qa(
 
 /* The Q8G (GGUF Q8_0) entry points: W = q [N, K] int8 · d [N, K/32] float16. K a multiple of 32. */
 
-/* y[M, N] = x · Wᵀ (+ bias) by `path`: Q8G_TILES (float32 tiles, exact to W), Q8G_QUANTIZED (int16 activations)
- * or Q8G_GEMM (gemm.c's panels, for prompt chunks). -1 when out of memory. */
-enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2 }; /* kettle/kernels/ops.py's `q8g_linear` */
+/* y[M, N] = x · Wᵀ (+ bias) by `path`: Q8G_TILES (float32 tiles, exact to W), Q8G_QUANTIZED (int16 activations),
+ * Q8G_GEMM (gemm.c's float32 panels, for prompt chunks) or Q8G_INT_GEMM (its integer panels, the decode step's LM
+ * head). -1 when out of memory. */
+enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2, Q8G_INT_GEMM = 3 }; /* kettle/kernels/ops.py's `q8g_linear` */
 int kettle_q8g_linear(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
     const float *bias, float *y, int64_t ldy, int path, int threads
 ) {
     const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
+    if (path == Q8G_INT_GEMM) return quant_gemm_int(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_GEMM) return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_TILES) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
     QuantizedRows xq;

@@ -67,6 +67,7 @@ class Decoder(ctypes.Structure):
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int), ("gemm_rows", _int)]
+    _fields_ += [("integer_gemm", _int)]
     _fields_ += [("rot_dim", _int), ("interleaved", _int)]
     _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int)]
 

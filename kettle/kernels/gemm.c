@@ -193,3 +193,177 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     }
     return failed ? -1 : 0;
 }
+
+/* ---- integer panels (AVX-512 VNNI) for the decode step's rows: the rows quantized to int16 per block of 32
+ * (kernels.h `quantize_row`, as at one row) meet the weights widened to int16, and vpdpwssd sums pairs of products
+ * into int32 lanes, exact within a block; each block's sums then take the row's and the weight's scales in float32.
+ * The lanes are 16 rows (a decode step's rows, laid out pairs-major once per projection), so each weight pair is a
+ * broadcast straight from the channel's widened row: no transpose of the weights, whose cost per panel would
+ * weigh on a 16-row step as much as the products. Per row, channel and block that is one vpdpwssd lane-pair per
+ * 2 inputs plus 3 float instructions per 16 rows, instead of 32 float32 FMAs per 16 channels. The outputs move by
+ * the int16 rounding of the activations (~1e-5 relative), as at one row; prompt chunks keep the float32 panels,
+ * exact to the dequantized weights. */
+
+#define LANES 16       /* rows per vector */
+#define INT_CHANNELS 8 /* output channels per micro-kernel call: 8 float and 8 int32 accumulators */
+
+/* Up to 16 quantized rows, lanes = rows: pairs [K/2][16] (inputs 2i, 2i + 1 of each row as one int32), scale
+ * [K/32][16], sum [K/group][16]; missing rows are zero. */
+typedef struct {
+    int32_t *pairs;
+    float *scale, *sum;
+} LaneRows;
+
+/* Floats of a LaneRows for K (64-byte multiples). */
+static inline int64_t lane_floats(int64_t k) { return (k / 2 + 2 * (k / 32)) * LANES; }
+
+static void lane_rows(const QuantizedRows *xq, int64_t r0, int64_t count, int64_t k, int64_t group, LaneRows *out) {
+    const int64_t blocks = k / 32, groups = k / group;
+    for (int64_t i = 0; i < k / 2; i++)
+        for (int64_t l = 0; l < LANES; l++) out->pairs[i * LANES + l] = l < count ? ((const int32_t *)(xq->q + (r0 + l) * k))[i] : 0;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t l = 0; l < LANES; l++) out->scale[b * LANES + l] = l < count ? xq->scale[(r0 + l) * blocks + b] : 0.0f;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t l = 0; l < LANES; l++) out->sum[g * LANES + l] = l < count ? xq->sum[(r0 + l) * groups + g] : 0.0f;
+}
+
+/* Channel j's quantized values as K int16 (Q4: 0..15 in input order; Q8, Q8G: the int8 values). */
+static inline void widen_channel(const Linear *w, int64_t j, int16_t *dst) {
+    const int64_t k = w->k;
+    if (w->kind == LINEAR_Q4) {
+        const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
+        const __m256i mask = _mm256_set1_epi16(0x0F);
+        for (int64_t c = 0; c < k / 64; c++) {
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32)));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32 + 16)));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64), _mm256_and_si256(lo, mask));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 16), _mm256_and_si256(hi, mask));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 32), _mm256_srli_epi16(lo, 4));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 48), _mm256_srli_epi16(hi, 4));
+        }
+    } else {
+        const int8_t *src = (const int8_t *)w->weight + j * k;
+        for (int64_t i = 0; i < k; i += 16)
+            _mm256_storeu_si256((__m256i *)(dst + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
+    }
+}
+
+/* n float16 values as floats, 8 at a time. */
+static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
+}
+
+/* Channel j's weight scale per block of 32 inputs (K/32 floats) and, for Q4, its minimum per group. */
+static inline void channel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
+    if (w->kind == LINEAR_Q8) {
+        for (int64_t b = 0; b < blocks; b++) scale[b] = ((const float *)w->scales)[j];
+        return;
+    }
+    const uint16_t *halves = (const uint16_t *)w->scales + j * groups;
+    if (groups == blocks) halves_to_floats(halves, blocks, scale); /* Q8G; Q4 with groups of 32 */
+    else for (int64_t b = 0; b < blocks; b++) scale[b] = _cvtsh_ss(halves[b * 32 / w->group]);
+    if (minimum) halves_to_floats(w->mins + j * groups, groups, minimum);
+}
+
+/* The widened weights of INT_CHANNELS channels: q [C][K] int16, scale [C][K/32], minimum [C][K/group] (Q4). */
+typedef struct {
+    int16_t *q;
+    float *scale, *minimum;
+} IntChannels;
+
+static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (k / 2 + 2 * (k / 32)); }
+
+/* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]. */
+static inline __attribute__((always_inline, target("avx512f,avx512vnni"))) void micro_vnni(
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
+) {
+    const int64_t blocks = k / 32, groups = k / group;
+    __m512 acc[INT_CHANNELS];
+    for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i dot[INT_CHANNELS];
+        for (int c = 0; c < channels; c++) dot[c] = _mm512_setzero_si512();
+        for (int64_t i = b * 16; i < b * 16 + 16; i++) {
+            const __m512i a = _mm512_load_si512(x->pairs + i * LANES);
+            for (int c = 0; c < channels; c++)
+                dot[c] = _mm512_dpwssd_epi32(dot[c], a, _mm512_set1_epi32(((const int32_t *)(w->q + c * k))[i]));
+        }
+        const __m512 d = _mm512_load_ps(x->scale + b * LANES);
+        for (int c = 0; c < channels; c++)
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * blocks + b])), acc[c]);
+    }
+    for (int64_t g = 0; w->minimum && g < groups; g++) { /* Σ_g minimum_g · (Σ x over group g) */
+        const __m512 sum = _mm512_load_ps(x->sum + g * LANES);
+        for (int c = 0; c < channels; c++) acc[c] = _mm512_fmadd_ps(sum, _mm512_set1_ps(w->minimum[c * groups + g]), acc[c]);
+    }
+    for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
+}
+
+static __attribute__((target("avx512f,avx512vnni"))) void int_channels(
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
+) {
+#define CASE(t) case t: micro_vnni(x, k, group, w, t, tile); break;
+    switch (channels) {
+        CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
+        default: micro_vnni(x, k, group, w, 1, tile);
+    }
+#undef CASE
+}
+
+/* Whether this CPU runs the integer panels (AVX-512 VNNI). */
+int kettle_integer_gemm_supported(void) { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512f"); }
+
+/* Floats of the per-thread buffer `gemm_panels_int` needs for K (at most gemm_buffer_floats(K)). */
+static inline int64_t int_buffer_floats(int64_t k) { return lane_floats(k) + channel_floats(k) + INT_CHANNELS * LANES; }
+
+/* y = x Wᵀ (+ bias) for m rows quantized in xq (laid out for K = w->k, groups of w->group), run by every thread
+ * of the calling team as `gemm_panels`: the team splits groups of INT_CHANNELS channels, each thread lays out its
+ * own copy of each group of 16 rows (a few percent of a projection's products). `buffer`: gemm_buffer_floats(K)
+ * floats, 64-byte aligned. */
+void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
+    const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
+    LaneRows x = {(int32_t *)buffer, buffer + k / 2 * LANES, buffer + (k / 2 + blocks) * LANES};
+    float *own = buffer + lane_floats(k);
+    IntChannels c = {(int16_t *)own, own + INT_CHANNELS * k / 2, NULL};
+    if (w->kind == LINEAR_Q4) c.minimum = own + INT_CHANNELS * (k / 2 + blocks);
+    float *tile = own + channel_floats(k);
+    const int64_t tiles = (w->n + INT_CHANNELS - 1) / INT_CHANNELS;
+    for (int64_t r0 = 0; r0 < m; r0 += LANES) {
+        const int64_t count = m - r0 < LANES ? m - r0 : LANES;
+        lane_rows(xq, r0, count, k, w->group, &x);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t j0 = t * INT_CHANNELS;
+            const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
+            for (int i = 0; i < n; i++) {
+                widen_channel(w, j0 + i, c.q + i * k);
+                channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
+            }
+            int_channels(&x, k, w->group, &c, n, tile);
+            for (int i = 0; i < n; i++)
+                for (int64_t l = 0; l < count; l++)
+                    y[(r0 + l) * ldy + j0 + i] = tile[i * LANES + l] + (w->bias ? w->bias[j0 + i] : 0.0f);
+        }
+    }
+}
+
+/* y = x Wᵀ (+ bias) over the integer panels for an op-at-a-time call (the decode step's LM head): the rows
+ * quantized once, then the panels split across the threads. -1 when out of memory. */
+int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
+    const int64_t per_thread = gemm_buffer_floats(w->k);
+    QuantizedRows xq = {NULL, NULL, NULL};
+    float *buffers = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
+    if (!buffers || alloc_rows(m, w->k, &xq)) return free(buffers), free_rows(&xq), -1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
+        gemm_panels_int(w, &xq, m, y, ldy, buffers + omp_get_thread_num() * per_thread);
+    }
+    free_rows(&xq);
+    free(buffers);
+    return 0;
+}

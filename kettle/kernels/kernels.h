@@ -291,6 +291,11 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
  * gemm_buffer_floats(K) floats. */
 void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);
 int64_t gemm_buffer_floats(int64_t k);
+/* The integer panels (AVX-512 VNNI) over rows quantized to int16: within a team as `gemm_panels`, or on their own
+ * threads; whether this CPU has them. */
+void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
+int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
+int kettle_integer_gemm_supported(void);
 
 /* ---- float32 tiles for several activation rows: each output channel's weights are dequantized once into a
  * per-thread buffer, then every row multiplies them in float32 (exact to the dequantized weights), three channels

@@ -74,9 +74,10 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding"])
 def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize):
-    """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's panels inside its
-    parallel region, as the layer-by-layer forward runs them per call: the same numbers."""
+    """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's float32 panels inside
+    its parallel region, as the layer-by-layer forward runs them per call: the same numbers."""
     monkeypatch.setattr(ops, "GEMM_ROWS", 2)
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step.decoder.gemm_rows == 2
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
@@ -86,6 +87,24 @@ def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(tmp_p
     monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 2)
     monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", 2)
     torch.testing.assert_close(fused, decode_logits(model, fused=False), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_integer_panels_stay_within_the_int16_rounding_of_the_float32_panels(tmp_path, monkeypatch, variant, quantize):
+    """On AVX-512 VNNI the step's panels multiply int16 rows (their kernel is checked against the one-row int16
+    path in tests/unit/test_prefill_kernels.py): the logits move by the activations' int16 rounding only, as
+    few rows' int16 path moves them from the float32 tiles on these models (up to 2.8e-3 over 12 steps)."""
+    if not ops.integer_gemm():
+        pytest.skip("no AVX-512 VNNI here")
+    monkeypatch.setattr(ops, "GEMM_ROWS", 2)
+    model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
+    assert model.cpu_decoder_step.decoder.integer_gemm == 1
+    integer = decode_logits(model, fused=True)  # (each call builds the step anew from ops' settings)
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
+    float_panels = decode_logits(model, fused=True)
+    assert not torch.equal(integer, float_panels)
+    torch.testing.assert_close(integer, float_panels, atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "qwen3", "gemma"])

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kettle.kernels import build, ops
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q8 import Q8Linear
 
 CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
@@ -59,6 +60,38 @@ def test_gemm_rows_switch_keeps_the_float32_tiles(monkeypatch):
     fast = layer(x)
     monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
     assert relative(fast, layer(x)) < 1e-5
+
+
+def _q8_0_layer(out_features: int, in_features: int) -> Q8Linear:
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    return Q8Linear(q, (torch.rand(out_features, in_features // 32) * 0.01 + 1e-3).half(), torch.randn(out_features))
+
+
+LAYERS = {
+    "q4-group32": lambda n, k: Q4Linear.from_weight(torch.randn(n, k) * 0.05, torch.randn(n), 32),
+    "q4-group64": lambda n, k: Q4Linear.from_weight(torch.randn(n, k) * 0.05, None, 64),
+    "int8": lambda n, k: Int8Linear.from_weight(torch.randn(n, k), torch.randn(n)),
+    "q8_0": _q8_0_layer,
+}
+
+
+@pytest.mark.skipif(not CAN_BUILD or not ops.integer_gemm(), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [16, 23, 40])
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_integer_panels_are_the_int16_rows_of_one_row_decode(kind, rows):
+    """The integer panels (the LM head's and the decode step's from GEMM_ROWS rows) quantize each row to int16 as
+    one row of decode does (`linear_channel_qa`) and sum the same integer block products with the same scales: row
+    by row through the one-row path gives the same outputs, float32 rounding apart. 100 output channels end in a
+    short group of channels; 23 and 40 rows in a short group of 16 rows."""
+    torch.manual_seed(rows)
+    layer = LAYERS[kind](100, 192)
+    layer.integer_rows = True
+    x = torch.randn(rows, 192) * torch.linspace(0.1, 4.0, 192)  # uneven channels, as activations have
+    assert rows >= ops.GEMM_ROWS
+    one_row = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    assert relative(layer(x), one_row) < 2e-6
+    layer.integer_rows = False  # the float32 panels, exact to the dequantized weight
+    assert 1e-6 < relative(layer(x), one_row) < 1e-4
 
 
 def reference_attention(q, k, v, positions, window):

@@ -18,7 +18,7 @@ def test_defaults_without_any_variable():
     assert (settings.int4_group_size, settings.quant_lm_head) == (None, "int8")
     assert settings.cpu_kernels and settings.cpu_decoder_step and settings.cuda_fused_kernels
     assert not settings.cuda_weight_only and settings.cuda_graphs is None
-    assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows == 16
+    assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows == 16 and settings.cpu_integer_gemm
     assert (settings.speculate_min_ngram, settings.speculate_row_cost) == (2, 0.35)
 
 
@@ -32,6 +32,7 @@ def test_variables_are_parsed():
     assert (settings.int4_group_size, settings.quant_lm_head) == (64, "dense")
     assert settings.distributed_timeout_s == 12.5 and settings.cuda_weight_only
     assert Settings.from_env({"KETTLE_DECODE_WINDOW_MS": "0"}).decode_window_ms == 0.0
+    assert not Settings.from_env({"KETTLE_CPU_INTEGER_GEMM": "0"}).cpu_integer_gemm
 
 
 @pytest.mark.parametrize(
