@@ -205,7 +205,7 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
  * exact to the dequantized weights. */
 
 #define LANES 16       /* rows per vector */
-#define INT_CHANNELS 8 /* output channels per micro-kernel call: 8 float and 8 int32 accumulators */
+#define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
 
 /* Up to 16 quantized rows, lanes = rows: pairs [K/2][16] (inputs 2i, 2i + 1 of each row as one int32), scale
  * [K/32][16], sum [K/group][16]; missing rows are zero. */
@@ -307,7 +307,7 @@ static __attribute__((target("avx512f,avx512vnni"))) void int_channels(
 ) {
 #define CASE(t) case t: micro_vnni(x, k, group, w, t, tile); break;
     switch (channels) {
-        CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
+        CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
         default: micro_vnni(x, k, group, w, 1, tile);
     }
 #undef CASE
