@@ -12,6 +12,9 @@
  * Two micro-kernels, chosen once per call: AVX-512 (12 rows × 32 channels, 24 accumulators) where the CPU has
  * it, else AVX2 (6 rows × 16 channels, 12 accumulators, run over each half of the panel). Threads split the
  * panels; rows go block by block so a block's activations stay in L2 while every panel of the thread meets them.
+ *
+ * Decode batches of GEMM_ROWS rows and more take the integer panels at the end of this file instead where the CPU
+ * has AVX-512 VNNI: int16 rows, as one row of decode quantizes them, against the weights widened to int16.
  */
 #include <omp.h>
 
