@@ -44,8 +44,8 @@ from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
 # Rows (tokens) a CPU step that verifies drafts may feed: one tile of the int4/int8 kernels' integer path
 # (`ops.TILE_ROWS`), which reads and unpacks each weight once for all its rows. A fifth row starts a second pass:
 # measured on the bundled model (int4, fused step, context 560, one thread) a step of 4 rows cost 2.30 one-row
-# steps and one of 5 rows 3.01, so the fourth draft token, accepted 93% of the time on the copy benchmark, cost
-# more than it saved (`bench/overlap_speculate.py --in-process`: copy 1.76x with 3 drafts against 1.68x with 4).
+# steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
+# cost more than it saved (`bench/overlap_speculate.py --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
 # And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
 CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1)
 # On a GPU a step's rows cost little until the batch fills the device; a batch of 8 is already using it well.
