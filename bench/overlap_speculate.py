@@ -4,13 +4,16 @@
     .venv/bin/python bench/overlap_speculate.py --rounds 1 --max-new-tokens 64 --configs off,overlap
     .venv/bin/python bench/overlap_speculate.py --configs off,speculate,speculate-always
     .venv/bin/python bench/overlap_speculate.py --in-process --rounds 7 --configs off,speculate,speculate-always
+    .venv/bin/python bench/overlap_speculate.py --in-process --rounds 5 --configs off,speculate-7rows,speculate
 
 Configurations (each its own server; the rounds alternate them so machine drift hits all alike):
 - `off`: the default, the shard waits for each call;
 - `overlap`: `KETTLE_OVERLAP=1`, the next decode step computed while the router handles the last one;
 - `speculate`: the default plus `--speculate 4`;
 - `speculate-always`: `--speculate 4` drafting every step in full from 1-gram matches on (the drafting before
-  it weighed acceptance against cost: `KETTLE_SPECULATE_MIN_NGRAM=1 KETTLE_SPECULATE_ROW_COST=0`).
+  it weighed acceptance against cost: `KETTLE_SPECULATE_MIN_NGRAM=1 KETTLE_SPECULATE_ROW_COST=0`);
+- `speculate-7rows`: `--speculate 4` with steps of up to 7 rows on the CPU, the rule before a step was held to
+  one pass of the integer kernels (`KETTLE_SPECULATE_STEP_ROWS=7`).
 
 Workloads: kettle.bench.loadgen's chat prompts at 1 and 16 streams (decode tok/s as loadgen defines it), and a
 copy-heavy single stream: the model is asked to repeat a ~500-token passage (this repository's
@@ -19,7 +22,7 @@ round's ratio to `off` in the same round, whose median is the figure to quote on
 
 `--in-process` runs the same workloads on one shard engine, no server: the router's round trip is left out, and
 the configurations alternate workload by workload (seconds apart, not minutes), which a busy shared machine
-needs to show a ratio at all. Only `off`, `speculate` and `speculate-always` (and `--quantize` of
+needs to show a ratio at all. Only `off` and the `speculate` configurations (and `--quantize` of
 `--server-args`) apply there. Its tok/s are the generated tokens after each request's first over the wall time
 of the steps that made them.
 """
@@ -44,6 +47,7 @@ CONFIGS = {
     "overlap": ({"KETTLE_OVERLAP": "1"}, []),
     "speculate": ({}, ["--speculate", "4"]),
     "speculate-always": ({"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0"}, ["--speculate", "4"]),
+    "speculate-7rows": ({"KETTLE_SPECULATE_STEP_ROWS": "7"}, ["--speculate", "4"]),
 }
 PASSAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -145,7 +149,7 @@ def in_process(model_path: str, args: argparse.Namespace, chat: list[str], copy:
     return rounds
 
 
-SPECULATE_ENV = ("KETTLE_SPECULATE_MIN_NGRAM", "KETTLE_SPECULATE_ROW_COST")
+SPECULATE_ENV = ("KETTLE_SPECULATE_MIN_NGRAM", "KETTLE_SPECULATE_ROW_COST", "KETTLE_SPECULATE_STEP_ROWS")
 
 
 def _decode_rate(engine, prompts: list[list[int]], max_new_tokens: int) -> float:

@@ -4,8 +4,8 @@ User-facing choices are command-line flags. What stays in the environment is wha
 machine (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off
 switches and knobs for debugging and measurement (Kettle's CPU kernels, the fused decode step, the float32 tiles
 and quantized activations of the int4/int8 kernels, the CUDA fused kernels, the attention backend, the CPU linear
-layout, the fallback's padding, adaptive prefill chunks, the shortest n-gram `--speculate` drafts from and the
-cost it weighs drafts against). The first
+layout, the fallback's padding, adaptive prefill chunks, the shortest n-gram `--speculate` drafts from, the
+cost it weighs drafts against and the rows a step verifying drafts may feed). The first
 `current()` reads them and logs them once; a test that changes the environment calls `reload()`.
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
@@ -59,6 +59,7 @@ class Settings:
     decode_window_ms: float  # KETTLE_DECODE_WINDOW_MS: one decode call may run steps for this long (0: one step)
     speculate_min_ngram: int  # KETTLE_SPECULATE_MIN_NGRAM: shortest context match --speculate drafts from (1-8)
     speculate_row_cost: float  # KETTLE_SPECULATE_ROW_COST: a draft token's cost in decode steps (0: always draft)
+    speculate_step_rows: int | None  # KETTLE_SPECULATE_STEP_ROWS: rows a step verifying drafts feeds (None: by device)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -87,6 +88,7 @@ class Settings:
             decode_window_ms=_window(env.get("KETTLE_DECODE_WINDOW_MS")),
             speculate_min_ngram=_min_ngram(env.get("KETTLE_SPECULATE_MIN_NGRAM")),
             speculate_row_cost=_row_cost(env.get("KETTLE_SPECULATE_ROW_COST")),
+            speculate_step_rows=_step_rows(env.get("KETTLE_SPECULATE_STEP_ROWS")),
         )
 
 
@@ -141,6 +143,16 @@ def _row_cost(value: str | None) -> float:
     if not 0 <= cost <= 1:
         raise ValueError(f"KETTLE_SPECULATE_ROW_COST must be a number from 0 to 1, got {value!r}")
     return cost
+
+
+def _step_rows(value: str | None) -> int | None:
+    # Unset: kettle/shard/speculation.py's default for the device (one pass of the CPU kernels' integer path, 4;
+    # 7 on a GPU). Set, for measurement: 7 is the CPU's rule before it (bench/overlap_speculate.py compares them).
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"KETTLE_SPECULATE_STEP_ROWS must be a whole number of rows from 1, got {value!r}")
+    return int(value)
 
 
 @functools.cache

@@ -41,6 +41,12 @@ GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
 # the float32 panels.
 _INTEGER_GEMM = settings.current().cpu_integer_gemm
 
+# Activation rows the int4/int8 kernels' integer path (and the float32 tiles) take in one pass over the weights:
+# kernels.h's MAX_TILE. A fifth row starts a second pass, which unpacks every weight again (the fused step on the
+# bundled model at context 560: 4 rows 2.30x a one-row step, 5 rows 3.01x; kettle/shard/speculation.py sizes its
+# verification steps by it).
+TILE_ROWS = 4
+
 # The KV cache element types the attention kernels read and write, by their code in kernels.h (KV_F32, ...).
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

@@ -20,7 +20,7 @@ from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.grammar import Grammars, advance
 from kettle.shard.logits_process import device_tensor
 from kettle.shard.sampling import BatchSampler, SampleOutput, top_token_table, top_tokens_from_rows
-from kettle.shard.speculation import accepted_tokens, drafts_for, verify_drafts
+from kettle.shard.speculation import accepted_tokens, drafts_for, step_rows, verify_drafts
 from kettle.shard.vocab import Vocab
 from kettle.tensors.kv_cache import KVCache
 
@@ -109,7 +109,10 @@ class ModelRunner:
         as it was (only the KV cache rows it writes and the sampling generators move), so a step computed ahead
         of the router's call can still be dropped (see `lookahead.py`)."""
         start = time.perf_counter_ns()
-        drafts = drafts_for(requests, self.speculate) if self.speculate else [[] for _ in requests]
+        if self.speculate:
+            drafts = drafts_for(requests, self.speculate, step_rows(self.device))
+        else:
+            drafts = [[] for _ in requests]
         queries = [r.next_query() + d for r, d in zip(requests, drafts, strict=True)]
         meta, hidden = self._forward(requests, queries, drafts)
         prefill_logprobs = self._prefill_logprobs(requests, queries, meta, hidden)

@@ -19,9 +19,10 @@ Drafting has to pay for itself: on the CPU a verified draft token costs about a 
 are rejected. So each step decides how many tokens each request drafts (`drafts_for`) from its drafter's
 acceptance estimate (`NgramDrafter.acceptance`): a draft token is verified only when its expected yield (the
 chance that it and every draft token before it are accepted) beats what the step already gets per unit of cost.
-A request that copies drafts `--speculate` tokens every step; one whose drafts keep failing stops drafting until
-its bad record fades, then probes with a token or two. A step drafts within `STEP_ROWS` rows in all: single
-streams and small batches (a batch of 7 or more is already using the step well). And only requests whose token
+A request that copies drafts up to `--speculate` tokens every step; one whose drafts keep failing stops drafting
+until its bad record fades, then probes with a token or two. A step drafts within `step_rows` rows in all: on the
+CPU one pass of the integer kernels (4 rows: a single stream's last token and 3 drafts), on a GPU 7 (a batch of 7
+or more is already using the step well). And only requests whose token
 choice depends on nothing but the row's logits draft: no grammar, penalties, watermark or top tokens (their
 per-row state would have to follow the draft). The others in the same batch decode one token as usual.
 """
@@ -40,11 +41,24 @@ from kettle.shard.batch import RequestState
 from kettle.shard.ngram import NgramDrafter
 from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
 
-# Rows (tokens) a step that verifies drafts may feed: fewer than where the int4 kernels leave their integer path
-# for the float32 tiles (`ops.Q4_FLOAT_ROWS`, 8 by default), which cost more per step than 7 rows on the integer
-# path (bundled model, fused step, context 200: 7 rows 12.1 ms, 8 rows 15.7 ms, 1 row 3.7 ms); and never 8 or
-# more: a batch of 8 is already using the step well.
-STEP_ROWS = min(ops.Q4_FLOAT_ROWS, ops.GEMM_ROWS, 8) - 1
+# Rows (tokens) a CPU step that verifies drafts may feed: one tile of the int4/int8 kernels' integer path
+# (`ops.TILE_ROWS`), which reads and unpacks each weight once for all its rows. A fifth row starts a second pass:
+# measured on the bundled model (int4, fused step, context 560, one thread) a step of 4 rows cost 2.30 one-row
+# steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
+# cost more than it saved (`bench/overlap_speculate.py --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
+# And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
+CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1)
+# On a GPU a step's rows cost little until the batch fills the device; a batch of 8 is already using it well.
+GPU_STEP_ROWS = 7
+
+
+def step_rows(device: torch.device) -> int:
+    """The rows a step that verifies drafts may feed on `device` (drafts stop there): `KETTLE_SPECULATE_STEP_ROWS`
+    when set, else the device's default."""
+    chosen = settings.current().speculate_step_rows
+    if chosen is not None:
+        return chosen
+    return CPU_STEP_ROWS if device.type == "cpu" else GPU_STEP_ROWS
 
 
 def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> NgramDrafter | None:
@@ -56,25 +70,25 @@ def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> 
     return NgramDrafter(settings.current().speculate_min_ngram)
 
 
-def drafts_for(requests: Sequence[RequestState], speculate: int) -> list[list[int]]:
+def drafts_for(requests: Sequence[RequestState], speculate: int, step_rows: int) -> list[list[int]]:
     """Each request's draft for this step: the draft tokens whose expected yield pays for their row.
 
     With each request's acceptance estimate a (`NgramDrafter.acceptance`), its j-th draft token yields a token
     with probability a^j (it and the j-1 before it accepted). With c the cost of a row as a share of a one-row
     step (`KETTLE_SPECULATE_ROW_COST`), the step costs 1 + c per row past the first, for one token per request;
     draft tokens are added best first while one's expected yield beats c times the step's current tokens per
-    unit of cost (so the step's expected tokens per unit of cost grow with each), within `STEP_ROWS` rows. For
+    unit of cost (so the step's expected tokens per unit of cost grow with each), within `step_rows` rows. For
     one request that is the draft length that maximises tokens per unit of cost: up to `speculate` tokens when
     a is near 1, none when a is below c. c = 0 drafts in full."""
     rows = sum(len(r.next_query()) for r in requests)
-    if rows >= STEP_ROWS:  # checked first: a big batch looks nothing up
+    if rows >= step_rows:  # checked first: a big batch looks nothing up
         return [[] for _ in requests]
     proposals = [proposal(r, speculate) for r in requests]
     rates = [r.drafter.acceptance(len(r.all_ids)) if p else 0.0 for r, p in zip(requests, proposals, strict=True)]
     row_cost = settings.current().speculate_row_cost
     lengths, gains = [0] * len(requests), list(rates)
     tokens, cost = float(len(requests)), 1.0 + row_cost * (rows - 1)
-    while rows < STEP_ROWS:
+    while rows < step_rows:
         open_ = [i for i, p in enumerate(proposals) if lengths[i] < len(p)]
         best = max(open_, key=gains.__getitem__, default=None)
         if best is None or gains[best] <= row_cost * tokens / cost:

@@ -15,7 +15,8 @@ from tests.models.engine_driver import make_batch, warm_engine
 
 # Repetitive prompts, so that n-gram drafts exist; the model is random, so what it accepts is its own business.
 # It never repeats two tokens of its context, so the tiny-model tests draft from 1-gram matches, every step in
-# full (`draft_every_step`): what they check is the verification, not the drafting policy.
+# full, within a GPU step's rows (`draft_every_step`; on the CPU a batch of these 4 prompts fills a step's rows
+# and would not draft): what they check is the verification, not the drafting policy.
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [40, 41, 42, 43, 40, 41, 42], [7, 7, 7, 7]]
 
 
@@ -23,6 +24,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [40, 41, 42, 4
 def draft_every_step(monkeypatch):
     monkeypatch.setenv("KETTLE_SPECULATE_MIN_NGRAM", "1")
     monkeypatch.setenv("KETTLE_SPECULATE_ROW_COST", "0")
+    monkeypatch.setenv("KETTLE_SPECULATE_STEP_ROWS", "7")
 
 
 def run(engine, speculate: int, configure=None, max_new_tokens: int = 40):

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from kettle.kernels import ops
 from kettle.shard.ngram import NgramDrafter
-from kettle.shard.speculation import STEP_ROWS, drafts_for
+from kettle.shard.speculation import CPU_STEP_ROWS, GPU_STEP_ROWS, drafts_for, step_rows
 
 # A context that repeats itself: every suffix of COPY has a match, and what follows it is the copy.
 PASSAGE = list(range(100, 140))
@@ -77,32 +79,44 @@ def test_acceptance_follows_the_record_and_fades_back_to_the_prior():
 
 
 def test_a_copying_request_drafts_in_full_and_a_failing_one_stops_then_probes_again():
-    assert drafts_for([copying(Request(list(COPY)))], 4) == [PASSAGE[10:14]]
+    assert drafts_for([copying(Request(list(COPY)))], 4, GPU_STEP_ROWS) == [PASSAGE[10:14]]
     request = failing(Request(list(COPY)))
-    assert drafts_for([request], 4) == [[]]
+    assert drafts_for([request], 4, GPU_STEP_ROWS) == [[]]
     request.all_ids += PASSAGE[10:40] + PASSAGE[:10]  # 40 tokens later, its record has faded: it tries again
-    probe = drafts_for([request], 4)[0]
+    probe = drafts_for([request], 4, GPU_STEP_ROWS)[0]
     assert 1 <= len(probe) < 4 and probe == PASSAGE[10 : 10 + len(probe)]
 
 
 def test_a_batch_drafts_the_best_bets_within_the_step_rows():
     good, fresh = copying(Request(list(COPY))), Request(list(COPY))
-    drafts = drafts_for([fresh, good], 4)
+    drafts = drafts_for([fresh, good], 4, GPU_STEP_ROWS)
     assert drafts[1] == PASSAGE[10:14] and len(drafts[0]) < 4
     many = [copying(Request(list(COPY))) for _ in range(5)]
-    drafted = drafts_for(many, 4)
-    assert 0 < sum(len(d) for d in drafted) <= STEP_ROWS - 5
-    assert drafts_for([good] * STEP_ROWS, 4) == [[]] * STEP_ROWS
+    drafted = drafts_for(many, 4, GPU_STEP_ROWS)
+    assert 0 < sum(len(d) for d in drafted) <= GPU_STEP_ROWS - 5
+    assert drafts_for([good] * GPU_STEP_ROWS, 4, GPU_STEP_ROWS) == [[]] * GPU_STEP_ROWS
+
+
+def test_a_cpu_step_drafts_within_one_pass_of_the_integer_kernels(monkeypatch):
+    assert step_rows(torch.device("cpu")) == CPU_STEP_ROWS == ops.TILE_ROWS == 4
+    assert step_rows(torch.device("cuda", 0)) == GPU_STEP_ROWS
+    monkeypatch.setenv("KETTLE_SPECULATE_STEP_ROWS", "7")
+    assert step_rows(torch.device("cpu")) == 7
+    # A copying stream's last token and 3 drafts fill the tile: the fourth draft token would start a second pass.
+    assert drafts_for([copying(Request(list(COPY)))], 4, CPU_STEP_ROWS) == [PASSAGE[10:13]]
+    pair = drafts_for([copying(Request(list(COPY))), copying(Request(list(COPY)))], 4, CPU_STEP_ROWS)
+    assert sum(len(d) for d in pair) == 2
+    assert drafts_for([copying(Request(list(COPY))) for _ in range(4)], 4, CPU_STEP_ROWS) == [[]] * 4
 
 
 def test_drafts_stop_short_of_max_new_tokens_and_skip_prompts():
-    assert drafts_for([copying(Request(list(COPY), max_new_tokens=3))], 4) == [PASSAGE[10:12]]
-    assert drafts_for([Request(list(COPY), in_prefill=True)], 4) == [[]]
-    assert drafts_for([Request(list(COPY), drafter=None)], 4) == [[]]
+    assert drafts_for([copying(Request(list(COPY), max_new_tokens=3))], 4, GPU_STEP_ROWS) == [PASSAGE[10:12]]
+    assert drafts_for([Request(list(COPY), in_prefill=True)], 4, GPU_STEP_ROWS) == [[]]
+    assert drafts_for([Request(list(COPY), drafter=None)], 4, GPU_STEP_ROWS) == [[]]
 
 
 def test_no_row_cost_drafts_in_full_whatever_the_record(monkeypatch):
     request = failing(Request(list(COPY)))
-    assert drafts_for([request], 4) == [[]]
+    assert drafts_for([request], 4, GPU_STEP_ROWS) == [[]]
     monkeypatch.setenv("KETTLE_SPECULATE_ROW_COST", "0")
-    assert drafts_for([request], 4) == [PASSAGE[10:14]]
+    assert drafts_for([request], 4, GPU_STEP_ROWS) == [PASSAGE[10:14]]
