@@ -195,7 +195,9 @@ static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
     s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
     if (!base || !s->chosen) return free(base), free(s->chosen), -1;
-    if (alloc_rows(rows, widest, &s->xq)) return free(base), free(s->chosen), free_rows(&s->xq), -1;
+    const int lanes = m->integer_gemm && rows >= m->gemm_rows; /* room for the integer panels' layout */
+    if (alloc_rows(rows, widest, &s->xq) || (lanes && alloc_lanes(rows, widest, &s->xq)))
+        return free(base), free(s->chosen), free_rows(&s->xq), -1;
     for (int i = 0; i < 11; i++) *slots[i] = base, base += rows * sizes[i];
     s->route = base;
     return 0;
@@ -255,6 +257,7 @@ static void linear(const Decoder *m, const Linear *w, const float *x, const Quan
                    float *buffer) {
     const int64_t n = w->n, k = w->k;
     if (integer_panels(m, w, rows)) {
+        lay_out_lanes(xq, rows, k, w->group);
         gemm_panels_int(w, xq, rows, y, n, buffer);
     } else if (panels(m, w, rows)) {
         /* Enough rows that the panels' register tiles (each dequantized weight meeting 6-12 rows from registers,

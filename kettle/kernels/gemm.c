@@ -207,47 +207,63 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
  * the int16 rounding of the activations (~1e-5 relative), as at one row; prompt chunks keep the float32 panels,
  * exact to the dequantized weights. */
 
-#define LANES 16       /* rows per vector */
+#define LANES 16        /* rows per vector */
 #define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
-/* Up to 16 quantized rows, lanes = rows: pairs [K/2][16] (inputs 2i, 2i + 1 of each row as one int32), scale
- * [K/32][16], sum [K/group][16]; missing rows are zero. */
+/* Group g of 16 rows in lanes (kernels.h `lane_floats`): pairs [K/2][16] (inputs 2i, 2i + 1 of each row as one
+ * int32), scale [K/32][16], sum [K/group][16]; rows past the last are zero. */
 typedef struct {
-    int32_t *pairs;
-    float *scale, *sum;
+    const int32_t *pairs;
+    const float *scale, *sum;
 } LaneRows;
 
-/* Floats of a LaneRows for K (64-byte multiples). */
-static inline int64_t lane_floats(int64_t k) { return (k / 2 + 2 * (k / 32)) * LANES; }
-
-static void lane_rows(const QuantizedRows *xq, int64_t r0, int64_t count, int64_t k, int64_t group, LaneRows *out) {
-    const int64_t blocks = k / 32, groups = k / group;
-    for (int64_t i = 0; i < k / 2; i++)
-        for (int64_t l = 0; l < LANES; l++) out->pairs[i * LANES + l] = l < count ? ((const int32_t *)(xq->q + (r0 + l) * k))[i] : 0;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t l = 0; l < LANES; l++) out->scale[b * LANES + l] = l < count ? xq->scale[(r0 + l) * blocks + b] : 0.0f;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t l = 0; l < LANES; l++) out->sum[g * LANES + l] = l < count ? xq->sum[(r0 + l) * groups + g] : 0.0f;
+static inline LaneRows lane_group(const QuantizedRows *xq, int64_t g, int64_t k) {
+    const float *base = xq->lanes + g * lane_floats(k);
+    return (LaneRows){(const int32_t *)base, base + k / 2 * LANES, base + (k / 2 + k / 32) * LANES};
 }
 
-/* Channel j's quantized values as K int16 (Q4: 0..15 in input order; Q8, Q8G: the int8 values). */
-static inline void widen_channel(const Linear *w, int64_t j, int16_t *dst) {
+/* xq's rows laid out in lanes by the calling team (an orphaned `omp for`, whose barrier makes them complete): 8
+ * pairs of 8 rows at a time through the register transpose, each row's scales and sums beside them. */
+void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group) {
+    const int64_t groups = (rows + LANES - 1) / LANES, steps = k / 16; /* 8 pairs a step */
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < groups * steps; u++) {
+        const int64_t g = u / steps, i = u % steps * 8;
+        float *base = xq->lanes + g * lane_floats(k);
+        for (int half = 0; half < 2; half++) {
+            __m256 r[8];
+            for (int c = 0; c < 8; c++) {
+                const int64_t row = g * LANES + half * 8 + c;
+                r[c] = row < rows ? _mm256_loadu_ps((const float *)(xq->q + row * k) + i) : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int t = 0; t < 8; t++) _mm256_store_ps(base + (i + t) * LANES + half * 8, r[t]);
+        }
+        if (i) continue;
+        float *scale = base + k / 2 * LANES, *sum = scale + k / 32 * LANES;
+        for (int64_t l = 0, row = g * LANES; l < LANES; l++, row++) {
+            for (int64_t b = 0; b < k / 32; b++) scale[b * LANES + l] = row < rows ? xq->scale[row * (k / 32) + b] : 0.0f;
+            for (int64_t q = 0; q < k / group; q++) sum[q * LANES + l] = row < rows ? xq->sum[row * (k / group) + q] : 0.0f;
+        }
+    }
+}
+
+/* Channel j's quantized values as K int16 (Q4: 0..15 in input order; Q8, Q8G: the int8 values), 32 at a time. */
+static inline VNNI void widen_channel(const Linear *w, int64_t j, int16_t *dst) {
     const int64_t k = w->k;
     if (w->kind == LINEAR_Q4) {
         const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
-        const __m256i mask = _mm256_set1_epi16(0x0F);
+        const __m512i mask = _mm512_set1_epi16(0x0F);
         for (int64_t c = 0; c < k / 64; c++) {
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32)));
-            const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32 + 16)));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64), _mm256_and_si256(lo, mask));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 16), _mm256_and_si256(hi, mask));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 32), _mm256_srli_epi16(lo, 4));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 48), _mm256_srli_epi16(hi, 4));
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + c * 32)));
+            _mm512_storeu_si512(dst + c * 64, _mm512_and_si512(bytes, mask));
+            _mm512_storeu_si512(dst + c * 64 + 32, _mm512_srli_epi16(bytes, 4));
         }
     } else {
         const int8_t *src = (const int8_t *)w->weight + j * k;
-        for (int64_t i = 0; i < k; i += 16)
-            _mm256_storeu_si256((__m256i *)(dst + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
+        for (int64_t i = 0; i < k; i += 32)
+            _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(src + i))));
     }
 }
 
@@ -279,8 +295,11 @@ typedef struct {
 
 static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (k / 2 + 2 * (k / 32)); }
 
+/* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
+#define TILE_FLOATS (16 * LANES)
+
 /* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]. */
-static inline __attribute__((always_inline, target("avx512f,avx512vnni"))) void micro_vnni(
+static inline __attribute__((always_inline)) VNNI void micro_vnni(
     const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
 ) {
     const int64_t blocks = k / 32, groups = k / group;
@@ -305,9 +324,7 @@ static inline __attribute__((always_inline, target("avx512f,avx512vnni"))) void 
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
 
-static __attribute__((target("avx512f,avx512vnni"))) void int_channels(
-    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
-) {
+static VNNI void int_channels(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile) {
 #define CASE(t) case t: micro_vnni(x, k, group, w, t, tile); break;
     switch (channels) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
@@ -319,51 +336,74 @@ static __attribute__((target("avx512f,avx512vnni"))) void int_channels(
 /* Whether this CPU runs the integer panels (AVX-512 VNNI). */
 int kettle_integer_gemm_supported(void) { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512f"); }
 
-/* Floats of the per-thread buffer `gemm_panels_int` needs for K (at most gemm_buffer_floats(K)). */
-static inline int64_t int_buffer_floats(int64_t k) { return lane_floats(k) + channel_floats(k) + INT_CHANNELS * LANES; }
+/* The weight bytes of the INT_CHANNELS channels from j0 (the thread's next group: static schedules hand out
+ * consecutive groups) asked into the cache while this group is multiplied. */
+static inline void prefetch_channels(const Linear *w, int64_t j0) {
+    if (j0 >= w->n) return;
+    const int64_t width = w->kind == LINEAR_Q4 ? w->k / 2 : w->k, count = w->n - j0 < INT_CHANNELS ? w->n - j0 : INT_CHANNELS;
+    const char *start = (const char *)w->weight + j0 * width;
+    for (int64_t b = 0; b < count * width; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+}
 
-/* y = x Wᵀ (+ bias) for m rows quantized in xq (laid out for K = w->k, groups of w->group), run by every thread
- * of the calling team as `gemm_panels`: the team splits groups of INT_CHANNELS channels, each thread lays out its
- * own copy of each group of 16 rows (a few percent of a projection's products). `buffer`: gemm_buffer_floats(K)
- * floats, 64-byte aligned. */
-void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
+/* The tile's outputs [channels][16 lanes] into y's rows (`rows` of them, ldy floats apart) at `channels` consecutive
+ * columns, with the bias: 8 lanes × 8 channels at a time through the register transpose, so each row takes one
+ * vector store instead of a strided scalar store per output. `tile` has room for 16 channels (the missing ones are
+ * read, not stored). */
+static inline void store_lanes(float *tile, int channels, int rows, const float *bias, float *y, int64_t ldy) {
+    for (int c0 = 0; c0 < channels; c0 += 8) {
+        const int width = channels - c0 < 8 ? channels - c0 : 8;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 b = bias ? _mm256_maskload_ps(bias + c0, mask) : _mm256_setzero_ps();
+        for (int l0 = 0; l0 < rows; l0 += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(tile + (c0 + c) * LANES + l0);
+            transpose8(r);
+            for (int t = 0; t < 8 && l0 + t < rows; t++)
+                _mm256_maskstore_ps(y + (l0 + t) * ldy + c0, mask, _mm256_add_ps(r[t], b));
+        }
+    }
+}
+
+/* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of
+ * w->group), run by every thread of the calling team as `gemm_panels`: the team splits groups of INT_CHANNELS
+ * channels, each widened once for every group of 16 rows. `buffer`: gemm_buffer_floats(K) floats, 64-byte
+ * aligned. */
+VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
-    LaneRows x = {(int32_t *)buffer, buffer + k / 2 * LANES, buffer + (k / 2 + blocks) * LANES};
-    float *own = buffer + lane_floats(k);
-    IntChannels c = {(int16_t *)own, own + INT_CHANNELS * k / 2, NULL};
-    if (w->kind == LINEAR_Q4) c.minimum = own + INT_CHANNELS * (k / 2 + blocks);
-    float *tile = own + channel_floats(k);
-    const int64_t tiles = (w->n + INT_CHANNELS - 1) / INT_CHANNELS;
-    for (int64_t r0 = 0; r0 < m; r0 += LANES) {
-        const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-        lane_rows(xq, r0, count, k, w->group, &x);
+    IntChannels c = {(int16_t *)buffer, buffer + INT_CHANNELS * k / 2, NULL};
+    if (w->kind == LINEAR_Q4) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
+    float *tile = buffer + channel_floats(k);
+    memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t j0 = t * INT_CHANNELS;
-            const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
-            for (int i = 0; i < n; i++) {
-                widen_channel(w, j0 + i, c.q + i * k);
-                channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
-            }
+    for (int64_t t = 0; t < (w->n + INT_CHANNELS - 1) / INT_CHANNELS; t++) {
+        const int64_t j0 = t * INT_CHANNELS;
+        const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
+        prefetch_channels(w, j0 + INT_CHANNELS);
+        for (int i = 0; i < n; i++) {
+            widen_channel(w, j0 + i, c.q + i * k);
+            channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += LANES) {
+            const LaneRows x = lane_group(xq, r0 / LANES, k);
+            const int64_t count = m - r0 < LANES ? m - r0 : LANES;
             int_channels(&x, k, w->group, &c, n, tile);
-            for (int i = 0; i < n; i++)
-                for (int64_t l = 0; l < count; l++)
-                    y[(r0 + l) * ldy + j0 + i] = tile[i * LANES + l] + (w->bias ? w->bias[j0 + i] : 0.0f);
+            store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
         }
     }
 }
 
 /* y = x Wᵀ (+ bias) over the integer panels for an op-at-a-time call (the decode step's LM head): the rows
- * quantized once, then the panels split across the threads. -1 when out of memory. */
+ * quantized and laid out once, then the panels split across the threads. -1 when out of memory. */
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
     const int64_t per_thread = gemm_buffer_floats(w->k);
-    QuantizedRows xq = {NULL, NULL, NULL};
+    QuantizedRows xq = {NULL, NULL, NULL, NULL};
     float *buffers = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
-    if (!buffers || alloc_rows(m, w->k, &xq)) return free(buffers), free_rows(&xq), -1;
+    if (!buffers || alloc_rows(m, w->k, &xq) || alloc_lanes(m, w->k, &xq)) return free(buffers), free_rows(&xq), -1;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
+        lay_out_lanes(&xq, m, w->k, w->group);
         gemm_panels_int(w, &xq, m, y, ldy, buffers + omp_get_thread_num() * per_thread);
     }
     free_rows(&xq);

@@ -123,12 +123,14 @@ typedef struct {
     int16_t *q;    /* [rows, K], 32-byte aligned */
     float *scale;  /* [rows, K/32] */
     float *sum;    /* [rows, K/group]: the exact float sum of each weight group's inputs (the minimum term) */
+    float *lanes;  /* the same rows 16 to a vector for gemm.c's integer panels (`lay_out_lanes`), or NULL */
 } QuantizedRows;
 
 static inline void free_rows(QuantizedRows *rows) {
     free(rows->q);
     free(rows->scale);
     free(rows->sum);
+    free(rows->lanes);
 }
 
 /* Room for `rows` rows of up to `k` channels; -1 when out of memory. */
@@ -136,7 +138,17 @@ static inline int alloc_rows(int64_t rows, int64_t k, QuantizedRows *out) {
     out->q = aligned_alloc(32, sizeof(int16_t) * (size_t)(rows * k + 32));
     out->scale = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
     out->sum = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    out->lanes = NULL;
     return out->q && out->scale && out->sum ? 0 : -1;
+}
+
+/* Floats of one group of 16 rows laid out in lanes for K (pairs [K/2][16], scale [K/32][16], sum [K/32][16]). */
+static inline int64_t lane_floats(int64_t k) { return (k / 2 + 2 * (k / 32)) * 16; }
+
+/* Room in `out` (allocated by alloc_rows) for `rows` rows in lanes; -1 when out of memory. */
+static inline int alloc_lanes(int64_t rows, int64_t k, QuantizedRows *out) {
+    out->lanes = aligned_alloc(64, sizeof(float) * (size_t)((rows + 15) / 16 * lane_floats(k)));
+    return out->lanes ? 0 : -1;
 }
 
 /* Row `r` of `out` (laid out for K = k) from x[k]: int16 values, a scale per block, a float sum per group. */
@@ -293,6 +305,7 @@ void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float 
 int64_t gemm_buffer_floats(int64_t k);
 /* The integer panels (AVX-512 VNNI) over rows quantized to int16: within a team as `gemm_panels`, or on their own
  * threads; whether this CPU has them. */
+void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group);
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
 int kettle_integer_gemm_supported(void);
