@@ -16,6 +16,11 @@ family: 8 layers, hidden 512, 8 heads in 4 KV groups, intermediate 1536, vocabul
 `--fused-vs-layers` times the fused CPU decode step against the layer-by-layer forward, interleaved:
 
     .venv/bin/python bench/model_decode.py --family qwen3 --quantize int4 --batch 1 8 --fused-vs-layers
+
+`--integer-vs-float` times the same model's steps with gemm.c's integer panels (AVX-512 VNNI; 16 rows and more)
+against its float32 panels, switched step by step:
+
+    .venv/bin/python bench/model_decode.py $M --batch 16 32 --integer-vs-float
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 import torch
 
 from kettle.bench.hf_decode import hf_decode_step
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
@@ -135,6 +141,18 @@ def tiny_family(family: str) -> str:
     return folder
 
 
+def with_integer_panels(model, on: bool, step):
+    """`step` with the integer panels switched on or off around each call: ops' switch (the LM head) and the fused
+    step's copy of it."""
+
+    def run() -> None:
+        ops._INTEGER_GEMM = on
+        model.cpu_decoder_step.decoder.integer_gemm = int(on)
+        step()
+
+    return run
+
+
 def layer_by_layer(model):
     """`model` with its fused decode step switched off (the cached property overridden)."""
     model.__dict__["cpu_decoder_step"] = None
@@ -154,6 +172,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Kettle's weights quantized at load")
     parser.add_argument("--compare-transformers", action="store_true", help="against transformers in --dtype")
+    parser.add_argument("--integer-vs-float", action="store_true", help="integer panels against float32 ones")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,10 +184,15 @@ def main() -> None:
     fused = "fused step" if getattr(model, "cpu_decoder_step", None) is not None else "layer by layer"
     print(f"{model.spec.model_type} {args.dtype}{scheme}, context {args.context}, {torch.get_num_threads()} threads")
     print(f"decode: {fused}", flush=True)
+    if args.integer_vs_float and not ops.integer_gemm():
+        parser.error("--integer-vs-float: no integer panels here (AVX-512 VNNI, KETTLE_CPU_INTEGER_GEMM)")
     for batch in args.batch:
         fns = [kettle_decode(model, batch, args.context, args.steps + args.warmup)]
         if layers is not None:
             fns.append(kettle_decode(layers, batch, args.context, args.steps + args.warmup))
+        elif args.integer_vs_float:
+            step = kettle_decode(model, batch, args.context, 2 * (args.steps + args.warmup))
+            fns = [with_integer_panels(model, True, step), with_integer_panels(model, False, step)]
         elif args.compare_transformers:
             fns.append(transformers_decode(path, dtype, batch, args.context))
         seconds, *base = timed(fns, args.steps, args.warmup)
@@ -176,6 +200,7 @@ def main() -> None:
         line = f"batch {batch:3d}: {seconds * 1e3:8.2f} ms/step  {batch / seconds:8.1f} tok/s  {gbps:6.2f} GB/s"
         if base:
             other = "layer by layer" if layers is not None else "transformers"
+            other = "float32 panels" if args.integer_vs_float else other
             line += f"  | {other} {base[0] * 1e3:8.2f} ms/step  speedup x{base[0] / seconds:.2f}"
         print(line, flush=True)
 

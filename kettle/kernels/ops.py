@@ -37,7 +37,7 @@ Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
 # Where the CPU has AVX-512 VNNI, those panels multiply int16 rows (quantized as for one row) with the weights
 # widened to int16 (`vpdpwssd`): half the instructions of the float32 micro-kernel per weight and row. The decode
-# step of 16 streams ran 1.38x faster on the bundled model (in-process A/B, 2 threads). `KETTLE_CPU_INTEGER_GEMM=0`:
+# step of 16 streams ran 1.47x faster on the bundled model (in-process A/B, 2 threads). `KETTLE_CPU_INTEGER_GEMM=0`:
 # the float32 panels.
 _INTEGER_GEMM = settings.current().cpu_integer_gemm
 
