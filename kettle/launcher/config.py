@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -28,17 +31,16 @@ DEFAULT_SHARD_START_TIMEOUT = 600.0
 
 
 def cuda_available() -> bool:
-    """Whether the shards will see a CUDA device (torch is imported only when a flag needs to know)."""
-    import torch
-
-    return torch.cuda.is_available()
+    """Whether the shards will see a CUDA device (asked only when a flag needs to know)."""
+    return visible_gpus() > 0
 
 
+@functools.cache
 def visible_gpus() -> int:
-    """How many CUDA devices the shards will see (0 without CUDA)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """How many CUDA devices the shards will see (0 without CUDA), as the shards' torch counts them. Asked in a
+    short-lived child: torch imported here would stay resident in the launcher (~200 MB) while the server runs."""
+    count = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    return int(subprocess.run([sys.executable, "-c", count], capture_output=True, text=True, check=True).stdout)
 
 
 def pick_max_input_tokens(max_input_tokens: int | None, max_input_length: int | None) -> int | None:

@@ -39,18 +39,21 @@ def no_kernels():
     return thread
 
 main.Supervisor, main._build_kernels_meanwhile = Supervisor, no_kernels
-sys.exit(main.launch(LauncherConfig()))
+sys.exit(main.launch(LauncherConfig(**json.loads(sys.argv[1]))))
 """
 
 
-def start_launcher(cache) -> subprocess.Popen:
+def start_launcher(cache, flags: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "KETTLE_CACHE": str(cache)}
-    command = [sys.executable, "-c", LAUNCHER]
+    command = [sys.executable, "-c", LAUNCHER, json.dumps(flags or {})]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def test_a_first_start_leaves_the_launcher_without_transformers_and_under_60_mib(tmp_path):
-    launcher = start_launcher(tmp_path / "cache")
+# --quantize makes the launcher ask how many GPUs the shards will see (a CUDA scheme or the CPU's): torch answers
+# that in a child too.
+@pytest.mark.parametrize("flags", [{}, {"quantize": "int4"}], ids=["defaults", "quantize"])
+def test_a_first_start_leaves_the_launcher_without_transformers_and_under_60_mib(tmp_path, flags):
+    launcher = start_launcher(tmp_path / "cache", flags)
     stdout, stderr = launcher.communicate(timeout=280)
     assert launcher.returncode == 0, stderr
     assert "Converting SmolLM2-135M-Instruct" in stderr  # a first start: the child prepared the folder
