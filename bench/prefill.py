@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -99,10 +100,12 @@ def prefill_flops(config: dict, tokens: int) -> float:
 
 
 def peak_flops(threads: int) -> tuple[float, str]:
-    """threads × 2 FMA units × lanes × 2 FLOP × the clock /proc/cpuinfo reports (AVX-512 lanes when present)."""
+    """threads × 2 FMA units × lanes × 2 FLOP × the clock /proc/cpuinfo reports: AVX-512 lanes when present,
+    except on AMD's Zen 4 (family 25), whose FMA units are 256 bits wide and run a 512-bit one in two halves."""
     text = Path("/proc/cpuinfo").read_text()
     mhz = float(next(line for line in text.splitlines() if line.startswith("cpu MHz")).split(":")[1])
-    lanes = 16 if " avx512f" in text else 8
+    zen4 = "AuthenticAMD" in text and re.search(r"^cpu family\s*:\s*25$", text, re.M) is not None
+    lanes = 16 if " avx512f" in text and not zen4 else 8
     return threads * 2 * lanes * 2 * mhz * 1e6, f"{threads} cores x 2 FMA x {lanes} lanes x 2 x {mhz:.0f} MHz"
 
 
