@@ -77,7 +77,7 @@ static int linear_tiled(const Linear *w, const float *x, int64_t ldx, int64_t ro
 }
 
 /* How the several-row entries below multiply (kettle/kernels/ops.py's `path`): the float32 tiles, gemm.c's float32
- * panels (prompt chunks) or its integer panels (the decode step's LM head, on CPUs with AVX-512 VNNI). */
+ * panels or its integer panels (on CPUs with AVX-512 VNNI). */
 enum { ROWS_TILES = 0, ROWS_GEMM = 1, ROWS_INT_GEMM = 2 };
 
 static int linear_rows(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,

@@ -13,8 +13,8 @@
  * it, else AVX2 (6 rows × 16 channels, 12 accumulators, run over each half of the panel). Threads split the
  * panels; rows go block by block so a block's activations stay in L2 while every panel of the thread meets them.
  *
- * Decode batches of GEMM_ROWS rows and more take the integer panels at the end of this file instead where the CPU
- * has AVX-512 VNNI: int16 rows, as one row of decode quantizes them, against the weights widened to int16.
+ * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead (`KETTLE_CPU_INTEGER_GEMM=0`
+ * keeps these): int16 rows, as one row of decode quantizes them, against the weights widened to int16.
  */
 #include <omp.h>
 
@@ -197,15 +197,16 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     return failed ? -1 : 0;
 }
 
-/* ---- integer panels (AVX-512 VNNI) for the decode step's rows: the rows quantized to int16 per block of 32
- * (kernels.h `quantize_row`, as at one row) meet the weights widened to int16, and vpdpwssd sums pairs of products
- * into int32 lanes, exact within a block; each block's sums then take the row's and the weight's scales in float32.
- * The lanes are 16 rows (a decode step's rows, laid out pairs-major once per projection), so each weight pair is a
- * broadcast straight from the channel's widened row: no transpose of the weights, whose cost per panel would
- * weigh on a 16-row step as much as the products. Per row, channel and block that is one vpdpwssd lane-pair per
- * 2 inputs plus 3 float instructions per 16 rows, instead of 32 float32 FMAs per 16 channels. The outputs move by
- * the int16 rounding of the activations (~1e-5 relative), as at one row; prompt chunks keep the float32 panels,
- * exact to the dequantized weights. */
+/* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of GEMM_ROWS rows and more: the rows
+ * quantized to int16 per block of 32 (kernels.h `quantize_row`, as at one row) meet the weights widened to int16,
+ * and vpdpwssd sums pairs of products into int32 lanes, exact within a block; each block's sums then take the
+ * row's and the weight's scales in float32. The lanes are 16 rows (laid out pairs-major once per projection), so
+ * each weight pair is a broadcast straight from the channel's widened row: no transpose of the weights, whose cost
+ * per panel would weigh on a 16-row step as much as the products. Per 16 rows, channel and block of 32 inputs
+ * that is 16 vpdpwssd and 3 float instructions, against 32 float32 FMAs per 16 rows and 16 channels' worth of the
+ * float32 panels, so it runs past the float32 FMA peak. The outputs move by the int16 rounding of the activations
+ * (~1e-5 relative), as one row of decode's do; `KETTLE_CPU_INTEGER_GEMM=0` keeps the float32 panels, exact to the
+ * dequantized weights. */
 
 #define LANES 16        /* rows per vector */
 #define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
@@ -374,6 +375,10 @@ VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, f
     if (w->kind == LINEAR_Q4) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
+    /* Prompt chunks go ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in L2 while every group of
+     * channels meets them (each group is widened again per block, a few percent of the block's products). */
+    const int64_t block = (ROW_BLOCK_BYTES / (int64_t)sizeof(float) / lane_floats(k) + 1) * LANES;
+    for (int64_t b0 = 0; b0 < m; b0 += block)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (w->n + INT_CHANNELS - 1) / INT_CHANNELS; t++) {
         const int64_t j0 = t * INT_CHANNELS;
@@ -383,7 +388,7 @@ VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, f
             widen_channel(w, j0 + i, c.q + i * k);
             channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
         }
-        for (int64_t r0 = 0; r0 < m; r0 += LANES) {
+        for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
             const LaneRows x = lane_group(xq, r0 / LANES, k);
             const int64_t count = m - r0 < LANES ? m - r0 : LANES;
             int_channels(&x, k, w->group, &c, n, tile);
@@ -392,7 +397,7 @@ VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, f
     }
 }
 
-/* y = x Wᵀ (+ bias) over the integer panels for an op-at-a-time call (the decode step's LM head): the rows
+/* y = x Wᵀ (+ bias) over the integer panels for an op-at-a-time call (a prompt chunk, the LM head): the rows
  * quantized and laid out once, then the panels split across the threads. -1 when out of memory. */
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
     const int64_t per_thread = gemm_buffer_floats(w->k);

@@ -36,9 +36,10 @@ Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 # `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
 GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
 # Where the CPU has AVX-512 VNNI, those panels multiply int16 rows (quantized as for one row) with the weights
-# widened to int16 (`vpdpwssd`): half the instructions of the float32 micro-kernel per weight and row. The decode
-# step of 16 streams ran 1.47x faster on the bundled model (in-process A/B, 2 threads). `KETTLE_CPU_INTEGER_GEMM=0`:
-# the float32 panels.
+# widened to int16 (`vpdpwssd`): half the instructions of the float32 micro-kernel per weight and row, so past the
+# float32 FMA peak. On the bundled model (Zen 4, 2 threads): the decode step of 16 streams 1.47x, a 1,000-token
+# prefill 1.3x. The outputs then carry the activations' int16 rounding (~1e-5 relative), as one row of decode's
+# do; `KETTLE_CPU_INTEGER_GEMM=0` keeps the float32 panels, exact to the dequantized weights.
 _INTEGER_GEMM = settings.current().cpu_integer_gemm
 
 # Activation rows the int4/int8 kernels' integer path (and the float32 tiles) take in one pass over the weights:
@@ -69,12 +70,12 @@ def _has_vnni() -> bool:
     return bool(library().kettle_integer_gemm_supported())
 
 
-def _rows_path(rows: int, k: int, integer: bool) -> int:
-    """The several-row entries' path: 0 the float32 tiles, 1 the float32 panels, 2 the integer panels (for callers
-    that take int16 rows, over whole blocks of 32 inputs)."""
+def _rows_path(rows: int, k: int) -> int:
+    """The several-row entries' path: 0 the float32 tiles, 1 the float32 panels, 2 the integer panels (over whole
+    blocks of 32 inputs)."""
     if rows < GEMM_ROWS:
         return 0
-    return 2 if integer and k % 32 == 0 and integer_gemm() else 1
+    return 2 if k % 32 == 0 and integer_gemm() else 1
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -88,11 +89,8 @@ def q4_linear(
     mins: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None,
-    integer: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`): [M, N] float32. With
-    `integer`, GEMM_ROWS rows and more may run on the integer panels (the decode step's LM head); else prompt
-    chunks stay exact to the dequantized weight."""
+    """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`): [M, N] float32."""
     rows, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
@@ -100,7 +98,7 @@ def q4_linear(
     args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size)
     args += (_ptr(bias), y.data_ptr(), n)
     if rows >= min(Q4_FLOAT_ROWS, GEMM_ROWS):  # the float32 tiles or the panel GEMM (the decode step's choice)
-        status = library().kettle_q4_linear_rows(*args, _rows_path(rows, k, integer), torch.get_num_threads())
+        status = library().kettle_q4_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
     else:
         kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
         status = kernel(*args, torch.get_num_threads())
@@ -120,18 +118,15 @@ def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     return out
 
 
-def q8_linear(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, integer: bool = False
-) -> torch.Tensor:
-    """x [M, K] float32 · Wᵀ (+ bias) for W = q [N, K] int8 · scales [N] float32: [M, N] float32 (`integer` as
-    for `q4_linear`)."""
+def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 · Wᵀ (+ bias) for W = q [N, K] int8 · scales [N] float32: [M, N] float32."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
     if rows >= min(Q8_FLOAT_ROWS, GEMM_ROWS):  # the float32 tiles or the panel GEMM (the decode step's choice)
-        status = library().kettle_q8_linear_rows(*args, _rows_path(rows, k, integer), torch.get_num_threads())
+        status = library().kettle_q8_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
     else:
         qa = QUANTIZED_ACTIVATIONS and k % 32 == 0
         status = (library().kettle_q8_linear_qa if qa else library().kettle_q8_linear)(*args, torch.get_num_threads())
@@ -140,21 +135,17 @@ def q8_linear(
     return y
 
 
-def q8g_linear(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, integer: bool = False
-) -> torch.Tensor:
+def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for GGUF's Q8_0 layout, W = q [N, K] int8 · scales [N, K/32] float16 per
     block: quantized activations below Q8_FLOAT_ROWS rows (or none with KETTLE_QUANTIZED_ACTIVATIONS=0), the
-    float32 tiles above, the panels from GEMM_ROWS rows (`integer` as for `q4_linear`). [M, N] float32."""
+    float32 tiles above, the panels from GEMM_ROWS rows. [M, N] float32."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     # The C entry's paths: 0 float32 tiles, 1 quantized activations, 2 the float32 panels, 3 the integer panels.
-    if rows >= GEMM_ROWS:
-        path = 1 + _rows_path(rows, k, integer)
-    else:
-        path = int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
+    below = int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
+    path = 1 + _rows_path(rows, k) if rows >= GEMM_ROWS else below
     status = library().kettle_q8g_linear(
         x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n, path,
         torch.get_num_threads(),

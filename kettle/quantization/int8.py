@@ -34,10 +34,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] int8 and one scale per output channel; same call shape as `Linear`."""
 
-    # The LM head sets it (kettle/quantization/loading.py): its rows may be multiplied as int16 on the integer
-    # panels, as the decode step's projections are; other projections keep prompt chunks exact to the weight.
-    integer_rows = False
-
     def __init__(
         self,
         q: torch.Tensor,
@@ -77,8 +73,7 @@ class Int8Linear(nn.Module):
             return self._cuda_forward(x)
         rows = x.reshape(-1, self.in_features)
         if self.cpu_kernel:  # prompt chunks too: the panel GEMM never dequantizes the whole weight (ops.GEMM_ROWS)
-            y = ops.q8_linear(rows.float(), self.q, self.scale, self.bias, self.integer_rows)
-            return y.to(x.dtype).view(*x.shape[:-1], -1)
+            return ops.q8_linear(rows.float(), self.q, self.scale, self.bias).to(x.dtype).view(*x.shape[:-1], -1)
         # PyTorch's int8 pack kernel reads K in steps of 16 and crashes (SIGSEGV, torch 2.13 on AVX-512) on
         # any other K: such projections take the dense path.
         if rows.shape[0] > self.dense_rows or self.in_features % 16:

@@ -150,7 +150,6 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
         model.lm_head = _quantized_head(scheme, head)
     elif scheme.head is not None and isinstance(head, VocabParallelHead):  # this rank's block of the vocabulary
         head.lm_head = _quantized_head(scheme, head.lm_head)
-    _integer_head(model)
     release_freed_memory()
     if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
         torch.cuda.empty_cache()
@@ -159,16 +158,6 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     head_kind = type(model.lm_head).__name__ if hasattr(model, "lm_head") else None
     logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", scheme.method, groups, head_kind)
     return model
-
-
-def _integer_head(model: nn.Module) -> None:
-    """Lets the quantized LM head take int16 rows on the integer panels. Its rows are the positions whose next
-    token is sampled (a decode step's, a prompt's last): the int16 rows move the logits by ~1e-5 relative, as one
-    row of decode already does, and 16 streams' head runs ~1.9x faster (AVX-512 VNNI)."""
-    head = getattr(model, "lm_head", None)
-    head = getattr(head, "lm_head", head)  # a VocabParallelHead's own block
-    if isinstance(head, Q4Linear | Q8Linear | Int8Linear):
-        head.integer_rows = True
 
 
 def _quantized_head(scheme: Scheme, head) -> nn.Module:

@@ -40,10 +40,6 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 class Q4Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] group-wise int4 on Kettle's CPU kernel; same call shape as `Linear`."""
 
-    # The LM head sets it (kettle/quantization/loading.py): its rows may be multiplied as int16 on the integer
-    # panels, as the decode step's projections are; other projections keep prompt chunks exact to the weight.
-    integer_rows = False
-
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bias=None) -> None:
         super().__init__()
         n, k = q.shape
@@ -90,8 +86,7 @@ class Q4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         # Every row count runs on the kernels: prompt chunks on the panel GEMM, which never dequantizes the whole
         # weight (`ops.GEMM_ROWS`).
-        weight = (self.packed, self.scales, self.mins, self.group_size, self.bias)
-        y = ops.q4_linear(rows.float(), *weight, integer=self.integer_rows)
+        y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

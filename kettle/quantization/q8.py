@@ -23,10 +23,6 @@ BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
 class Q8Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] in GGUF's Q8_0 layout on Kettle's CPU kernels; same call shape as `Linear`."""
 
-    # The LM head sets it (kettle/quantization/loading.py): its rows may be multiplied as int16 on the integer
-    # panels, as the decode step's projections are; other projections keep prompt chunks exact to the weight.
-    integer_rows = False
-
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         n, k = q.shape
@@ -67,7 +63,7 @@ class Q8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if ops.available():
-            y = ops.q8g_linear(rows.float(), self.q, self.scales, self.bias, self.integer_rows)
+            y = ops.q8g_linear(rows.float(), self.q, self.scales, self.bias)
         else:  # PyTorch's ops over the dequantized weight (machines without the kernels)
             y = torch.nn.functional.linear(rows.float(), self.dequantized(), self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

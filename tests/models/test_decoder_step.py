@@ -71,17 +71,26 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
     assert torch.equal(fused, reference)
 
 
+@pytest.mark.parametrize("panels", ["float32", "integer"])
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding"])
-def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize):
-    """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's float32 panels inside
-    its parallel region, as the layer-by-layer forward runs them per call: the same numbers."""
+def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(
+    tmp_path, monkeypatch, variant, quantize, panels
+):
+    """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's panels (float32, or
+    integer on AVX-512 VNNI) inside its parallel region, as the layer-by-layer forward runs them per call: the same
+    numbers."""
     monkeypatch.setattr(ops, "GEMM_ROWS", 2)
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", panels == "integer")
+    if panels == "integer" and not ops.integer_gemm():
+        pytest.skip("no AVX-512 VNNI here")
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step.decoder.gemm_rows == 2
+    assert model.cpu_decoder_step.decoder.integer_gemm == (panels == "integer")
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
     assert torch.equal(fused, reference)
+    if panels == "integer":
+        return
     # Both exact to the dequantized weights, as the float32 tiles are: float32 rounding apart.
     monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
     monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 2)

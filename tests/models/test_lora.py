@@ -132,10 +132,11 @@ def test_adapters_over_quantized_base_weights(base, adapters, quantize):
         expected = adapter.scale * (x @ a.t()) @ b.t()
         got = (with_adapter - plain)[:, column : column + width]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-    # The quantized kernels pick their path by row count (float tiles from 8 rows) and quantize activations per
-    # row, so a 17-row batch and a 3-row one round differently in the base model itself, and a last-bit change
-    # in a delta can move an activation's rounding: far below what an adapter changes (~1).
-    atol = 2e-3
+    # The quantized kernels pick their path by row count (int16 rows below 8, float32 tiles from 8, int16 rows on
+    # the integer panels from 16 with AVX-512 VNNI), so a 17-row batch and a 9-row one round differently in the
+    # base model itself, and a last-bit change in a delta can move an activation's rounding: far below what an
+    # adapter changes (~1).
+    atol = 5e-3
     mixed = kettle_logits(model, [0, -1, 1], PROMPTS)
     for prompt, index, got in zip(PROMPTS, [0, -1, 1], mixed, strict=True):
         torch.testing.assert_close(got, kettle_logits(model, [index], [prompt])[0], atol=atol, rtol=0)

@@ -54,6 +54,7 @@ def test_q4_linear_is_its_dequantized_weight(monkeypatch, group_size, rows):
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
     assert relative(layer(x), expected) < QUANTIZED_ACTIVATION_RTOL
     monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 1)  # the float32 tiles: 80 channels, not a multiple of 3
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # (17 rows: the float32 panels, not the integer ones)
     assert relative(layer(x), expected) < 1e-5
     # The dequantized weight is the quantization of the original: within half a step of every group.
     assert relative(layer.dequantized(), weight) < 0.2

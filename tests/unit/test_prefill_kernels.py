@@ -30,7 +30,9 @@ def micro_kernel(request):
         pytest.skip("no AVX-512 here")
     choice = ctypes.c_int.in_dll(build.library(), "kettle_gemm_avx512")
     choice.value = int(request.param == "avx512")
-    yield request.param
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "_INTEGER_GEMM", False)  # the float32 panels, not the integer ones (AVX-512 VNNI)
+        yield request.param
     choice.value = -1
 
 
@@ -55,6 +57,7 @@ def test_q8_gemm_is_its_dequantized_weight(micro_kernel, rows):
 
 def test_gemm_rows_switch_keeps_the_float32_tiles(monkeypatch):
     """`KETTLE_CPU_GEMM_ROWS=0` (never the GEMM) gives the same products through the float32 tiles."""
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
     layer = Q4Linear.from_weight(torch.randn(64, 128) * 0.05, group_size=32)
     x = torch.randn(150, 128)
     fast = layer(x)
@@ -78,19 +81,18 @@ LAYERS = {
 @pytest.mark.skipif(not CAN_BUILD or not ops.integer_gemm(), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("rows", [16, 23, 40])
 @pytest.mark.parametrize("kind", sorted(LAYERS))
-def test_integer_panels_are_the_int16_rows_of_one_row_decode(kind, rows):
-    """The integer panels (the LM head's and the decode step's from GEMM_ROWS rows) quantize each row to int16 as
+def test_integer_panels_are_the_int16_rows_of_one_row_decode(monkeypatch, kind, rows):
+    """The integer panels (prompt chunks and decode steps from GEMM_ROWS rows) quantize each row to int16 as
     one row of decode does (`linear_channel_qa`) and sum the same integer block products with the same scales: row
     by row through the one-row path gives the same outputs, float32 rounding apart. 100 output channels end in a
     short group of channels; 23 and 40 rows in a short group of 16 rows."""
     torch.manual_seed(rows)
     layer = LAYERS[kind](100, 192)
-    layer.integer_rows = True
     x = torch.randn(rows, 192) * torch.linspace(0.1, 4.0, 192)  # uneven channels, as activations have
     assert rows >= ops.GEMM_ROWS
     one_row = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     assert relative(layer(x), one_row) < 2e-6
-    layer.integer_rows = False  # the float32 panels, exact to the dequantized weight
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # the float32 panels, exact to the dequantized weight
     assert 1e-6 < relative(layer(x), one_row) < 1e-4
 
 
