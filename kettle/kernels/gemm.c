@@ -334,8 +334,10 @@ static VNNI void int_channels(const LaneRows *x, int64_t k, int64_t group, const
 #undef CASE
 }
 
-/* Whether this CPU runs the integer panels (AVX-512 VNNI). */
-int kettle_integer_gemm_supported(void) { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512f"); }
+/* Whether this CPU runs the integer panels (AVX-512 VNNI, and BW for the byte widening). */
+int kettle_integer_gemm_supported(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
 
 /* The weight bytes of the INT_CHANNELS channels from j0 (the thread's next group: static schedules hand out
  * consecutive groups) asked into the cache while this group is multiplied. */
