@@ -59,6 +59,14 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._window)
         return piece
 
+    def flush(self) -> str:
+        """At the end of a generation, the whole characters still held back. A token can complete one character and
+        begin another (byte-level merges cross character boundaries): `step` then held both back, and a stream that
+        ends there would never show the completed one. The incomplete tail stays out, as in the final text's
+        clients strip it."""
+        text = self._decode(self._window)
+        return text[len(self._prefix_text) :].rstrip(REPLACEMENT_CHAR) if len(text) > len(self._prefix_text) else ""
+
     def text(self, skip_special_tokens: bool = True) -> str:
         """All generated text, decoded in the prompt's context like the pieces (for `generated_text`)."""
         decode = self._tokenizer.decode

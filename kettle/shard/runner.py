@@ -328,6 +328,8 @@ class ModelRunner:
             request_id=request.id, tokens=self._tokens(tokens[:n], logprobs[:n], texts), top_tokens=top
         )
         if reason is not None:
+            # The stream's last piece also takes the whole characters held back with an incomplete one.
+            generation.tokens.texts[-1] += request.detokenizer.flush()
             generation.generated_text.CopyFrom(
                 pb.GeneratedText(
                     text=request.detokenizer.text(skip_special_tokens=True),

@@ -108,3 +108,25 @@ def test_special_token_ids(tiny_tokenizer):
     assert special_token_ids(tiny_tokenizer) == specials
     assert is_special(tiny_tokenizer, tiny_tokenizer.eos_token_id)
     assert not is_special(tiny_tokenizer, encode(tiny_tokenizer, "Paris")[0])
+
+
+# Ids as raw byte strings: token 2 ends 我 and begins 天 (byte-level merges cross character boundaries).
+BYTE_VOCAB = {0: b"A", 1: "我".encode()[:2], 2: "我".encode()[2:] + "天".encode()[:1], 3: "天".encode()[1:]}
+
+
+class ByteTokenizer:
+    """BYTE_VOCAB's ids decoded as UTF-8 with replacement, as a byte-level tokenizer decodes."""
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        return b"".join(BYTE_VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_token_that_completes_one_character_and_begins_another_is_flushed_at_the_end():
+    """Token 2 ends 我 and begins 天: `step` holds both back; a generation ending there flushes 我 (and only
+    that), so the stream's pieces match the final text less its incomplete tail."""
+    detokenizer, pieces = stream(ByteTokenizer(), [], [0, 1, 2])
+    assert pieces == ["A", "", ""]
+    assert detokenizer.flush() == "我"
+    assert detokenizer.text() == "A我\ufffd"
+    detokenizer, pieces = stream(ByteTokenizer(), [], [0, 1, 2, 3])
+    assert pieces == ["A", "", "", "我天"] and detokenizer.flush() == ""
