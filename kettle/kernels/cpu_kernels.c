@@ -144,8 +144,8 @@ int kettle_q8_linear_qa(
 /* The Q8G (GGUF Q8_0) entry points: W = q [N, K] int8 · d [N, K/32] float16. K a multiple of 32. */
 
 /* y[M, N] = x · Wᵀ (+ bias) by `path`: Q8G_TILES (float32 tiles, exact to W), Q8G_QUANTIZED (int16 activations),
- * Q8G_GEMM (gemm.c's float32 panels, for prompt chunks) or Q8G_INT_GEMM (its integer panels, the decode step's LM
- * head). -1 when out of memory. */
+ * Q8G_GEMM (gemm.c's float32 panels) or Q8G_INT_GEMM (its integer panels, on CPUs with AVX-512 VNNI). -1 when out
+ * of memory. */
 enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2, Q8G_INT_GEMM = 3 }; /* kettle/kernels/ops.py's `q8g_linear` */
 int kettle_q8g_linear(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,

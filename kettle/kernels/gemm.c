@@ -380,21 +380,22 @@ VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, f
     /* Prompt chunks go ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in L2 while every group of
      * channels meets them (each group is widened again per block, a few percent of the block's products). */
     const int64_t block = (ROW_BLOCK_BYTES / (int64_t)sizeof(float) / lane_floats(k) + 1) * LANES;
-    for (int64_t b0 = 0; b0 < m; b0 += block)
+    for (int64_t b0 = 0; b0 < m; b0 += block) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < (w->n + INT_CHANNELS - 1) / INT_CHANNELS; t++) {
-        const int64_t j0 = t * INT_CHANNELS;
-        const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
-        prefetch_channels(w, j0 + INT_CHANNELS);
-        for (int i = 0; i < n; i++) {
-            widen_channel(w, j0 + i, c.q + i * k);
-            channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
-        }
-        for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
-            const LaneRows x = lane_group(xq, r0 / LANES, k);
-            const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-            int_channels(&x, k, w->group, &c, n, tile);
-            store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
+        for (int64_t t = 0; t < (w->n + INT_CHANNELS - 1) / INT_CHANNELS; t++) {
+            const int64_t j0 = t * INT_CHANNELS;
+            const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
+            prefetch_channels(w, j0 + INT_CHANNELS);
+            for (int i = 0; i < n; i++) {
+                widen_channel(w, j0 + i, c.q + i * k);
+                channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
+            }
+            for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
+                const LaneRows x = lane_group(xq, r0 / LANES, k);
+                const int64_t count = m - r0 < LANES ? m - r0 : LANES;
+                int_channels(&x, k, w->group, &c, n, tile);
+                store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
+            }
         }
     }
 }
