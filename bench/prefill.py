@@ -29,6 +29,7 @@ from kettle.hub.resolve import float_folder
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
+from kettle.shard.dtype import choose_kv_dtype
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 
@@ -38,7 +39,9 @@ def kettle_prefill(path: str, scheme: str, ids: torch.Tensor, chunk: int, sdpa: 
     model = load_model(path, torch.float32, "cpu", quantize=None if scheme == "float32" else scheme)
     spec, tokens = model.spec, len(ids)
     blocks = -(-tokens // BLOCK_SIZE)
-    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cpu")
+    # The KV cache in the dtype a shard picks by default (16-bit on the CPU), so attention reads what it serves.
+    kv_dtype = choose_kv_dtype(None, spec.dtype, torch.device("cpu"))
+    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, kv_dtype, "cpu")
 
     @torch.inference_mode()
     def prefill() -> None:

@@ -134,3 +134,23 @@ def torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextmanager
+def vector_width(symbol: str, avx512: bool) -> Iterator[None]:
+    """One of the kernels' vector-width choices (`kettle_gemm_avx512`, `kettle_attention_avx512`: -1 picks by the
+    CPU) forced to AVX-512 or AVX2 inside the block; skips the test where AVX-512 is asked for and missing."""
+    import ctypes
+
+    import pytest
+
+    from kettle.kernels import build
+
+    if avx512 and "avx512f" not in build._cpu_flags():
+        pytest.skip("no AVX-512 here")
+    choice = ctypes.c_int.in_dll(build.library(), symbol)
+    choice.value = int(avx512)
+    try:
+        yield
+    finally:
+        choice.value = -1

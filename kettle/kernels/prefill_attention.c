@@ -10,6 +10,11 @@
  * rows a vector; the value rows are read straight from the cache. Later tiles see more keys (causal), so items
  * are handed out longest first. A 16-bit cache (KV_F16, KV_BF16) has each key tile's K and V rows widened into a
  * float32 scratch once per item and tile: every row of the item then reads them as it reads a float32 cache.
+ *
+ * With AVX-512 the same walk runs 16 rows a vector in 32 registers: 8 keys × 48 rows of scores and 6 rows × 64
+ * dimensions of output per register block, so each vector loaded feeds 6 to 8 FMAs where the 16 AVX2 registers
+ * allow 1.3 to 2. On a CPU that executes 512-bit FMAs as two 256-bit halves (AMD Zen 4) the FMA rate is the same,
+ * so the gain is the loads and instructions saved (1.4x on the kernel there, see docs/performance.md).
  */
 #include "kernels.h"
 
@@ -27,6 +32,10 @@ typedef struct {
 } PagedPrefill;
 
 #define MASKED -1e30f /* a masked score: finite, so a row that has seen no key yet never computes inf - inf */
+#define A512 __attribute__((target("avx512f")))
+
+/* The vector width: -1 picks AVX-512 where the CPU has it; the tests set 0 or 1 to run each. */
+int kettle_attention_avx512 = -1;
 
 /* Per-thread state of one item. Its rows (group × QUERY_TILE, padded to a multiple of 8; row r = token r / group,
  * head r % group) lie along the vectors: the queries transposed once per item ([D][rows]), the scores of a key tile
@@ -126,6 +135,134 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Scratch 
     }
 }
 
+/* ---- the same tile steps 16 rows a vector (AVX-512F); rows padded to a multiple of 16 ---- */
+
+/* e^x for 16 floats: exp_ps's polynomial (kernels.h). */
+static inline A512 __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+    q = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(q, _mm512_castsi512_ps(bits));
+}
+
+/* Scores of keys j0 .. j0 + 7 against row vectors v0 .. v0 + count - 1 (count ≤ 3): 24 accumulators. Keys past
+ * the tile's valid ones are scored too (they lie in the same cache block, or in the widened scratch) and never
+ * read: the softmax only looks at valid keys. */
+static inline __attribute__((always_inline)) A512 void score_keys16(const Scratch *s, const float *keys, int64_t stride,
+                                                                    int j0, int64_t v0, int count, int64_t rows, int64_t dim) {
+    __m512 acc[8][3];
+    for (int j = 0; j < 8; j++)
+        for (int v = 0; v < count; v++) acc[j][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        const float *qd = s->q + d * rows + v0 * 16;
+        __m512 q[3];
+        for (int v = 0; v < count; v++) q[v] = _mm512_loadu_ps(qd + 16 * v);
+        for (int j = 0; j < 8; j++) {
+            const __m512 k = _mm512_set1_ps(keys[(j0 + j) * stride + d]);
+            for (int v = 0; v < count; v++) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+        }
+    }
+    for (int j = 0; j < 8; j++)
+        for (int v = 0; v < count; v++) _mm512_storeu_ps(s->scores + (j0 + j) * rows + (v0 + v) * 16, acc[j][v]);
+}
+
+static A512 void score_tile16(const Scratch *s, const float *keys, int64_t stride, int64_t rows, int64_t dim) {
+    for (int64_t v0 = 0; v0 < rows / 16; v0 += 3) {
+        const int64_t count = rows / 16 - v0 < 3 ? rows / 16 - v0 : 3;
+        for (int j0 = 0; j0 < KEY_TILE; j0 += 8) {
+            if (count == 3) score_keys16(s, keys, stride, j0, v0, 3, rows, dim);
+            else if (count == 2) score_keys16(s, keys, stride, j0, v0, 2, rows, dim);
+            else score_keys16(s, keys, stride, j0, v0, 1, rows, dim);
+        }
+    }
+}
+
+/* softmax_tile, 16 rows a vector. */
+static A512 void softmax_tile16(const Scratch *s, int64_t key0, int valid, int64_t rows, int64_t window) {
+    for (int64_t v = 0; v < rows / 16; v++) {
+        const __m512 position = _mm512_loadu_ps(s->position + 16 * v);
+        const __m512 oldest = _mm512_sub_ps(position, _mm512_set1_ps(window > 0 ? (float)window : 1e30f));
+        const __m512 previous = _mm512_loadu_ps(s->max + 16 * v);
+        __m512 top = previous;
+        for (int j = 0; j < valid; j++) {
+            const __m512 key = _mm512_set1_ps((float)(key0 + j));
+            const __mmask16 seen = _mm512_cmp_ps_mask(key, position, _CMP_LE_OQ) & _mm512_cmp_ps_mask(key, oldest, _CMP_GT_OQ);
+            float *row = s->scores + j * rows + 16 * v;
+            const __m512 score = _mm512_mask_blend_ps(seen, _mm512_set1_ps(MASKED), _mm512_loadu_ps(row));
+            _mm512_storeu_ps(row, score);
+            top = _mm512_max_ps(top, score);
+        }
+        const __m512 alpha = exp512(_mm512_sub_ps(previous, top));
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s->sum + 16 * v), alpha);
+        for (int j = 0; j < valid; j++) {
+            float *row = s->scores + j * rows + 16 * v;
+            const __m512 score = _mm512_loadu_ps(row);
+            const __mmask16 seen = _mm512_cmp_ps_mask(score, _mm512_set1_ps(MASKED), _CMP_GT_OQ);
+            const __m512 weight = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(score, top)));
+            _mm512_storeu_ps(row, weight);
+            sum = _mm512_add_ps(sum, weight);
+        }
+        _mm512_storeu_ps(s->max + 16 * v, top);
+        _mm512_storeu_ps(s->sum + 16 * v, sum);
+        _mm512_storeu_ps(s->alpha + 16 * v, alpha);
+    }
+}
+
+/* accumulate_rows for rows r0 .. r0 + count - 1 (count ≤ 6) and `width` (≤ 4) vectors of dimensions from d0:
+ * 24 accumulators, each value vector loaded feeding `count` rows. */
+static inline __attribute__((always_inline)) A512 void accumulate_block16(const Scratch *s, int64_t r0, int count, int64_t d0,
+                                                                          int width, const float *values, int64_t stride,
+                                                                          int valid, int64_t rows, int64_t dim) {
+    __m512 acc[6][4];
+    for (int r = 0; r < count; r++) {
+        const __m512 a = _mm512_set1_ps(s->alpha[r0 + r]);
+        for (int i = 0; i < width; i++) acc[r][i] = _mm512_mul_ps(a, _mm512_loadu_ps(s->out + (r0 + r) * dim + d0 + 16 * i));
+    }
+    for (int j = 0; j < valid; j++) {
+        __m512 v[4];
+        for (int i = 0; i < width; i++) v[i] = _mm512_loadu_ps(values + j * stride + d0 + 16 * i);
+        for (int r = 0; r < count; r++) {
+            const __m512 w = _mm512_set1_ps(s->scores[j * rows + r0 + r]);
+            for (int i = 0; i < width; i++) acc[r][i] = _mm512_fmadd_ps(w, v[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < width; i++) _mm512_storeu_ps(s->out + (r0 + r) * dim + d0 + 16 * i, acc[r][i]);
+}
+
+/* Every used row's output over the tile's values (dim a multiple of 16). */
+static A512 void accumulate_tile16(const Scratch *s, int64_t used, const float *values, int64_t stride, int valid,
+                                   int64_t rows, int64_t dim) {
+    for (int64_t r0 = 0; r0 < used; r0 += 6) {
+        const int count = used - r0 < 6 ? (int)(used - r0) : 6;
+        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            const int width = dim - d0 < 64 ? (int)(dim - d0) / 16 : 4;
+#define BLOCK(c, w) accumulate_block16(s, r0, c, d0, w, values, stride, valid, rows, dim)
+#define WIDTHS(c) \
+    switch (width) { case 4: BLOCK(c, 4); break; case 3: BLOCK(c, 3); break; case 2: BLOCK(c, 2); break; default: BLOCK(c, 1); }
+            switch (count) {
+            case 6: WIDTHS(6) break;
+            case 5: WIDTHS(5) break;
+            case 4: WIDTHS(4) break;
+            case 3: WIDTHS(3) break;
+            case 2: WIDTHS(2) break;
+            default: WIDTHS(1)
+            }
+#undef WIDTHS
+#undef BLOCK
+        }
+    }
+}
+
 /* `valid` rows of `dim` elements, `stride` apart from element `off` of a 16-bit K/V array, as floats [valid, dim]. */
 static inline __attribute__((always_inline)) void widen_rows(float *dst, const void *src, int64_t off, int64_t stride,
                                                              int valid, int64_t dim, int dtype) {
@@ -145,8 +282,9 @@ static void widen_tile(const PagedPrefill *p, int64_t off, int64_t stride, int v
 
 /* Item (KV head h, tokens t0 .. t0 + count - 1) into out [tokens, heads, dim]. */
 static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count,
-                                                              Scratch *s, float *out, const int64_t dim) {
-    const int64_t group = p->heads / p->kv_heads, used = group * count, rows = (used + 7) / 8 * 8, bs = p->block_size;
+                                                              Scratch *s, float *out, const int64_t dim, int wide) {
+    const int64_t group = p->heads / p->kv_heads, used = group * count, bs = p->block_size;
+    const int64_t rows = wide ? (used + 15) / 16 * 16 : (used + 7) / 8 * 8;
     const int64_t stride = p->kv_heads * dim, keys = p->cache_len + t0 + count; /* keys this tile can see */
     const int64_t first = p->window > 0 && p->cache_len + t0 - p->window + 1 > 0 ? p->cache_len + t0 - p->window + 1 : 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -165,6 +303,12 @@ static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill
             widen_tile(p, off, stride, valid, s);
             keys_f = s->keys, values = s->values, row_stride = dim;
         }
+        if (wide) {
+            score_tile16(s, keys_f, row_stride, rows, dim);
+            softmax_tile16(s, key0, valid, rows, p->window);
+            accumulate_tile16(s, used, values, row_stride, valid, rows, dim);
+            continue;
+        }
         score_tile(s, keys_f, row_stride, valid, rows, dim);
         softmax_tile(s, key0, valid, rows, p->window);
         int64_t r = 0;
@@ -178,15 +322,22 @@ static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill
     }
 }
 
-static void prefill_item(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count, Scratch *s, float *out) {
-    if (p->dim == 64) attend_tile(p, h, t0, count, s, out, 64);
-    else if (p->dim == 128) attend_tile(p, h, t0, count, s, out, 128);
-    else attend_tile(p, h, t0, count, s, out, p->dim);
+static void prefill_item(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count, Scratch *s, float *out, int wide) {
+    if (wide) attend_tile(p, h, t0, count, s, out, p->dim, 1);
+    else if (p->dim == 64) attend_tile(p, h, t0, count, s, out, 64, 0);
+    else if (p->dim == 128) attend_tile(p, h, t0, count, s, out, 128, 0);
+    else attend_tile(p, h, t0, count, s, out, p->dim, 0);
 }
 
-/* Room for one item's state (rows padded to a multiple of 8); NULL members when out of memory. */
+/* AVX-512 when the CPU has it (or the tests ask) and the head size is whole vectors of 16. */
+static int wide_attention(int64_t dim) {
+    const int avx512 = kettle_attention_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_attention_avx512;
+    return avx512 && dim % 16 == 0;
+}
+
+/* Room for one item's state (rows padded to a multiple of 16); NULL members when out of memory. */
 static Scratch alloc_scratch(int64_t rows, int64_t dim) {
-    rows = (rows + 7) / 8 * 8;
+    rows = (rows + 15) / 16 * 16;
     Scratch s = {malloc(sizeof(float) * (size_t)(rows * dim)), malloc(sizeof(float) * (size_t)(rows * dim)),
                  malloc(sizeof(float) * (size_t)(rows * KEY_TILE)), malloc(sizeof(float) * (size_t)rows),
                  malloc(sizeof(float) * (size_t)rows), malloc(sizeof(float) * (size_t)rows),
@@ -211,6 +362,7 @@ int kettle_paged_prefill(
     const PagedPrefill p = {q,         k_cache,   v_cache, table,      ldq,    tokens, cache_len,
                             heads,     kv_heads,  dim,     block_size, window, scale,  kv_dtype};
     const int64_t tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE, rows = heads / kv_heads * QUERY_TILE;
+    const int wide = wide_attention(dim);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -219,7 +371,7 @@ int kettle_paged_prefill(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tiles * kv_heads; item++) {
             const int64_t t0 = (tiles - 1 - item / kv_heads) * QUERY_TILE; /* the longest items first */
-            if (!failed) prefill_item(&p, item % kv_heads, t0, tokens - t0 < QUERY_TILE ? tokens - t0 : QUERY_TILE, &s, out);
+            if (!failed) prefill_item(&p, item % kv_heads, t0, tokens - t0 < QUERY_TILE ? tokens - t0 : QUERY_TILE, &s, out, wide);
         }
         free_scratch(&s);
     }

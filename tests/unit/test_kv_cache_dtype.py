@@ -17,7 +17,7 @@ from kettle.shard.config import ShardConfig
 from kettle.shard.dtype import choose_kv_dtype
 from kettle.shard.warmup import plan_kv_cache
 from kettle.tensors.kv_cache import KVCache
-from tests.fixtures import cpu_kernels
+from tests.fixtures import cpu_kernels, vector_width
 
 CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
 needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
@@ -89,7 +89,13 @@ def test_paged_decode_over_a_16_bit_cache_is_float32_math_over_the_rounded_kv(mo
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize(("tokens", "cache_len", "window"), [(37, 0, None), (40, 19, None), (100, 64, 24)])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 80)])
-def test_paged_prefill_over_a_16_bit_cache(dtype, tokens, cache_len, window, heads, kv_heads, dim):
+@pytest.mark.parametrize("avx512", [False, True])
+def test_paged_prefill_over_a_16_bit_cache(dtype, tokens, cache_len, window, heads, kv_heads, dim, avx512):
+    with vector_width("kettle_attention_avx512", avx512):
+        check_paged_prefill_over_a_16_bit_cache(dtype, tokens, cache_len, window, heads, kv_heads, dim)
+
+
+def check_paged_prefill_over_a_16_bit_cache(dtype, tokens, cache_len, window, heads, kv_heads, dim):
     torch.manual_seed(tokens + dim)
     block_size, context = 16, cache_len + tokens
     blocks = -(-context // block_size)
