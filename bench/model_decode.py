@@ -35,6 +35,7 @@ from kettle.bench.hf_decode import hf_decode_step
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
+from kettle.shard.dtype import choose_kv_dtype
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 
@@ -60,8 +61,10 @@ def kettle_decode(model, batch: int, context: int, total_steps: int):
     """A closure running one batched greedy decode step per call, after a one-forward prefill."""
     spec = model.spec
     blocks_per_seq = -(-(context + total_steps + 1) // BLOCK_SIZE)
+    # The KV cache in the dtype a shard picks by default (16-bit on the CPU for a float32 model).
+    kv_dtype = choose_kv_dtype(None, spec.dtype, torch.device("cpu"))
     cache = KVCache(
-        spec.num_layers, batch * blocks_per_seq, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cpu"
+        spec.num_layers, batch * blocks_per_seq, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, kv_dtype, "cpu"
     )
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     prompts = torch.randint(0, spec.vocab_size, (batch * context,))
