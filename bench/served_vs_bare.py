@@ -1,0 +1,87 @@
+"""Single-stream decode over HTTP against the bare decode step, alternated in one run.
+
+    .venv/bin/python bench/served_vs_bare.py                       # bundled model, `make serve`'s defaults
+    .venv/bin/python bench/served_vs_bare.py --rounds 3 --max-new-tokens 64
+
+Method: one server started as `make serve` starts it (no flags, its own subprocesses), and in this process the
+same model folder loaded as a shard loads it (default scheme and KV cache dtype). Each round streams
+kettle.bench.loadgen's chat prompts to the server one after another (decode tok/s: the tokens after each
+stream's first over the time from its first token to its last, summed over the streams; the gaps between
+requests, prefills and connection set-up, are left out as the bare step has none), then runs the bare step:
+`--max-new-tokens` greedy decode steps of one sequence after a prompt of the same length as the served ones
+(metadata build + forward + logits + argmax, as bench/model_decode.py times it), tok/s = steps / their time.
+The two never run at once (the idle side sleeps), and each round's ratio served / bare is printed with the
+median over the rounds: the target is within 10% (a ratio of 0.9 or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from kettle.bench.loadgen import chat_prompts, run_load
+from kettle.bench.process import KettleServer
+from kettle.hub import resolve_model
+from kettle.layers.attention import AttentionMetadata
+from kettle.models.registry import load_model
+from kettle.shard.dtype import choose_kv_dtype
+from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
+
+
+def bare_decode(model, prompt_tokens: int, steps: int) -> float:
+    """tok/s of `steps` greedy one-sequence decode steps after a `prompt_tokens` prompt, on a fresh cache."""
+    spec = model.spec
+    blocks = -(-(prompt_tokens + steps + 1) // BLOCK_SIZE)
+    kv_dtype = choose_kv_dtype(None, spec.dtype, torch.device("cpu"))
+    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, kv_dtype, "cpu")
+    table = [list(range(blocks))]
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([prompt_tokens], [0], table, BLOCK_SIZE, "cpu")
+        prompt = torch.randint(0, spec.vocab_size, (prompt_tokens,))
+        token = model.compute_logits(model.forward(prompt, meta.positions, cache, meta)[meta.last_token_indices])
+        token = token.argmax(-1)
+        start = time.perf_counter()
+        for length in range(prompt_tokens, prompt_tokens + steps):
+            meta = AttentionMetadata.build([1], [length], table, BLOCK_SIZE, "cpu")
+            token = model.compute_logits(model.forward(token, meta.positions, cache, meta)).argmax(-1)
+        return steps / (time.perf_counter() - start)
+
+
+def stream_decode_rate(result) -> float:
+    """Tokens after each stream's first over the sum of the streams' first-to-last-token spans."""
+    decoded = sum(len(s.arrivals) - 1 for s in result.streams)
+    return decoded / sum(s.arrivals[-1] - s.arrivals[0] for s in result.streams)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2, help="the bare step's threads (the shard's default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(None).path
+    prompts = chat_prompts(path)[:3]
+    model = load_model(path, torch.float32, "cpu")
+    prompt_tokens = 48  # about the chat prompts' rendered length
+    server = KettleServer(None)
+    ratios = []
+    try:
+        asyncio.run(run_load(server.url, prompts[:1], 1, 16))  # warm-up: the first request's one-off costs
+        bare_decode(model, prompt_tokens, 16)
+        for r in range(args.rounds):
+            served = stream_decode_rate(asyncio.run(run_load(server.url, prompts, 1, args.max_new_tokens)))
+            bare = bare_decode(model, prompt_tokens, args.max_new_tokens)
+            ratios.append(served / bare)
+            print(f"round {r + 1}: served {served:.1f} tok/s, bare {bare:.1f}, ratio {ratios[-1]:.2f}", flush=True)
+    finally:
+        server.stop()
+    print(f"median ratio served / bare: {statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
