@@ -9,9 +9,12 @@
  * one thread pool. The weight layouts and the row-level building blocks are in kernels.h; decoder_step.c runs
  * a whole decode step of a Llama-family model on the same blocks in one call.
  */
+#include <omp.h>
 #include <string.h>
 
 #include "kernels.h"
+
+int kettle_context_parts = MAX_PARTS;
 
 /* y[M, N] = x[M, K] · Wᵀ (+ bias) for a Q4 weight; rows of x and y are ldx / ldy floats apart. */
 void kettle_q4_linear(
@@ -219,20 +222,25 @@ int kettle_paged_decode(
     const int64_t *positions, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
     float scale, int64_t window, float *out, int kv_dtype, int threads
 ) {
+    const int64_t longest = longest_context(positions, seqs), parts = context_parts(longest, seqs, kv_heads, threads);
+    const int64_t scores_size = heads / kv_heads * (longest + 1);
+    float *scores = malloc(sizeof(float) * (size_t)(threads * scores_size));
+    float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(seqs, heads, parts, dim)) : NULL;
+    if (!scores || (parts > 1 && !partials)) return free(scores), free(partials), -1;
     const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window,
-                           scale, 0.0f, kv_dtype};
-    const int64_t scores_size = heads / kv_heads * (longest_context(positions, seqs) + 1);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+                           scale, 0.0f, kv_dtype, parts, partials};
+#pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)scores_size);
-        if (!scores) failed = 1;
+        float *own = scores + omp_get_thread_num() * scores_size;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < seqs * kv_heads; item++)
-            if (scores) attend_item(&p, q, item / kv_heads, item % kv_heads, scores, out);
-        free(scores);
+        for (int64_t item = 0; item < seqs * kv_heads * parts; item++) attend_item(&p, q, item, own, out);
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < seqs * heads; head++) combine_parts(&p, head, out);
+        }
     }
-    return failed ? -1 : 0;
+    free(scores), free(partials);
+    return 0;
 }
 
 /* The new tokens' K and V rows (`width` floats each; rows ld_k / ld_v floats apart, e.g. views of the fused qkv

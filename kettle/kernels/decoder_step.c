@@ -345,9 +345,13 @@ static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear 
 }
 
 static void attention(const Decoder *m, Scratch *s, const PagedDecode *p, float *scores, int64_t rows) {
+    const int64_t parts = p->parts > 1 ? p->parts : 1;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < rows * m->kv_heads; item++)
-        attend_item(p, s->q, item / m->kv_heads, item % m->kv_heads, scores, s->attn);
+    for (int64_t item = 0; item < rows * m->kv_heads * parts; item++) attend_item(p, s->q, item, scores, s->attn);
+    if (parts > 1) {
+#pragma omp for schedule(static)
+        for (int64_t head = 0; head < rows * m->heads; head++) combine_parts(p, head, s->attn);
+    }
 }
 
 /* The MLP over x → s->mlp: up (gate_up or fc), the activation, down; with the layer's LoRA deltas when given. */
@@ -456,16 +460,18 @@ int kettle_decoder_step(
 ) {
     /* Per thread: attention scores, then the dequantized weight rows of one float32 tile. */
     const int64_t widest = max64(max64(m->hidden, m->inner), m->heads * m->head_dim);
-    const int64_t scores_size = (m->heads / m->kv_heads * (longest_context(positions, rows) + 1) + 15) / 16 * 16;
+    const int64_t longest = longest_context(positions, rows), parts = context_parts(longest, rows, m->kv_heads, threads);
+    const int64_t scores_size = (m->heads / m->kv_heads * (longest + 1) + 15) / 16 * 16;
     const int64_t tiles = rows >= m->gemm_rows ? gemm_buffer_floats(widest) : TILE_CHANNELS * widest;
     const int64_t per_thread = (scores_size + tiles + 15) / 16 * 16; /* 64-byte aligned buffers for the panels */
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
+    float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(rows, m->heads, parts, m->head_dim)) : NULL;
     Scratch s;
-    if (!scores || alloc_scratch(m, rows, &s)) return free(scores), -1;
-    if (alloc_lora(m, loras, lora_slot, rows, &s)) return free_scratch(&s), free(scores), -1;
+    if (!scores || (parts > 1 && !partials) || alloc_scratch(m, rows, &s)) return free(scores), free(partials), -1;
+    if (alloc_lora(m, loras, lora_slot, rows, &s)) return free_scratch(&s), free(scores), free(partials), -1;
     memcpy(s.h, embedded, sizeof(float) * (size_t)(rows * m->hidden));
     const PagedDecode shape = {NULL, NULL, tables, positions, max_blocks, m->heads, m->kv_heads, m->head_dim,
-                               m->block_size, 0, 0.0f, 0.0f};
+                               m->block_size, 0, 0.0f, 0.0f, KV_F32, parts, partials};
 #pragma omp parallel num_threads(threads)
     {
         float *own = scores + omp_get_thread_num() * per_thread, *buffer = own + scores_size;
@@ -474,6 +480,6 @@ int kettle_decoder_step(
     }
     for (int64_t r = 0; r < rows; r++) norm_row(&m->final_norm, s.h + r * m->hidden, m->hidden, out + r * m->hidden);
     free_scratch(&s);
-    free(scores);
+    free(scores), free(partials);
     return 0;
 }

@@ -616,7 +616,33 @@ typedef struct {
     float scale;
     float softcap; /* > 0: scores → softcap · tanh(scores / softcap) after scaling (Gemma 2); 0: none */
     int kv_dtype; /* KV_F32 (0, what an initializer that leaves it out gets), KV_F16 or KV_BF16 */
+    /* Each context cut into `parts` pieces (`context_parts`; 0 or 1: whole), each piece's unnormalized output
+     * [seqs, heads, parts, dim] and its softmax maximum and sum [seqs, heads, parts] in `partials`. */
+    int64_t parts;
+    float *partials;
 } PagedDecode;
+
+#define MAX_PARTS 8   /* pieces of one context at most */
+extern int kettle_context_parts; /* at most this many (cpu_kernels.c; 1 turns cutting off, for measurement) */
+#define PART_KEYS 256 /* keys of a piece at least: below that, one item's overhead is not worth it */
+
+/* Pieces per context for a call, so that its items (sequences × KV heads × pieces) give every thread work: one
+ * sequence of 3 KV heads on 2 threads was 3 items, one thread idle for a third of the attention; a long context at
+ * batch 1 on 16 threads left most of them idle. 1 (no cut) when the call has 2 items per thread already or its
+ * contexts are short. */
+static inline int64_t context_parts(int64_t longest, int64_t seqs, int64_t kv_heads, int threads) {
+    const int64_t items = seqs * kv_heads;
+    if (items >= 2 * (int64_t)threads) return 1;
+    int64_t parts = (2 * threads + items - 1) / items;
+    if (parts > longest / PART_KEYS) parts = longest / PART_KEYS;
+    if (parts > kettle_context_parts) parts = kettle_context_parts;
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+
+/* Floats of a call's partials. */
+static inline int64_t partial_floats(int64_t seqs, int64_t heads, int64_t parts, int64_t dim) {
+    return seqs * heads * parts * (dim + 2);
+}
 
 /* The longest context of the call, which sizes each thread's scores (group · (longest + 1) floats). */
 static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
@@ -639,8 +665,10 @@ static inline void softcap_rows(float *x, int64_t n, float cap) {
     for (; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
 }
 
-/* The softmax of each of the `group` rows of `span` scores, in place. */
-static inline void softmax_rows(float *scores, int64_t group, int64_t span) {
+/* The softmax of each of the `group` rows of `span` scores, in place; with `tops`, the rows are left unnormalized
+ * (e^{score − top}) and each row's maximum and sum go to tops[g · stride] and totals[g · stride]. */
+static inline void softmax_rows(float *scores, int64_t group, int64_t span, float *tops, float *totals,
+                                int64_t stride) {
     for (int64_t g = 0; g < group; g++) {
         float *row = scores + g * span, top = -INFINITY;
         int64_t i = 0;
@@ -661,6 +689,10 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span) {
         }
         float total = hsum(sums);
         for (; i < span; i++) total += (row[i] = expf(row[i] - top));
+        if (tops) {
+            tops[g * stride] = top, totals[g * stride] = total;
+            continue;
+        }
         const float inv = 1.0f / total;
         for (i = 0; i < span; i++) row[i] *= inv;
     }
@@ -672,11 +704,25 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span) {
  * slice of an output head accumulates in registers over the whole context. `dtype` (the cache's) is a
  * compile-time constant too: 16-bit K/V rows are widened in registers as they are loaded. */
 static inline __attribute__((always_inline)) void attend_dim(
-    const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out, const int64_t dim,
-    const int dtype
+    const PagedDecode *p, const float *q, int64_t s, int64_t h, int64_t part, float *scores, float *out,
+    const int64_t dim, const int dtype
 ) {
-    const int64_t group = p->heads / p->kv_heads, len = p->positions[s] + 1, bs = p->block_size;
-    const int64_t first = p->window > 0 && len > p->window ? len - p->window : 0, span = len - first;
+    const int64_t group = p->heads / p->kv_heads, bs = p->block_size, parts = p->parts > 1 ? p->parts : 1;
+    int64_t len = p->positions[s] + 1, first = p->window > 0 && len > p->window ? len - p->window : 0;
+    /* Cut: this item attends piece `part` of [first, len) and leaves, per query head, its unnormalized output,
+     * maximum and sum in a record of the partials, (sequence, head, part) → dim + 2 floats. */
+    float *record = NULL;
+    const int64_t record_stride = parts * (dim + 2); /* from one query head's record to the next head's */
+    if (parts > 1) {
+        const int64_t piece = (len - first + parts - 1) / parts, lo = first + part * piece;
+        record = p->partials + ((s * p->heads + h * group) * parts + part) * (dim + 2);
+        first = lo < len ? lo : len, len = lo + piece < len ? lo + piece : len;
+        if (first == len) { /* nothing left for this piece: it weighs nothing in the sum */
+            for (int64_t g = 0; g < group; g++) record[g * record_stride + dim] = -INFINITY, record[g * record_stride + dim + 1] = 0.0f;
+            return;
+        }
+    }
+    const int64_t span = len - first;
     const int64_t stride = p->kv_heads * dim; /* elements from one slot to the next */
     const int64_t *table = p->tables + s * p->max_blocks;
     const float *qs = q + (s * p->heads + h * group) * dim;
@@ -690,10 +736,10 @@ static inline __attribute__((always_inline)) void attend_dim(
                     dot_kv(qs + g * dim, k_cache, keys + (t - b * bs) * stride, dim, dtype) * p->scale;
     }
     if (p->softcap > 0.0f) softcap_rows(scores, group * span, p->softcap);
-    softmax_rows(scores, group, span);
+    softmax_rows(scores, group, span, record ? record + dim : NULL, record ? record + dim + 1 : NULL, record_stride);
     for (int64_t g = 0; g < group; g++) {
         const float *weights = scores + g * span - first;
-        float *dst = out + (s * p->heads + h * group + g) * dim;
+        float *dst = record ? record + g * record_stride : out + (s * p->heads + h * group + g) * dim;
         for (int64_t d0 = 0; d0 < dim; d0 += 64) {
             const int64_t width = dim - d0 < 64 ? dim - d0 : 64;
             if (width < 64) { /* a head size that is not a multiple of 64: the remainder row by row */
@@ -723,16 +769,40 @@ static inline __attribute__((always_inline)) void attend_dim(
 /* `attend_dim` for the call's head size and cache type: one dispatch per item, constants inside. */
 #define ATTEND_TYPED(dim_)                                                                                    \
     switch (p->kv_dtype) {                                                                                    \
-    case KV_F16: attend_dim(p, q, s, h, scores, out, dim_, KV_F16); break;                                   \
-    case KV_BF16: attend_dim(p, q, s, h, scores, out, dim_, KV_BF16); break;                                 \
-    default: attend_dim(p, q, s, h, scores, out, dim_, KV_F32);                                              \
+    case KV_F16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F16); break;                                   \
+    case KV_BF16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_BF16); break;                                 \
+    default: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F32);                                              \
     }
 
-static inline void attend_item(const PagedDecode *p, const float *q, int64_t s, int64_t h, float *scores, float *out) {
+/* Work item `item` of a call: (sequence, KV head, piece of the context) → out [S, H, D], or the partials when the
+ * contexts are cut (then `combine_parts` finishes each query head). */
+static inline void attend_item(const PagedDecode *p, const float *q, int64_t item, float *scores, float *out) {
+    const int64_t parts = p->parts > 1 ? p->parts : 1, part = item % parts, s = item / parts / p->kv_heads;
+    const int64_t h = item / parts % p->kv_heads;
     if (p->dim == 64) ATTEND_TYPED(64)
     else if (p->dim == 128) ATTEND_TYPED(128)
     else ATTEND_TYPED(p->dim)
 }
 #undef ATTEND_TYPED
+
+/* Query head `head` (of all S · H) of a cut call: out = Σ_p e^{m_p − M} o_p / Σ_p e^{m_p − M} l_p over its pieces'
+ * records (M the largest maximum m_p; a piece with no keys has m_p = −∞ and weighs 0). */
+static inline void combine_parts(const PagedDecode *p, int64_t head, float *out) {
+    const int64_t dim = p->dim, parts = p->parts;
+    const float *records = p->partials + head * parts * (dim + 2);
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t i = 0; i < parts; i++) top = fmaxf(top, records[i * (dim + 2) + dim]);
+    float *dst = out + head * dim;
+    for (int64_t d = 0; d < dim; d++) dst[d] = 0.0f;
+    for (int64_t i = 0; i < parts; i++) {
+        const float *record = records + i * (dim + 2);
+        if (record[dim + 1] == 0.0f) continue;
+        const float weight = expf(record[dim] - top);
+        total += weight * record[dim + 1];
+        axpy_kv(dst, weight, record, 0, dim, KV_F32);
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < dim; d++) dst[d] *= inv;
+}
 
 #endif

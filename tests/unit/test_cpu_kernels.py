@@ -14,6 +14,7 @@ from kettle.layers.rotary import RotaryEmbedding
 from kettle.layers.sdpa_attention import SdpaBackend
 from kettle.quantization.int8 import quantize_int8
 from kettle.quantization.q4 import Q4Linear, pack_q4, unpack_q4
+from tests.fixtures import torch_threads
 
 CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
@@ -74,10 +75,20 @@ def test_q8_linear_is_its_dequantized_weight(monkeypatch, rows):
     assert relative(ops.q8_linear(x, q, scale, bias), expected) < 1e-5
 
 
-# Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one.
+# Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one. Contexts of 600
+# and more on 4 threads are cut into pieces attended apart (kernels.h `context_parts`): 3 pieces of one sequence
+# (the last one short), 2 of each of two, and 2 under a window.
 @pytest.mark.parametrize("dim", [32, 64, 80, 128])
-@pytest.mark.parametrize(("lens", "window"), [([5, 40, 130, 17], None), ([100, 50, 7], 32), ([1], None)])
+@pytest.mark.parametrize(
+    ("lens", "window"),
+    [([5, 40, 130, 17], None), ([100, 50, 7], 32), ([1], None), ([1000], None), ([700, 600], None), ([1500], 700)],
+)
 def test_paged_decode_matches_sdpa_over_scattered_blocks(monkeypatch, lens, window, dim):
+    with torch_threads(4):
+        check_paged_decode(monkeypatch, lens, window, dim)
+
+
+def check_paged_decode(monkeypatch, lens, window, dim):
     torch.manual_seed(len(lens))
     block_size, heads, kv_heads = 16, 6, 2
     blocks = sum(-(-n // block_size) for n in lens) + 3
