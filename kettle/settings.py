@@ -45,7 +45,7 @@ class Settings:
     cpu_kernels: bool  # KETTLE_CPU_KERNELS=0: PyTorch's ops instead of Kettle's C kernels
     cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
-    cpu_gemm_rows: int  # KETTLE_CPU_GEMM_ROWS: int4/int8 projections on the blocked GEMM from N rows (0: never)
+    cpu_gemm_rows: int | None  # KETTLE_CPU_GEMM_ROWS: int4/int8 projections on the panels from N rows (0: never)
     cpu_integer_gemm: bool  # KETTLE_CPU_INTEGER_GEMM=0: the float32 panels (16+ rows) even with AVX-512 VNNI
     cpu_prefill_attention: bool  # KETTLE_CPU_PREFILL_ATTENTION=0: SDPA's kernel instead of Kettle's for prefill
     quantized_activations: bool  # KETTLE_QUANTIZED_ACTIVATIONS=0: float32 activations in the int4/int8 GEMVs
@@ -74,7 +74,7 @@ class Settings:
             cpu_kernels=env.get("KETTLE_CPU_KERNELS", "1") != "0",
             cpu_decoder_step=env.get("KETTLE_CPU_DECODER_STEP", "1") != "0",
             cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,
-            cpu_gemm_rows=int(env.get("KETTLE_CPU_GEMM_ROWS") or "16"),
+            cpu_gemm_rows=int(env["KETTLE_CPU_GEMM_ROWS"]) if env.get("KETTLE_CPU_GEMM_ROWS") else None,
             cpu_integer_gemm=env.get("KETTLE_CPU_INTEGER_GEMM", "1") != "0",
             cpu_prefill_attention=env.get("KETTLE_CPU_PREFILL_ATTENTION", "1") != "0",
             quantized_activations=env.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0",

@@ -33,8 +33,14 @@ Q8_FLOAT_ROWS = (32 if _FLOAT_ROWS is None else _FLOAT_ROWS) or 1 << 62
 # (written through a register transpose) that a register-blocked micro-kernel multiplies with every row. At 16 rows
 # it beat the float32 tiles on the bundled model's shapes (down_proj 133 vs 170 us, the whole fused step 1.10x;
 # equal at 8 rows), and Q8_0's head there matches the quantized activations (1.8x them at 32 rows).
-# `KETTLE_CPU_GEMM_ROWS`: 0 never (the tiles above at every size).
-GEMM_ROWS = settings.current().cpu_gemm_rows or 1 << 62
+# `KETTLE_CPU_GEMM_ROWS`: N from N rows for both kinds of panel (below), 0 never (the tiles above at every size).
+_GEMM_ROWS = settings.current().cpu_gemm_rows  # None: the defaults
+GEMM_ROWS = (16 if _GEMM_ROWS is None else _GEMM_ROWS) or 1 << 62
+# The integer panels (below) pay for their 16 lanes from fewer rows: a group of 10-15 rows padded to 16 costs what
+# 16 do, which is less than the few-row paths' passes (bundled model, Zen 4, 2 threads, the fused step at 12 and
+# 14 sequences: 30.3 / 36.8-38.2 ms on the float32 tiles, 24.0 / 24.1-25.0 ms on the panels; 10 rows 27.2-29.5
+# against 22.8-26.9 ms; 8 rows no better). Where they run, the panels start at 10 rows.
+INTEGER_ROWS = (10 if _GEMM_ROWS is None else _GEMM_ROWS) or 1 << 62
 # Where the CPU has AVX-512 VNNI, those panels multiply int16 rows (quantized as for one row) with the weights
 # widened to int16 (`vpdpwssd`): half the instructions of the float32 micro-kernel per weight and row, so past the
 # float32 FMA peak. On the bundled model (Zen 4, 2 threads): the decode step of 16 streams 1.47x, a 1,000-token
@@ -61,7 +67,7 @@ def available() -> bool:
 
 
 def integer_gemm() -> bool:
-    """Whether GEMM_ROWS rows and more run on the integer panels (switched on, and AVX-512 VNNI here)."""
+    """Whether the panels (`panel_rows()` rows and more) are the integer ones (switched on, AVX-512 VNNI here)."""
     return _INTEGER_GEMM and QUANTIZED_ACTIVATIONS and _has_vnni()
 
 
@@ -70,10 +76,16 @@ def _has_vnni() -> bool:
     return bool(library().kettle_integer_gemm_supported())
 
 
+def panel_rows() -> int:
+    """Rows from which the int4/int8 projections run gemm.c's panels: INTEGER_ROWS where those are the integer
+    panels (unless GEMM_ROWS is lower), GEMM_ROWS where they are the float32 ones."""
+    return min(GEMM_ROWS, INTEGER_ROWS) if integer_gemm() else GEMM_ROWS
+
+
 def _rows_path(rows: int, k: int) -> int:
     """The several-row entries' path: 0 the float32 tiles, 1 the float32 panels, 2 the integer panels (over whole
     blocks of 32 inputs)."""
-    if rows < GEMM_ROWS:
+    if rows < panel_rows():
         return 0
     return 2 if k % 32 == 0 and integer_gemm() else 1
 
@@ -97,7 +109,7 @@ def q4_linear(
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size)
     args += (_ptr(bias), y.data_ptr(), n)
-    if rows >= min(Q4_FLOAT_ROWS, GEMM_ROWS):  # the float32 tiles or the panel GEMM (the decode step's choice)
+    if rows >= min(Q4_FLOAT_ROWS, panel_rows()):  # the float32 tiles or the panel GEMM (the decode step's choice)
         status = library().kettle_q4_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
     else:
         kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
@@ -125,7 +137,7 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
-    if rows >= min(Q8_FLOAT_ROWS, GEMM_ROWS):  # the float32 tiles or the panel GEMM (the decode step's choice)
+    if rows >= min(Q8_FLOAT_ROWS, panel_rows()):  # the float32 tiles or the panel GEMM (the decode step's choice)
         status = library().kettle_q8_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
     else:
         qa = QUANTIZED_ACTIVATIONS and k % 32 == 0
@@ -138,14 +150,14 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
 def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for GGUF's Q8_0 layout, W = q [N, K] int8 · scales [N, K/32] float16 per
     block: quantized activations below Q8_FLOAT_ROWS rows (or none with KETTLE_QUANTIZED_ACTIVATIONS=0), the
-    float32 tiles above, the panels from GEMM_ROWS rows. [M, N] float32."""
+    float32 tiles above, the panels from `panel_rows()` rows. [M, N] float32."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     # The C entry's paths: 0 float32 tiles, 1 quantized activations, 2 the float32 panels, 3 the integer panels.
     below = int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
-    path = 1 + _rows_path(rows, k) if rows >= GEMM_ROWS else below
+    path = 1 + _rows_path(rows, k) if rows >= panel_rows() else below
     status = library().kettle_q8g_linear(
         x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n, path,
         torch.get_num_threads(),

@@ -152,7 +152,7 @@ class DecoderStep:
         layers = [self._layer(layer) for layer in model.layers]
         self._layers = (Layer * len(layers))(*layers)
         shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.inner)
-        rows = (ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS, ops.GEMM_ROWS, int(ops.integer_gemm()))
+        rows = (ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS, ops.panel_rows(), int(ops.integer_gemm()))
         rope = (0, 0) if rotary is None else (rotary.rotary_dim, int(rotary.interleaved))
         # block_size (0 here) is set from each step's metadata.
         self.decoder = Decoder(*shape, 0, *rows, *rope, self._layers, _norm(model.norm))

@@ -47,7 +47,7 @@ from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
 # steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
 # cost more than it saved (`bench/overlap_speculate.py --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
 # And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
-CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1)
+CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1, ops.INTEGER_ROWS - 1)
 # On a GPU a step's rows cost little until the batch fills the device; a batch of 8 is already using it well.
 GPU_STEP_ROWS = 7
 

@@ -18,7 +18,7 @@ def test_defaults_without_any_variable():
     assert (settings.int4_group_size, settings.quant_lm_head) == (None, "int8")
     assert settings.cpu_kernels and settings.cpu_decoder_step and settings.cuda_fused_kernels
     assert not settings.cuda_weight_only and settings.cuda_graphs is None
-    assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows == 16 and settings.cpu_integer_gemm
+    assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows is None and settings.cpu_integer_gemm
     assert (settings.speculate_min_ngram, settings.speculate_row_cost) == (2, 0.35)
     assert settings.speculate_step_rows is None
 
