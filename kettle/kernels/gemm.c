@@ -211,6 +211,7 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
 #define LANES 16        /* rows per vector */
 #define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define VNNI8 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl"))) /* 256-bit vpdpwssd */
 
 /* Group g of 16 rows in lanes (kernels.h `lane_floats`): pairs [K/2][16] (inputs 2i, 2i + 1 of each row as one
  * int32), scale [K/32][16], sum [K/group][16]; rows past the last are zero. */
@@ -325,18 +326,53 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
 
-static VNNI void int_channels(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile) {
-#define CASE(t) case t: micro_vnni(x, k, group, w, t, tile); break;
+/* `micro_vnni` over the first 8 lanes only (256-bit vectors), for a group of 8 rows or fewer: half the
+ * instructions where the lanes past them hold only padding (17-24 rows: the second group; 10 rows after a prompt's
+ * whole groups). Same layout, same sums: the lanes it leaves out are zero rows. */
+static inline __attribute__((always_inline)) VNNI8 void micro_vnni8(
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
+) {
+    const int64_t blocks = k / 32, groups = k / group;
+    __m256 acc[INT_CHANNELS];
+    for (int c = 0; c < channels; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i dot[INT_CHANNELS];
+        for (int c = 0; c < channels; c++) dot[c] = _mm256_setzero_si256();
+        for (int64_t i = b * 16; i < b * 16 + 16; i++) {
+            const __m256i a = _mm256_load_si256((const __m256i *)(x->pairs + i * LANES));
+            for (int c = 0; c < channels; c++)
+                dot[c] = _mm256_dpwssd_epi32(dot[c], a, _mm256_set1_epi32(((const int32_t *)(w->q + c * k))[i]));
+        }
+        const __m256 d = _mm256_load_ps(x->scale + b * LANES);
+        for (int c = 0; c < channels; c++)
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[c]), _mm256_mul_ps(d, _mm256_set1_ps(w->scale[c * blocks + b])), acc[c]);
+    }
+    for (int64_t g = 0; w->minimum && g < groups; g++) {
+        const __m256 sum = _mm256_load_ps(x->sum + g * LANES);
+        for (int c = 0; c < channels; c++) acc[c] = _mm256_fmadd_ps(sum, _mm256_set1_ps(w->minimum[c * groups + g]), acc[c]);
+    }
+    for (int c = 0; c < channels; c++) _mm256_storeu_ps(tile + c * LANES, acc[c]);
+}
+
+/* Whether a group of 8 rows or fewer takes the 8-lane micro-kernel (1), or 16 lanes as every group (0: for the
+ * tests, which compare the two, and for measurement). */
+int kettle_integer_lanes8 = 1;
+
+/* The micro-kernel for `channels` (a constant at each call) and the group's `rows`: 8 lanes when they hold them. */
+static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels,
+                               int64_t rows, float *tile) {
+#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, tile); else micro_vnni(x, k, group, w, t, tile); break;
+    const int narrow = kettle_integer_lanes8 && rows <= LANES / 2;
     switch (channels) {
-        CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
-        default: micro_vnni(x, k, group, w, 1, tile);
+        CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
     }
 #undef CASE
 }
 
-/* Whether this CPU runs the integer panels (AVX-512 VNNI, and BW for the byte widening). */
+/* Whether this CPU runs the integer panels (AVX-512 VNNI, BW for the byte widening, VL for 8-lane groups). */
 int kettle_integer_gemm_supported(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vl");
 }
 
 /* The weight bytes of the INT_CHANNELS channels from j0 (the thread's next group: static schedules hand out
@@ -393,7 +429,7 @@ VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, f
             for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
                 const LaneRows x = lane_group(xq, r0 / LANES, k);
                 const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-                int_channels(&x, k, w->group, &c, n, tile);
+                int_channels(&x, k, w->group, &c, n, count, tile);
                 store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
             }
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -81,21 +82,42 @@ LAYERS = {
 
 
 @pytest.mark.skipif(not CAN_BUILD or not ops.integer_gemm(), reason="needs AVX-512 VNNI")
-@pytest.mark.parametrize("rows", [16, 23, 40])
+@pytest.mark.parametrize("rows", [10, 16, 23, 40])
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_integer_panels_are_the_int16_rows_of_one_row_decode(monkeypatch, kind, rows):
-    """The integer panels (prompt chunks and decode steps from GEMM_ROWS rows) quantize each row to int16 as
-    one row of decode does (`linear_channel_qa`) and sum the same integer block products with the same scales: row
-    by row through the one-row path gives the same outputs, float32 rounding apart. 100 output channels end in a
-    short group of channels; 23 and 40 rows in a short group of 16 rows."""
+    """The integer panels (prompt chunks and decode steps from `ops.panel_rows()` rows) quantize each row to int16
+    as one row of decode does (`linear_channel_qa`) and sum the same integer block products with the same scales:
+    row by row through the one-row path gives the same outputs, float32 rounding apart. 100 output channels end in
+    a short group of channels; 10 rows fill part of one group of 16 lanes, 23 and 40 rows end in a group of 8 rows
+    or fewer (the 8-lane micro-kernel)."""
     torch.manual_seed(rows)
     layer = LAYERS[kind](100, 192)
     x = torch.randn(rows, 192) * torch.linspace(0.1, 4.0, 192)  # uneven channels, as activations have
-    assert rows >= ops.GEMM_ROWS
+    assert rows >= ops.panel_rows()
     one_row = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     assert relative(layer(x), one_row) < 2e-6
     monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # the float32 panels, exact to the dequantized weight
+    monkeypatch.setattr(ops, "GEMM_ROWS", min(ops.GEMM_ROWS, rows))  # (which start at 16 rows by default)
     assert 1e-6 < relative(layer(x), one_row) < 1e-4
+
+
+@pytest.mark.skipif(not CAN_BUILD or not ops.integer_gemm(), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_integer_panels_eight_lane_groups_are_the_sixteen_lane_sums(kind):
+    """A group of 8 rows or fewer runs 8 lanes (256-bit vpdpwssd) instead of 16 padded ones: the same products,
+    sums and scales per lane, so the same bits (18 = 16 + 2 and 40 = 2 × 16 + 8 rows)."""
+    torch.manual_seed(1)
+    layer = LAYERS[kind](100, 192)
+    narrow = ctypes.c_int.in_dll(build.library(), "kettle_integer_lanes8")
+    for rows in (18, 40):
+        x = torch.randn(rows, 192)
+        eight = layer(x)
+        narrow.value = 0
+        try:
+            sixteen = layer(x)
+        finally:
+            narrow.value = 1
+        assert torch.equal(eight, sixteen)
 
 
 def reference_attention(q, k, v, positions, window):
