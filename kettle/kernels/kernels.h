@@ -616,8 +616,8 @@ typedef struct {
     float scale;
     float softcap; /* > 0: scores → softcap · tanh(scores / softcap) after scaling (Gemma 2); 0: none */
     int kv_dtype; /* KV_F32 (0, what an initializer that leaves it out gets), KV_F16 or KV_BF16 */
-    /* Each context cut into `parts` pieces (`context_parts`; 0 or 1: whole), each piece's unnormalized output
-     * [seqs, heads, parts, dim] and its softmax maximum and sum [seqs, heads, parts] in `partials`. */
+    /* Each context cut into `parts` pieces (`context_parts`; 0 or 1: whole); then `partials` holds a record of
+     * dim + 2 floats per (sequence, query head, piece): the piece's unnormalized output, softmax maximum and sum. */
     int64_t parts;
     float *partials;
 } PagedDecode;
@@ -673,10 +673,10 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span, floa
         float *row = scores + g * span, top = -INFINITY;
         int64_t i = 0;
         if (span >= 8) { /* the maximum 8 lanes at a time: a scalar fmaxf call per score cost ~10% of the item */
-            __m256 tops = _mm256_loadu_ps(row);
-            for (i = 8; i + 8 <= span; i += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(row + i));
+            __m256 maxima = _mm256_loadu_ps(row);
+            for (i = 8; i + 8 <= span; i += 8) maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(row + i));
             float lanes[8];
-            _mm256_storeu_ps(lanes, tops);
+            _mm256_storeu_ps(lanes, maxima);
             for (int l = 0; l < 8; l++) top = fmaxf(top, lanes[l]);
         }
         for (; i < span; i++) top = fmaxf(top, row[i]);
@@ -718,7 +718,10 @@ static inline __attribute__((always_inline)) void attend_dim(
         record = p->partials + ((s * p->heads + h * group) * parts + part) * (dim + 2);
         first = lo < len ? lo : len, len = lo + piece < len ? lo + piece : len;
         if (first == len) { /* nothing left for this piece: it weighs nothing in the sum */
-            for (int64_t g = 0; g < group; g++) record[g * record_stride + dim] = -INFINITY, record[g * record_stride + dim + 1] = 0.0f;
+            for (int64_t g = 0; g < group; g++) {
+                record[g * record_stride + dim] = -INFINITY;
+                record[g * record_stride + dim + 1] = 0.0f;
+            }
             return;
         }
     }
@@ -769,9 +772,9 @@ static inline __attribute__((always_inline)) void attend_dim(
 /* `attend_dim` for the call's head size and cache type: one dispatch per item, constants inside. */
 #define ATTEND_TYPED(dim_)                                                                                    \
     switch (p->kv_dtype) {                                                                                    \
-    case KV_F16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F16); break;                                   \
-    case KV_BF16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_BF16); break;                                 \
-    default: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F32);                                              \
+    case KV_F16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F16); break;                             \
+    case KV_BF16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_BF16); break;                           \
+    default: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F32);                                        \
     }
 
 /* Work item `item` of a call: (sequence, KV head, piece of the context) → out [S, H, D], or the partials when the
