@@ -327,8 +327,8 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
 }
 
 /* `micro_vnni` over the first 8 lanes only (256-bit vectors), for a group of 8 rows or fewer: half the
- * instructions where the lanes past them hold only padding (17-24 rows: the second group; 10 rows after a prompt's
- * whole groups). Same layout, same sums: the lanes it leaves out are zero rows. */
+ * instructions where the lanes past them hold only padding (17-24 rows: the second group; a prompt chunk's last
+ * group). Same layout, same sums: the lanes it leaves out are zero rows. */
 static inline __attribute__((always_inline)) VNNI8 void micro_vnni8(
     const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
 ) {
