@@ -223,3 +223,19 @@ def test_the_shard_logs_which_decode_path_serves(tiny_llama_path, caplog, quanti
     with caplog.at_level(logging.INFO, logger="kettle.shard.server"):
         build_engine(ShardConfig(model_path=str(tiny_llama_path), dtype="float32", quantize=quantize))
     assert f"Decode steps run {path}" in caplog.text
+
+
+def test_fused_step_over_a_long_context_cut_into_pieces_equals_the_layer_by_layer_forward(tmp_path):
+    """One sequence of 600 tokens on 4 threads has fewer attention items (2 KV heads) than the threads want, so
+    each layer's context is cut into pieces attended apart and combined (kernels.h `context_parts`), in the fused
+    step as in the layer-by-layer forward's kernel: the same numbers."""
+    from tests.fixtures import make_tiny_llama
+
+    path = str(make_tiny_llama(tmp_path, max_position_embeddings=1024))
+    model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
+    assert model.cpu_decoder_step is not None
+    prompt = [3 + (7 * i) % (model.spec.vocab_size - 3) for i in range(600)]
+    with torch_threads(4):
+        fused = drive.decode_logits(model, [prompt], True, steps=4)
+        reference = drive.decode_logits(model, [prompt], False, steps=4)
+    assert torch.equal(fused, reference)
