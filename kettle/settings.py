@@ -46,7 +46,7 @@ class Settings:
     cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
     cpu_gemm_rows: int | None  # KETTLE_CPU_GEMM_ROWS: int4/int8 projections on the panels from N rows (0: never)
-    cpu_integer_gemm: bool  # KETTLE_CPU_INTEGER_GEMM=0: the float32 panels (16+ rows) even with AVX-512 VNNI
+    cpu_integer_gemm: bool  # KETTLE_CPU_INTEGER_GEMM=0: the float32 panels (16+ rows), not the int16 ones (10+)
     cpu_prefill_attention: bool  # KETTLE_CPU_PREFILL_ATTENTION=0: SDPA's kernel instead of Kettle's for prefill
     quantized_activations: bool  # KETTLE_QUANTIZED_ACTIVATIONS=0: float32 activations in the int4/int8 GEMVs
     cuda_fused_kernels: bool  # KETTLE_FUSED_KERNELS=0: eager ops instead of the Triton norm/RoPE/SiLU kernels
