@@ -197,7 +197,7 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
     return failed ? -1 : 0;
 }
 
-/* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of GEMM_ROWS rows and more: the rows
+/* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
  * quantized to int16 per block of 32 (kernels.h `quantize_row`, as at one row) meet the weights widened to int16,
  * and vpdpwssd sums pairs of products into int32 lanes, exact within a block; each block's sums then take the
  * row's and the weight's scales in float32. The lanes are 16 rows (laid out pairs-major once per projection), so
