@@ -21,18 +21,24 @@ family: 8 layers, hidden 512, 8 heads in 4 KV groups, intermediate 1536, vocabul
 against its float32 panels, switched step by step:
 
     .venv/bin/python bench/model_decode.py $M --batch 16 32 --integer-vs-float
+
+`--switch NAME` does the same for one of the kernels' measurement switches (an int in the C library, 1 against 0),
+e.g. the one-row channel kernels against the tiles' kernels at one row:
+
+    .venv/bin/python bench/model_decode.py $M --batch 1 --steps 200 --switch kettle_channel_one
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
 import torch
 
 from kettle.bench.hf_decode import hf_decode_step
-from kettle.kernels import ops
+from kettle.kernels import build, ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from kettle.shard.dtype import choose_kv_dtype
@@ -156,6 +162,20 @@ def with_integer_panels(model, on: bool, step):
     return run
 
 
+def with_switch(name: str, value: int, step):
+    """`step` with the C library's int `name` set to `value` around each call (restored to 1 after)."""
+    switch = ctypes.c_int.in_dll(build.library(), name)
+
+    def run() -> None:
+        switch.value = value
+        try:
+            step()
+        finally:
+            switch.value = 1
+
+    return run
+
+
 def layer_by_layer(model):
     """`model` with its fused decode step switched off (the cached property overridden)."""
     model.__dict__["cpu_decoder_step"] = None
@@ -176,6 +196,7 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Kettle's weights quantized at load")
     parser.add_argument("--compare-transformers", action="store_true", help="against transformers in --dtype")
     parser.add_argument("--integer-vs-float", action="store_true", help="integer panels against float32 ones")
+    parser.add_argument("--switch", help="a kernels' switch (C int) at 1 against 0, e.g. kettle_channel_one")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -196,6 +217,9 @@ def main() -> None:
         elif args.integer_vs_float:
             step = kettle_decode(model, batch, args.context, 2 * (args.steps + args.warmup))
             fns = [with_integer_panels(model, True, step), with_integer_panels(model, False, step)]
+        elif args.switch:
+            step = kettle_decode(model, batch, args.context, 2 * (args.steps + args.warmup))
+            fns = [with_switch(args.switch, 1, step), with_switch(args.switch, 0, step)]
         elif args.compare_transformers:
             fns.append(transformers_decode(path, dtype, batch, args.context))
         seconds, *base = timed(fns, args.steps, args.warmup)
@@ -204,6 +228,7 @@ def main() -> None:
         if base:
             other = "layer by layer" if layers is not None else "transformers"
             other = "float32 panels" if args.integer_vs_float else other
+            other = f"{args.switch}=0" if args.switch else other
             line += f"  | {other} {base[0] * 1e3:8.2f} ms/step  speedup x{base[0] / seconds:.2f}"
         print(line, flush=True)
 

@@ -120,6 +120,28 @@ def test_integer_panels_eight_lane_groups_are_the_sixteen_lane_sums(kind):
         assert torch.equal(eight, sixteen)
 
 
+# 6, 18 and 19 blocks of 32 inputs: scales combined 8 at a time, then the rest one by one; Q8_0's odd last block.
+@pytest.mark.parametrize(
+    ("kind", "k"), [("q4-group32", 192), ("q4-group32", 576), ("q4-group64", 576), ("q8_0", 192), ("q8_0", 608)]
+)
+def test_one_row_channels_are_the_tiles_sums(kind, k):
+    """One row of decode runs `q4_channel_one` / `q8g_channel_one` (scales combined before the loop, the minimums'
+    term in the same vector): the same integer block products and scales as the tiles' kernel, summed in another
+    order, so equal to float32 rounding; and both within the int16 activations' bound of the dequantized weight."""
+    torch.manual_seed(k)
+    layer = LAYERS[kind](100, k)
+    x = torch.randn(1, k) * torch.linspace(0.1, 4.0, k)
+    one = ctypes.c_int.in_dll(build.library(), "kettle_channel_one")
+    fast = layer(x)
+    one.value = 0
+    try:
+        tiles = layer(x)
+    finally:
+        one.value = 1
+    assert relative(fast, tiles) < 2e-6
+    assert relative(fast, F.linear(x, layer.dequantized(), layer.bias)) < 2e-4
+
+
 def reference_attention(q, k, v, positions, window):
     """q [L, H, D] at `positions`, k/v [C, Hkv, D] at 0 .. C-1 → [L, H, D], causal (and windowed), in float64."""
     group = q.shape[1] // k.shape[1]
