@@ -22,8 +22,8 @@ against its float32 panels, switched step by step:
 
     .venv/bin/python bench/model_decode.py $M --batch 16 32 --integer-vs-float
 
-`--switch NAME` does the same for one of the kernels' measurement switches (an int in the C library, 1 against 0),
-e.g. the one-row channel kernels against the tiles' kernels at one row:
+`--switch NAME` does the same for one of the kernels' measurement switches (an int in the C library, its default
+against `--switch-off`, 0 unless given), e.g. the one-row channel kernels against the tiles' kernels at one row:
 
     .venv/bin/python bench/model_decode.py $M --batch 1 --steps 200 --switch kettle_channel_one
 """
@@ -162,16 +162,17 @@ def with_integer_panels(model, on: bool, step):
     return run
 
 
-def with_switch(name: str, value: int, step):
-    """`step` with the C library's int `name` set to `value` around each call (restored to 1 after)."""
+def with_switch(name: str, value: int | None, step):
+    """`step` with the C library's int `name` set to `value` around each call (None: its default), then restored."""
     switch = ctypes.c_int.in_dll(build.library(), name)
+    default = switch.value
 
     def run() -> None:
-        switch.value = value
+        switch.value = default if value is None else value
         try:
             step()
         finally:
-            switch.value = 1
+            switch.value = default
 
     return run
 
@@ -196,7 +197,8 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Kettle's weights quantized at load")
     parser.add_argument("--compare-transformers", action="store_true", help="against transformers in --dtype")
     parser.add_argument("--integer-vs-float", action="store_true", help="integer panels against float32 ones")
-    parser.add_argument("--switch", help="a kernels' switch (C int) at 1 against 0, e.g. kettle_channel_one")
+    parser.add_argument("--switch", help="a kernels' switch (C int) at its default against --switch-off")
+    parser.add_argument("--switch-off", type=int, default=0, help="the --switch value compared (default 0)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -219,7 +221,7 @@ def main() -> None:
             fns = [with_integer_panels(model, True, step), with_integer_panels(model, False, step)]
         elif args.switch:
             step = kettle_decode(model, batch, args.context, 2 * (args.steps + args.warmup))
-            fns = [with_switch(args.switch, 1, step), with_switch(args.switch, 0, step)]
+            fns = [with_switch(args.switch, None, step), with_switch(args.switch, args.switch_off, step)]
         elif args.compare_transformers:
             fns.append(transformers_decode(path, dtype, batch, args.context))
         seconds, *base = timed(fns, args.steps, args.warmup)
@@ -228,7 +230,7 @@ def main() -> None:
         if base:
             other = "layer by layer" if layers is not None else "transformers"
             other = "float32 panels" if args.integer_vs_float else other
-            other = f"{args.switch}=0" if args.switch else other
+            other = f"{args.switch}={args.switch_off}" if args.switch else other
             line += f"  | {other} {base[0] * 1e3:8.2f} ms/step  speedup x{base[0] / seconds:.2f}"
         print(line, flush=True)
 
