@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kettle.bench.loadgen import StreamTiming, chat_prompts, percentile, stream_tokens
+from kettle.bench.loadgen import StreamTiming, chat_prompts, percentile, session, stream_tokens
 from kettle.bench.process import KettleServer
 
 WORDS = ("kettle", "steam", "water", "leaf", "cup", "pour", "brew", "green", "black", "oolong", "milk", "sugar")
@@ -60,7 +60,7 @@ def long_prompt(url: str, trial: int, tokens: int) -> str:
 
 
 async def run_trial(url: str, prompts: list[str], long: str, args: argparse.Namespace) -> Trial:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with session() as client:
         timings = [StreamTiming(time.perf_counter()) for _ in range(args.streams)]
         calls = [
             stream_tokens(client, url, prompts[i % len(prompts)], args.stream_tokens, t) for i, t in enumerate(timings)

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import time
 
-import httpx
-
-from kettle.bench.loadgen import LoadResult, StreamTiming, chat_prompts
+from kettle.bench.loadgen import LoadResult, chat_prompts, run_load
 from kettle.bench.process import KettleServer
 from kettle.hub import resolve_model
 
@@ -34,37 +30,14 @@ SCHEMA = {
 }
 
 
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, parameters: dict) -> StreamTiming:
-    timing = StreamTiming(time.perf_counter())
-    body = {"inputs": prompt, "parameters": {**parameters, "details": True}}
-    async with client.stream("POST", f"{url}/generate_stream", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                event = json.loads(line.removeprefix("data:"))
-                if "error" in event:
-                    raise RuntimeError(event["error"])
-                timing.arrivals.append(time.perf_counter())
-    return timing
-
-
-async def load(url: str, prompts: list[str], concurrency: int, parameters: dict) -> LoadResult:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        start = time.perf_counter()
-        chosen = [prompts[i % len(prompts)] for i in range(concurrency)]
-        streams = await asyncio.gather(*(stream(client, url, p, parameters) for p in chosen))
-    return LoadResult(concurrency, time.perf_counter() - start, list(streams))
-
-
 def measure(url: str, prompts: list[str], concurrency: int, rounds: int, max_new_tokens: int) -> list:
     """Median decode tok/s without and with the grammar, and the fewest tokens a stream got in each mode."""
-    plain = {"max_new_tokens": max_new_tokens}
-    constrained = {**plain, "grammar": {"type": "json", "value": SCHEMA}}
-    asyncio.run(load(url, prompts, concurrency, constrained))  # warm the grammar and first-call paths
+    constrained = {"grammar": {"type": "json", "value": SCHEMA}}
+    asyncio.run(run_load(url, prompts, concurrency, max_new_tokens, constrained))  # warm the grammar and first calls
     runs: dict[str, list[LoadResult]] = {"plain": [], "json": []}
     for _ in range(rounds):
-        runs["plain"].append(asyncio.run(load(url, prompts, concurrency, plain)))
-        runs["json"].append(asyncio.run(load(url, prompts, concurrency, constrained)))
+        runs["plain"].append(asyncio.run(run_load(url, prompts, concurrency, max_new_tokens)))
+        runs["json"].append(asyncio.run(run_load(url, prompts, concurrency, max_new_tokens, constrained)))
     speeds = [statistics.median(r.decode_tokens_per_s for r in runs[mode]) for mode in runs]
     fewest = [min(len(s.arrivals) for r in runs[mode] for s in r.streams) for mode in runs]
     return [*speeds, *fewest]
