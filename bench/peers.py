@@ -3,6 +3,7 @@
     make bench-peers                                  # installs ctranslate2 + llama-cpp-python into .venv, runs this
     .venv/bin/python bench/peers.py                   # 128 new tokens, 1 and 16 streams, 1 and 2 threads
     .venv/bin/python bench/peers.py --max-new-tokens 32 --streams 1 --threads 1     # a quick check
+    .venv/bin/python bench/peers.py --threads 2 --engines ctranslate2,llama.cpp,kettle --rounds 5
 
 Engines: transformers `generate` (fp32; 16 streams = one batch of 16), CTranslate2 int8 (the bundled model
 converted once with its transformers converter), llama.cpp through llama-cpp-python on the bundled GGUF (batch 1
@@ -11,7 +12,10 @@ only: its Python API decodes one sequence), and Kettle over HTTP (bf16/fp32 as i
 each engine's fastest. An engine whose package is missing is skipped with a line saying so. Prompts are
 compare.py's, rendered with the chat template; stream i gets prompt i. decode tok/s is measured the way
 kettle.bench.loadgen does: the tokens after each stream's first, over the time from the first first-token to the
-last token.
+last token. With `--rounds N` every engine is measured N times, the engines' order reversed every other round
+(so drift on a shared machine hits them alike): the table shows each configuration's median, and each round's
+ratios of Kettle to the peers it is compared with (llama.cpp at one stream, CTranslate2 at 16) are printed with
+their median.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -228,6 +233,31 @@ def fastest(rows: list[Row]) -> list[Row]:
     return list(best.values())
 
 
+def medians(rounds: list[list[Row]]) -> list[Row]:
+    """Each (engine, threads, streams) at its median decode rate over the rounds, in first-seen order."""
+    runs: dict[tuple[str, int, int], list[float]] = {}
+    for row in (row for rows in rounds for row in rows):
+        runs.setdefault((row.engine, row.threads, row.streams), []).append(row.decode)
+    return [Row(*key, statistics.median(rates)) for key, rates in runs.items()]
+
+
+# Kettle's single stream against llama.cpp's, its 16 streams against CTranslate2's batch.
+COMPARED = ((1, "llama.cpp"), (16, "ctranslate2"))
+
+
+def print_ratios(rounds: list[list[Row]]) -> None:
+    """Per round, Kettle (default flags) over each compared peer at the same streams (fastest thread counts)."""
+    for streams, peer in COMPARED:
+        ratios = []
+        for rows in rounds:
+            best = {(r.engine, r.streams): r.decode for r in fastest(rows)}
+            if ("kettle", streams) in best and (peer, streams) in best:
+                ratios.append(best["kettle", streams] / best[peer, streams])
+        if ratios:
+            each = ", ".join(f"{r:.2f}" for r in ratios)
+            print(f"kettle / {LABELS[peer]} at {streams} stream(s): median {statistics.median(ratios):.2f}x ({each})")
+
+
 def print_table(rows: list[Row], max_new_tokens: int) -> None:
     baseline = next((r.decode for r in rows if r.engine == "transformers" and r.streams == 1), None)
     print(f"\nmodel: {bundled_model_path()}\nmax_new_tokens={max_new_tokens}, greedy, chat-templated prompts\n")
@@ -244,6 +274,7 @@ def main() -> None:
     parser.add_argument("--streams", default="1,16", help="concurrent streams (a batch for the peers)")
     parser.add_argument("--threads", default="1,2", help="thread counts tried per engine; the fastest is shown")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every engine this many times; medians")
     parser.add_argument("--worker", choices=list(PEER_PACKAGES), help=argparse.SUPPRESS)
     parser.add_argument("--worker-streams", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -253,17 +284,28 @@ def main() -> None:
     unknown = set(args.engines.split(",")) - set(ENGINES)
     if unknown:
         parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
-    streams, threads = [int(x) for x in args.streams.split(",")], [int(x) for x in args.threads.split(",")]
-    rows: list[Row] = []
-    for engine in args.engines.split(","):
-        if engine.startswith("kettle"):
-            flags = ["--quantize", engine.removeprefix("kettle-")] if engine != "kettle" else []
-            rows += kettle_rows(engine, flags, threads, streams, args.max_new_tokens)
-        elif importlib.util.find_spec(PEER_PACKAGES[engine]) is None:
+    engines = args.engines.split(",")
+    for engine in [e for e in engines if not e.startswith("kettle")]:
+        if importlib.util.find_spec(PEER_PACKAGES[engine]) is None:
             print(f"skipped {engine}: `{PEER_PACKAGES[engine]}` is not installed (`make bench-peers` installs it)")
-        else:
-            rows += peer_rows(engine, threads, streams, args.max_new_tokens)
-    print_table(fastest(rows), args.max_new_tokens)
+            engines.remove(engine)
+    rounds = []
+    for i in range(args.rounds):
+        print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
+        rounds.append([row for engine in engines[:: -1 if i % 2 else 1] for row in measure_engine(engine, args)])
+    print_table(fastest(medians(rounds)), args.max_new_tokens)
+    print()
+    print_ratios(rounds)
+
+
+def measure_engine(engine: str, args: argparse.Namespace) -> list[Row]:
+    """One engine's rows: Kettle through its server (with `--quantize` for the kettle-int4/int8 entries), a peer
+    through its workers."""
+    streams, threads = [int(x) for x in args.streams.split(",")], [int(x) for x in args.threads.split(",")]
+    if engine.startswith("kettle"):
+        flags = ["--quantize", engine.removeprefix("kettle-")] if engine != "kettle" else []
+        return kettle_rows(engine, flags, threads, streams, args.max_new_tokens)
+    return peer_rows(engine, threads, streams, args.max_new_tokens)
 
 
 if __name__ == "__main__":
