@@ -4,8 +4,8 @@ User-facing choices are command-line flags. What stays in the environment is wha
 machine (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off
 switches and knobs for debugging and measurement (Kettle's CPU kernels, the fused decode step, the float32 tiles
 and quantized activations of the int4/int8 kernels, the CUDA fused kernels, the attention backend, the CPU linear
-layout, the fallback's padding, adaptive prefill chunks, the shortest n-gram `--speculate` drafts from, the
-cost it weighs drafts against and the rows a step verifying drafts may feed). The first
+layout, the fallback's padding, adaptive prefill chunks, the router's CPU priority, the shortest n-gram
+`--speculate` drafts from, the cost it weighs drafts against and the rows a step verifying drafts may feed). The first
 `current()` reads them and logs them once; a test that changes the environment calls `reload()`.
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
@@ -31,6 +31,10 @@ DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 # A decode call's steps within this window reach the streams together: short enough to read as a steady stream,
 # long enough to share one round trip to the shard between several steps of a small batch (docs/performance.md).
 DEFAULT_DECODE_WINDOW_MS = 50.0
+# The router runs at a lower CPU priority than the shards (docs/performance.md, "The router yields the CPU"): on a
+# machine whose cores the shards' threads fill, its work then waits for a shard's idle moment instead of taking a
+# core from a running step, whose other threads would wait for it at the next barrier.
+DEFAULT_ROUTER_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Settings:
     adaptive_chunks: bool  # KETTLE_ADAPTIVE_CHUNKS=0: every prefill chunk may take the whole token budget
     overlap: bool  # KETTLE_OVERLAP=1: the shard computes the next decode step while the router handles the last
     decode_window_ms: float  # KETTLE_DECODE_WINDOW_MS: one decode call may run steps for this long (0: one step)
+    router_nice: int  # KETTLE_ROUTER_NICE: the router's niceness above the shards' (0: the same priority)
     speculate_min_ngram: int  # KETTLE_SPECULATE_MIN_NGRAM: shortest context match --speculate drafts from (1-8)
     speculate_row_cost: float  # KETTLE_SPECULATE_ROW_COST: a draft token's cost in decode steps (0: always draft)
     speculate_step_rows: int | None  # KETTLE_SPECULATE_STEP_ROWS: rows a step verifying drafts feeds (None: by device)
@@ -86,6 +91,7 @@ class Settings:
             adaptive_chunks=env.get("KETTLE_ADAPTIVE_CHUNKS", "1") != "0",
             overlap=env.get("KETTLE_OVERLAP", "0") == "1",
             decode_window_ms=_window(env.get("KETTLE_DECODE_WINDOW_MS")),
+            router_nice=_nice(env.get("KETTLE_ROUTER_NICE")),
             speculate_min_ngram=_min_ngram(env.get("KETTLE_SPECULATE_MIN_NGRAM")),
             speculate_row_cost=_row_cost(env.get("KETTLE_SPECULATE_ROW_COST")),
             speculate_step_rows=_step_rows(env.get("KETTLE_SPECULATE_STEP_ROWS")),
@@ -104,6 +110,14 @@ def _window(value: str | None) -> float:
     if milliseconds < 0:
         raise ValueError(f"KETTLE_DECODE_WINDOW_MS must be a number of milliseconds >= 0, got {value!r}")
     return milliseconds
+
+
+def _nice(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_ROUTER_NICE
+    if value not in {str(n) for n in range(20)}:
+        raise ValueError(f"KETTLE_ROUTER_NICE must be a whole number from 0 to 19, got {value!r}")
+    return int(value)
 
 
 def _group_size(value: str | None) -> int | None:

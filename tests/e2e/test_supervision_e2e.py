@@ -33,3 +33,15 @@ def test_a_killed_shard_stops_the_launcher_within_seconds(tiny_llama_path):
     gone = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not gone, f"orphans left: {[c.cmdline() for c in gone]}"
     assert not os.path.exists(f"{server.uds}-0"), "stale socket left behind"
+
+
+def test_the_router_runs_at_a_lower_cpu_priority_than_the_shards(tiny_server):
+    """The router yields the CPU to the shards (KETTLE_ROUTER_NICE, 10 by default): every one of its threads is
+    10 nicer than the launcher, the shard keeps the launcher's priority."""
+    launcher = psutil.Process(tiny_server.process.pid)
+    children = launcher.children(recursive=True)
+    (router,) = [c for c in children if " router " in " ".join(c.cmdline())]
+    (shard,) = [c for c in children if c.pid in _shard_pids(launcher.pid)]
+    assert shard.nice() == launcher.nice()
+    threads = [psutil.Process(t.id) for t in router.threads()]
+    assert len(threads) > 1 and all(t.nice() == launcher.nice() + 10 for t in threads)

@@ -20,7 +20,7 @@ def test_defaults_without_any_variable():
     assert not settings.cuda_weight_only and settings.cuda_graphs is None
     assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows is None and settings.cpu_integer_gemm
     assert (settings.speculate_min_ngram, settings.speculate_row_cost) == (2, 0.35)
-    assert settings.speculate_step_rows is None
+    assert settings.speculate_step_rows is None and settings.router_nice == 10
 
 
 def test_variables_are_parsed():
@@ -34,6 +34,7 @@ def test_variables_are_parsed():
     assert settings.distributed_timeout_s == 12.5 and settings.cuda_weight_only
     assert Settings.from_env({"KETTLE_DECODE_WINDOW_MS": "0"}).decode_window_ms == 0.0
     assert not Settings.from_env({"KETTLE_CPU_INTEGER_GEMM": "0"}).cpu_integer_gemm
+    assert Settings.from_env({"KETTLE_ROUTER_NICE": "0"}).router_nice == 0
 
 
 @pytest.mark.parametrize(
@@ -48,6 +49,8 @@ def test_variables_are_parsed():
         ("KETTLE_SPECULATE_ROW_COST", "cheap"),
         ("KETTLE_SPECULATE_STEP_ROWS", "0"),
         ("KETTLE_SPECULATE_STEP_ROWS", "many"),
+        ("KETTLE_ROUTER_NICE", "20"),
+        ("KETTLE_ROUTER_NICE", "-5"),
     ],
 )
 def test_a_bad_value_names_its_variable(name, value):
