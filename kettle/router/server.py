@@ -75,8 +75,9 @@ def yield_cpu(niceness: int) -> None:
 
     The shards' threads fill the cores while a step runs; the router's work (the next call, the streams' events)
     then took a core from a running step, and its partner threads waited at the step's next barrier: twice the
-    router's time lost. At a lower priority the router runs in the step's idle moments instead (docs/
-    performance.md): single stream 1.10-1.12x on 2 cores. Where a core is free it changes nothing."""
+    router's time lost. At a lower priority the router runs more in the step's idle moments instead (docs/
+    performance.md: a few percent at one stream on 2 cores, within that machine's noise at 16). Where a core is
+    free it changes nothing."""
     if niceness <= 0:
         return
     try:
