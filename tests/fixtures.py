@@ -137,6 +137,22 @@ def torch_threads(count: int) -> Iterator[None]:
 
 
 @contextmanager
+def kernel_switch(symbol: str, value: int) -> Iterator[None]:
+    """One of the kernels' measurement switches (a C int: `kettle_integer_lanes8`, `kettle_channel_one`) set to
+    `value` inside the block, its own value restored after."""
+    import ctypes
+
+    from kettle.kernels import build
+
+    switch = ctypes.c_int.in_dll(build.library(), symbol)
+    before, switch.value = switch.value, value
+    try:
+        yield
+    finally:
+        switch.value = before
+
+
+@contextmanager
 def vector_width(symbol: str, avx512: bool) -> Iterator[None]:
     """One of the kernels' vector-width choices (`kettle_gemm_avx512`, `kettle_attention_avx512`: -1 picks by the
     CPU) forced to AVX-512 or AVX2 inside the block; skips the test where AVX-512 is asked for and missing."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 
 import pytest
@@ -13,7 +12,7 @@ from kettle.kernels import build, ops
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q8 import Q8Linear
-from tests.fixtures import vector_width
+from tests.fixtures import kernel_switch, vector_width
 
 CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
@@ -108,15 +107,11 @@ def test_integer_panels_eight_lane_groups_are_the_sixteen_lane_sums(kind):
     sums and scales per lane, so the same bits (18 = 16 + 2 and 40 = 2 × 16 + 8 rows)."""
     torch.manual_seed(1)
     layer = LAYERS[kind](100, 192)
-    narrow = ctypes.c_int.in_dll(build.library(), "kettle_integer_lanes8")
     for rows in (18, 40):
         x = torch.randn(rows, 192)
         eight = layer(x)
-        narrow.value = 0
-        try:
+        with kernel_switch("kettle_integer_lanes8", 0):
             sixteen = layer(x)
-        finally:
-            narrow.value = 1
         assert torch.equal(eight, sixteen)
 
 
@@ -131,13 +126,9 @@ def test_one_row_channels_are_the_tiles_sums(kind, k):
     torch.manual_seed(k)
     layer = LAYERS[kind](100, k)
     x = torch.randn(1, k) * torch.linspace(0.1, 4.0, k)
-    one = ctypes.c_int.in_dll(build.library(), "kettle_channel_one")
     fast = layer(x)
-    one.value = 0
-    try:
+    with kernel_switch("kettle_channel_one", 0):
         tiles = layer(x)
-    finally:
-        one.value = 1
     assert relative(fast, tiles) < 2e-6
     assert relative(fast, F.linear(x, layer.dequantized(), layer.bias)) < 2e-4
 
