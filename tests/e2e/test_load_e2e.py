@@ -149,9 +149,16 @@ def test_load_mixed_requests_complete_and_leave_nothing_behind(load_server):
     gauges = _wait_idle(load_server.url)
     assert gauges["tgi_queue_size"] == 0 and gauges["tgi_batch_current_size"] == 0, gauges
     assert gauges["kettle_kv_blocks_free"] == gauges["kettle_kv_blocks_total"], gauges
-    after = _server_rss(load_server.process.pid)
+    # Memory: a round may raise the allocator's high-water mark (the largest batches it happened to form: 1-12% over
+    # the warm-up round here), but a leak grows again with every round; a second round stays where the first left
+    # it (0.6-2.2% more in four runs).
+    first = _server_rss(load_server.process.pid)
+    asyncio.run(_round(load_server.url, N_REQUESTS, seed=3))
+    _wait_idle(load_server.url)
+    second = _server_rss(load_server.process.pid)
     for role, rss in before.items():
-        assert after[role] <= rss * 1.10, (role, rss, after[role])
+        assert first[role] <= rss * 1.25, (role, rss, first[role])
+        assert second[role] <= first[role] * 1.08, (role, first[role], second[role])
     assert httpx.post(
         f"{load_server.url}/generate", json={"inputs": "tea", "parameters": {"max_new_tokens": 2}}
     ).is_success
