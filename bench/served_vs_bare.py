@@ -51,10 +51,10 @@ def bare_decode(model, prompt_tokens: int, steps: int) -> float:
         return steps / (time.perf_counter() - start)
 
 
-def stream_decode_rate(result) -> float:
+def stream_decode_rate(results) -> float:
     """Tokens after each stream's first over the sum of the streams' first-to-last-token spans."""
-    decoded = sum(len(s.arrivals) - 1 for s in result.streams)
-    return decoded / sum(s.arrivals[-1] - s.arrivals[0] for s in result.streams)
+    streams = [s for result in results for s in result.streams]
+    return sum(len(s.arrivals) - 1 for s in streams) / sum(s.arrivals[-1] - s.arrivals[0] for s in streams)
 
 
 def main() -> None:
@@ -74,7 +74,9 @@ def main() -> None:
         asyncio.run(run_load(server.url, prompts[:1], 1, 16))  # warm-up: the first request's one-off costs
         bare_decode(model, prompt_tokens, 16)
         for r in range(args.rounds):
-            served = stream_decode_rate(asyncio.run(run_load(server.url, prompts, 1, args.max_new_tokens)))
+            # One prompt after another: a single stream at a time (run_load with one stream takes the first only).
+            loads = [asyncio.run(run_load(server.url, [prompt], 1, args.max_new_tokens)) for prompt in prompts]
+            served = stream_decode_rate(loads)
             bare = bare_decode(model, prompt_tokens, args.max_new_tokens)
             ratios.append(served / bare)
             print(f"round {r + 1}: served {served:.1f} tok/s, bare {bare:.1f}, ratio {ratios[-1]:.2f}", flush=True)
