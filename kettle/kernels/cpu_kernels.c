@@ -231,15 +231,7 @@ int kettle_paged_decode(
     const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window,
                            scale, 0.0f, kv_dtype, parts, partials};
 #pragma omp parallel num_threads(threads)
-    {
-        float *own = scores + omp_get_thread_num() * scores_size;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < seqs * kv_heads * parts; item++) attend_item(&p, q, item, own, out);
-        if (parts > 1) {
-#pragma omp for schedule(static)
-            for (int64_t head = 0; head < seqs * heads; head++) combine_parts(&p, head, out);
-        }
-    }
+    paged_attention(&p, q, seqs, scores + omp_get_thread_num() * scores_size, out);
     free(scores), free(partials);
     return 0;
 }

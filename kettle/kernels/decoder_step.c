@@ -344,16 +344,6 @@ static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear 
     }
 }
 
-static void attention(const Decoder *m, Scratch *s, const PagedDecode *p, float *scores, int64_t rows) {
-    const int64_t parts = p->parts > 1 ? p->parts : 1;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < rows * m->kv_heads * parts; item++) attend_item(p, s->q, item, scores, s->attn);
-    if (parts > 1) {
-#pragma omp for schedule(static)
-        for (int64_t head = 0; head < rows * m->heads; head++) combine_parts(p, head, s->attn);
-    }
-}
-
 /* The MLP over x → s->mlp: up (gate_up or fc), the activation, down; with the layer's LoRA deltas when given. */
 static void dense_mlp(const Decoder *m, const Layer *l, const Linear *up, const Linear *down, Scratch *s,
                       const float *x, int64_t rows, float *y, float *buffer, const Lora *lora_up, const Lora *lora_down) {
@@ -426,7 +416,7 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cach
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
     lora_delta(s, lora_of(s, index, LORA_QKV), s->x, m->hidden, rows, s->qkv, l->qkv.n);
     rope_and_store(m, l, s, cos, sin, slots, k_cache, v_cache, rows);
-    attention(m, s, &p, scores, rows);
+    paged_attention(&p, s->q, rows, scores, s->attn);
     quantize_for(m, s->attn, heads, &l->o, &s->xq, rows);
     linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
     lora_delta(s, lora_of(s, index, LORA_O), s->attn, heads, rows, s->out, l->o.n);

@@ -691,7 +691,7 @@ typedef struct {
     float scale;
     float softcap; /* > 0: scores → softcap · tanh(scores / softcap) after scaling (Gemma 2); 0: none */
     int kv_dtype; /* KV_F32 (0, what an initializer that leaves it out gets), KV_F16 or KV_BF16 */
-    /* Each context cut into `parts` pieces (`context_parts`; 0 or 1: whole); then `partials` holds a record of
+    /* Each context cut into `parts` pieces (`context_parts`, at least 1; 1: whole); then `partials` holds a record of
      * dim + 2 floats per (sequence, query head, piece): the piece's unnormalized output, softmax maximum and sum. */
     int64_t parts;
     float *partials;
@@ -782,7 +782,7 @@ static inline __attribute__((always_inline)) void attend_dim(
     const PagedDecode *p, const float *q, int64_t s, int64_t h, int64_t part, float *scores, float *out,
     const int64_t dim, const int dtype
 ) {
-    const int64_t group = p->heads / p->kv_heads, bs = p->block_size, parts = p->parts > 1 ? p->parts : 1;
+    const int64_t group = p->heads / p->kv_heads, bs = p->block_size, parts = p->parts;
     int64_t len = p->positions[s] + 1, first = p->window > 0 && len > p->window ? len - p->window : 0;
     /* Cut: this item attends piece `part` of [first, len) and leaves, per query head, its unnormalized output,
      * maximum and sum in a record of the partials, (sequence, head, part) → dim + 2 floats. */
@@ -855,7 +855,7 @@ static inline __attribute__((always_inline)) void attend_dim(
 /* Work item `item` of a call: (sequence, KV head, piece of the context) → out [S, H, D], or the partials when the
  * contexts are cut (then `combine_parts` finishes each query head). */
 static inline void attend_item(const PagedDecode *p, const float *q, int64_t item, float *scores, float *out) {
-    const int64_t parts = p->parts > 1 ? p->parts : 1, part = item % parts, s = item / parts / p->kv_heads;
+    const int64_t parts = p->parts, part = item % parts, s = item / parts / p->kv_heads;
     const int64_t h = item / parts % p->kv_heads;
     if (p->dim == 64) ATTEND_TYPED(64)
     else if (p->dim == 128) ATTEND_TYPED(128)
@@ -881,6 +881,18 @@ static inline void combine_parts(const PagedDecode *p, int64_t head, float *out)
     }
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < dim; d++) dst[d] *= inv;
+}
+
+/* A whole decode attention call over `seqs` sequences, run by the calling team (orphaned `omp for`s): every item
+ * (sequence, KV head, piece) with this thread's `scores`, then, when the contexts are cut, each query head's
+ * pieces combined into out. */
+static inline void paged_attention(const PagedDecode *p, const float *q, int64_t seqs, float *scores, float *out) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < seqs * p->kv_heads * p->parts; item++) attend_item(p, q, item, scores, out);
+    if (p->parts > 1) {
+#pragma omp for schedule(static)
+        for (int64_t head = 0; head < seqs * p->heads; head++) combine_parts(p, head, out);
+    }
 }
 
 #endif
