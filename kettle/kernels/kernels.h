@@ -188,14 +188,18 @@ static inline __m256 block_dot(__m256i w_lo, __m256i w_hi, const int16_t *x) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
 }
 
+/* acc + minimum_g · (Σ x over group g) lane by lane over the whole vectors of 8 groups (the rest, groups / 8 · 8
+ * on, is the caller's). */
+static inline __m256 minimum_lanes(const uint16_t *mins, const float *sums, int64_t groups, __m256 acc) {
+    for (int64_t g = 0; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g))), _mm256_loadu_ps(sums + g), acc);
+    return acc;
+}
+
 /* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step. */
 static inline float minimum_term(const uint16_t *mins, const float *sums, int64_t groups) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g))), _mm256_loadu_ps(sums + g), acc);
-    float total = hsum(acc);
-    for (; g < groups; g++) total += _cvtsh_ss(mins[g]) * sums[g];
+    float total = hsum(minimum_lanes(mins, sums, groups, _mm256_setzero_ps()));
+    for (int64_t g = groups / 8 * 8; g < groups; g++) total += _cvtsh_ss(mins[g]) * sums[g];
     return total;
 }
 
@@ -262,12 +266,9 @@ static inline float q4_channel_one(const QuantizedRows *xq, int64_t k, int group
     const int64_t blocks = k / 32, groups = k / group;
     float combined[blocks];
     combined_scales(xq, blocks, group / 32, scales, combined);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8)
-        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g))), _mm256_loadu_ps(xq->sum + g), acc0);
+    __m256 acc0 = minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps()), acc1 = _mm256_setzero_ps();
     float tail = 0.0f;
-    for (; g < groups; g++) tail += _cvtsh_ss(mins[g]) * xq->sum[g];
+    for (int64_t g = groups / 8 * 8; g < groups; g++) tail += _cvtsh_ss(mins[g]) * xq->sum[g];
     const __m256i mask = _mm256_set1_epi16(0x0F);
     for (int64_t c = 0; c < k / 64; c++) {
         const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qw + c * 32)));
