@@ -22,33 +22,22 @@ import statistics
 import time
 
 import torch
+from model_decode import kettle_decode
 
 from kettle.bench.loadgen import chat_prompts, run_load
 from kettle.bench.process import KettleServer
 from kettle.hub import resolve_model
-from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
-from kettle.shard.dtype import choose_kv_dtype
-from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 
 def bare_decode(model, prompt_tokens: int, steps: int) -> float:
-    """tok/s of `steps` greedy one-sequence decode steps after a `prompt_tokens` prompt, on a fresh cache."""
-    spec = model.spec
-    blocks = -(-(prompt_tokens + steps + 1) // BLOCK_SIZE)
-    kv_dtype = choose_kv_dtype(None, spec.dtype, torch.device("cpu"))
-    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, kv_dtype, "cpu")
-    table = [list(range(blocks))]
-    with torch.inference_mode():
-        meta = AttentionMetadata.build([prompt_tokens], [0], table, BLOCK_SIZE, "cpu")
-        prompt = torch.randint(0, spec.vocab_size, (prompt_tokens,))
-        token = model.compute_logits(model.forward(prompt, meta.positions, cache, meta)[meta.last_token_indices])
-        token = token.argmax(-1)
-        start = time.perf_counter()
-        for length in range(prompt_tokens, prompt_tokens + steps):
-            meta = AttentionMetadata.build([1], [length], table, BLOCK_SIZE, "cpu")
-            token = model.compute_logits(model.forward(token, meta.positions, cache, meta)).argmax(-1)
-        return steps / (time.perf_counter() - start)
+    """tok/s of `steps` greedy one-sequence decode steps after a `prompt_tokens` prompt, on a fresh cache (in the
+    shard's default KV dtype), as bench/model_decode.py runs them."""
+    step = kettle_decode(model, 1, prompt_tokens, steps)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps / (time.perf_counter() - start)
 
 
 def stream_decode_rate(results) -> float:
