@@ -66,6 +66,8 @@ SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_rows", "kettle_q8_linear_rows")
 RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q8g_linear")
 RETURNS_STATUS += ("kettle_paged_prefill",)
+# scores, rows, vocab, ld, ids, logprobs, threads
+SIGNATURES["kettle_greedy"] = [_ptr, _int, _int, _int, _ptr, _ptr, ctypes.c_int]
 SIGNATURES["kettle_integer_gemm_supported"] = []
 RETURNS_STATUS += ("kettle_integer_gemm_supported",)  # 1 or 0, not a status
 

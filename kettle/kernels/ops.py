@@ -339,3 +339,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def greedy_fits(scores: torch.Tensor) -> bool:
+    """Whether `greedy` takes these scores: float32 [B, V] on the CPU with contiguous rows, kernels on."""
+    return scores.dim() == 2 and scores.stride(1) == 1 and fits(scores)
+
+
+def greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scores [B, V] float32 (rows contiguous): each row's first maximum (as `argmax` picks it) [B] int64 and
+    its log-softmax value [B] float32, without the [B, V] log-softmax."""
+    rows, vocab = scores.shape
+    ids = torch.empty(rows, dtype=torch.long)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    library().kettle_greedy(
+        scores.data_ptr(), rows, vocab, scores.stride(0), ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads()
+    )
+    return ids, logprobs

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kettle.kernels import ops
 from kettle.proto import generate_pb2
 from kettle.shard.logits_process import (
     NEG_INF,
@@ -77,8 +78,16 @@ class SampleOutput:
     """One step's choice for every row of the batch."""
 
     next_ids: Tensor  # [B] long
-    logprobs: Tensor  # [B, V] float32: log-softmax of the processed scores
     chosen_logprobs: Tensor  # [B] float32: logprobs at next_ids
+    scores: Tensor  # [B, V] float32: the processed scores
+    _logprobs: Tensor | None = None
+
+    @property
+    def logprobs(self) -> Tensor:
+        """[B, V] float32: the log-softmax of the scores, computed on first use (only top tokens need it)."""
+        if self._logprobs is None:
+            self._logprobs = torch.log_softmax(self.scores, dim=-1)
+        return self._logprobs
 
 
 class BatchSampler:
@@ -140,10 +149,14 @@ class BatchSampler:
         if self.needs_history and (history is None or history_lens is None):
             raise ValueError("this batch has repetition or frequency penalties: pass the token history")
         scores = self._process(logits, StepInputs(last_token_ids, history, history_lens), token_mask)
+        if self._sample_rows.count == 0 and ops.greedy_fits(scores):
+            # All greedy on the CPU: the ids and their logprobs in one pass, no [B, V] log-softmax.
+            next_ids, chosen = ops.greedy(scores)
+            return SampleOutput(next_ids, chosen, scores)
         logprobs = torch.log_softmax(scores, dim=-1)
         next_ids = self._choose(scores, logprobs)
         chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
-        return SampleOutput(next_ids=next_ids, logprobs=logprobs, chosen_logprobs=chosen)
+        return SampleOutput(next_ids, chosen, scores, logprobs)
 
     def scores(self, logits: Tensor) -> Tensor:
         """The processed scores alone, for rows whose processors read no history, previous token or mask

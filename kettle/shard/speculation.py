@@ -138,6 +138,8 @@ def verify(scores: Tensor, draft: Tensor, generator: torch.Generator | None) -> 
     """One request: `scores` [k+1, V] processed scores at its last token and at each draft token, `draft` [k].
     Greedy when `generator` is None. See the module docstring; the result is laid out as `verify_drafts` says."""
     k = draft.numel()
+    if generator is None and ops.greedy_fits(scores):
+        return _verify_greedy(scores, draft)
     logprobs = torch.log_softmax(scores, dim=-1)
     draft_logprobs = logprobs[torch.arange(k, device=scores.device), draft]
     if generator is None:
@@ -151,6 +153,17 @@ def verify(scores: Tensor, draft: Tensor, generator: torch.Generator | None) -> 
         token = inverse_cdf(_residual(logprobs[accepted].exp(), draft, accepted).unsqueeze(0), uniforms[k:])[0]
     chosen = logprobs[accepted, token]
     return torch.cat([torch.stack([accepted.double(), token.double(), chosen.double()]), draft_logprobs.double()])
+
+
+def _verify_greedy(scores: Tensor, draft: Tensor) -> Tensor:
+    """`verify` of a greedy request through the CPU's greedy kernel, the choice and logprob of a plain greedy
+    step bit for bit. In place of the drafts' logprobs it lays out each row's choice's: the same value wherever
+    the draft was accepted (the draft is the choice), and the rejected ones are never read."""
+    k = draft.numel()
+    choice, logprobs = ops.greedy(scores)
+    accepted = (choice[:k] == draft).long().cumprod(0).sum()
+    head = torch.stack([accepted.double(), choice[accepted].double(), logprobs[accepted].double()])
+    return torch.cat([head, logprobs[:k].double()])
 
 
 def _residual(probs: Tensor, draft: Tensor, accepted: Tensor) -> Tensor:

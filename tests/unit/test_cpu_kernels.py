@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -143,3 +144,31 @@ def test_q4_dequantize_matches_the_unpacked_weight(monkeypatch):
     fast = layer.dequantized()
     monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path
     assert torch.allclose(fast, layer.dequantized(), rtol=1e-6, atol=1e-7)  # fma vs mul + add: last bit
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (5, 1000), (3, 37), (2, 7)])
+def test_greedy_is_argmax_and_its_log_softmax(rows, vocab):
+    """Vocabularies of whole 32-float steps, 8-float steps and a tail, and shorter than one vector."""
+    scores = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 5
+    ids, logprobs = ops.greedy(scores)
+    assert torch.equal(ids, scores.argmax(dim=-1))
+    exact = torch.log_softmax(scores.double(), dim=-1).gather(1, ids[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=5e-6)
+
+
+def test_greedy_takes_the_first_of_tied_maxima_and_ignores_minus_infinity():
+    scores = torch.full((3, 100), -math.inf)
+    scores[0, [7, 50, 99]] = 1.0  # tied in different vector lanes
+    scores[1, [3, 11]] = 0.0  # tied in the same lane
+    scores[2, 98] = 2.0  # only in the scalar tail
+    ids, logprobs = ops.greedy(scores)
+    assert ids.tolist() == [7, 3, 98]
+    torch.testing.assert_close(logprobs, torch.tensor([-math.log(3), -math.log(2), 0.0]))
+
+
+def test_greedy_reads_rows_of_a_padded_vocabulary():
+    padded = torch.randn(4, 70)
+    padded[:, 64:] = 100.0  # past the vocabulary: never read
+    ids, logprobs = ops.greedy(padded[:, :64])
+    assert torch.equal(ids, padded[:, :64].argmax(dim=-1))
+    torch.testing.assert_close(logprobs, torch.log_softmax(padded[:, :64], dim=-1).max(dim=-1).values)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
@@ -139,3 +140,21 @@ def test_top_tokens_nothing_asked():
 def as_float32(value: float) -> float:
     """The float32 value as it comes back from the tensor."""
     return torch.tensor(value, dtype=torch.float32).item()
+
+
+def test_greedy_batches_take_the_kernel_and_match_the_pytorch_path(monkeypatch):
+    """An all-greedy batch on the CPU chooses through `ops.greedy` (no [B, V] log-softmax until top tokens ask
+    for it); ids and chosen logprobs are the PyTorch path's."""
+    from kettle.kernels import ops
+
+    if not ops.available():
+        pytest.skip("the CPU kernels do not build here")
+    logits = random_logits(3, 5)
+    sampler = BatchSampler([GREEDY] * 3, generators([0] * 3), VOCAB, "cpu")
+    fast = sampler(logits.clone(), None, None, torch.zeros(3))
+    assert fast._logprobs is None
+    monkeypatch.setattr(ops, "greedy_fits", lambda scores: False)
+    slow = sampler(logits.clone(), None, None, torch.zeros(3))
+    assert torch.equal(fast.next_ids, slow.next_ids)
+    torch.testing.assert_close(fast.chosen_logprobs, slow.chosen_logprobs)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs)
