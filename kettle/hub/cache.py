@@ -4,16 +4,24 @@ A converted model lives in `$KETTLE_CACHE/models/<stem>-<key>/` (default `~/.cac
 hashes the source's path, size and modification time, so an edited source gets a fresh folder. The folder
 is built under a temporary name beside its final place and renamed when complete: a crash or Ctrl-C never
 leaves a half-written folder that a later start would mistake for a finished one.
+
+A folder's key can never match again once its source is deleted, moved or rewritten (a new virtual environment
+holds the bundled GGUF at a new path; a re-downloaded file has a new modification time), so such folders are
+garbage, up to a float32 copy of the weights each. Every build records its sources (`kettle-source.json`) and
+first removes the folders beside it whose sources are gone or changed, and those whose links all dangle (folders
+from before the record: a GGUF folder links to its file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kettle import settings
@@ -21,6 +29,7 @@ from kettle import settings
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"
+SOURCES_FILE = "kettle-source.json"  # in a converted folder: the absolute paths of the files it was built from
 
 
 def cache_root() -> Path:
@@ -42,16 +51,21 @@ def converted_dir(stem: str, key: str) -> Path:
     return cache_root() / "models" / f"{stem}-{key}"
 
 
-def build_once(target: Path, build: Callable[[Path], None], what: str) -> Path:
+def build_once(target: Path, build: Callable[[Path], None], what: str, sources: Sequence[Path] = ()) -> Path:
     """Returns `target`, first running `build(temp_dir)` and renaming the result into place if it is missing.
+    `sources`: the files `target`'s key was computed from (`source_key`), recorded so that a later build can
+    tell when they are gone.
 
     Two processes converting the same source at once both build; the first rename wins and the other's
     copy is discarded, so no lock file is needed.
     """
     if target.is_dir():
+        if sources and not (target / SOURCES_FILE).exists():
+            _record_sources(target, sources)  # built before folders kept the record
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(target.parent)
+    _remove_stale(target.parent)
     temp = target.parent / f"{TEMP_PREFIX}{target.name}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     log.info("Converting %s into %s (one time; later starts reuse it)", what, target)
@@ -59,6 +73,8 @@ def build_once(target: Path, build: Callable[[Path], None], what: str) -> Path:
     try:
         temp.mkdir()
         build(temp)
+        if sources:
+            _record_sources(temp, sources)
         _publish(temp, target)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
@@ -72,6 +88,41 @@ def _remove_abandoned(folder: Path) -> None:
         pid = temp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _process_exists(int(pid)):
             shutil.rmtree(temp, ignore_errors=True)
+
+
+def _record_sources(folder: Path, sources: Sequence[Path]) -> None:
+    # Written beside and renamed into place: a reader never sees half a record.
+    partial = folder / f"{TEMP_PREFIX}{SOURCES_FILE}-{os.getpid()}"
+    try:
+        partial.write_text(json.dumps([str(source.resolve()) for source in sources]))
+        os.replace(partial, folder / SOURCES_FILE)
+    except OSError as error:  # a read-only cache still serves; its folders just stay
+        log.debug("Could not record the sources of %s: %s", folder, error)
+        with contextlib.suppress(OSError):
+            partial.unlink()
+
+
+def _remove_stale(folder: Path) -> None:
+    """Deletes the converted folders in `folder` that no source can reach again (see the module docstring)."""
+    for converted in folder.iterdir():
+        if converted.name.startswith(TEMP_PREFIX) or not converted.is_dir() or not _stale(converted):
+            continue
+        log.info("Removing %s: the file it was converted from is gone or has changed", converted)
+        shutil.rmtree(converted, ignore_errors=True)
+
+
+def _stale(converted: Path) -> bool:
+    record = converted / SOURCES_FILE
+    if record.is_file():
+        try:
+            sources = [Path(path) for path in json.loads(record.read_text())]
+        except (OSError, ValueError, TypeError):
+            return False  # unreadable: leave it rather than guess
+        if not all(source.is_file() for source in sources):
+            return True
+        return not converted.name.endswith(f"-{source_key(*sources)}")
+    links = [path for path in converted.iterdir() if path.is_symlink()]
+    return bool(links) and not any(link.exists() for link in links)
 
 
 def _process_exists(pid: int) -> bool:

@@ -137,9 +137,9 @@ def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
     key = source_key(gguf)
     if reads_natively(gguf):
         target = converted_dir(f"{gguf.stem}-gguf", key)
-        return build_once(target, lambda out: prepare_gguf(gguf, out, trust_remote_code), what=gguf.name)
+        return build_once(target, lambda out: prepare_gguf(gguf, out, trust_remote_code), gguf.name, [gguf])
     target = converted_dir(gguf.stem, key)
-    return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), what=gguf.name)
+    return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), gguf.name, [gguf])
 
 
 def float_folder(folder: Path) -> Path:
@@ -152,7 +152,7 @@ def float_folder(folder: Path) -> Path:
         return Path(folder)
     gguf = link.resolve()
     target = converted_dir(gguf.stem, source_key(gguf))
-    return build_once(target, lambda out: convert_gguf(gguf, out), what=f"{gguf.name} (float32, for transformers)")
+    return build_once(target, lambda out: convert_gguf(gguf, out), f"{gguf.name} (float32, for transformers)", [gguf])
 
 
 def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
@@ -171,7 +171,7 @@ def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
     if not weights:
         raise ModelNotFound(f"Model folder {folder} has no weights (no .safetensors, .bin, .pt or .pth file)")
     target = converted_dir(folder.name, source_key(*weights))
-    return build_once(target, lambda out: convert_pickled_folder(folder, out), what=f"{folder} (PyTorch weights)")
+    return build_once(target, lambda out: convert_pickled_folder(folder, out), f"{folder} (PyTorch weights)", weights)
 
 
 def _looks_like_path(model_id: str) -> bool:

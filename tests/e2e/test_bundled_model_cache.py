@@ -36,6 +36,14 @@ def test_no_float_weight_copy_is_written(bundled):
     assert (bundled.path / "model.gguf").resolve() == bundled_gguf().resolve()
 
 
+def test_the_folder_records_the_file_it_was_prepared_from(bundled):
+    """So that a later preparation can remove it once that file is gone (a deleted virtual environment)."""
+    from kettle.hub.cache import SOURCES_FILE
+    from kettle.hub.resolve import bundled_gguf
+
+    assert json.loads((bundled.path / SOURCES_FILE).read_text()) == [str(bundled_gguf().resolve())]
+
+
 def test_chat_template_and_special_tokens_survive(bundled):
     tokenizer_config = json.loads((bundled.path / "tokenizer_config.json").read_text())
     assert tokenizer_config["bos_token"] == "<|im_start|>"

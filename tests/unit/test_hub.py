@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from kettle.hub import ModelNotFound, resolve_model
-from kettle.hub.cache import build_once
+from kettle.hub.cache import SOURCES_FILE, build_once, converted_dir, source_key
 from kettle.hub.torch_weights import safetensors_name
 
 
@@ -91,6 +93,49 @@ def test_a_build_finished_by_another_process_is_reused(kettle_cache):
     assert build_once(target, build, what="raced") == target
     assert (target / "theirs").exists()
     assert [path.name for path in (kettle_cache / "models").iterdir()] == ["raced-123"]
+
+
+def convert(source: Path) -> Path:
+    """A stand-in conversion of `source`, keyed and recorded as the resolver's are."""
+    target = converted_dir(source.stem, source_key(source))
+    return build_once(target, lambda out: (out / "weights").write_text(source.read_text()), source.name, [source])
+
+
+def test_conversions_whose_source_is_gone_or_changed_are_removed_by_the_next_build(kettle_cache, tmp_path):
+    kept, deleted, edited = (tmp_path / f"{name}.gguf" for name in ("kept", "deleted", "edited"))
+    for source in (kept, deleted, edited):
+        source.write_text(source.name)
+    folders = {source.stem: convert(source) for source in (kept, deleted, edited)}
+    deleted.unlink()
+    edited.write_text("rewritten, longer contents")  # a new size and modification time: a new key
+    fresh = convert(edited)
+    assert fresh != folders["edited"]
+    remaining = sorted(path.name for path in (kettle_cache / "models").iterdir())
+    assert remaining == sorted([folders["kept"].name, fresh.name])
+
+
+def test_a_folder_built_before_the_record_gets_it_when_next_used(kettle_cache, tmp_path):
+    source = tmp_path / "model.gguf"
+    source.write_text("weights")
+    target = converted_dir(source.stem, source_key(source))
+    build_once(target, lambda out: (out / "weights").write_text("x"), source.name)  # as an older version did
+    assert not (target / SOURCES_FILE).exists()
+    assert convert(source) == target
+    assert json.loads((target / SOURCES_FILE).read_text()) == [str(source.resolve())]
+
+
+def test_folders_from_before_the_record_go_only_when_their_links_dangle(kettle_cache, tmp_path):
+    models = kettle_cache / "models"
+    gone, alive, unknown = models / "gone-gguf-111", models / "alive-gguf-222", models / "converted-333"
+    for folder in (gone, alive, unknown):
+        folder.mkdir(parents=True)
+    (gone / "model.gguf").symlink_to(tmp_path / "deleted.gguf")
+    source = tmp_path / "alive.gguf"
+    source.write_text("weights")
+    (alive / "model.gguf").symlink_to(source)
+    (unknown / "model.safetensors").write_text("no record, no link: nothing tells whether it is stale")
+    convert(source)
+    assert not gone.exists() and alive.exists() and unknown.exists()
 
 
 @pytest.mark.parametrize("missing", ["./no/such/folder", "/no/such/model.gguf", "~/nothing-here"])
