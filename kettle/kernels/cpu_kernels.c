@@ -16,6 +16,7 @@
 
 int kettle_context_parts = MAX_PARTS;
 int kettle_channel_one = 1;
+int kettle_channel_avx512 = -1;
 
 /* y[M, N] = x[M, K] · Wᵀ (+ bias) for a Q4 weight; rows of x and y are ldx / ldy floats apart. */
 void kettle_q4_linear(

@@ -329,6 +329,68 @@ static inline float q8g_channel_one(const QuantizedRows *xq, int64_t k, const in
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
+/* ---- the one-row channels in 512-bit vectors (AVX-512 VNNI): a block of 32 inputs is one vector of int16 pairs,
+ * summed by one vpdpwssd where AVX2 takes two vpmaddwd and an add. The block sums are the same integers; only the
+ * float accumulation runs over 16 lanes instead of 8. */
+
+#define ONE512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+/* AVX-512 for the one-row channels: -1 where the CPU has it (`one_row_avx512`), 0 or 1 to force (tests, measurement). */
+extern int kettle_channel_avx512;
+
+static inline ONE512 __m512 block_dot512(__m512i w, const int16_t *x) {
+    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x)));
+}
+
+/* `q4_channel_one` in 512-bit vectors: each 32 bytes of the channel widened once, their low nibbles one block and
+ * their high nibbles the next. */
+static ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
+                                      const uint16_t *scales, const uint16_t *mins) {
+    const int64_t blocks = k / 32, groups = k / group;
+    float combined[blocks];
+    combined_scales(xq, blocks, group / 32, scales, combined);
+    const __m256 minimums = minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps());
+    float tail = 0.0f;
+    for (int64_t g = groups / 8 * 8; g < groups; g++) tail += _cvtsh_ss(mins[g]) * xq->sum[g];
+    const __m512i mask = _mm512_set1_epi16(0x0F);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k / 64; c++) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + c * 32)));
+        const __m512 first = block_dot512(_mm512_and_si512(bytes, mask), xq->q + c * 64);
+        const __m512 second = block_dot512(_mm512_srli_epi16(bytes, 4), xq->q + c * 64 + 32);
+        acc0 = _mm512_fmadd_ps(first, _mm512_set1_ps(combined[2 * c]), acc0);
+        acc1 = _mm512_fmadd_ps(second, _mm512_set1_ps(combined[2 * c + 1]), acc1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + hsum(minimums) + tail;
+}
+
+/* acc + block b of a Q8_0 channel's products with the row, in one 512-bit vector. */
+static inline ONE512 __m512 q8g_block512(const QuantizedRows *xq, const int8_t *qw, const float *combined, int64_t b,
+                                         __m512 acc) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 32)));
+    return _mm512_fmadd_ps(block_dot512(w, xq->q + b * 32), _mm512_set1_ps(combined[b]), acc);
+}
+
+/* `q8g_channel_one` in 512-bit vectors: one block of 32 int8 weights widened to one vector. */
+static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const int8_t *qw, const uint16_t *scales) {
+    const int64_t blocks = k / 32;
+    float combined[blocks];
+    combined_scales(xq, blocks, 1, scales, combined);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two chains: the FMAs do not wait on each other */
+    for (int64_t b = 0; b < blocks; b += 2) {
+        even = q8g_block512(xq, qw, combined, b, even);
+        if (b + 1 < blocks) odd = q8g_block512(xq, qw, combined, b + 1, odd);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+
+/* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer (a few loads
+ * of libgcc's CPU model, cheap beside a channel). */
+static inline int one_row_avx512(void) {
+    if (kettle_channel_avx512 >= 0) return kettle_channel_avx512;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
 /* Output channel j of `w` for every row quantized in xq: y[m, j] (rows of y ldy floats apart), with the
  * channel's bias and, for int8, its scale. */
 static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j, float *y,
@@ -342,7 +404,7 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
         const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
         const uint16_t *row_s = (const uint16_t *)w->scales + j * groups, *row_m = w->mins + j * groups;
         if (rows == 1 && kettle_channel_one) {
-            y[j] = q4_channel_one(xq, k, group, row_q, row_s, row_m) + b;
+            y[j] = (one_row_avx512() ? q4_channel_one512 : q4_channel_one)(xq, k, group, row_q, row_s, row_m) + b;
             return;
         }
 #define ROW(t) q4_row_qa(xq, m0, t, k, group, row_q, row_s, row_m, out)
@@ -354,7 +416,7 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
         const int8_t *row_q = (const int8_t *)w->weight + j * k;
         const uint16_t *row_s = (const uint16_t *)w->scales + j * (k / 32);
         if (rows == 1 && kettle_channel_one) {
-            y[j] = q8g_channel_one(xq, k, row_q, row_s) + b;
+            y[j] = (one_row_avx512() ? q8g_channel_one512 : q8g_channel_one)(xq, k, row_q, row_s) + b;
             return;
         }
 #define ROW(t) q8_row_qa(xq, m0, t, k, row_q, row_s, out)

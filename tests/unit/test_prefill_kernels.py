@@ -119,14 +119,19 @@ def test_integer_panels_eight_lane_groups_are_the_sixteen_lane_sums(kind):
 @pytest.mark.parametrize(
     ("kind", "k"), [("q4-group32", 192), ("q4-group32", 576), ("q4-group64", 576), ("q8_0", 192), ("q8_0", 608)]
 )
-def test_one_row_channels_are_the_tiles_sums(kind, k):
+@pytest.mark.parametrize("avx512", [False, True], ids=["avx2", "avx512"])
+def test_one_row_channels_are_the_tiles_sums(kind, k, avx512):
     """One row of decode runs `q4_channel_one` / `q8g_channel_one` (scales combined before the loop, the minimums'
-    term in the same vector): the same integer block products and scales as the tiles' kernel, summed in another
-    order, so equal to float32 rounding; and both within the int16 activations' bound of the dequantized weight."""
+    term in the same vector; in 256- or 512-bit vectors): the same integer block products and scales as the tiles'
+    kernel, summed in another order, so equal to float32 rounding; and both within the int16 activations' bound
+    of the dequantized weight."""
+    if avx512 and not {"avx512bw", "avx512_vnni"} <= build._cpu_flags():
+        pytest.skip("no AVX-512 VNNI here")
     torch.manual_seed(k)
     layer = LAYERS[kind](100, k)
     x = torch.randn(1, k) * torch.linspace(0.1, 4.0, k)
-    fast = layer(x)
+    with vector_width("kettle_channel_avx512", avx512):
+        fast = layer(x)
     with kernel_switch("kettle_channel_one", 0):
         tiles = layer(x)
     assert relative(fast, tiles) < 2e-6
