@@ -253,8 +253,8 @@ void kettle_cache_write(
 }
 
 /* ---- greedy choice: each row's first maximum and its log-softmax value, in two passes over the row, with no
- * [rows, vocab] log-softmax written (PyTorch's log_softmax, argmax and gather took ~150 µs a row of 49,152 here,
- * 3% of a single stream's step). */
+ * [rows, vocab] log-softmax written (PyTorch's log_softmax, argmax and gather took 75 µs for one row of 49,152
+ * scores here and 580 µs for 16; this takes 25 and 188). */
 
 /* The first index of row's maximum (NaN scores are never chosen). */
 static inline int64_t first_maximum(const float *row, int64_t n) {
