@@ -135,11 +135,20 @@ def ct2_model(model_path: str) -> Path:
     from ctranslate2.converters import TransformersConverter
 
     from kettle.hub.cache import build_once, cache_root
+    from kettle.hub.gguf import GGUF_LINK
     from kettle.hub.resolve import float_folder
 
+    # A GGUF folder's name ends with its file's key, so the conversion records that file: once it is gone (a
+    # deleted virtual environment's bundled model), the next conversion here removes this one.
+    link = Path(model_path) / GGUF_LINK
+    sources = [link.resolve()] if link.exists() else []
     target = cache_root() / "peers" / f"ct2-int8-{Path(model_path).name}"
-    convert = TransformersConverter(str(float_folder(model_path))).convert
-    return build_once(target, lambda out: convert(str(out), quantization="int8", force=True), what="CTranslate2 int8")
+    converter = TransformersConverter(str(float_folder(model_path)))
+
+    def convert(out: Path) -> None:
+        converter.convert(str(out), quantization="int8", force=True)
+
+    return build_once(target, convert, "CTranslate2 int8", sources)
 
 
 def llama_cpp_worker(prompts: list[str], max_new_tokens: int, threads: int) -> list[list[float]]:
