@@ -114,8 +114,22 @@ def library() -> ctypes.CDLL | None:
 
 def _compiler(compiler: str):
     def build(out: Path) -> None:
-        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out / "libkettle_cpu.so"), "-lm"]
-        subprocess.run(command, check=True, capture_output=True, text=True)
+        # One compiler per source, all at once, then the link: a first start waits for this build, and the sources
+        # compiled one after another kept a core idle (11.5 s in one process against ~6 s on 2 cores here).
+        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+        objects = [out / f"{source.stem}.o" for source in SOURCES]
+        jobs = [
+            subprocess.Popen([compiler, *compile_flags, "-c", str(source), "-o", str(obj)], stderr=subprocess.PIPE)
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        finished = [(job, job.communicate()[1]) for job in jobs]  # every job waited for, failed or not
+        for job, errors in finished:
+            if job.returncode:
+                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=errors)
+        link = [compiler, *FLAGS, *map(str, objects), "-o", str(out / "libkettle_cpu.so"), "-lm"]
+        subprocess.run(link, check=True, capture_output=True, text=True)
+        for obj in objects:
+            obj.unlink()
 
     return build
 

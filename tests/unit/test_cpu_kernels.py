@@ -172,3 +172,20 @@ def test_greedy_reads_rows_of_a_padded_vocabulary():
     ids, logprobs = ops.greedy(padded[:, :64])
     assert torch.equal(ids, padded[:, :64].argmax(dim=-1))
     torch.testing.assert_close(logprobs, torch.log_softmax(padded[:, :64], dim=-1).max(dim=-1).values)
+
+
+def test_a_source_that_does_not_compile_leaves_pytorch_s_ops_and_no_folder(tmp_path, monkeypatch, caplog):
+    """The sources compile side by side; one failing (the others still running or done) is one warning, no kernels
+    and no half-built folder, whatever order the compilers finish in."""
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        '#!/bin/sh\ncase "$*" in *decoder_step.c*) echo "decoder_step.c: error: boom" >&2; exit 1;; esac\n'
+        'exec gcc "$@"\n'
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("KETTLE_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level("WARNING"):
+        assert build.built_folder() is None
+    assert "CPU kernels failed to build" in caplog.text
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
