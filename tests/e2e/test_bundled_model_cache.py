@@ -44,6 +44,21 @@ def test_the_folder_records_the_file_it_was_prepared_from(bundled):
     assert json.loads((bundled.path / SOURCES_FILE).read_text()) == [str(bundled_gguf().resolve())]
 
 
+def test_the_metadata_parse_over_a_plain_array_reads_what_gguf_s_own_reader_reads():
+    """The preparation hands gguf's reader an ndarray view of the mapping instead of an np.memmap (3x faster on
+    the bundled file's vocabulary and merges); transformers' parse of the file must come out the same."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kettle.hub.gguf import _plain_arrays
+    from kettle.hub.resolve import bundled_gguf
+
+    path = str(bundled_gguf())
+    with _plain_arrays():
+        fast = load_gguf_checkpoint(path, return_tensors=False)
+    assert fast == load_gguf_checkpoint(path, return_tensors=False)
+    assert len(fast["tokenizer"]["tokens"]) == 49152 and len(fast["tokenizer"]["merges"]) > 40000
+
+
 def test_chat_template_and_special_tokens_survive(bundled):
     tokenizer_config = json.loads((bundled.path / "tokenizer_config.json").read_text())
     assert tokenizer_config["bos_token"] == "<|im_start|>"
