@@ -17,6 +17,13 @@
 int kettle_context_parts = MAX_PARTS;
 int kettle_channel_one = 1;
 int kettle_channel_avx512 = -1;
+int kettle_cpu_vnni512 = 0;
+
+__attribute__((constructor)) static void ask_the_cpu(void) {
+    __builtin_cpu_init(); /* a library's constructor may run before libgcc's own, which fills in the CPU model */
+    kettle_cpu_vnni512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni");
+}
 
 /* y[M, N] = x[M, K] · Wᵀ (+ bias) for a Q4 weight; rows of x and y are ldx / ldy floats apart. */
 void kettle_q4_linear(

@@ -337,6 +337,9 @@ static inline float q8g_channel_one(const QuantizedRows *xq, int64_t k, const in
 
 /* AVX-512 for the one-row channels: -1 where the CPU has it (`one_row_avx512`), 0 or 1 to force (tests, measurement). */
 extern int kettle_channel_avx512;
+/* Whether this CPU has what the 512-bit one-row channels need: asked once when the library loads (cpu_kernels.c),
+ * not per channel, where a single stream's step runs ~50,000 of them. */
+extern int kettle_cpu_vnni512;
 
 static inline ONE512 __m512 block_dot512(__m512i w, const int16_t *x) {
     return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x)));
@@ -384,12 +387,8 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
-/* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer (a few loads
- * of libgcc's CPU model, cheap beside a channel). */
-static inline int one_row_avx512(void) {
-    if (kettle_channel_avx512 >= 0) return kettle_channel_avx512;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-}
+/* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
+static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
 
 /* Output channel j of `w` for every row quantized in xq: y[m, j] (rows of y ldy floats apart), with the
  * channel's bias and, for int8, its scale. */
