@@ -196,11 +196,15 @@ static inline __m256 minimum_lanes(const uint16_t *mins, const float *sums, int6
     return acc;
 }
 
-/* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step. */
-static inline float minimum_term(const uint16_t *mins, const float *sums, int64_t groups) {
-    float total = hsum(minimum_lanes(mins, sums, groups, _mm256_setzero_ps()));
+/* total + the rest of the minimums' term, groups / 8 · 8 on, that `minimum_lanes` leaves to its caller. */
+static inline float minimum_tail(const uint16_t *mins, const float *sums, int64_t groups, float total) {
     for (int64_t g = groups / 8 * 8; g < groups; g++) total += _cvtsh_ss(mins[g]) * sums[g];
     return total;
+}
+
+/* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step. */
+static inline float minimum_term(const uint16_t *mins, const float *sums, int64_t groups) {
+    return minimum_tail(mins, sums, groups, hsum(minimum_lanes(mins, sums, groups, _mm256_setzero_ps())));
 }
 
 /* One Q4 output channel for `tile` quantized activation rows: Σ_blocks (d_x · scale_g) · (q · x_q), plus the
@@ -267,8 +271,7 @@ static inline float q4_channel_one(const QuantizedRows *xq, int64_t k, int group
     float combined[blocks];
     combined_scales(xq, blocks, group / 32, scales, combined);
     __m256 acc0 = minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps()), acc1 = _mm256_setzero_ps();
-    float tail = 0.0f;
-    for (int64_t g = groups / 8 * 8; g < groups; g++) tail += _cvtsh_ss(mins[g]) * xq->sum[g];
+    const float tail = minimum_tail(mins, xq->sum, groups, 0.0f);
     const __m256i mask = _mm256_set1_epi16(0x0F);
     for (int64_t c = 0; c < k / 64; c++) {
         const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qw + c * 32)));
@@ -353,8 +356,7 @@ static ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int gr
     float combined[blocks];
     combined_scales(xq, blocks, group / 32, scales, combined);
     const __m256 minimums = minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps());
-    float tail = 0.0f;
-    for (int64_t g = groups / 8 * 8; g < groups; g++) tail += _cvtsh_ss(mins[g]) * xq->sum[g];
+    const float tail = minimum_tail(mins, xq->sum, groups, 0.0f);
     const __m512i mask = _mm512_set1_epi16(0x0F);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t c = 0; c < k / 64; c++) {
