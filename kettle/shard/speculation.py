@@ -39,7 +39,7 @@ from kettle.kernels import ops
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.ngram import NgramDrafter
-from kettle.shard.sampling import BatchSampler, SamplingParams, inverse_cdf
+from kettle.shard.sampling import BatchSampler, SamplingParams, greedy_choice, inverse_cdf
 
 # Rows (tokens) a CPU step that verifies drafts may feed: one tile of the int4/int8 kernels' integer path
 # (`ops.TILE_ROWS`), which reads and unpacks each weight once for all its rows. A fifth row starts a second pass:
@@ -138,29 +138,24 @@ def verify(scores: Tensor, draft: Tensor, generator: torch.Generator | None) -> 
     """One request: `scores` [k+1, V] processed scores at its last token and at each draft token, `draft` [k].
     Greedy when `generator` is None. See the module docstring; the result is laid out as `verify_drafts` says."""
     k = draft.numel()
-    if generator is None and ops.greedy_fits(scores):
+    if generator is None:
         return _verify_greedy(scores, draft)
     logprobs = torch.log_softmax(scores, dim=-1)
     draft_logprobs = logprobs[torch.arange(k, device=scores.device), draft]
-    if generator is None:
-        choice = scores.argmax(dim=-1)
-        accepted = (choice[:k] == draft).long().cumprod(0).sum()
-        token = choice[accepted]
-    else:
-        uniforms = torch.rand(k + 1, generator=generator, device=generator.device, dtype=torch.float64)
-        uniforms = uniforms.to(scores.device)
-        accepted = (uniforms[:k] < draft_logprobs.double().exp()).long().cumprod(0).sum()
-        token = inverse_cdf(_residual(logprobs[accepted].exp(), draft, accepted).unsqueeze(0), uniforms[k:])[0]
+    uniforms = torch.rand(k + 1, generator=generator, device=generator.device, dtype=torch.float64)
+    uniforms = uniforms.to(scores.device)
+    accepted = (uniforms[:k] < draft_logprobs.double().exp()).long().cumprod(0).sum()
+    token = inverse_cdf(_residual(logprobs[accepted].exp(), draft, accepted).unsqueeze(0), uniforms[k:])[0]
     chosen = logprobs[accepted, token]
     return torch.cat([torch.stack([accepted.double(), token.double(), chosen.double()]), draft_logprobs.double()])
 
 
 def _verify_greedy(scores: Tensor, draft: Tensor) -> Tensor:
-    """`verify` of a greedy request through the CPU's greedy kernel, the choice and logprob of a plain greedy
-    step bit for bit. In place of the drafts' logprobs it lays out each row's choice's: the same value wherever
-    the draft was accepted (the draft is the choice), and the rejected ones are never read."""
+    """`verify` of a greedy request: each row's choice and logprob as a plain greedy step takes them
+    (`greedy_choice`), so bit for bit the same. In place of the drafts' logprobs it lays out each row's choice's:
+    the same value wherever the draft was accepted (the draft is the choice), and the rejected ones are never read."""
     k = draft.numel()
-    choice, logprobs = ops.greedy(scores)
+    choice, logprobs = greedy_choice(scores)
     accepted = (choice[:k] == draft).long().cumprod(0).sum()
     head = torch.stack([accepted.double(), choice[accepted].double(), logprobs[accepted].double()])
     return torch.cat([head, logprobs[:k].double()])
