@@ -16,6 +16,7 @@ the quantized weights (packed values + scales/zeros).
     python3 bench/gpu_decode.py --out $OUT
     KETTLE_FUSED_KERNELS=0 python3 bench/gpu_decode.py --batch 1 32   # the same without the fused kernels
     python3 bench/gpu_decode.py --sampling --batch 1 32   # the shard's sampling step: host sync or none
+    python3 bench/gpu_decode.py --kv-dtypes fp8_e4m3fn --batch 1 32 --context 2048   # a float8 KV cache
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kettle.shard.cuda_graphs import DecodeGraphs
 from kettle.tensors import distributed
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 LLAMA2_7B = dict(
     hidden_size=4096,
     intermediate_size=11008,
@@ -87,13 +89,14 @@ class StateDictWeights:
 class KettleDecode:
     """Batched greedy decode over Kettle's paged cache (scattered block tables), eager or graphed."""
 
-    def __init__(self, model, batch: int, context: int, max_new: int) -> None:
+    def __init__(self, model, batch: int, context: int, max_new: int, kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.batch = model, batch
         spec = model.spec
         per_seq = -(-(context + max_new) // BLOCK_SIZE)
         self.num_blocks = batch * per_seq
+        dtype = kv_dtype or spec.dtype
         self.cache = KVCache(
-            spec.num_layers, self.num_blocks + 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cuda"
+            spec.num_layers, self.num_blocks + 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, "cuda"
         )
         pool = list(range(self.num_blocks))
         random.Random(0).shuffle(pool)
@@ -206,6 +209,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only: GPU time per kernel of the graphed steps")
     parser.add_argument("--sampling", action="store_true", help="only: the sampling step, with and without sync")
     parser.add_argument("--via-disk", action="store_true", help="save safetensors and load with load_model")
+    parser.add_argument(
+        "--kv-dtypes", nargs="+", choices=sorted(KV_DTYPES), help="only: graphed steps over a cache of each dtype"
+    )
     parser.add_argument("--out", default=None, help="folder for the JSON results")
     args = parser.parse_args()
     dtype = torch.bfloat16
@@ -221,6 +227,10 @@ def main() -> None:
         return profile_kernels(model, args)
     if args.sampling:
         results["sampling"] = bench_sampling(model, args)
+        return save(results, args.out)
+    if args.kv_dtypes:
+        del hf  # room for long contexts' caches
+        results["kv_dtypes"] = bench_kv_dtypes(model, args, weight_bytes(model), copy_bw)
         return save(results, args.out)
     backend = get_backend(device_type="cuda").name
     print(f"models built in {time.perf_counter() - start:.1f} s; attention backend {backend}", flush=True)
@@ -327,6 +337,32 @@ def sampling_at(model, batch: int, args) -> dict:
         flush=True,
     )
     return result
+
+
+def bench_kv_dtypes(model, args, wbytes: int, copy_bw: float) -> list[dict]:
+    """Graphed decode steps over a bf16 cache and over each `--kv-dtypes` one (`--kv-cache-dtype`), same batch
+    and context: a long context makes the step read more KV than weights, which a float8 cache halves."""
+    out, spec = [], model.spec
+    for batch in args.batch:
+        base = None
+        for name in ("bf16", *args.kv_dtypes):
+            run = KettleDecode(model, batch, args.context, args.steps + args.warmup + 16, KV_DTYPES[name])
+            run.capture()
+            seconds = wall_per_call(lambda run=run: run.step(True), args.steps, args.warmup)
+            element = torch.empty((), dtype=KV_DTYPES[name]).element_size()
+            kv_bytes = batch * run.len * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element
+            base = base or seconds
+            row = {"batch": batch, "kv": name, "context": run.len, "step_s": seconds, "kv_bytes": kv_bytes}
+            out.append(row | {"speedup": base / seconds, "bw": (wbytes + kv_bytes) / seconds / copy_bw})
+            print(
+                f"kv {name:11s} batch {batch:3d} context {run.len:5d}: {seconds * 1e3:7.3f} ms/step "
+                f"{batch / seconds:8.1f} tok/s  KV {kv_bytes / 1e9:5.2f} GB  {100 * out[-1]['bw']:5.1f}% of copy bw  "
+                f"{out[-1]['speedup']:.2f}x bf16",
+                flush=True,
+            )
+            del run
+            torch.cuda.empty_cache()
+    return out
 
 
 def save(results: dict, out: str | None) -> None:

@@ -53,6 +53,7 @@ class KettleServer:
         `own_sockets=False` leaves the shard socket path to the launcher's default instead of a private folder."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.flags = flags
         self.uds = os.path.join(tempfile.mkdtemp(prefix="kettle-test-"), "shard") if own_sockets else None
         argv = [KETTLE, "launch", "--port", str(self.port)]
         argv += ["--hostname", hostname] if hostname else []

@@ -107,8 +107,9 @@ KvCacheDtype = Annotated[
     str | None,
     option(
         "--kv-cache-dtype",
-        "KV cache dtype: fp16 or bf16 (half the memory per token of float32, on the CPU), float32, auto (the "
-        "model's dtype, the default), or TGI's fp8_e4m3fn / fp8_e5m2 (CUDA only; not active there yet).",
+        "KV cache dtype: fp16 or bf16 (half the memory per token of float32), float32, auto (the default: fp16 "
+        "under a float32 model on the CPU, else the model's dtype), or TGI's fp8_e4m3fn / fp8_e5m2 (CUDA, "
+        "compute capability 8.9+: half the memory per token of bf16).",
         MODEL,
     ),
 ]

@@ -195,11 +195,7 @@ class LauncherConfig:
 
     def inactive_flags_set(self) -> list[str]:
         """The not-yet-active flags given a value other than their inert one (the launcher warns about them)."""
-        names = [name for name, inert in INACTIVE_FLAGS.items() if getattr(self, name) != inert]
-        # The KV cache dtype applies on the CPU; on CUDA the cache stays in the model's dtype for now.
-        if self.kv_cache_dtype not in (None, "auto") and cuda_available():
-            names.append("kv_cache_dtype")
-        return names
+        return [name for name, inert in INACTIVE_FLAGS.items() if getattr(self, name) != inert]
 
     def no_effect_flags_set(self) -> list[str]:
         """The never-active flags given a value other than their inert one (the launcher says they do nothing)."""

@@ -13,6 +13,10 @@ and merged by a second small kernel; the split count depends only on the batch s
 In a decode-only step the kernel also writes the new token's K/V into its slot (it attends to them from the
 projections directly), which saves the two cache-write launches per layer.
 
+The cache may be in another dtype than the model's (`--kv-cache-dtype`): float8 (e4m3fn or e5m2, on GPUs
+of compute capability 8.9 or newer) or a 16-bit type. The kernel widens K/V to float32 as it reads them and
+rounds the new token's K/V to the cache's dtype, saturating for float8, before it attends to them.
+
 Prefills (whole or chunked) go to the SDPA backend (FlashAttention through PyTorch on CUDA). Tensors not on
 CUDA go to the SDPA backend entirely, so selecting this backend never breaks the CPU path.
 """
@@ -23,6 +27,7 @@ import torch
 
 from kettle.layers.attention import AttentionMetadata, DecodePlan
 from kettle.layers.sdpa_attention import SdpaBackend
+from kettle.tensors.kv_cache import FLOAT8
 
 try:
     import triton
@@ -54,7 +59,7 @@ if triton is not None:
         stride_knt, stride_knh, stride_vnt, stride_vnh,
         scale, window, head_dim, batch_class,
         GROUP: tl.constexpr, SPLITS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        WRITE_NEW: tl.constexpr, BLOCK_N: tl.constexpr,
+        WRITE_NEW: tl.constexpr, KV_MAX: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kv_head = head // GROUP
@@ -74,6 +79,14 @@ if triton is not None:
             # them into their slot, and no program reads that slot, so there is no race.
             k_last = tl.load(k_new_ptr + seq * stride_knt + kv_head * stride_knh + d, mask=d_ok, other=0.0)
             v_last = tl.load(v_new_ptr + seq * stride_vnt + kv_head * stride_vnh + d, mask=d_ok, other=0.0)
+            if KV_MAX > 0:
+                # A float8 cache: saturate as `to_cache_dtype` does (an out-of-range cast is NaN or infinity).
+                k_last = tl.minimum(tl.maximum(k_last.to(tl.float32), -KV_MAX), KV_MAX)
+                v_last = tl.minimum(tl.maximum(v_last.to(tl.float32), -KV_MAX), KV_MAX)
+            # Rounded to the cache's dtype before use too (a no-op when it is the model's), so this token is
+            # attended with the values every later step will read back, as the SDPA path does.
+            k_last = k_last.to(k_ptr.dtype.element_ty)
+            v_last = v_last.to(v_ptr.dtype.element_ty)
             if (split == 0) & (head % GROUP == 0):
                 slot = tl.load(slots_ptr + seq).to(tl.int64) * stride_kv_slot + kv_head * stride_kv_head
                 tl.store(k_ptr + slot + d, k_last, mask=d_ok)
@@ -170,7 +183,7 @@ def paged_decode(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale, sliding_window or NO_WINDOW, head_dim, min(triton.next_power_of_2(num_seqs), 256),
         GROUP=num_heads // k_cache.shape[1], SPLITS=splits, PAGE=block_size, HEAD_DIM=padded_dim,
-        WRITE_NEW=new_kv is not None,
+        WRITE_NEW=new_kv is not None, KV_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in FLOAT8 else 0.0,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

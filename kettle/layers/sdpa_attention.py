@@ -12,8 +12,9 @@ On the CPU, float32 decodes and prefills without score modifiers go to Kettle's 
 new K/V go into their slots in one C call.
 
 The cache may hold K/V in another dtype than the model's (`--kv-cache-dtype`, e.g. float16 under a float32
-model): the kernels widen it as they read; here the new K/V are cast on write and the gathered context is cast
-back to the queries' dtype on read.
+model, or float8 on CUDA): the kernels widen it as they read; here the new K/V are cast on write and the
+gathered context is cast back to the queries' dtype on read. Every path attends to the K/V as the cache holds
+them, the new tokens' included, so a cached prefix and a fresh one give the same result.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ import torch.nn.functional as F
 
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata, DecodePlan, PrefillPlan, window_mask
+from kettle.tensors.kv_cache import FLOAT8, to_cache_dtype, write_slots
 
 
 def gather_blocks(
     cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, block_size: int, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """[num_seqs, blocks_per_seq * block_size, Hkv, D] contexts read from a flat [slots, Hkv, D] cache, in `dtype`
-    when given (a no-op when the cache already is)."""
-    blocks = cache.view(-1, block_size, *cache.shape[1:])
-    gathered = blocks.index_select(0, block_ids).view(num_seqs, -1, *cache.shape[1:])
+    when given (a no-op when the cache already is). A float8 cache is read through a byte view, as it is written."""
+    source = cache.view(torch.uint8) if cache.dtype in FLOAT8 else cache
+    blocks = source.view(-1, block_size, *cache.shape[1:])
+    gathered = blocks.index_select(0, block_ids).view(num_seqs, -1, *cache.shape[1:]).view(cache.dtype)
     return gathered if dtype is None else gathered.to(dtype)
 
 
@@ -56,9 +59,10 @@ class SdpaBackend:
         if ops.cache_write_fits(k_new, v_new, k_cache, v_cache):
             ops.cache_write(k_new, v_new, meta.slots, k_cache, v_cache)
         else:
-            # `.to` rounds to nearest-even into a 16-bit cache, as the C write does; a no-op when dtypes match.
-            k_cache.index_copy_(0, meta.slots, k_new.to(k_cache.dtype))
-            v_cache.index_copy_(0, meta.slots, v_new.to(v_cache.dtype))
+            # Rounds to nearest-even into a 16-bit cache, as the C write does (float8 saturates); no cast when
+            # the dtypes match.
+            write_slots(k_cache, meta.slots, k_new)
+            write_slots(v_cache, meta.slots, v_new)
         mods = (alibi_slopes, softcap)
         if meta.decode_only:
             return self.decode(q, k_cache, v_cache, meta.decode, meta.block_size, scale, sliding_window, *mods)
@@ -143,8 +147,12 @@ class SdpaBackend:
             k = gather_blocks(k_cache, plan.block_ids, 1, block_size, q.dtype)[0]
             v = gather_blocks(v_cache, plan.block_ids, 1, block_size, q.dtype)[0]
         else:
-            # Nothing cached: the new K/V are the whole context, no gather needed.
+            # Nothing cached: the new K/V are the whole context, no gather needed. Under a narrower cache they
+            # are rounded as the cache holds them, so a prompt is attended alike whether a prefix of it came from
+            # the prefix cache or not (and as Kettle's kernels, which read them back from the cache, attend it).
             k, v = k_new[plan.start : plan.end], v_new[plan.start : plan.end]
+            if k_cache.dtype != q.dtype:
+                k, v = to_cache_dtype(k, k_cache.dtype).to(q.dtype), to_cache_dtype(v, v_cache.dtype).to(q.dtype)
         if alibi_slopes is not None or softcap is not None:
             return _modified_prefill(q[plan.start : plan.end], k, v, plan, sliding_window, scale, alibi_slopes, softcap)
         mask = plan.mask(sliding_window) if plan.needs_mask(sliding_window) else None

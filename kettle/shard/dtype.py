@@ -12,13 +12,15 @@ under a float32 model: half the bytes per token, so twice the tokens in the same
 kernels widen the rows as they read them. By default (`auto`) a float32 model on the CPU with Kettle's kernels
 keeps float16 K/V, as llama.cpp does: measured on the bundled model, a mean next-token KL of 6.2e-7 against a
 float32 cache with the same top-1 token everywhere, and decode steps 3-10% faster (docs/performance.md).
-Elsewhere `auto` is the model's dtype. fp8 is CUDA-only, and on CUDA the cache stays in the model's dtype for now.
+Elsewhere `auto` is the model's dtype. On CUDA every `--kv-cache-dtype` applies, TGI's `fp8_e4m3fn` and
+`fp8_e5m2` included (half a 16-bit cache's bytes per token; values stored with a scale of 1.0 and saturated at
+the format's range, as TGI and vLLM do without calibrated scales). float8 needs compute capability 8.9 or newer
+(Ada, Hopper), where Triton converts it in hardware, and is refused on the CPU, which has no float8 kernels.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _HALF = (torch.float16, torch.bfloat16)
 # `--kv-cache-dtype` values the CPU cache takes (kettle.shard.config.KV_CACHE_DTYPES lists them all).
 KV_DTYPES = {"float32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-log = logging.getLogger(__name__)
+FP8_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # CUDA only
 
 
 def choose_dtype(name: str | None, device: torch.device, model_path: str | Path | None = None) -> torch.dtype:
@@ -50,17 +52,19 @@ def choose_kv_dtype(name: str | None, model_dtype: torch.dtype, device: torch.de
 
         cpu_float32 = device.type == "cpu" and model_dtype == torch.float32
         return torch.float16 if cpu_float32 and ops.available() else model_dtype
-    if name.startswith("fp8"):
+    if name in FP8_DTYPES:
         if device.type != "cuda":
             raise ValueError(f"--kv-cache-dtype {name} needs a CUDA GPU: on the CPU use fp16 or bf16")
-        log.warning("--kv-cache-dtype %s is not active on CUDA yet: the KV cache stays in %s", name, model_dtype)
-        return model_dtype
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            major, minor = capability
+            raise ValueError(
+                f"--kv-cache-dtype {name} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+                f"{major}.{minor}: use the default or fp16/bf16"
+            )
+        return FP8_DTYPES[name]
     if name not in KV_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of auto, {', '.join(KV_DTYPES)}, fp8_e4m3fn, fp8_e5m2")
-    if device.type != "cpu" and KV_DTYPES[name] != model_dtype:
-        # The CUDA attention kernels read the cache in the model's dtype; a cast there is not written yet.
-        log.warning("--kv-cache-dtype %s is not active on CUDA yet: the KV cache stays in %s", name, model_dtype)
-        return model_dtype
     return KV_DTYPES[name]
 
 

@@ -13,6 +13,29 @@ import torch
 # Tokens per block: small enough that a request wastes little of its last block, large enough that block
 # tables stay short. Shared with the router's allocator through the shard's Info response.
 BLOCK_SIZE = 16
+# TGI's `--kv-cache-dtype fp8_e4m3fn | fp8_e5m2` (CUDA): K/V stored in 8 bits with a scale of 1.0, as TGI and
+# vLLM do when a checkpoint brings no calibrated K/V scales.
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`rows` in a cache's element type. A float8 cast beyond the format's range gives NaN (e4m3fn) or infinity
+    (e5m2), and one such key would poison every later score of its sequence, so values saturate at the largest
+    finite one first, as the fp8 caches of TGI and vLLM do."""
+    if dtype in FLOAT8:
+        limit = torch.finfo(dtype).max
+        rows = rows.clamp(-limit, limit)
+    return rows.to(dtype)
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slots] = rows, cast to the cache's dtype. A float8 cache is written through a byte view: PyTorch's
+    `index_copy_` has no float8 kernel."""
+    rows = to_cache_dtype(rows, cache.dtype)
+    if cache.dtype in FLOAT8:
+        cache.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, rows)
 
 
 class KVCache:

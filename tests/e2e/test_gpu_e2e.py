@@ -1,6 +1,7 @@
-"""The whole server on a GPU: `kettle launch` (launcher → shard on CUDA → router) over HTTP, in bf16 and with
-`--quantize int4`, driven like a client would: /generate, /generate_stream, OpenAI chat (plain and streamed),
-seeded sampling with top tokens, and a concurrent batch that replays the decode CUDA graphs.
+"""The whole server on a GPU: `kettle launch` (launcher → shard on CUDA → router) over HTTP, in bf16, with
+`--quantize int4` and with a float8 KV cache, driven like a client would: /generate, /generate_stream, OpenAI
+chat (plain and streamed), seeded sampling with top tokens, and a concurrent batch that replays the decode CUDA
+graphs.
 
 Skipped without a CUDA device. Without the `kettle` console script next to the interpreter (a device with
 the package on PYTHONPATH only), a wrapper runs `python -m kettle.cli` instead.
@@ -37,7 +38,10 @@ def kettle_command(folder: Path) -> str:
     return str(wrapper)
 
 
-@pytest.fixture(scope="module", params=[(), ("--quantize", "int4")], ids=["bf16", "int4"])
+SERVERS = {"bf16": (), "int4": ("--quantize", "int4"), "fp8-kv": ("--kv-cache-dtype", "fp8_e4m3fn")}
+
+
+@pytest.fixture(scope="module", params=list(SERVERS.values()), ids=list(SERVERS))
 def gpu_server(request, tiny_llama_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(process, "KETTLE", kettle_command(tmp_path_factory.mktemp("bin")))
@@ -71,6 +75,8 @@ def complete(text: str) -> str:
 def test_info_reports_the_gpu(gpu_server):
     info = httpx.get(f"{gpu_server.url}/info", timeout=10).json()
     assert info["model_device_type"] == "cuda" and info["model_dtype"] == "bfloat16"
+    fp8_kv = "--kv-cache-dtype" in gpu_server.flags
+    assert info["kv_cache_dtype"] == ("float8_e4m3fn" if fp8_kv else "bfloat16")
 
 
 def test_greedy_generate_is_deterministic(gpu_server):

@@ -11,12 +11,12 @@ import torch
 from kettle.kernels import build, ops
 from kettle.launcher.config import LauncherConfig
 from kettle.layers.attention import AttentionMetadata
-from kettle.layers.sdpa_attention import SdpaBackend
+from kettle.layers.sdpa_attention import SdpaBackend, gather_blocks
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.config import ShardConfig
 from kettle.shard.dtype import choose_kv_dtype
 from kettle.shard.warmup import plan_kv_cache
-from kettle.tensors.kv_cache import KVCache
+from kettle.tensors.kv_cache import FLOAT8, KVCache, to_cache_dtype, write_slots
 from tests.fixtures import cpu_kernels, vector_width
 
 CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
@@ -110,9 +110,10 @@ def check_paged_prefill_over_a_16_bit_cache(dtype, tokens, cache_len, window, he
     assert relative(got, expected) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", HALF)
-def test_the_sdpa_fallback_writes_and_reads_a_16_bit_cache(monkeypatch, dtype):
-    """Without the kernels: the new K/V are cast on write, the gathered context cast back on read."""
+@pytest.mark.parametrize("dtype", [*HALF, *FLOAT8])
+def test_the_sdpa_fallback_writes_and_reads_a_narrower_cache(monkeypatch, dtype):
+    """Without the kernels: the new K/V are cast on write, the gathered context cast back on read. float8 is
+    CUDA's `--kv-cache-dtype fp8_*`, whose prefills take this path there; the same PyTorch ops run here."""
     monkeypatch.setattr(ops, "available", lambda: False)
     torch.manual_seed(0)
     block_size, heads, kv_heads, dim = 4, 4, 2, 16
@@ -120,21 +121,61 @@ def test_the_sdpa_fallback_writes_and_reads_a_16_bit_cache(monkeypatch, dtype):
     tables, blocks = scattered(lens, block_size)
     caches = [torch.zeros(blocks * block_size, kv_heads, dim, dtype=dtype) for _ in "kv"]
     backend = SdpaBackend()
-    # A prefill of both prompts (nothing cached: it attends to its new K/V as they came), then a decode step over
-    # the cached prefix, which a float32 cache holding the same rounded rows must attend to identically.
+    # A prefill of both prompts (nothing cached: it attends to its new K/V rounded as the cache holds them), then
+    # a decode step over the cached prefix; a float32 cache holding the same rounded rows must give the same.
     meta = AttentionMetadata.build([8, 5], [0, 0], tables, block_size, "cpu")
     q, k, v = (torch.randn(13, h, dim) for h in (heads, kv_heads, kv_heads))
     reference = [torch.zeros(blocks * block_size, kv_heads, dim) for _ in "kv"]
-    expected = backend.forward(q, k, v, *reference, meta, dim**-0.5, None)
+    rounded = to_cache_dtype(k, dtype).float(), to_cache_dtype(v, dtype).float()
+    expected = backend.forward(q, *rounded, *reference, meta, dim**-0.5, None)
     assert torch.equal(backend.forward(q, k, v, *caches, meta, dim**-0.5, None), expected)
-    assert torch.equal(caches[0].float(), reference[0].to(dtype).float())
+    assert torch.equal(caches[0].float(), to_cache_dtype(reference[0], dtype).float())
     reference = [cache.float() for cache in caches]
     meta = AttentionMetadata.build([1, 1], [8, 5], tables, block_size, "cpu")
     q, k, v = (torch.randn(2, h, dim) for h in (heads, kv_heads, kv_heads))
     got = backend.forward(q, k, v, *caches, meta, dim**-0.5, None)
     assert got.dtype == torch.float32
-    rounded = k.to(dtype).float(), v.to(dtype).float()
+    rounded = to_cache_dtype(k, dtype).float(), to_cache_dtype(v, dtype).float()
     assert relative(got, backend.forward(q, *rounded, *reference, meta, dim**-0.5, None)) < 1e-5
+
+
+@pytest.mark.parametrize(("dtype", "kernels"), [(d, False) for d in (*HALF, *FLOAT8)] + [(d, True) for d in HALF])
+def test_a_cached_prefix_is_attended_as_a_fresh_prompt(dtype, kernels):
+    """A prompt prefilled whole and the same prompt whose first 32 tokens came from the prefix cache: the same
+    attention, since both attend to K/V rounded as a narrower cache holds them (a served greedy answer must not
+    change with a prefix-cache hit)."""
+    if kernels and not CAN_BUILD:
+        pytest.skip("needs gcc and an AVX2/FMA/F16C CPU")
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, dim, n, cached = 16, 4, 2, 16, 40, 32  # whole blocks: the C kernel takes them
+    tables, blocks = scattered([n], block_size)
+    q, k, v = (torch.randn(n, h, dim) * 3 for h in (heads, kv_heads, kv_heads))
+    backend, scale = SdpaBackend(), dim**-0.5
+
+    def prefill(caches, start: int, end: int) -> torch.Tensor:
+        meta = AttentionMetadata.build([end - start], [start], tables, block_size, "cpu")
+        return backend.forward(q[start:end], k[start:end], v[start:end], *caches, meta, scale, None)
+
+    with cpu_kernels(kernels):
+        fresh = prefill([torch.zeros(blocks * block_size, kv_heads, dim, dtype=dtype) for _ in "kv"], 0, n)
+        caches = [torch.zeros(blocks * block_size, kv_heads, dim, dtype=dtype) for _ in "kv"]
+        prefill(caches, 0, cached)
+        rest = prefill(caches, cached, n)
+    assert relative(rest, fresh[cached:]) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_a_float8_cache_saturates_instead_of_overflowing(dtype):
+    """A key beyond float8's range would be NaN (e4m3fn) or infinity (e5m2) and poison its sequence's scores."""
+    limit = torch.finfo(dtype).max
+    rows = torch.tensor([[1.0, -2.5, 3 * limit, -1e30], [0.1, limit, -limit, float("inf")]]).view(2, 1, 4)
+    cache = torch.full((6, 1, 4), 7.0).to(dtype)
+    write_slots(cache, torch.tensor([4, 1]), rows)
+    expected = torch.tensor([[1.0, -2.5, limit, -limit], [0.1, limit, -limit, limit]]).to(dtype).float()
+    assert torch.equal(cache[[4, 1]].float().view(2, 4), expected)
+    assert torch.equal(cache[[0, 2, 3, 5]].float(), torch.full((4, 1, 4), 7.0))  # other slots untouched
+    gathered = gather_blocks(cache, torch.tensor([1, 0]), 1, 3, torch.float32)  # blocks of 3 slots
+    assert torch.equal(gathered[0, :3], cache[3:6].float()) and torch.equal(gathered[0, 3:], cache[:3].float())
 
 
 def test_a_16_bit_cache_holds_twice_the_tokens(monkeypatch):
@@ -151,7 +192,7 @@ def test_a_16_bit_cache_holds_twice_the_tokens(monkeypatch):
     assert abs(half.bytes - full.bytes) <= 46080 * 16
 
 
-def test_kv_dtype_choice_per_device():
+def test_kv_dtype_choice_per_device(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     # By default a float32 model on the CPU keeps float16 K/V where Kettle's kernels read them, as llama.cpp does.
     assert choose_kv_dtype(None, torch.float32, cpu) == (torch.float16 if ops.available() else torch.float32)
@@ -165,9 +206,18 @@ def test_kv_dtype_choice_per_device():
     with pytest.raises(ValueError) as refused:
         choose_kv_dtype("fp8_e5m2", torch.float32, cpu)
     assert str(refused.value) == "--kv-cache-dtype fp8_e5m2 needs a CUDA GPU: on the CPU use fp16 or bf16"
-    # On CUDA the cache stays in the model's dtype for now (a warning says so).
-    assert choose_kv_dtype("fp8_e4m3fn", torch.bfloat16, cuda) == torch.bfloat16
-    assert choose_kv_dtype("fp16", torch.bfloat16, cuda) == torch.bfloat16
+    # On CUDA every value applies; float8 where Triton converts it in hardware (compute capability 8.9+).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert choose_kv_dtype("fp8_e4m3fn", torch.bfloat16, cuda) == torch.float8_e4m3fn
+    assert choose_kv_dtype("fp8_e5m2", torch.float16, cuda) == torch.float8_e5m2
+    assert choose_kv_dtype("fp16", torch.bfloat16, cuda) == torch.float16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError) as refused:
+        choose_kv_dtype("fp8_e4m3fn", torch.bfloat16, cuda)
+    assert str(refused.value) == (
+        "--kv-cache-dtype fp8_e4m3fn needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is 8.0: "
+        "use the default or fp16/bf16"
+    )
 
 
 def test_the_flag_reaches_the_shard_and_is_validated(monkeypatch):
@@ -185,6 +235,6 @@ def test_the_flag_reaches_the_shard_and_is_validated(monkeypatch):
         LauncherConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
         ShardConfig(model_path="m", kv_cache_dtype="float16")
-    # On CUDA TGI's values are accepted, and the launcher says they change nothing there yet.
+    # On CUDA TGI's values are accepted and active (the shard checks the GPU's compute capability).
     monkeypatch.setattr(launcher_config, "cuda_available", lambda: True)
-    assert LauncherConfig(kv_cache_dtype="fp8_e5m2").inactive_flags_set() == ["kv_cache_dtype"]
+    assert LauncherConfig(kv_cache_dtype="fp8_e5m2").inactive_flags_set() == []

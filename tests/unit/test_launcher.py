@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kettle.hub import ModelNotFound, ResolvedModel
+from kettle.launcher import config as launcher_config
 from kettle.launcher import main as launcher_main
 from kettle.launcher.config import LauncherConfig
 from kettle.launcher.specs import config_argv, router_spec, shard_specs
@@ -106,11 +107,11 @@ def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handl
 
     monkeypatch.setattr(launcher_main, "prepare_model", missing)
     monkeypatch.setattr(launcher_main, "setup_logging", lambda _json: None)
-    # On CUDA the KV cache stays in the model's dtype for now (on the CPU fp8 is refused outright).
-    monkeypatch.setattr("kettle.launcher.config.cuda_available", lambda: True)
-    code = launcher_main.launch(LauncherConfig(kv_cache_dtype="fp8_e5m2"))
+    # No flag is inactive today (the last, --kv-cache-dtype on CUDA, now applies): one stands in for the next.
+    monkeypatch.setitem(launcher_config.INACTIVE_FLAGS, "rope_factor", None)
+    code = launcher_main.launch(LauncherConfig(rope_factor=2.0))
     assert code == 1
-    assert "--kv-cache-dtype is not active yet" in caplog.text
+    assert "--rope-factor is not active yet" in caplog.text
     assert "Model 'x' is missing" in caplog.text
 
 
