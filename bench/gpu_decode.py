@@ -40,7 +40,6 @@ from gpu_measure import (  # bench/ is the script's folder
 )
 from gpu_report import describe, summarize
 
-from kettle import settings
 from kettle.bench.hf_decode import hf_decode_step
 from kettle.layers.attention import AttentionMetadata, get_backend
 from kettle.models.llama import LlamaForCausalLM
@@ -411,8 +410,6 @@ def quantized_weight_bytes(model) -> int:
 
 def load_weight_only(method: str, config, source):
     """The model `--quantize method` serves: through load_model from disk, else quantized as it is built."""
-    os.environ.setdefault("KETTLE_CUDA_WEIGHT_ONLY", "1")  # opt-in on CUDA until measured
-    settings.reload()
     if isinstance(source, str):
         from kettle.models.registry import load_model
 

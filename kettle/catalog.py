@@ -17,8 +17,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kettle import settings
-
 
 @dataclass(frozen=True)
 class Family:
@@ -144,13 +142,6 @@ def _config_names(table: Path) -> list[str]:
     return []
 
 
-def cuda_weight_only() -> bool:
-    """Whether int8/int4/gptq/awq may run on CUDA (`KETTLE_CUDA_WEIGHT_ONLY=1`). Off by default: these CUDA
-    paths were written and checked on the CPU (packing, Triton interpreter) but have not yet run on a GPU, so
-    until they are measured there the default stays the clear refusal that names fp8."""
-    return settings.current().cuda_weight_only
-
-
 def check_scheme(quantize: str | None, device_type: str) -> None:
     """Raises a ValueError naming the working alternatives when `quantize` cannot run on `device_type`."""
     if quantize is None:
@@ -172,8 +163,3 @@ def check_scheme(quantize: str | None, device_type: str) -> None:
         )
     if quantize in CPU_SCHEMES and device_type not in ("cpu", "cuda"):
         raise ValueError(f"--quantize {quantize} runs on the CPU and on NVIDIA GPUs only, not on {device_type}")
-    if quantize in CPU_SCHEMES and device_type == "cuda" and not cuda_weight_only():
-        raise ValueError(
-            f"--quantize {quantize} on a GPU is experimental (set KETTLE_CUDA_WEIGHT_ONLY=1 to try it): "
-            "on an NVIDIA GPU use --quantize fp8"
-        )

@@ -45,7 +45,6 @@ class Settings:
     distributed_timeout_s: float  # KETTLE_DISTRIBUTED_TIMEOUT: a stuck tensor-parallel peer fails after this
     int4_group_size: int | None  # KETTLE_INT4_GROUP_SIZE: None lets a checkpoint's own 4-bit grid decide
     quant_lm_head: str  # KETTLE_QUANT_LM_HEAD: int8, int4 or dense, for --quantize int8/int4
-    cuda_weight_only: bool  # KETTLE_CUDA_WEIGHT_ONLY=1: int8/int4/gptq/awq on CUDA (experimental)
     cpu_kernels: bool  # KETTLE_CPU_KERNELS=0: PyTorch's ops instead of Kettle's C kernels
     cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
@@ -75,7 +74,6 @@ class Settings:
             distributed_timeout_s=_timeout(env.get("KETTLE_DISTRIBUTED_TIMEOUT")),
             int4_group_size=_group_size(env.get("KETTLE_INT4_GROUP_SIZE")),
             quant_lm_head=_lm_head(env.get("KETTLE_QUANT_LM_HEAD", "int8")),
-            cuda_weight_only=env.get("KETTLE_CUDA_WEIGHT_ONLY", "0") == "1",
             cpu_kernels=env.get("KETTLE_CPU_KERNELS", "1") != "0",
             cpu_decoder_step=env.get("KETTLE_CPU_DECODER_STEP", "1") != "0",
             cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,

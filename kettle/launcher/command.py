@@ -57,8 +57,8 @@ Quantize = Annotated[
     option(
         "--quantize",
         "Weight quantization: int8, int4 (CPU; group size KETTLE_INT4_GROUP_SIZE, default 128), gptq, awq "
-        "(4-bit checkpoints, CPU; found from config.json too), fp8 (NVIDIA Hopper GPUs). int8/int4/gptq/awq on CUDA: "
-        "experimental, opt-in with KETTLE_CUDA_WEIGHT_ONLY=1.",
+        "(4-bit checkpoints; found from config.json too), fp8 (NVIDIA Hopper GPUs). int8/int4/gptq/awq run on CUDA "
+        "too (int4 there is fastest at small batches).",
         MODEL,
     ),
 ]

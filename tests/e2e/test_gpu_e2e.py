@@ -45,7 +45,6 @@ SERVERS = {"bf16": (), "int4": ("--quantize", "int4"), "fp8-kv": ("--kv-cache-dt
 def gpu_server(request, tiny_llama_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(process, "KETTLE", kettle_command(tmp_path_factory.mktemp("bin")))
-        patch.setenv("KETTLE_CUDA_WEIGHT_ONLY", "1")  # opt-in until measured on a GPU
         server = KettleServer(
             str(tiny_llama_path),
             "--max-concurrent-requests",

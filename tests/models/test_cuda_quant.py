@@ -97,12 +97,6 @@ def test_int8_layer_matches_its_dequantized_weight(rows, dtype):
     assert relative_error(got, F.linear(x.float(), layer.dequantized(), bias)) < LAYER_RTOL
 
 
-@pytest.fixture(autouse=True)
-def weight_only_on_cuda(monkeypatch):
-    """The CUDA weight-only paths are opt-in (`KETTLE_CUDA_WEIGHT_ONLY=1`) until measured on a GPU."""
-    monkeypatch.setenv("KETTLE_CUDA_WEIGHT_ONLY", "1")
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     # intermediate 256 and hidden 64: every projection has a kernel group size (the CPU tests use the same).

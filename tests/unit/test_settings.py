@@ -17,7 +17,7 @@ def test_defaults_without_any_variable():
     assert settings.distributed_timeout_s == 300.0
     assert (settings.int4_group_size, settings.quant_lm_head) == (None, "int8")
     assert settings.cpu_kernels and settings.cpu_decoder_step and settings.cuda_fused_kernels
-    assert not settings.cuda_weight_only and settings.cuda_graphs is None
+    assert settings.cuda_graphs is None
     assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows is None and settings.cpu_integer_gemm
     assert (settings.speculate_min_ngram, settings.speculate_row_cost) == (2, 0.35)
     assert settings.speculate_step_rows is None and settings.router_nice == 10
@@ -25,13 +25,13 @@ def test_defaults_without_any_variable():
 
 def test_variables_are_parsed():
     env = {"KETTLE_CACHE": "/tmp/k", "KETTLE_CPU_KERNELS": "0", "KETTLE_INT4_GROUP_SIZE": "64"}
-    env |= {"KETTLE_QUANT_LM_HEAD": "0", "KETTLE_DISTRIBUTED_TIMEOUT": "12.5", "KETTLE_CUDA_WEIGHT_ONLY": "1"}
+    env |= {"KETTLE_QUANT_LM_HEAD": "0", "KETTLE_DISTRIBUTED_TIMEOUT": "12.5"}
     env |= {"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0", "KETTLE_SPECULATE_STEP_ROWS": "7"}
     settings = Settings.from_env(env)
     assert (settings.speculate_min_ngram, settings.speculate_row_cost, settings.speculate_step_rows) == (1, 0.0, 7)
     assert settings.cache_dir == Path("/tmp/k") and not settings.cpu_kernels
     assert (settings.int4_group_size, settings.quant_lm_head) == (64, "dense")
-    assert settings.distributed_timeout_s == 12.5 and settings.cuda_weight_only
+    assert settings.distributed_timeout_s == 12.5
     assert Settings.from_env({"KETTLE_DECODE_WINDOW_MS": "0"}).decode_window_ms == 0.0
     assert not Settings.from_env({"KETTLE_CPU_INTEGER_GEMM": "0"}).cpu_integer_gemm
     assert Settings.from_env({"KETTLE_ROUTER_NICE": "0"}).router_nice == 0
