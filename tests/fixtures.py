@@ -29,6 +29,18 @@ CHATML_TEMPLATE = (
 )
 
 
+def kernels_buildable() -> bool:
+    """Whether Kettle's CPU kernels build here (gcc, an AVX2/FMA/F16C CPU) and are not switched off for the run
+    (`KETTLE_CPU_KERNELS=0`, e.g. on a GPU machine): tests that call them directly skip otherwise."""
+    import os
+    import shutil
+
+    from kettle.kernels import build
+
+    switched_off = os.environ.get(build.ENV_SWITCH) == "0"
+    return not switched_off and shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
+
+
 def make_tokenizer(path: Path, vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE):
     """Trains a byte-level BPE tokenizer on CORPUS and saves it (HF fast tokenizer format) into `path`,
     with `chat_template` (ChatML by default; None saves no template)."""

@@ -11,7 +11,7 @@ import torch
 
 from kettle.models.lora_adapters import AdapterError, AdapterSource, load_adapters, read_adapter
 from kettle.models.registry import load_model
-from tests.fixtures import make_tiny_llama
+from tests.fixtures import kernels_buildable, make_tiny_llama
 from tests.models.drive import decode_logits, new_cache, scattered_tables, step
 from tests.models.engine_driver import make_batch, run_to_end
 
@@ -167,6 +167,7 @@ def lora_decode(model, rows_adapter: list[int], fused: bool, steps: int = 6) -> 
     return decode_logits(model, PROMPTS, fused, steps, adapters=rows_adapter)
 
 
+@pytest.mark.skipif(not kernels_buildable(), reason="the one-call step is Kettle's CPU kernels'")
 @pytest.mark.parametrize("quantize, atol", [(None, 1e-4), ("int4", 3e-3)])
 def test_the_fused_cpu_step_adds_each_rows_adapter(base, adapters, monkeypatch, quantize, atol):
     """Decode steps mixing two adapters and the base model run in the one-call CPU step (float32 weights stored

@@ -3,12 +3,10 @@ PyTorch fallbacks over it, the cache sizing, and the flag's validation."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from kettle.kernels import build, ops
+from kettle.kernels import ops
 from kettle.launcher.config import LauncherConfig
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.sdpa_attention import SdpaBackend, gather_blocks
@@ -17,10 +15,10 @@ from kettle.shard.config import ShardConfig
 from kettle.shard.dtype import choose_kv_dtype
 from kettle.shard.warmup import plan_kv_cache
 from kettle.tensors.kv_cache import FLOAT8, KVCache, to_cache_dtype, write_slots
-from tests.fixtures import cpu_kernels, vector_width
+from tests.fixtures import cpu_kernels, kernels_buildable, vector_width
 
-CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
-needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
+CAN_BUILD = kernels_buildable()
+needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
 HALF = [torch.float16, torch.bfloat16]
 
 
@@ -145,7 +143,7 @@ def test_a_cached_prefix_is_attended_as_a_fresh_prompt(dtype, kernels):
     attention, since both attend to K/V rounded as a narrower cache holds them (a served greedy answer must not
     change with a prefix-cache hit)."""
     if kernels and not CAN_BUILD:
-        pytest.skip("needs gcc and an AVX2/FMA/F16C CPU")
+        pytest.skip("needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
     torch.manual_seed(1)
     block_size, heads, kv_heads, dim, n, cached = 16, 4, 2, 16, 40, 32  # whole blocks: the C kernel takes them
     tables, blocks = scattered([n], block_size)

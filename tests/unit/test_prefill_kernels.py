@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,10 +10,10 @@ from kettle.kernels import build, ops
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q8 import Q8Linear
-from tests.fixtures import kernel_switch, vector_width
+from tests.fixtures import kernel_switch, kernels_buildable, vector_width
 
-CAN_BUILD = shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
-pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc and an AVX2/FMA/F16C CPU")
+CAN_BUILD = kernels_buildable()
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
 AVX512 = "avx512f" in build._cpu_flags()
 
 
