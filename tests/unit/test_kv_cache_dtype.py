@@ -188,6 +188,9 @@ def test_a_16_bit_cache_holds_twice_the_tokens(monkeypatch):
     half = plan_kv_cache(spec, torch.device("cpu"), request, 0.1, kv_dtype=torch.float16)
     assert half.num_blocks in (2 * full.num_blocks, 2 * full.num_blocks + 1)
     assert abs(half.bytes - full.bytes) <= 46080 * 16
+    # A float8 cache (CUDA's fp8_*: the same sizing, on the GPU's free memory there) holds four times float32's.
+    quarter = plan_kv_cache(spec, torch.device("cpu"), request, 0.1, kv_dtype=torch.float8_e4m3fn)
+    assert quarter.num_blocks in range(4 * full.num_blocks, 4 * full.num_blocks + 4)
 
 
 def test_kv_dtype_choice_per_device(monkeypatch):
