@@ -140,3 +140,12 @@ def decode_logits(
         tokens = logits.argmax(-1)
     model.__dict__.pop("cpu_decoder_step", None)
     return torch.stack(out)
+
+
+def decode_hidden(model, graphs, tokens: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    """One decode step's hidden states: eagerly without `graphs`, else by replay (which must happen)."""
+    if graphs is None:
+        return model.forward(tokens, meta.positions, cache, meta)
+    replayed = graphs.run(tokens, meta)
+    assert replayed is not None, "a decode step within the buckets must replay"
+    return replayed.hidden
