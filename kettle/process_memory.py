@@ -47,6 +47,20 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+MADV_POPULATE_WRITE = 23  # <sys/mman.h>, Linux 5.14+
+
+
+def populate(address: int, length: int) -> bool:
+    """Faults [address, address + length) in, writable, without changing a byte (`madvise` with
+    MADV_POPULATE_WRITE); False where the system has no such call or refuses it. ctypes releases the GIL for the
+    call, so a thread can run it over gigabytes while the others work."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+
+
 def release_free_memory() -> None:
     """Returns the C heap's free pages to the system (glibc's `malloc_trim`). Loading the model and parsing the
     tokenizer free far more than they keep (JSON trees, conversion temporaries, the warm-up's activations), and

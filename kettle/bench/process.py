@@ -75,6 +75,14 @@ class KettleServer:
     def logs(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
+    def wait_for_log(self, text: str, timeout: float = 60) -> None:
+        """Returns once `text` is in the server's log (anywhere in it); TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while text not in Path(self.log.name).read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{text!r} not logged within {timeout} s:\n{self.logs()}")
+            time.sleep(0.1)
+
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM, as an orchestrator would; returns the launcher's exit code."""
         if self.process.poll() is None:

@@ -134,6 +134,8 @@ class ShardEngine:
         )
         self.runner.allocate_cache(plan.num_blocks, plan.block_size)
         self._warmup_forward(request.batch, plan.block_size, plan.warmup_tokens)
+        # The CPU cache's pages fault in from here, behind the answer (kettle/tensors/zeroed_memory.py).
+        self.runner.kv_cache.residency.start()
         self.batches.clear()
         self.runner.release(None)
         logger.info(

@@ -42,6 +42,7 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         self.info = info
         self.urls = urls
         self._lock = asyncio.Lock()
+        self._memory_report: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
     async def _call(self, context: grpc.aio.ServicerContext, fn, request):
         if tracing.enabled():  # the router's trace continues here (its span context is in the call's metadata)
@@ -79,12 +80,19 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def Warmup(self, request, context):
         answer = await self._call(context, self.engine.warmup, request)
+        self._memory_report = asyncio.create_task(self._report_memory())
+        return answer
+
+    async def _report_memory(self) -> None:
+        """Logs the memory the shard serves with once its KV cache is resident (on the CPU its pages fault in after
+        the warm-up, 0.5-2.5 s on the bundled model), without holding the warm-up's answer back."""
+        cache = getattr(self.engine.runner, "kv_cache", None)
+        if cache is not None:
+            await asyncio.to_thread(cache.residency.wait)
         # The warm-up prefill's activations are freed but glibc keeps most of them resident (25-75 MiB on
         # the bundled model): hand them back before the shard settles.
         release_free_memory()
-        # Ready now: the weights are loaded and the KV cache allocated, so this is the memory the shard serves with.
         log_resident_memory(logger, f"shard-{self.engine.rank}")
-        return answer
 
     async def Prefill(self, request, context):
         return await self._call(context, self.engine.prefill, request)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.runner import ModelRunner, StepResult
+from kettle.tensors.zeroed_memory import Residency
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class CacheBudget:
 
     num_blocks: int
     block_size: int
+    # Nothing to fault in: transformers allocates its own caches as it goes.
+    residency: Residency = field(default_factory=lambda: Residency(None))
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:

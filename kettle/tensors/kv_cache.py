@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kettle.tensors.zeroed_memory import Residency, zeroed_tensors
+
 # Tokens per block: small enough that a request wastes little of its last block, large enough that block
 # tables stay short. Shared with the router's allocator through the shard's Info response.
 BLOCK_SIZE = 16
@@ -62,9 +64,15 @@ class KVCache:
         self.device = torch.device(device)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: padded gathers read unused slots (masked out), and NaN garbage there would
-        # survive a -inf mask as NaN * 0 in some kernels.
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # survive a -inf mask as NaN * 0 in some kernels. On the CPU the zeros come from the kernel, and the pages
+        # fault in when `residency.start()` asks (the shard: after its warm-up prefill), not here.
+        if self.device.type == "cpu":
+            tensors, self.residency = zeroed_tensors(2 * num_layers, shape, dtype)
+        else:
+            tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2 * num_layers)]
+            self.residency = Residency(None)
+        self.k: list[torch.Tensor] = tensors[:num_layers]
+        self.v: list[torch.Tensor] = tensors[num_layers:]
 
     @property
     def num_slots(self) -> int:

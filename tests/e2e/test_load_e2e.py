@@ -139,6 +139,7 @@ def load_server(tiny_llama_path):
 def test_load_mixed_requests_complete_and_leave_nothing_behind(load_server):
     asyncio.run(_round(load_server.url, WARMUP_REQUESTS, seed=1))
     _wait_idle(load_server.url)
+    load_server.wait_for_log("Resident memory of shard-0")  # the KV cache's pages are all in: RSS holds still
     before = _server_rss(load_server.process.pid)
 
     outcomes = asyncio.run(_round(load_server.url, N_REQUESTS, seed=2))

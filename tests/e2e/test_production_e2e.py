@@ -92,6 +92,7 @@ def test_prometheus_port_serves_every_spec_metric_with_tgi_names(prod):
 
 
 def test_every_process_logs_its_resident_memory_once_and_exposes_it_as_a_gauge(prod):
+    prod.wait_for_log("Resident memory of shard-0")  # logged once its KV cache is resident, just after it is ready
     text = httpx.get(prod.prometheus_url, timeout=10).text
     gauges = re.findall(r'^kettle_process_resident_memory_bytes\{process="([\w-]+)"\} (\S+)$', text, re.MULTILINE)
     values = {process: float(value) for process, value in gauges}

@@ -1,0 +1,58 @@
+"""The CPU KV cache's memory: zero tensors in one anonymous mapping, usable at once, their pages faulted in by a
+background thread when asked (MADV_POPULATE_WRITE), or in the caller where the kernel has no such call."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from kettle.tensors import zeroed_memory
+from kettle.tensors.kv_cache import KVCache
+from kettle.tensors.zeroed_memory import zeroed_tensors
+
+MIB = 2**20
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def check_tensors(tensors: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    assert all(t.shape == shape and t.dtype == dtype and t.is_contiguous() for t in tensors)
+    assert all(t.data_ptr() % zeroed_memory.ALIGN == 0 for t in tensors)
+    assert all(not t.any() for t in tensors)
+    for i, tensor in enumerate(tensors):  # each its own memory: a write shows in it alone
+        tensor.fill_(i + 1)
+    assert [int(t.flatten()[0]) for t in tensors] == [i + 1 for i in range(len(tensors))]
+    assert all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
+
+
+def test_the_pages_fault_in_behind_the_caller():
+    shape, count = (1000, 3, 1237), 6  # 7,422,000 bytes a tensor: not a multiple of the alignment
+    before = rss()
+    tensors, residency = zeroed_tensors(count, shape, torch.float16)
+    assert not residency.done.is_set() and rss() - before < 0.5 * count * 7_422_000  # nothing faulted in yet
+    residency.start()
+    residency.start()  # once only
+    assert residency.done.wait(60), "the background thread never finished"
+    assert rss() - before >= 0.9 * count * 7_422_000  # resident without anything having been written
+    check_tensors(tensors, shape, torch.float16)
+
+
+def test_without_madv_populate_write_the_caller_faults_them_in(monkeypatch):
+    monkeypatch.setattr(zeroed_memory, "populate", lambda address, length: False)
+    before = rss()
+    tensors, residency = zeroed_tensors(4, (64, 256), torch.float32)  # 64 KiB each
+    assert residency.done.is_set()  # no thread: done on return
+    assert rss() - before >= 0.9 * 4 * 64 * 1024
+    check_tensors(tensors, (64, 256), torch.float32)
+
+
+def test_the_cpu_kv_cache_is_zero_usable_at_once_and_becomes_resident():
+    cache = KVCache(
+        num_layers=3, num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu"
+    )
+    assert len(cache.k) == len(cache.v) == 3
+    check_tensors([*cache.k, *cache.v], (640, 2, 64), torch.float16)
+    assert cache.residency.wait(60)  # starts the faulting when nothing has
+    assert KVCache(1, 1, 16, 1, 8, torch.float32, "cpu").k[0].sum() == 0
