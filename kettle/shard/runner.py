@@ -95,6 +95,7 @@ class ModelRunner:
             spec.head_dim,
             self.cache_dtype,
             self.device,
+            fault_in_later=True,  # the warm-up starts it after its prefill (kettle/tensors/zeroed_memory.py)
         )
         if extra:
             self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, num_blocks, self.graph_buckets)

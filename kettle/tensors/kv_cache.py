@@ -52,7 +52,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        fault_in_later: bool = False,
     ) -> None:
+        """`fault_in_later`: return before a CPU cache's pages are in (the caller starts `residency` when it
+        suits it); otherwise they are in on return, as `torch.zeros` leaves them."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV cache needs at least one block of one slot, got {num_blocks}x{block_size}")
         self.num_layers = num_layers
@@ -64,10 +67,12 @@ class KVCache:
         self.device = torch.device(device)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: padded gathers read unused slots (masked out), and NaN garbage there would
-        # survive a -inf mask as NaN * 0 in some kernels. On the CPU the zeros come from the kernel, and the pages
-        # fault in when `residency.start()` asks (the shard: after its warm-up prefill), not here.
+        # survive a -inf mask as NaN * 0 in some kernels. On the CPU the zeros come from the kernel, and with
+        # `fault_in_later` the pages fault in when `residency.start()` asks (the shard: after its warm-up prefill).
         if self.device.type == "cpu":
             tensors, self.residency = zeroed_tensors(2 * num_layers, shape, dtype)
+            if not fault_in_later:
+                self.residency.wait()
         else:
             tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2 * num_layers)]
             self.residency = Residency(None)

@@ -7,6 +7,7 @@ mapping is zero-filled by the kernel already, so the tensors are usable at once.
 pages in on a daemon thread with `madvise(MADV_POPULATE_WRITE)`, which writes nothing (so it may run while the
 engine writes K/V into the same pages). The shard starts it after its warm-up prefill: run beside that prefill it
 held the prefill's two OpenMP threads back at every barrier (1.5-2.5 s instead of 0.55), more than it saved.
+`KVCache` waits for it unless asked not to (`fault_in_later`), so benchmarks and tests see a resident cache.
 Where the kernel lacks MADV_POPULATE_WRITE (before Linux 5.14) the pages are zeroed in the caller at once, as
 `torch.zeros` would.
 """

@@ -48,11 +48,15 @@ def test_without_madv_populate_write_the_caller_faults_them_in(monkeypatch):
     check_tensors(tensors, (64, 256), torch.float32)
 
 
-def test_the_cpu_kv_cache_is_zero_usable_at_once_and_becomes_resident():
-    cache = KVCache(
-        num_layers=3, num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu"
-    )
-    assert len(cache.k) == len(cache.v) == 3
-    check_tensors([*cache.k, *cache.v], (640, 2, 64), torch.float16)
-    assert cache.residency.wait(60)  # starts the faulting when nothing has
-    assert KVCache(1, 1, 16, 1, 8, torch.float32, "cpu").k[0].sum() == 0
+def test_the_cpu_kv_cache_is_resident_on_return_unless_asked_to_fault_in_later():
+    shape = dict(num_layers=3, num_blocks=400, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    nbytes = 2 * 3 * 6400 * 2 * 64 * 2  # 9.8 MB
+    before = rss()
+    later = KVCache(**shape, device="cpu", fault_in_later=True)
+    assert not later.residency.done.is_set() and rss() - before < 0.5 * nbytes
+    check_tensors([*later.k, *later.v], (6400, 2, 64), torch.float16)
+    assert later.residency.wait(60)  # starts the faulting when nothing has
+    before = rss()
+    now = KVCache(**shape, device="cpu")
+    assert now.residency.done.is_set() and rss() - before >= 0.9 * nbytes
+    check_tensors([*now.k, *now.v], (6400, 2, 64), torch.float16)
