@@ -348,8 +348,8 @@ def bench_kv_dtypes(model, args, wbytes: int, copy_bw: float) -> list[dict]:
             run = KettleDecode(model, batch, args.context, args.steps + args.warmup + 16, KV_DTYPES[name])
             run.capture()
             seconds = wall_per_call(lambda run=run: run.step(True), args.steps, args.warmup)
-            element = torch.empty((), dtype=KV_DTYPES[name]).element_size()
-            kv_bytes = batch * run.len * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element
+            per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, KV_DTYPES[name])
+            kv_bytes = batch * run.len * per_token
             base = base or seconds
             row = {"batch": batch, "kv": name, "context": run.len, "step_s": seconds, "kv_bytes": kv_bytes}
             out.append(row | {"speedup": base / seconds, "bw": (wbytes + kv_bytes) / seconds / copy_bw})

@@ -27,7 +27,7 @@ import torch
 
 from kettle.layers.attention import AttentionMetadata, DecodePlan
 from kettle.layers.sdpa_attention import SdpaBackend
-from kettle.tensors.kv_cache import FLOAT8
+from kettle.tensors.kv_cache import FLOAT8_MAX
 
 try:
     import triton
@@ -183,7 +183,7 @@ def paged_decode(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale, sliding_window or NO_WINDOW, head_dim, min(triton.next_power_of_2(num_seqs), 256),
         GROUP=num_heads // k_cache.shape[1], SPLITS=splits, PAGE=block_size, HEAD_DIM=padded_dim,
-        WRITE_NEW=new_kv is not None, KV_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in FLOAT8 else 0.0,
+        WRITE_NEW=new_kv is not None, KV_MAX=FLOAT8_MAX.get(k_cache.dtype, 0.0),
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](

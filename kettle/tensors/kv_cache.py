@@ -16,8 +16,10 @@ from kettle.tensors.zeroed_memory import Residency, zeroed_tensors
 # tables stay short. Shared with the router's allocator through the shard's Info response.
 BLOCK_SIZE = 16
 # TGI's `--kv-cache-dtype fp8_e4m3fn | fp8_e5m2` (CUDA): K/V stored in 8 bits with a scale of 1.0, as TGI and
-# vLLM do when a checkpoint brings no calibrated K/V scales.
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# vLLM do when a checkpoint brings no calibrated K/V scales; each format's largest finite value, looked up once
+# here, is where the cache writes saturate.
+FLOAT8_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+FLOAT8 = tuple(FLOAT8_MAX)
 
 
 def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -25,7 +27,7 @@ def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (e5m2), and one such key would poison every later score of its sequence, so values saturate at the largest
     finite one first, as the fp8 caches of TGI and vLLM do."""
     if dtype in FLOAT8:
-        limit = torch.finfo(dtype).max
+        limit = FLOAT8_MAX[dtype]
         rows = rows.clamp(-limit, limit)
     return rows.to(dtype)
 
