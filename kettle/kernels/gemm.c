@@ -375,15 +375,6 @@ int kettle_integer_gemm_supported(void) {
            __builtin_cpu_supports("avx512vl");
 }
 
-/* The weight bytes of the INT_CHANNELS channels from j0 (the thread's next group: static schedules hand out
- * consecutive groups) asked into the cache while this group is multiplied. */
-static inline void prefetch_channels(const Linear *w, int64_t j0) {
-    if (j0 >= w->n) return;
-    const int64_t width = w->kind == LINEAR_Q4 ? w->k / 2 : w->k, count = w->n - j0 < INT_CHANNELS ? w->n - j0 : INT_CHANNELS;
-    const char *start = (const char *)w->weight + j0 * width;
-    for (int64_t b = 0; b < count * width; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
-}
-
 /* The tile's outputs [channels][16 lanes] into y's rows (`rows` of them, ldy floats apart) at `channels` consecutive
  * columns, with the bias: 8 lanes × 8 channels at a time through the register transpose, so each row takes one
  * vector store instead of a strided scalar store per output. `tile` has room for 16 channels (the missing ones are
@@ -421,7 +412,6 @@ VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, f
         for (int64_t t = 0; t < (w->n + INT_CHANNELS - 1) / INT_CHANNELS; t++) {
             const int64_t j0 = t * INT_CHANNELS;
             const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
-            prefetch_channels(w, j0 + INT_CHANNELS);
             for (int i = 0; i < n; i++) {
                 widen_channel(w, j0 + i, c.q + i * k);
                 channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
