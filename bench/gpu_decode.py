@@ -9,7 +9,7 @@ the loop), eager and with the decode CUDA graph, and the graph replay alone (CUD
 bandwidth = (weights read once + every sequence's KV) / step time; the embedding table is not counted
 (a step reads B rows of it). transformers runs the same steps with its DynamicCache at batch 1 and 32.
 fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32, and so are the
-weight-only int8 (per-channel, Triton GEMV) and int4 (groups of 128, PyTorch's tinygemm) models that
+weight-only int8 (per-channel, Triton GEMV) and int4 (groups of 128, Kettle's Triton kernel) models that
 `--quantize int8|int4` loads (LM head int8, KETTLE_QUANT_LM_HEAD's default); their %bw counts the bytes of
 the quantized weights (packed values + scales/zeros).
 
@@ -432,7 +432,7 @@ def bench_weight_only(method: str, model, config, source, ids, args, copy_bw: fl
     x = torch.randn(4, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         out["qkv_rel_err"] = relative_error(quantized.layers[0].attn.qkv(x), model.layers[0].attn.qkv(x))
-    out["runs"] = [bench_kettle(quantized, b, args, ("graph", "eager")) for b in (1, 32) if b in args.batch]
+    out["runs"] = [bench_kettle(quantized, b, args, ("graph", "eager")) for b in args.batch]
     for r in out["runs"]:
         print("\n".join(describe(method, r, out["weight_bytes"], model.spec.kv_bytes_per_token, copy_bw)), flush=True)
     return out

@@ -3,10 +3,10 @@
 User-facing choices are command-line flags. What stays in the environment is what a user sets once for a
 machine (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off
 switches and knobs for debugging and measurement (Kettle's CPU kernels, the fused decode step, the float32 tiles
-and quantized activations of the int4/int8 kernels, the CUDA fused kernels, the attention backend, the CPU linear
-layout, the fallback's padding, adaptive prefill chunks, the router's CPU priority, the shortest n-gram
-`--speculate` drafts from, the cost it weighs drafts against and the rows a step verifying drafts may feed). The first
-`current()` reads them and logs them once; a test that changes the environment calls `reload()`.
+and quantized activations of the int4/int8 kernels, the CUDA fused kernels and int4 kernel, the attention
+backend, the CPU linear layout, the fallback's padding, adaptive prefill chunks, the router's CPU priority, the
+shortest n-gram `--speculate` drafts from, the cost it weighs drafts against and the rows a step verifying drafts
+may feed). The first `current()` reads them and logs them once; a test that changes the environment calls `reload()`.
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
 `KETTLE_CUDA_GRAPHS` on the command line), which the CLI reads, `KETTLE_MAX_KV_TOKENS`, which the shard's
@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 LM_HEAD_SCHEMES = ("int8", "int4", "dense")
+# tinygemm stays the default: 2.1-2.4x bf16 at one sequence against the Triton kernel's 0.84x; the Triton kernel
+# wins from 16 rows (0.87-0.90x of bf16 at 16-32 rows against tinygemm's 0.69-0.36x; bench/GPU_RESULTS.md).
+CUDA_INT4_KERNELS = ("tinygemm", "triton")
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 # A decode call's steps within this window reach the streams together: short enough to read as a steady stream,
 # long enough to share one round trip to the shard between several steps of a small batch (docs/performance.md).
@@ -53,6 +56,7 @@ class Settings:
     cpu_prefill_attention: bool  # KETTLE_CPU_PREFILL_ATTENTION=0: SDPA's kernel instead of Kettle's for prefill
     quantized_activations: bool  # KETTLE_QUANTIZED_ACTIVATIONS=0: float32 activations in the int4/int8 GEMVs
     cuda_fused_kernels: bool  # KETTLE_FUSED_KERNELS=0: eager ops instead of the Triton norm/RoPE/SiLU kernels
+    cuda_int4_kernel: str  # KETTLE_CUDA_INT4_KERNEL: tinygemm (default) or triton, the int4 layers' kernel on CUDA
     cuda_graphs: str | None  # KETTLE_CUDA_GRAPHS: decode graph batch sizes when --cuda-graphs is not given
     attention_backend: str | None  # KETTLE_ATTENTION: sdpa or cuda (default: by device)
     cpu_linear: str  # KETTLE_CPU_LINEAR: onednn, transposed or dense float32 weight layout
@@ -82,6 +86,7 @@ class Settings:
             cpu_prefill_attention=env.get("KETTLE_CPU_PREFILL_ATTENTION", "1") != "0",
             quantized_activations=env.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0",
             cuda_fused_kernels=env.get("KETTLE_FUSED_KERNELS", "1") != "0",
+            cuda_int4_kernel=_int4_kernel(env.get("KETTLE_CUDA_INT4_KERNEL", "tinygemm")),
             cuda_graphs=env.get("KETTLE_CUDA_GRAPHS"),
             attention_backend=env.get("KETTLE_ATTENTION") or None,
             cpu_linear=env.get("KETTLE_CPU_LINEAR", "onednn"),
@@ -122,6 +127,12 @@ def _group_size(value: str | None) -> int | None:
     if value is not None and value not in {str(size) for size in INT4_GROUP_SIZES}:
         raise ValueError(f"KETTLE_INT4_GROUP_SIZE must be 32, 64, 128 or 256, got {value!r}")
     return None if value is None else int(value)
+
+
+def _int4_kernel(value: str) -> str:
+    if value not in CUDA_INT4_KERNELS:
+        raise ValueError(f"KETTLE_CUDA_INT4_KERNEL must be tinygemm or triton, got {value!r}")
+    return value
 
 
 def _lm_head(value: str) -> str:

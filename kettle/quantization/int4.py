@@ -14,10 +14,12 @@ Large prefills can be faster on a dense float32 GEMM than on the packed kernel (
 `dense_rows` set, a call with more rows dequantizes the weight for that call only (never kept).
 
 On a CUDA device the same parameters go to PyTorch's tinygemm kernel (`_convert_weight_to_int4pack` /
-`_weight_int4pack_mm`, bfloat16 only, tensor cores on sm80+): the weight is packed where it lies and the
-function w = (q - 8) · scale + zero is the same. tinygemm is a decode kernel (tiles of 16 rows, far below
-cuBLAS on a long prefill), so there too calls with more than `dense_rows` rows multiply a dense copy
-dequantized for the call (`unpack_int4_cuda` inverts tinygemm's tiling with tensor ops).
+`_weight_int4pack_mm`, bfloat16 only, tensor cores on sm80+; fast at one sequence, but it reads the weight again
+per 16 rows), or with `KETTLE_CUDA_INT4_KERNEL=triton` to Kettle's Triton kernel (kettle/quantization/int4_cuda.py:
+the nibbles in plain [N, K/2] pairs, rows in tensor-core tiles; faster from 16 rows, slower below). The function
+w = (q - 8) · scale + zero is the same everywhere. Both are decode kernels, far below cuBLAS on a long prefill,
+so there too calls with more than `dense_rows` rows multiply a dense copy dequantized for the call
+(`unpack_int4_cuda` inverts tinygemm's tiling with tensor ops).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kettle import settings
+from kettle.quantization import int4_cuda
 from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, DENSE_ROWS, KERNEL_ACT_DTYPE
 
 # Group sizes the packed CPU kernel implements; a checkpoint's larger group is split into these (exactly: the
@@ -154,6 +158,13 @@ def native_group_size(weight: torch.Tensor) -> int | None:
     return None
 
 
+def default_cuda_kernel() -> str:
+    """The int4 kernel on CUDA, chosen once per layer: `KETTLE_CUDA_INT4_KERNEL` (tinygemm by default; triton where
+    Triton is installed)."""
+    wanted = settings.current().cuda_int4_kernel
+    return "triton" if wanted == "triton" and int4_cuda.triton is not None else "tinygemm"
+
+
 class Int4Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] group-wise int4; same call shape as `kettle.layers.linear.Linear`."""
 
@@ -165,6 +176,7 @@ class Int4Linear(nn.Module):
         group_size: int,
         bias: torch.Tensor | None = None,
         act_dtype: torch.dtype = KERNEL_ACT_DTYPE,
+        cuda_kernel: str | None = None,
     ) -> None:
         super().__init__()
         n, k = q.shape
@@ -172,9 +184,12 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4: out_features must be a multiple of 16 for the packed kernel, got {n}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
         self.on_cuda = q.is_cuda
+        self.cuda_kernel = (cuda_kernel or default_cuda_kernel()) if self.on_cuda else None
         self.act_dtype = torch.bfloat16 if self.on_cuda else act_dtype  # tinygemm computes in bfloat16 only
-        self.dense_rows = DENSE_ROWS
-        if self.on_cuda:
+        self.dense_rows = int4_cuda.MAX_ROWS if self.cuda_kernel == "triton" else DENSE_ROWS
+        if self.cuda_kernel == "triton":
+            packed = int4_cuda.pack_pairs(q)
+        elif self.on_cuda:
             packed = pack_int4_cuda(q.to(torch.int32))
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
@@ -206,14 +221,22 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor (for large prefills and for checks)."""
-        unpack = unpack_int4_cuda if self.on_cuda else unpack_int4
-        q = unpack(self.packed, self.out_features, self.in_features).float()
+        q = self._unpacked().float()
         scale, zero = self.scale_zero.float().unbind(-1)  # [K/g, N] each
         groups = (q.view(self.out_features, -1, self.group_size) - 8) * scale.t()[..., None] + zero.t()[..., None]
         return groups.view(self.out_features, self.in_features)
 
+    def _unpacked(self) -> torch.Tensor:
+        """q [out, in] in 0..15 from the kernel's layout."""
+        if self.cuda_kernel == "triton":
+            return int4_cuda.unpack_pairs(self.packed)
+        unpack = unpack_int4_cuda if self.on_cuda else unpack_int4
+        return unpack(self.packed, self.out_features, self.in_features)
+
     def _cuda_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """W in `dtype` [out, in] on the GPU, for one large call (addcmul rounds once, from float32)."""
+        """W in `dtype` [out, in] on the GPU, for one large call (addcmul rounds once, in `dtype`)."""
+        if self.cuda_kernel == "triton":
+            return int4_cuda.dense_weight(self.packed, self.scale_zero, self.group_size, dtype)
         n, k = self.out_features, self.in_features
         q = unpack_int4_cuda(self.packed, n, k).view(n, -1, self.group_size).to(dtype) - 8
         # [N, K/g, 1] each, contiguous: the output then takes q's (contiguous) layout, not the scales' transposed one.
@@ -224,6 +247,9 @@ class Int4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.on_cuda and rows.shape[0] > self.dense_rows:
             y = F.linear(rows, self._cuda_dense_weight(rows.dtype))
+        elif self.cuda_kernel == "triton":
+            half = rows if rows.dtype in (torch.bfloat16, torch.float16) else rows.to(torch.bfloat16)
+            y = int4_cuda.int4_matmul(half, self.packed, self.scale_zero, self.group_size).to(x.dtype)
         elif self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(
                 rows.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self.scale_zero
@@ -241,4 +267,5 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
+        kernel = f", kernel={self.cuda_kernel}" if self.cuda_kernel else ""
+        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}{kernel}"

@@ -1,9 +1,10 @@
 """Weight-only int8/int4 on CUDA: the layers against their dequantized weights, the tiny model quantized at load
 time against a bf16 model running the weights quantization rounds to, GPTQ/AWQ checkpoints, and decode graphs.
 
-All but the tinygemm layout check (a Python copy of PyTorch's packing kernel, run on the CPU too) are skipped
-without a CUDA device. int4 runs PyTorch's tinygemm kernel (a dense bf16 GEMM past KETTLE_QUANT_DENSE_ROWS),
-int8 the Triton GEMV of kettle/quantization/fp8.py (≤ KETTLE_INT8_GEMV_ROWS rows) or a bf16 GEMM.
+All but the layout checks (a Python copy of PyTorch's tinygemm packing kernel, and the Triton kernel's nibble
+pairs, run on the CPU too) are skipped without a CUDA device. int4 runs PyTorch's tinygemm kernel (or, with
+KETTLE_CUDA_INT4_KERNEL=triton, kettle/quantization/int4_cuda.py's; the layer tests check both), a dense GEMM past
+`dense_rows`; int8 the Triton GEMV of kettle/quantization/fp8.py (≤ INT8_GEMV_ROWS rows) or a bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kettle.models.registry import load_model
+from kettle.quantization import int4_cuda
 from kettle.quantization.int4 import Int4Linear, quantize_int4, unpack_int4_cuda
 from kettle.quantization.int8 import Int8Linear
 from tests.fixtures import make_tiny_llama
@@ -65,23 +67,54 @@ def test_unpack_int4_cuda_inverts_tinygemm_packing(tiles):
         assert torch.equal(torch.ops.aten._convert_weight_to_int4pack(pairs, tiles).cpu(), packed)
 
 
+def test_int4_pairs_layout_and_dense_weight():
+    """The Triton kernel's layout: input 2j in byte j's low nibble, 2j + 1 in its high one, inverted exactly; the
+    dense weight of a large call is w = (q - 8)·scale + zero per group."""
+    q, scale, zero = quantize_int4(torch.randn(48, 96), 32)
+    pairs = int4_cuda.pack_pairs(q)
+    assert pairs.shape == (48, 48) and pairs.dtype == torch.uint8
+    assert torch.equal(pairs[:, 0] & 0xF, q[:, 0].to(torch.uint8))
+    assert torch.equal(pairs[:, 0] >> 4, q[:, 1].to(torch.uint8))
+    assert torch.equal(int4_cuda.unpack_pairs(pairs).long(), q.long())
+    expected = ((q.view(48, -1, 32) - 8) * scale.t()[..., None] + zero.t()[..., None]).view(48, 96)
+    got = int4_cuda.dense_weight(pairs, torch.stack([scale, zero], -1), 32, torch.float32)
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 @needs_cuda
-@pytest.mark.parametrize(("n", "k", "group"), [(1056, 1024, 128), (64, 96, 32), (4096, 11008, 128)])
-@pytest.mark.parametrize("rows", [1, 5, 32, 300])
-def test_int4_layer_matches_its_dequantized_weight(n, k, group, rows):
-    """tinygemm's packing (nibble order, k-tiling) and its w = (q - 8)·scale + zero against the CPU formula;
-    300 rows take the dense path (unpacked weight, cuBLAS)."""
+@pytest.mark.parametrize(
+    ("n", "k", "group"), [(1056, 1024, 128), (64, 96, 32), (4096, 11008, 128), (576, 1536, 64), (1024, 4096, 256)]
+)
+@pytest.mark.parametrize("rows", [1, 5, 17, 32, 33, 64, 128, 300, 600])
+@pytest.mark.parametrize("kernel", ["triton", "tinygemm"])
+def test_int4_layer_matches_its_dequantized_weight(n, k, group, rows, kernel):
+    """Each CUDA kernel's layout (nibble order; tinygemm's k-tiling) and its w = (q - 8)·scale + zero against the
+    CPU formula, at row counts around the Triton kernel's row blocks (16, 32, 64) and its partial tiles (K = 96,
+    N = 1056); past `dense_rows` (tinygemm 128, Triton 256) the dense path (unpacked weight, cuBLAS)."""
     weight = torch.randn(n, k) * 0.02
     q, scale, zero = quantize_int4(weight, group)
-    scale, zero = scale.bfloat16().float(), zero.bfloat16().float()  # the kernel keeps them in bf16
+    scale, zero = scale.bfloat16().float(), zero.bfloat16().float()  # the kernels keep them in bf16
     expected_weight = ((q.view(n, -1, group) - 8) * scale.t()[..., None] + zero.t()[..., None]).view(n, k)
-    layer = Int4Linear(q.cuda(), scale.cuda(), zero.cuda(), group)
+    layer = Int4Linear(q.cuda(), scale.cuda(), zero.cuda(), group, cuda_kernel=kernel)
+    assert layer.cuda_kernel == kernel
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert relative_error(got, F.linear(x.float(), expected_weight.cuda())) < LAYER_RTOL
     if rows == 1:
         assert relative_error(layer.dequantized().cpu(), expected_weight) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 24])
+def test_int4_triton_takes_float16_activations(rows):
+    """A float16 model's rows go to the Triton kernel as they are (tinygemm would cast them to bf16)."""
+    q, scale, zero = quantize_int4(torch.randn(256, 512) * 0.02, 128)
+    layer = Int4Linear(q.cuda(), scale.cuda(), zero.cuda(), 128, cuda_kernel="triton")
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.float16)
+    got = layer(x)
+    assert got.dtype == torch.float16
+    assert relative_error(got, F.linear(x.float(), layer.dequantized())) < LAYER_RTOL
 
 
 @needs_cuda

@@ -21,6 +21,7 @@ def test_defaults_without_any_variable():
     assert settings.decode_window_ms == 50.0 and settings.cpu_gemm_rows is None and settings.cpu_integer_gemm
     assert (settings.speculate_min_ngram, settings.speculate_row_cost) == (2, 0.35)
     assert settings.speculate_step_rows is None and settings.router_nice == 10
+    assert settings.cuda_int4_kernel == "tinygemm"
 
 
 def test_variables_are_parsed():
@@ -35,6 +36,7 @@ def test_variables_are_parsed():
     assert Settings.from_env({"KETTLE_DECODE_WINDOW_MS": "0"}).decode_window_ms == 0.0
     assert not Settings.from_env({"KETTLE_CPU_INTEGER_GEMM": "0"}).cpu_integer_gemm
     assert Settings.from_env({"KETTLE_ROUTER_NICE": "0"}).router_nice == 0
+    assert Settings.from_env({"KETTLE_CUDA_INT4_KERNEL": "triton"}).cuda_int4_kernel == "triton"
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,7 @@ def test_variables_are_parsed():
         ("KETTLE_SPECULATE_STEP_ROWS", "many"),
         ("KETTLE_ROUTER_NICE", "20"),
         ("KETTLE_ROUTER_NICE", "-5"),
+        ("KETTLE_CUDA_INT4_KERNEL", "marlin"),
     ],
 )
 def test_a_bad_value_names_its_variable(name, value):
