@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 LM_HEAD_SCHEMES = ("int8", "int4", "dense")
 # tinygemm stays the default: 2.1-2.4x bf16 at one sequence against the Triton kernel's 0.84x; the Triton kernel
-# wins from 16 rows (0.87-0.90x of bf16 at 16-32 rows against tinygemm's 0.69-0.36x; bench/GPU_RESULTS.md).
+# wins at 32 rows and more (0.83-0.90x of bf16 at 32 against tinygemm's 0.34-0.36x; bench/GPU_RESULTS.md).
 CUDA_INT4_KERNELS = ("tinygemm", "triton")
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 # A decode call's steps within this window reach the streams together: short enough to read as a steady stream,

@@ -6,11 +6,14 @@ tensor-core tile instead (`tl.dot`, 16 to 64 rows a program): each weight tile i
 its nibbles are split and interleaved in registers, scaled per group (w = (q - 8) · scale + zero, the same
 function as tinygemm's and the CPU kernel's), and multiplied in the activations' dtype with float32 accumulation.
 
-Measured on an H100 (bench/gpu_int4_kernels.py, Llama-2-7B's projections; bench/GPU_RESULTS.md): 0.84-0.90x of
-bf16 from 1 to 32 rows, flat, at ~19% of the copy bandwidth, so it beats tinygemm from 16 rows (0.69x at 16,
-0.36x at 32) and loses below (2.1-2.4x at one row); it stays opt-in until it reads the weights faster at one
-row. Splitting each byte's nibbles between the even and odd inputs instead (two products, scales applied to the
-sums) measured slower at every row count, and went.
+Measured on an H100 (bench/gpu_int4_kernels.py, Llama-2-7B's projections; bench/GPU_RESULTS.md): 0.82-0.90x of
+bf16 from 1 to 32 rows at its best tile, flat, at ~19% of the copy bandwidth, so it beats tinygemm at 32 rows
+(0.34-0.36x there), at 16 with a good tile (0.87x against 0.69x; 0.48x with the tile tuned at one row, before
+the tuning key held the row bucket) and loses below (2.1-2.4x at one row); it stays opt-in until it reads the
+weights faster at one row. Two other versions measured slower at every row count and went: the even and odd
+inputs against the low and high nibbles in two products, the scales applied to the sums (0.52 ms at one row, 1.57
+at 32, against 0.37-0.39); each byte loaded twice, once per nibble, so the values come out in input order with no
+shuffle (1.44 ms).
 
 The weight is kept plainly: `pairs` [N, K/2] uint8, input 2j in the low nibble of byte j and 2j + 1 in the high
 one, and `scale_zero` [K/g, N, 2] as tinygemm takes it. `Int4Linear` sends calls of more rows (long prompt
@@ -65,11 +68,13 @@ if triton is not None:
                 (16, 256, 4, 4),
             ]
         ],
-        key=["N", "K", "BLOCK_M"],
+        # M_BUCKET (M rounded up to a power of two): the best tile at one row is not the best at 16, though both
+        # run the same 16-row programs (a config tuned at one row measured 0.68 ms at 16 rows, against 0.37).
+        key=["N", "K", "M_BUCKET"],
     )
     @triton.jit
     def _int4_kernel(
-        x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+        x_ptr, w_ptr, sz_ptr, y_ptr, M, N, K, stride_xm, stride_ym, M_BUCKET,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # Axis 0 walks row blocks, so the programs that share a weight tile run next to each other (L2 hits).
@@ -120,7 +125,8 @@ def int4_matmul(x: torch.Tensor, pairs: torch.Tensor, scale_zero: torch.Tensor, 
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = block_rows(rows)
     grid = lambda meta: (triton.cdiv(rows, block_m), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    bucket = triton.next_power_of_2(rows)
     _int4_kernel[grid](
-        x, pairs, scale_zero, y, rows, n, x.shape[1], x.stride(0), y.stride(0), GROUP=group, BLOCK_M=block_m
+        x, pairs, scale_zero, y, rows, n, x.shape[1], x.stride(0), y.stride(0), bucket, GROUP=group, BLOCK_M=block_m
     )
     return y
