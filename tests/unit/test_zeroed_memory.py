@@ -39,6 +39,20 @@ def test_the_pages_fault_in_behind_the_caller():
     check_tensors(tensors, shape, torch.float16)
 
 
+def test_the_pages_fault_in_chunk_by_chunk(monkeypatch):
+    """Each madvise call holds the process's memory-map lock: the faulting goes in pieces of CHUNK bytes, in
+    order, covering the mapping once, so other threads' allocations wait for one piece at most."""
+    monkeypatch.setattr(zeroed_memory, "CHUNK", 64 * 1024)
+    _, residency = zeroed_tensors(5, (100, 1000), torch.float32)  # 5 x 400,000 bytes, probed with the real call
+    calls = []
+    monkeypatch.setattr(zeroed_memory, "populate", lambda address, length: calls.append((address, length)) or True)
+    assert residency.wait(60)
+    start, total = residency.flat.data_ptr(), residency.flat.numel()
+    assert all(length <= 64 * 1024 for _, length in calls) and len(calls) == -(-total // (64 * 1024))
+    assert [address for address, _ in calls] == [start + i * 64 * 1024 for i in range(len(calls))]
+    assert sum(length for _, length in calls) == total
+
+
 def test_without_madv_populate_write_the_caller_faults_them_in(monkeypatch):
     monkeypatch.setattr(zeroed_memory, "populate", lambda address, length: False)
     before = rss()
