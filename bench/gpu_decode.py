@@ -8,10 +8,11 @@ decode steps as the shard runs them (host metadata build + forward + logits + ar
 the loop), eager and with the decode CUDA graph, and the graph replay alone (CUDA events). Achieved
 bandwidth = (weights read once + every sequence's KV) / step time; the embedding table is not counted
 (a step reads B rows of it). transformers runs the same steps with its DynamicCache at batch 1 and 32.
-fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32, and so are the
-weight-only int8 (per-channel, Triton GEMV) and int4 (groups of 128, Kettle's Triton kernel) models that
-`--quantize int8|int4` loads (LM head int8, KETTLE_QUANT_LM_HEAD's default); their %bw counts the bytes of
-the quantized weights (packed values + scales/zeros).
+fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32, and at every `--batch`
+the weight-only int8 (per-channel, Triton GEMV) and int4 (groups of 128; PyTorch's tinygemm, or Kettle's Triton
+kernel with KETTLE_CUDA_INT4_KERNEL=triton) models that `--quantize int8|int4` loads (LM head int8,
+KETTLE_QUANT_LM_HEAD's default); their %bw counts the bytes of the quantized weights (packed values +
+scales/zeros).
 
     python3 bench/gpu_decode.py --out $OUT
     KETTLE_FUSED_KERNELS=0 python3 bench/gpu_decode.py --batch 1 32   # the same without the fused kernels
