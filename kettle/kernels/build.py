@@ -1,4 +1,4 @@
-"""Builds and loads Kettle's CPU kernels (cpu_kernels.c, decoder_step.c) the first time a process needs them.
+"""Builds and loads Kettle's CPU kernels (the C files of this folder) the first time a process needs them.
 
 The shared library is compiled with the machine's C compiler into `$KETTLE_CACHE/kernels/cpu-<key>/`, keyed by
 the source, the flags and the compiler, so later processes only load it (~1 ms). It links the OpenMP runtime
@@ -24,7 +24,10 @@ from kettle import settings
 from kettle.hub.cache import build_once, cache_root
 
 FOLDER = Path(__file__).parent
-SOURCES = (FOLDER / "cpu_kernels.c", FOLDER / "decoder_step.c", FOLDER / "gemm.c", FOLDER / "prefill_attention.c")
+SOURCES = tuple(
+    FOLDER / name
+    for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "prefill_attention.c", "decode_attention.c")
+)
 HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")

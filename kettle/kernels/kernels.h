@@ -837,95 +837,12 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span, floa
     }
 }
 
-/* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. The context is
- * walked block by block (one table lookup per block, no division per position); `dim` is a compile-time
- * constant where the caller dispatches on the common head sizes, so the dot products unroll and each 64-wide
- * slice of an output head accumulates in registers over the whole context. `dtype` (the cache's) is a
- * compile-time constant too: 16-bit K/V rows are widened in registers as they are loaded. */
-static inline __attribute__((always_inline)) void attend_dim(
-    const PagedDecode *p, const float *q, int64_t s, int64_t h, int64_t part, float *scores, float *out,
-    const int64_t dim, const int dtype
-) {
-    const int64_t group = p->heads / p->kv_heads, bs = p->block_size, parts = p->parts;
-    int64_t len = p->positions[s] + 1, first = p->window > 0 && len > p->window ? len - p->window : 0;
-    /* Cut: this item attends piece `part` of [first, len) and leaves, per query head, its unnormalized output,
-     * maximum and sum in a record of the partials, (sequence, head, part) → dim + 2 floats. */
-    float *record = NULL;
-    const int64_t record_stride = parts * (dim + 2); /* from one query head's record to the next head's */
-    if (parts > 1) {
-        const int64_t piece = (len - first + parts - 1) / parts, lo = first + part * piece;
-        record = p->partials + ((s * p->heads + h * group) * parts + part) * (dim + 2);
-        first = lo < len ? lo : len, len = lo + piece < len ? lo + piece : len;
-        if (first == len) { /* nothing left for this piece: it weighs nothing in the sum */
-            for (int64_t g = 0; g < group; g++) {
-                record[g * record_stride + dim] = -INFINITY;
-                record[g * record_stride + dim + 1] = 0.0f;
-            }
-            return;
-        }
-    }
-    const int64_t span = len - first;
-    const int64_t stride = p->kv_heads * dim; /* elements from one slot to the next */
-    const int64_t *table = p->tables + s * p->max_blocks;
-    const float *qs = q + (s * p->heads + h * group) * dim;
-    const void *k_cache = p->k_cache, *v_cache = p->v_cache;
-    for (int64_t b = first / bs; b * bs < len; b++) {
-        const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const int64_t keys = table[b] * bs * stride + h * dim; /* position b·bs + i at keys + i·stride */
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t g = 0; g < group; g++)
-                scores[g * span + t - first] =
-                    dot_kv(qs + g * dim, k_cache, keys + (t - b * bs) * stride, dim, dtype) * p->scale;
-    }
-    if (p->softcap > 0.0f) softcap_rows(scores, group * span, p->softcap);
-    softmax_rows(scores, group, span, record ? record + dim : NULL, record ? record + dim + 1 : NULL, record_stride);
-    for (int64_t g = 0; g < group; g++) {
-        const float *weights = scores + g * span - first;
-        float *dst = record ? record + g * record_stride : out + (s * p->heads + h * group + g) * dim;
-        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-            const int64_t width = dim - d0 < 64 ? dim - d0 : 64;
-            if (width < 64) { /* a head size that is not a multiple of 64: the remainder row by row */
-                for (int64_t d = 0; d < width; d++) dst[d0 + d] = 0.0f;
-                for (int64_t t = first; t < len; t++) {
-                    const int64_t slot = table[t / bs] * bs + t % bs;
-                    axpy_kv(dst + d0, weights[t], v_cache, (slot * p->kv_heads + h) * dim + d0, width, dtype);
-                }
-                continue;
-            }
-            __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t b = first / bs; b * bs < len; b++) {
-                const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-                const int64_t values = table[b] * bs * stride + h * dim + d0;
-                for (int64_t t = t0; t < t1; t++) {
-                    const __m256 w = _mm256_set1_ps(weights[t]);
-                    const int64_t row = values + (t - b * bs) * stride;
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(v_cache, row + 8 * i, dtype), acc[i]);
-                }
-            }
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + d0 + 8 * i, acc[i]);
-        }
-    }
-}
-
-/* `attend_dim` for the call's head size and cache type: one dispatch per item, constants inside. */
-#define ATTEND_TYPED(dim_)                                                                                    \
-    switch (p->kv_dtype) {                                                                                    \
-    case KV_F16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F16); break;                             \
-    case KV_BF16: attend_dim(p, q, s, h, part, scores, out, dim_, KV_BF16); break;                           \
-    default: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F32);                                        \
-    }
-
-/* Work item `item` of a call: (sequence, KV head, piece of the context) → out [S, H, D], or the partials when the
- * contexts are cut (then `combine_parts` finishes each query head). */
-static inline void attend_item(const PagedDecode *p, const float *q, int64_t item, float *scores, float *out) {
-    const int64_t parts = p->parts, part = item % parts, s = item / parts / p->kv_heads;
-    const int64_t h = item / parts % p->kv_heads;
-    if (p->dim == 64) ATTEND_TYPED(64)
-    else if (p->dim == 128) ATTEND_TYPED(128)
-    else ATTEND_TYPED(p->dim)
-}
-#undef ATTEND_TYPED
+/* Work item `item` of a decode attention call: (sequence, KV head, piece of the context) → out [S, H, D], or the
+ * partials when the contexts are cut (then `combine_parts` finishes each query head). Compiled once, in
+ * decode_attention.c: both the op-at-a-time entry and the fused step call it, and as a static function here it was
+ * compiled into each of them (1.6 s of the fused step's 3.2 s of compiler time on a first start). */
+__attribute__((visibility("hidden"))) void kettle_attend_item(const PagedDecode *p, const float *q, int64_t item,
+                                                           float *scores, float *out);
 
 /* Query head `head` (of all S · H) of a cut call: out = Σ_p e^{m_p − M} o_p / Σ_p e^{m_p − M} l_p over its pieces'
  * records (M the largest maximum m_p; a piece with no keys has m_p = −∞ and weighs 0). */
@@ -952,7 +869,7 @@ static inline void combine_parts(const PagedDecode *p, int64_t head, float *out)
  * pieces combined into out. */
 static inline void paged_attention(const PagedDecode *p, const float *q, int64_t seqs, float *scores, float *out) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < seqs * p->kv_heads * p->parts; item++) attend_item(p, q, item, scores, out);
+    for (int64_t item = 0; item < seqs * p->kv_heads * p->parts; item++) kettle_attend_item(p, q, item, scores, out);
     if (p->parts > 1) {
 #pragma omp for schedule(static)
         for (int64_t head = 0; head < seqs * p->heads; head++) combine_parts(p, head, out);
