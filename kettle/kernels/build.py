@@ -25,8 +25,7 @@ from kettle.hub.cache import build_once, cache_root
 
 FOLDER = Path(__file__).parent
 SOURCES = tuple(
-    FOLDER / name
-    for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "prefill_attention.c", "decode_attention.c")
+    FOLDER / name for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "prefill_attention.c", "decode_attention.c")
 )
 HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
