@@ -31,6 +31,7 @@ HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ENV_SWITCH = "KETTLE_CPU_KERNELS"  # read through kettle.settings
+COMPILER_NICE = 10  # the compilers' niceness (see `_lower_priority`)
 log = logging.getLogger(__name__)
 
 _int, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -121,7 +122,11 @@ def _compiler(compiler: str):
         compile_flags = [flag for flag in FLAGS if flag != "-shared"]
         objects = [out / f"{source.stem}.o" for source in SOURCES]
         jobs = [
-            subprocess.Popen([compiler, *compile_flags, "-c", str(source), "-o", str(obj)], stderr=subprocess.PIPE)
+            subprocess.Popen(
+                [compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
+                stderr=subprocess.PIPE,
+                preexec_fn=_lower_priority,
+            )
             for source, obj in zip(SOURCES, objects, strict=True)
         ]
         finished = [(job, job.communicate()[1]) for job in jobs]  # every job waited for, failed or not
@@ -134,6 +139,14 @@ def _compiler(compiler: str):
             obj.unlink()
 
     return build
+
+
+def _lower_priority() -> None:
+    """In each compiler, before it starts: a first start builds the kernels beside the model's preparation (a GGUF's
+    config and tokenizer), one process against five compilers on the same cores. At the same priority the
+    compilers took 5/6 of the CPU and the preparation, the longer of the two, finished last; below it, the
+    preparation keeps a core and the compilers share what is left (docs/deployment.md)."""
+    os.nice(COMPILER_NICE)
 
 
 def _key(compiler: str) -> str:
