@@ -5,6 +5,8 @@ hashes the source's path, size and modification time, so an edited source gets a
 is built under a temporary name beside its final place and renamed when complete: a crash or Ctrl-C never
 leaves a half-written folder that a later start would mistake for a finished one.
 
+A second process building the same folder waits for the first and reuses its result (`build_once`).
+
 A folder's key can never match again once its source is deleted, moved or rewritten (a new virtual environment
 holds the bundled GGUF at a new path; a re-downloaded file has a new modification time), so such folders are
 garbage, up to a float32 copy of the weights each. Every build records its sources (`kettle-source.json`) and
@@ -15,13 +17,14 @@ from before the record: a GGUF folder links to its file).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kettle import settings
@@ -56,14 +59,49 @@ def build_once(target: Path, build: Callable[[Path], None], what: str, sources: 
     `sources`: the files `target`'s key was computed from (`source_key`), recorded so that a later build can
     tell when they are gone.
 
-    Two processes converting the same source at once both build; the first rename wins and the other's
-    copy is discarded, so no lock file is needed.
+    A process that finds another building the same target waits for it and reuses its folder (an advisory lock on
+    a file beside the folder, which the system releases if the builder dies): the launcher starts the shards while
+    it still compiles the CPU kernels, and the shards then wait for that build instead of compiling their own
+    copies. Where the lock cannot be taken (a file system without it), both build, the first rename wins and the
+    other copy is discarded.
     """
     if target.is_dir():
         if sources and not (target / SOURCES_FILE).exists():
             _record_sources(target, sources)  # built before folders kept the record
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _building(target, what):
+        if target.is_dir():  # built by the process this one waited for
+            return target
+        return _build(target, build, what, sources)
+
+
+@contextlib.contextmanager
+def _building(target: Path, what: str) -> Iterator[None]:
+    """Holds the lock on `target`'s build; the lock file goes with the build (a process still waiting on it then
+    finds the folder built, or builds after a failure)."""
+    lock = target.parent / f"{TEMP_PREFIX}{target.name}.lock"
+    try:
+        handle = open(lock, "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("Waiting for another process converting %s", what)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no locks here: build anyway
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                lock.unlink()
+
+
+def _build(target: Path, build: Callable[[Path], None], what: str, sources: Sequence[Path]) -> Path:
     _remove_abandoned(target.parent)
     _remove_stale(target.parent)
     temp = target.parent / f"{TEMP_PREFIX}{target.name}-{os.getpid()}"

@@ -28,7 +28,7 @@ def launch(config: LauncherConfig) -> int:
     for name in config.no_effect_flags_set():
         log.warning("--%s is accepted for compatibility with TGI and does nothing in Kettle", _flag(name))
     tgi_environment.apply_token_alias()
-    kernels = _build_kernels_meanwhile()
+    _build_kernels_meanwhile()
     try:
         # In a child process: what preparing a model imports (transformers, torch) never enters the launcher.
         model = prepare_model(config)
@@ -55,7 +55,8 @@ def launch(config: LauncherConfig) -> int:
             log.error("%s", error)
             return 1
     log.info("Model %s ready in %s", model.display_id, model.path)
-    kernels.join()  # the shards then only load the library (else each would compile its own copy)
+    # Not joined: the shards import and start loading while the kernels compile, and wait for that build when they
+    # need the library (a lock in kettle/hub/cache.py `build_once`), instead of compiling their own copies.
     supervisor = Supervisor(
         shard_specs(config, str(model.path)),
         # With --nnodes, the router runs on node 0 only: it reaches every rank through rank 0's discovery.
@@ -70,7 +71,8 @@ def _build_kernels_meanwhile() -> threading.Thread:
     """Compiles the CPU kernels (a first start only; ~8 s of compiler time) on a thread while the child process
     prepares the model (a first start converts a GGUF's metadata in ~4.5 s, one core's Python), instead of after it
     in the shard: on two cores the two overlap, the compilers at a lower priority so that the preparation keeps a
-    core. The compilers run as subprocesses; nothing here loads torch."""
+    core, and the build goes on while the shards import. The compilers run as subprocesses; nothing here loads
+    torch."""
     from kettle.kernels.build import built_folder
 
     thread = threading.Thread(target=built_folder, name="kettle-kernel-build", daemon=True)

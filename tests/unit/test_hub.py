@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,48 @@ def test_a_build_finished_by_another_process_is_reused(kettle_cache):
     assert build_once(target, build, what="raced") == target
     assert (target / "theirs").exists()
     assert [path.name for path in (kettle_cache / "models").iterdir()] == ["raced-123"]
+
+
+def test_a_build_under_way_is_waited_for_not_repeated(kettle_cache):
+    """A second builder of the same target (the shards, while the launcher compiles the kernels) waits for the
+    first and reuses its folder; the lock file goes with the build."""
+    target = kettle_cache / "kernels" / "cpu-123"
+    started, builds = threading.Event(), []
+
+    def slow(out):
+        builds.append("first")
+        started.set()
+        time.sleep(0.5)
+        (out / "lib").write_text("first")
+
+    first = threading.Thread(target=build_once, args=(target, slow, "kernels"))
+    first.start()
+    assert started.wait(10)
+    assert build_once(target, lambda out: builds.append("second"), what="kernels") == target
+    first.join()
+    assert builds == ["first"] and (target / "lib").read_text() == "first"
+    assert [path.name for path in (kettle_cache / "kernels").iterdir()] == ["cpu-123"]
+
+
+def test_after_a_failed_build_the_waiting_builder_builds(kettle_cache):
+    target = kettle_cache / "kernels" / "cpu-456"
+    started = threading.Event()
+
+    def failing(out):
+        started.set()
+        time.sleep(0.3)
+        raise RuntimeError("no compiler")
+
+    def run_failing():
+        with pytest.raises(RuntimeError):
+            build_once(target, failing, what="kernels")
+
+    first = threading.Thread(target=run_failing)
+    first.start()
+    assert started.wait(10)
+    assert build_once(target, lambda out: (out / "lib").write_text("second"), what="kernels") == target
+    first.join()
+    assert (target / "lib").read_text() == "second"
 
 
 def convert(source: Path) -> Path:
