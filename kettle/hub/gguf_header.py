@@ -62,6 +62,10 @@ class _Cursor:
         item, count = self.take("I"), self.take("Q")
         if item in _SCALARS:
             self.pos += count * struct.calcsize(_SCALARS[item])
+        elif item == _STRING:  # a vocabulary: ~100,000 strings stepped over by their lengths, none decoded
+            for _ in range(count):
+                size = self.take("Q")
+                self.pos += size
         else:
             for _ in range(count):
                 self.value(item)
