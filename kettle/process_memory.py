@@ -44,6 +44,7 @@ def _libc() -> ctypes.CDLL | None:
         libc.malloc_trim  # noqa: B018 (glibc only: musl and macOS have none)
     except (OSError, AttributeError):
         return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]  # addresses past 2**31 stay whole
     return libc
 
 
@@ -55,10 +56,7 @@ def populate(address: int, length: int) -> bool:
     MADV_POPULATE_WRITE); False where the system has no such call or refuses it. ctypes releases the GIL for the
     call, so a thread can run it over gigabytes while the others work."""
     libc = _libc()
-    if libc is None:
-        return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+    return libc is not None and libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
 
 
 def release_free_memory() -> None:

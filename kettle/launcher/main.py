@@ -67,7 +67,7 @@ def launch(config: LauncherConfig) -> int:
     return supervisor.run()
 
 
-def _build_kernels_meanwhile() -> threading.Thread:
+def _build_kernels_meanwhile() -> None:
     """Compiles the CPU kernels (a first start only; ~8 s of compiler time) on a thread while the child process
     prepares the model (a first start converts a GGUF's metadata in ~4.5 s, one core's Python), instead of after it
     in the shard: on two cores the two overlap, the compilers at a lower priority so that the preparation keeps a
@@ -75,9 +75,7 @@ def _build_kernels_meanwhile() -> threading.Thread:
     torch."""
     from kettle.kernels.build import built_folder
 
-    thread = threading.Thread(target=built_folder, name="kettle-kernel-build", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=built_folder, name="kettle-kernel-build", daemon=True).start()
 
 
 def _flag(name: str) -> str:

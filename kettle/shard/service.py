@@ -85,7 +85,7 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def _report_memory(self) -> None:
         """Logs the memory the shard serves with once its KV cache is resident (on the CPU its pages fault in after
-        the warm-up, 0.5-2.5 s on the bundled model), without holding the warm-up's answer back."""
+        the warm-up, in 32 MiB pieces: 0.5-4.5 s on the bundled model), without holding the warm-up's answer back."""
         await asyncio.to_thread(self.engine.runner.kv_cache.residency.wait)
         # The warm-up prefill's activations are freed but glibc keeps most of them resident (25-75 MiB on
         # the bundled model): hand them back before the shard settles.
