@@ -50,6 +50,7 @@ class Settings:
     quant_lm_head: str  # KETTLE_QUANT_LM_HEAD: int8, int4 or dense, for --quantize int8/int4
     cpu_kernels: bool  # KETTLE_CPU_KERNELS=0: PyTorch's ops instead of Kettle's C kernels
     cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
+    greedy_window: bool  # KETTLE_GREEDY_WINDOW=0: a decode call's greedy steps one at a time, not in one C call
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
     cpu_gemm_rows: int | None  # KETTLE_CPU_GEMM_ROWS: int4/int8 projections on the panels from N rows (0: never)
     cpu_integer_gemm: bool  # KETTLE_CPU_INTEGER_GEMM=0: the float32 panels (16+ rows), not the int16 ones (10+)
@@ -80,6 +81,7 @@ class Settings:
             quant_lm_head=_lm_head(env.get("KETTLE_QUANT_LM_HEAD", "int8")),
             cpu_kernels=env.get("KETTLE_CPU_KERNELS", "1") != "0",
             cpu_decoder_step=env.get("KETTLE_CPU_DECODER_STEP", "1") != "0",
+            greedy_window=env.get("KETTLE_GREEDY_WINDOW", "1") != "0",
             cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,
             cpu_gemm_rows=int(env["KETTLE_CPU_GEMM_ROWS"]) if env.get("KETTLE_CPU_GEMM_ROWS") else None,
             cpu_integer_gemm=env.get("KETTLE_CPU_INTEGER_GEMM", "1") != "0",

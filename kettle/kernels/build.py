@@ -66,9 +66,13 @@ SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int
 # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]
+# model, k_caches, v_caches, embedding, head, head_path, tokens, rows, steps, cos, sin, slots, tables, max_blocks,
+# positions, stop_ids, stops, ids, logprobs, threads (returns the steps run)
+SIGNATURES["kettle_greedy_steps"] = [_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _int, _int, _ptr, _ptr, _ptr]
+SIGNATURES["kettle_greedy_steps"] += [_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, ctypes.c_int]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_rows", "kettle_q8_linear_rows")
 RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q8g_linear")
-RETURNS_STATUS += ("kettle_paged_prefill",)
+RETURNS_STATUS += ("kettle_paged_prefill", "kettle_greedy_steps")
 # scores, rows, vocab, ld, ids, logprobs, threads
 SIGNATURES["kettle_greedy"] = [_ptr, _int, _int, _int, _ptr, _ptr, ctypes.c_int]
 SIGNATURES["kettle_integer_gemm_supported"] = []

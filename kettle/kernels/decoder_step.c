@@ -473,3 +473,47 @@ int kettle_decoder_step(
     free(scores), free(partials);
     return 0;
 }
+
+/* Row `token` of the embedding table (float32, or GGUF Q8_0 as for a tied head) as float32. */
+static void embed_row(const Linear *table, int64_t token, float *dst) {
+    if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
+    else q8g_dequant_row(table, token, dst);
+}
+
+/* `steps` greedy decode steps of `rows` sequences in one call, for batches whose tokens need nothing of the host
+ * between steps (kettle/shard/greedy_window.py says which). Each step embeds the rows' last tokens (`tokens`,
+ * updated in place) from `embedding`, runs `kettle_decoder_step`, the Q8_0 `head` by `head_path` and
+ * `kettle_greedy`: the functions, and so the numbers, of as many one-step calls. Step s reads cos/sin
+ * [rows, rot_dim], slots and positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the
+ * choices. The window ends early after a step in which some row chose one of `stop_ids` (its EOS ids): the host
+ * then stops that row before the next. Returns the steps run, or -1 when out of memory. */
+int kettle_greedy_steps(
+    const Decoder *m, void *const *k_caches, void *const *v_caches, const Linear *embedding, const Linear *head,
+    int head_path, int64_t *tokens, int64_t rows, int64_t steps, const float *cos, const float *sin,
+    const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *positions,
+    const int64_t *stop_ids, int64_t stops, int64_t *ids, float *logprobs, int threads
+) {
+    const int64_t dim = m->hidden, rot = m->rot_dim;
+    float *embedded = malloc(sizeof(float) * (size_t)(rows * dim)), *hidden = malloc(sizeof(float) * (size_t)(rows * dim));
+    float *logits = malloc(sizeof(float) * (size_t)(rows * head->n));
+    int64_t done = 0, stopped = 0;
+    while (embedded && hidden && logits && done < steps && !stopped) {
+        const int64_t at = done * rows;
+        for (int64_t r = 0; r < rows; r++) embed_row(embedding, tokens[r], embedded + r * dim);
+        if (kettle_decoder_step(m, k_caches, v_caches, embedded, rows, cos ? cos + at * rot : NULL,
+                                sin ? sin + at * rot : NULL, slots + at, tables, max_blocks, positions + at, hidden,
+                                threads, NULL, NULL) ||
+            kettle_q8g_linear(hidden, dim, rows, dim, head->weight, head->scales, head->n, head->bias, logits,
+                              head->n, head_path, threads))
+            break;
+        kettle_greedy(logits, rows, head->n, head->n, ids + at, logprobs + at, threads);
+        for (int64_t r = 0; r < rows; r++) {
+            tokens[r] = ids[at + r];
+            for (int64_t e = 0; e < stops; e++) stopped |= tokens[r] == stop_ids[e];
+        }
+        done++;
+    }
+    const int failed = !embedded || !hidden || !logits || (done < steps && !stopped);
+    free(embedded), free(hidden), free(logits);
+    return failed ? -1 : (int)done;
+}

@@ -102,3 +102,41 @@ def run(
     if status:
         raise MemoryError("CPU decoder step: out of memory for the step's activations")
     return out
+
+
+def run_greedy(
+    decoder: Decoder,
+    k_caches: ctypes.Array,
+    v_caches: ctypes.Array,
+    embedding: Linear,
+    head: Linear,
+    head_path: int,
+    tokens: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    slots: torch.Tensor,
+    block_ids: torch.Tensor,
+    max_blocks: int,
+    positions: torch.Tensor,
+    stop_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decode steps of `tokens` [S] (each sequence's last token, int64) in one call: step s reads rows
+    s·S .. s·S + S of cos/sin [steps·S, rot_dim], slots and positions [steps·S]. Returns the chosen ids [n, S]
+    (int64) and their logprobs [n, S] for the n steps run: all of them, or fewer when a step chose one of
+    `stop_ids` (int64)."""
+    rows = tokens.shape[0]
+    steps = positions.shape[0] // rows
+    tokens = tokens.clone()  # the C loop feeds each step's choice back through it
+    cos, sin = (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
+    ids = torch.empty(steps, rows, dtype=torch.long)
+    logprobs = torch.empty(steps, rows, dtype=torch.float32)
+    done = library().kettle_greedy_steps(
+        ctypes.byref(decoder), k_caches, v_caches, ctypes.byref(embedding), ctypes.byref(head), head_path,
+        tokens.data_ptr(), rows, steps, None if cos is None else cos.data_ptr(),
+        None if sin is None else sin.data_ptr(), slots.data_ptr(), block_ids.data_ptr(), max_blocks,
+        positions.data_ptr(), stop_ids.data_ptr(), stop_ids.numel(), ids.data_ptr(), logprobs.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if done < 0:
+        raise MemoryError("CPU greedy steps: out of memory for the step's activations")
+    return ids[:done], logprobs[:done]

@@ -155,16 +155,21 @@ def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: tor
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    # The C entry's paths: 0 float32 tiles, 1 quantized activations, 2 the float32 panels, 3 the integer panels.
-    below = int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
-    path = 1 + _rows_path(rows, k) if rows >= panel_rows() else below
     status = library().kettle_q8g_linear(
-        x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n, path,
-        torch.get_num_threads(),
+        x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n,
+        q8g_path(rows, k), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y
+
+
+def q8g_path(rows: int, k: int) -> int:
+    """`kettle_q8g_linear`'s path for `rows` rows of K inputs: 0 float32 tiles, 1 quantized activations, 2 the
+    float32 panels, 3 the integer panels."""
+    if rows >= panel_rows():
+        return 1 + _rows_path(rows, k)
+    return int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
 
 
 def q8g_rows(q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,25 @@ class CausalLM(nn.Module):
         return step(h, cos, sin, kv_cache, meta, self.lora_rows)  # every layer (and LoRA delta) in one C call
 
     @torch.inference_mode()
+    def greedy_steps(
+        self, tokens: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, steps: int, stop_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`steps` greedy decode steps of the sequences of `meta` (the metadata of the window's last step, one
+        new token per sequence) in one call, from `tokens` [S], their last tokens: the chosen ids and their
+        logprobs [n, S] for the n steps run (fewer when a step chose a `stop_ids` token), the tokens of as many
+        forward + `compute_logits` + argmax steps. None where the fused CPU step cannot run them: the caller
+        then runs single steps."""
+        step = self.cpu_decoder_step
+        plain = type(self).embed is CausalLM.embed and type(self).compute_logits is CausalLM.compute_logits
+        # Dynamic NTK picks each step's frequencies from its sequence lengths, which the window's metadata lacks.
+        dynamic = self.rotary is not None and self.rotary.rope_type == "dynamic"
+        if step is None or not plain or dynamic or self.embed_scale is not None or not step.fits(kv_cache, meta):
+            return None
+        positions = (meta.positions.unsqueeze(0) + torch.arange(1 - steps, 1).unsqueeze(1)).reshape(-1)
+        cos, sin = self.rope(positions, meta)
+        return step.greedy(tokens, cos, sin, kv_cache, meta, positions, stop_ids)
+
+    @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -51,6 +51,7 @@ from kettle.kernels.decoder_step import (
     Lora,
     Norm,
     run,
+    run_greedy,
 )
 from kettle.layers import linear as dense
 from kettle.layers.activation import activation
@@ -100,6 +101,23 @@ def _linear(module: nn.Module) -> Linear:
         # oneDNN's packed layout is the faster one for the layer-by-layer matmuls of a float32 model.
         raise Unsupported(f"float32 weights in the {module.layout} layout (KETTLE_CPU_LINEAR=dense: rows it reads)")
     raise Unsupported(f"a {type(module).__name__} projection (it reads int4, int8 or dense float32 rows)")
+
+
+def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
+    """The C descriptions of the input embedding (float32 rows, or a tied Q8_0 head's) and of the LM head, for
+    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, the head of a GGUF checkpoint)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, Q8Linear) or head.bias is not None:
+        return None
+    embed_rows = getattr(model, "embed_rows", None)
+    if embed_rows is not None:
+        table = getattr(embed_rows, "__self__", None)  # the tied head's bound `embed`
+        return (_linear(table), _linear(head)) if isinstance(table, Q8Linear) else None
+    weight = getattr(model, "embed_tokens", None)
+    if weight is None or weight.dim() != 2 or not _float32_rows(weight):
+        return None
+    n, k = weight.shape
+    return Linear(LINEAR_F32, k, n, k, weight.data_ptr(), None, None, None), _linear(head)
 
 
 def _float32_rows(weight: torch.Tensor) -> bool:
@@ -166,6 +184,7 @@ class DecoderStep:
             for layer in model.layers
         ]
         self._loras: dict[tuple[int, ...], tuple[ctypes.Array, list]] = {}
+        self._ends = _embedding_and_head(model)  # for `greedy`: (embedding, LM head) or None
 
     @classmethod
     def build(cls, model: nn.Module) -> DecoderStep | None:
@@ -265,6 +284,34 @@ class DecoderStep:
         return run(
             self.decoder, k_caches, v_caches, embedded, cos, sin, meta.slots, plan.block_ids, plan.num_blocks,
             meta.positions, loras, slot,
+        )  # fmt: skip
+
+    def greedy(
+        self,
+        tokens: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,
+        stop_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy decode steps from `tokens` [S] (each sequence's last token) in one C call: step s at
+        `positions` [steps · S] s·S .. s·S + S, with cos/sin to match; `meta` is the window's last step (its
+        block tables cover every step). Returns the chosen ids and logprobs [n, S] of the n steps run (fewer
+        when one chose a `stop_ids` token), or None where the embedding or the LM head has no C description."""
+        if self._ends is None:
+            return None
+        rows, plan, block = tokens.shape[0], meta.decode, meta.block_size
+        self.decoder.block_size, self.decoder.kv_dtype = block, ops.KV_DTYPES[kv_cache.dtype]
+        k_caches, v_caches = self._cache_pointers(kv_cache)
+        grid = positions.view(-1, rows)
+        tables = plan.block_ids.view(rows, plan.num_blocks)
+        slots = (tables[torch.arange(rows), grid // block] * block + grid % block).reshape(-1)
+        head_path = ops.q8g_path(rows, self.decoder.hidden)
+        return run_greedy(
+            self.decoder, k_caches, v_caches, *self._ends, head_path, tokens, cos, sin, slots, plan.block_ids,
+            plan.num_blocks, positions, stop_ids,
         )  # fmt: skip
 
     def _lora_array(self, present: tuple[int, ...]) -> ctypes.Array:

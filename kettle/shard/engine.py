@@ -77,14 +77,15 @@ class ShardEngine:
         ahead = self._claim_ahead(request.batches)
         batch = self._assemble(request.batches)
         concat_ns = time.perf_counter_ns() - start
-        result, kept = self._run(batch, ahead)
+        result, kept = self._run(batch, ahead, request.max_steps)
         merged = {g.request_id: g for g in result.generations}
-        forward_ns, decode_ns, steps = result.forward_ns, result.decode_ns, 1
+        forward_ns, decode_ns, steps = result.forward_ns, result.decode_ns, result.steps
         while kept is not None and steps < request.max_steps and not any(r.in_prefill for r in kept.requests):
             batch = self._take(kept.id)
-            result, kept = self._run(batch)
+            result, kept = self._run(batch, window=request.max_steps - steps)
             _append_step(merged, result.generations)
-            forward_ns, decode_ns, steps = forward_ns + result.forward_ns, decode_ns + result.decode_ns, steps + 1
+            forward_ns, decode_ns = forward_ns + result.forward_ns, decode_ns + result.decode_ns
+            steps += result.steps
         return pb.DecodeResponse(
             generations=merged.values(),
             batch=self._cached(kept),
@@ -220,11 +221,14 @@ class ShardEngine:
                 request.chunk_len = cached.chunk_lens.get(request.id, request.chunk_len)
         return batch
 
-    def _run(self, batch: Batch, ahead: Computed | None = None) -> tuple[StepResult, Batch | None]:
-        """One step (or the one computed `ahead` applied); the batch is cached again without its finished
-        requests. A failure drops the batch."""
+    def _run(self, batch: Batch, ahead: Computed | None = None, window: int = 1) -> tuple[StepResult, Batch | None]:
+        """One step (or the one computed `ahead` applied, or up to `window` greedy steps where the runner can run
+        them at once); the batch is cached again without its finished requests. A failure drops the batch."""
         try:
-            result = self.runner.step(batch.requests) if ahead is None else self.runner.finish(batch.requests, ahead)
+            if ahead is None:
+                result = self.runner.step(batch.requests, window)
+            else:
+                result = self.runner.finish(batch.requests, ahead)
         except Exception:
             self.runner.release([r.id for r in batch.requests])
             raise

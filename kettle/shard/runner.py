@@ -6,6 +6,7 @@ prompt may start after a cached prefix (prefix caching): both only change `cache
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kettle.layers.attention import AttentionMetadata
+from kettle import settings
+from kettle.layers.attention import AttentionMetadata, long_tensor
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
 from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.grammar import Grammars, advance
+from kettle.shard.greedy_window import window_steps
 from kettle.shard.logits_process import device_tensor
 from kettle.shard.sampling import BatchSampler, SampleOutput, top_token_table, top_tokens_from_rows
 from kettle.shard.speculation import accepted_tokens, drafts_for, step_rows, verify_drafts
@@ -33,6 +36,7 @@ class StepResult:
     finished: set[int]
     forward_ns: int
     decode_ns: int
+    steps: int = 1  # decode steps run (a greedy window runs several)
 
 
 @dataclass
@@ -100,9 +104,46 @@ class ModelRunner:
         if extra:
             self.graphs = DecodeGraphs.for_runner(self.model, self.kv_cache, num_blocks, self.graph_buckets)
 
-    def step(self, requests: list[RequestState]) -> StepResult:
-        """Runs one forward for `requests` and returns their generations."""
+    def step(self, requests: list[RequestState], window: int = 1) -> StepResult:
+        """Runs one forward for `requests` and returns their generations; with `window` > 1, up to that many
+        decode steps in one call where the batch allows it (`greedy_window.py`)."""
+        if window > 1 and settings.current().greedy_window:
+            result = self._greedy_window(requests, window)
+            if result is not None:
+                return result
         return self.finish(requests, self.compute(requests))
+
+    @torch.inference_mode()
+    def _greedy_window(self, requests: list[RequestState], window: int) -> StepResult | None:
+        """Up to `window` greedy steps in one call into the model (`CausalLM.greedy_steps`), their tokens
+        applied as single steps apply theirs; None where the batch or the model cannot run them."""
+        assert self.kv_cache is not None, "Warmup must run before the first forward"
+        block_size = self.kv_cache.block_size
+        steps = window_steps(requests, window, block_size)
+        greedy = getattr(self.model, "greedy_steps", None)
+        if steps < 2 or greedy is None:
+            return None
+        start = time.perf_counter_ns()
+        last = [r.cache_len + steps - 1 for r in requests]  # the window's last step: its tables cover all
+        meta = AttentionMetadata.build([1] * len(requests), last, [r.blocks for r in requests], block_size, self.device)
+        chosen = greedy(long_tensor(r.all_ids[-1] for r in requests), self.kv_cache, meta, steps, self._stop_ids)
+        if chosen is None:
+            return None
+        forward_ns = time.perf_counter_ns() - start
+        result = StepResult([], set(), forward_ns, 0, steps=chosen[0].shape[0])
+        for request, ids, logprobs in zip(requests, chosen[0].T.tolist(), chosen[1].T.tolist(), strict=True):
+            request.cache_len += len(ids)
+            generation = self._advance(request, ids, logprobs, [])
+            if generation.HasField("generated_text"):
+                result.finished.add(request.id)
+            result.generations.append(generation)
+        result.decode_ns = time.perf_counter_ns() - start - forward_ns
+        return result
+
+    @functools.cached_property
+    def _stop_ids(self) -> torch.Tensor:
+        """The EOS ids that end a greedy window (int64)."""
+        return long_tensor(sorted(self.vocab.eos_token_ids))
 
     @torch.inference_mode()
     def compute(self, requests: list[RequestState]) -> Computed:

@@ -65,8 +65,9 @@ class TransformersRunner(ModelRunner):
         self._drop(None if request_ids is None else set(request_ids))
 
     @torch.inference_mode()
-    def step(self, requests: list[RequestState]) -> StepResult:
-        """Runs one forward for `requests`; a request whose prompt is not complete yet produces nothing."""
+    def step(self, requests: list[RequestState], window: int = 1) -> StepResult:
+        """Runs one forward for `requests` (one step whatever the `window`: transformers' caches are stepped by
+        its own forward); a request whose prompt is not complete yet produces nothing."""
         start = time.perf_counter_ns()
         ends = [r.cache_len + len(r.next_query()) for r in requests]
         computed = self._logits(requests, ends)

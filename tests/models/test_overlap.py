@@ -95,9 +95,9 @@ def test_a_dropped_step_puts_the_generators_back(engine, tokenizer):
 
 
 def _spy(fn, calls: list):
-    def spied(requests):
+    def spied(requests, window=1):
         calls.append(len(requests))
-        return fn(requests)
+        return fn(requests, window)
 
     spied.__wrapped__ = fn
     return spied
