@@ -24,7 +24,8 @@ round's ratio to `off` in the same round, whose median is the figure to quote on
 the configurations alternate workload by workload (seconds apart, not minutes), which a busy shared machine
 needs to show a ratio at all. Only `off` and the `speculate` configurations (and `--quantize` of
 `--server-args`) apply there. Its tok/s are the generated tokens after each request's first over the wall time
-of the steps that made them.
+of the steps that made them. Its decode calls run up to `--max-steps` steps (8: about what a settled router's
+50 ms window gives one stream; 1 for the one-step calls of the runs before greedy windows).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--in-process", action="store_true", help="one shard engine, no server (see above)")
+    parser.add_argument(
+        "--max-steps", type=int, default=8, help="in process: decode steps a call may run (a settled router's window)"
+    )
     args = parser.parse_args()
     model_path = str(resolve_model(args.model_id).path)
     chat, copy = chat_prompts(model_path), copy_prompt(model_path)
@@ -142,7 +146,7 @@ def in_process(model_path: str, args: argparse.Namespace, chat: list[str], copy:
                 os.environ.update(env)
                 settings.reload()
                 engine.runner.speculate = 4 if "--speculate" in flags_ else 0
-                rates[name][workload] = _decode_rate(engine, prompts, args.max_new_tokens)
+                rates[name][workload] = _decode_rate(engine, prompts, args.max_new_tokens, args.max_steps)
         for name in names:
             print(name, {k: round(v, 1) for k, v in rates[name].items()}, flush=True)
             rounds[name].append(rates[name])
@@ -152,8 +156,9 @@ def in_process(model_path: str, args: argparse.Namespace, chat: list[str], copy:
 SPECULATE_ENV = ("KETTLE_SPECULATE_MIN_NGRAM", "KETTLE_SPECULATE_ROW_COST", "KETTLE_SPECULATE_STEP_ROWS")
 
 
-def _decode_rate(engine, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Greedy to EOS or max_new_tokens as loadgen asks; tokens after each request's first per second of steps."""
+def _decode_rate(engine, prompts: list[list[int]], max_new_tokens: int, max_steps: int = 1) -> float:
+    """Greedy to EOS or max_new_tokens as loadgen asks, in decode calls of up to `max_steps` steps (greedy
+    windows where the batch allows); tokens after each request's first per second of steps."""
     batch, block = pb.Batch(id=1), 0
     for i, ids in enumerate(prompts):
         request = batch.requests.add(id=i + 1, input_ids=ids)
@@ -165,7 +170,7 @@ def _decode_rate(engine, prompts: list[list[int]], max_new_tokens: int) -> float
     answer = engine.prefill(pb.PrefillRequest(batch=batch))
     start, tokens = time.perf_counter(), 0
     while answer.HasField("batch"):
-        answer = engine.decode(pb.DecodeRequest(batches=[answer.batch]))
+        answer = engine.decode(pb.DecodeRequest(batches=[answer.batch], max_steps=max_steps))
         tokens += sum(len(g.tokens.ids) for g in answer.generations)
     return tokens / (time.perf_counter() - start)
 

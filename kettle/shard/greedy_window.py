@@ -5,10 +5,14 @@ through the host between two forwards: the step's metadata, the sampler, the tok
 stopping, its proto. On the bundled model that is ~0.5 ms of a ~6 ms single-stream step, two to four times what
 the same Python costs in a microbenchmark (the step's weights evict it from the caches), and it is half again
 what the bare step's metadata and argmax cost. A batch whose next tokens depend on the logits alone (greedy,
-no penalties, grammar, top tokens, drafts or adapters) needs none of it between steps: the C loop
+no penalties, grammar, top tokens or adapters) needs none of it between steps: the C loop
 (`kettle_greedy_steps`, through `CausalLM.greedy_steps`) embeds each chosen token and runs the next step
 itself, and the host then applies the window's tokens one by one, as single steps would. The loop runs the
 kernels of a single step in the same order, so the tokens and logprobs are the same.
+
+With `--speculate`, a step with a draft worth verifying (`speculation.drafts_for`) runs as a speculative step;
+one without runs a window instead, and the drafters look again at the next call (a quotation that starts inside
+a window is drafted from its end). Greedy with drafts gives greedy's tokens, so the outputs stay the same.
 
 The loop ends a window after a step in which some sequence chose an EOS token. A stop string is only seen when
 the host applies the tokens: the steps after it are computed and dropped (their K/V rows lie in the request's
@@ -33,8 +37,9 @@ def window_steps(requests: Sequence[RequestState], window: int, block_size: int)
 
 
 def _logits_alone(request: RequestState) -> bool:
-    """Whether the request's next token is the argmax of its logits, with nothing to apply between steps."""
+    """Whether the request's next token is the argmax of its logits, with nothing to apply between steps (a
+    drafter may wait: the runner takes a window only when this step has no draft worth verifying)."""
     p = request.params
-    plain = not (p.sampling or p.watermark or request.grammar is not None or request.drafter is not None)
+    plain = not (p.sampling or p.watermark or request.grammar is not None)
     unpenalised = p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
     return plain and unpenalised and not request.in_prefill and request.top_n_tokens == 0 and request.adapter < 0

@@ -123,6 +123,8 @@ class ModelRunner:
         greedy = getattr(self.model, "greedy_steps", None)
         if steps < 2 or greedy is None:
             return None
+        if self.speculate and any(drafts_for(requests, self.speculate, step_rows(self.device))):
+            return None  # a draft worth verifying: a speculative step
         start = time.perf_counter_ns()
         last = [r.cache_len + steps - 1 for r in requests]  # the window's last step: its tables cover all
         meta = AttentionMetadata.build([1] * len(requests), last, [r.blocks for r in requests], block_size, self.device)

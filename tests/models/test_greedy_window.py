@@ -6,7 +6,7 @@ Q8_0 layers and head with a float32 embedding), three sequences over scattered b
 crossing block boundaries, against single forward + LM head + greedy choice steps; an EOS id ends the window
 after the step that chose it. On the bundled model's engine: Decode calls of up to 8 steps against the same
 steps called one at a time, through a stop string and EOS inside a window, a length that is no multiple of the
-window and a sampled request joining (which takes single steps).
+window and a sampled request joining (which takes single steps), with and without `--speculate`.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_window_steps_take_greedy_requests_within_their_length_and_blocks():
         request_state(watermark=True),
     ):
         assert window_steps([plain, needs_host], 8, 16) == 0
-    for field, value in (("grammar", object()), ("top_n_tokens", 2), ("adapter", 0), ("drafter", object())):
+    for field, value in (("grammar", object()), ("top_n_tokens", 2), ("adapter", 0)):
         other = request_state()
         setattr(other, field, value)
         assert window_steps([plain, other], 8, 16) == 0
@@ -194,8 +194,11 @@ def run_script(engine, tokenizer, steps: list[int], stop: str, then: int = 8) ->
     return outputs, counts
 
 
-def test_windowed_decode_calls_give_the_outputs_of_single_steps(bundled_engine, monkeypatch):
+@pytest.mark.parametrize("speculate", [0, 4])
+def test_windowed_decode_calls_give_the_outputs_of_single_steps(bundled_engine, monkeypatch, speculate):
+    """With `--speculate`, steps with a draft worth verifying are speculative steps and the others windows."""
     engine, tokenizer = bundled_engine
+    monkeypatch.setattr(engine.runner, "speculate", speculate)
     windows: list[int] = []
     greedy_steps = engine.runner.model.greedy_steps
 
