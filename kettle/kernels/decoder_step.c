@@ -480,9 +480,23 @@ static void embed_row(const Linear *table, int64_t token, float *dst) {
     else q8g_dequant_row(table, token, dst);
 }
 
+enum { Q8_QUANTIZED = -1, Q8_PLAIN = -2 }; /* kettle/kernels/ops.py's `q8_path` codes below 0 */
+
+/* logits [rows, head->n] of x [rows, k]: a GGUF Q8_0 head by `kettle_q8g_linear`'s path, an int8 one by the entry
+ * `q8_path` names, as kettle/kernels/ops.py runs either. -1 when out of memory. */
+static int head_logits(const Linear *head, int path, const float *x, int64_t rows, int64_t k, float *y, int threads) {
+    const int8_t *q = head->weight;
+    if (head->kind == LINEAR_Q8G)
+        return kettle_q8g_linear(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, path, threads);
+    if (path >= 0) return kettle_q8_linear_rows(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, path, threads);
+    if (path == Q8_QUANTIZED) return kettle_q8_linear_qa(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, threads);
+    kettle_q8_linear(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, threads);
+    return 0;
+}
+
 /* `steps` greedy decode steps of `rows` sequences in one call, for batches whose tokens need nothing of the host
  * between steps (kettle/shard/greedy_window.py says which). Each step embeds the rows' last tokens (`tokens`,
- * updated in place) from `embedding`, runs `kettle_decoder_step`, the Q8_0 `head` by `head_path` and
+ * updated in place) from `embedding`, runs `kettle_decoder_step`, the `head` (Q8_0 or int8) by `head_path` and
  * `kettle_greedy`: the functions, and so the numbers, of as many one-step calls. Step s reads cos/sin
  * [rows, rot_dim], slots and positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the
  * choices. The window ends early after a step in which some row chose one of `stop_ids` (its EOS ids): the host
@@ -503,8 +517,7 @@ int kettle_greedy_steps(
         if (kettle_decoder_step(m, k_caches, v_caches, embedded, rows, cos ? cos + at * rot : NULL,
                                 sin ? sin + at * rot : NULL, slots + at, tables, max_blocks, positions + at, hidden,
                                 threads, NULL, NULL) ||
-            kettle_q8g_linear(hidden, dim, rows, dim, head->weight, head->scales, head->n, head->bias, logits,
-                              head->n, head_path, threads))
+            head_logits(head, head_path, hidden, rows, dim, logits, threads))
             break;
         kettle_greedy(logits, rows, head->n, head->n, ids + at, logprobs + at, threads);
         for (int64_t r = 0; r < rows; r++) {

@@ -448,9 +448,16 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
 int kettle_integer_gemm_supported(void);
-/* cpu_kernels.c's LM head (GGUF Q8_0) and greedy choice, which decoder_step.c's greedy window also runs. */
+/* cpu_kernels.c's LM heads (GGUF Q8_0; int8 per channel) and greedy choice, which decoder_step.c's greedy steps
+ * also run. */
 int kettle_q8g_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales,
                       int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads);
+void kettle_q8_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
+                      int64_t n, const float *bias, float *y, int64_t ldy, int threads);
+int kettle_q8_linear_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
+                          int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads);
+int kettle_q8_linear_qa(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
+                        int64_t n, const float *bias, float *y, int64_t ldy, int threads);
 void kettle_greedy(const float *scores, int64_t rows, int64_t vocab, int64_t ld, int64_t *ids, float *logprobs,
                    int threads);
 

@@ -137,11 +137,12 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
-    if rows >= min(Q8_FLOAT_ROWS, panel_rows()):  # the float32 tiles or the panel GEMM (the decode step's choice)
-        status = library().kettle_q8_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
+    path = q8_path(rows, k)
+    if path >= 0:
+        status = library().kettle_q8_linear_rows(*args, path, torch.get_num_threads())
     else:
-        qa = QUANTIZED_ACTIVATIONS and k % 32 == 0
-        status = (library().kettle_q8_linear_qa if qa else library().kettle_q8_linear)(*args, torch.get_num_threads())
+        entry = library().kettle_q8_linear_qa if path == Q8_QUANTIZED else library().kettle_q8_linear
+        status = entry(*args, torch.get_num_threads())
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y
@@ -162,6 +163,20 @@ def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: tor
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y
+
+
+# `q8_path`'s codes for the one-pass entries (its paths 0-2 are `kettle_q8_linear_rows`' own).
+Q8_QUANTIZED, Q8_PLAIN = -1, -2
+
+
+def q8_path(rows: int, k: int) -> int:
+    """`q8_linear`'s entry for `rows` rows of K inputs: `kettle_q8_linear_rows` with the path returned (0-2) from
+    the float32 tiles' or the panels' row count on (the decode step's choice), else Q8_QUANTIZED
+    (`kettle_q8_linear_qa`: int16 activations) or Q8_PLAIN (`kettle_q8_linear`). decoder_step.c's greedy
+    steps run an int8 LM head by the same codes."""
+    if rows >= min(Q8_FLOAT_ROWS, panel_rows()):
+        return _rows_path(rows, k)
+    return Q8_QUANTIZED if QUANTIZED_ACTIVATIONS and k % 32 == 0 else Q8_PLAIN
 
 
 def q8g_path(rows: int, k: int) -> int:

@@ -105,9 +105,13 @@ def _linear(module: nn.Module) -> Linear:
 
 def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     """The C descriptions of the input embedding (float32 rows, or a tied Q8_0 head's) and of the LM head, for
-    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, the head of a GGUF checkpoint)."""
+    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, a GGUF checkpoint's) or a kernel-backed
+    int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs as `compute_logits` does."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, Q8Linear) or head.bias is not None:
+    try:
+        if not isinstance(head, Q8Linear | Int8Linear) or _linear(head).kind not in (LINEAR_Q8G, LINEAR_Q8):
+            return None
+    except Unsupported:
         return None
     embed_rows = getattr(model, "embed_rows", None)
     if embed_rows is not None:
@@ -308,7 +312,8 @@ class DecoderStep:
         grid = positions.view(-1, rows)
         tables = plan.block_ids.view(rows, plan.num_blocks)
         slots = (tables[torch.arange(rows), grid // block] * block + grid % block).reshape(-1)
-        head_path = ops.q8g_path(rows, self.decoder.hidden)
+        head = self._ends[1]
+        head_path = (ops.q8g_path if head.kind == LINEAR_Q8G else ops.q8_path)(rows, self.decoder.hidden)
         return run_greedy(
             self.decoder, k_caches, v_caches, *self._ends, head_path, tokens, cos, sin, slots, plan.block_ids,
             plan.num_blocks, positions, stop_ids,

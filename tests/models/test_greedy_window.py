@@ -2,11 +2,12 @@
 logprobs and K/V of the same steps run one at a time.
 
 On the model: tiny GGUF Llamas (Q4_0 layers with the tied Q8_0 embedding as head, as the bundled model has;
-Q8_0 layers and head with a float32 embedding), three sequences over scattered blocks of 4 tokens, windows
-crossing block boundaries, against single forward + LM head + greedy choice steps; an EOS id ends the window
-after the step that chose it. On the bundled model's engine: Decode calls of up to 8 steps against the same
-steps called one at a time, through a stop string and EOS inside a window, a length that is no multiple of the
-window and a sampled request joining (which takes single steps), with and without `--speculate`.
+Q8_0 layers and head with a float32 embedding) and a tiny Llama under `--quantize int4` (an int8 head), three
+sequences over scattered blocks of 4 tokens, windows crossing block boundaries, against single forward + LM
+head + greedy choice steps; an EOS id ends the window after the step that chose it. On the bundled model's
+engine: Decode calls of up to 8 steps against the same steps called one at a time, through a stop string and
+EOS inside a window, a length that is no multiple of the window and a sampled request joining (which takes
+single steps), with and without `--speculate`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from kettle.proto import generate_pb2 as pb
+from kettle.quantization.int8 import Int8Linear
 from kettle.shard.batch import RequestState
 from kettle.shard.greedy_window import window_steps
 from kettle.shard.sampling import SamplingParams, greedy_choice
 from kettle.shard.stopping import StoppingCriteria
+from tests.fixtures import make_tiny_llama
 from tests.gguf_files import tiny_model, write_gguf
 from tests.models.drive import BLOCK_SIZE, new_cache, scattered_tables, step
 from tests.models.engine_driver import make_batch
@@ -33,16 +36,17 @@ PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 
 STEPS = 9
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("tied Q8_0 head", T.Q4_0, T.Q8_0, True), ("float32 embedding", T.Q8_0, T.F32, False)],
-    ids=lambda p: p[0],
-)
+@pytest.fixture(scope="module", params=["tied Q8_0 head", "float32 embedding", "int8 head"])
 def gguf_model(request, tmp_path_factory):
-    _, layers, embedding, tied = request.param
+    """The model each window runs on: its fused step, embedding and head kind as named."""
+    folder = tmp_path_factory.mktemp("model")
+    if request.param == "int8 head":  # `--quantize int4` of a safetensors checkpoint: an int8 head
+        model = load_model(make_tiny_llama(folder), torch.float32, "cpu", quantize="int4")
+        assert isinstance(model.lm_head, Int8Linear)
+        return model
+    layers, embedding, tied = (T.Q4_0, T.Q8_0, True) if request.param == "tied Q8_0 head" else (T.Q8_0, T.F32, False)
     reference = tiny_model("llama", 64, tie_word_embeddings=tied)
-    path = write_gguf(reference, tmp_path_factory.mktemp("gguf"), "llama", layers, embedding=embedding)
-    return load_model(path, torch.float32, "cpu")
+    return load_model(write_gguf(reference, folder, "llama", layers, embedding=embedding), torch.float32, "cpu")
 
 
 def prefilled(model):
