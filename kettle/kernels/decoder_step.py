@@ -7,6 +7,7 @@ loaded model and keeps the model alive while the description is used.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -72,32 +73,46 @@ class Decoder(ctypes.Structure):
     _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int)]
 
 
+@dataclass
+class StepRows:
+    """Where a step's rows go: cos/sin [rows, rot_dim] (None without RoPE), each row's cache slot and position
+    (int64), and the block tables `block_ids` [S · max_blocks] (int64) of its S sequences. A greedy window's rows
+    are its steps' rows one step after another (`run_greedy`)."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    slots: torch.Tensor
+    block_ids: torch.Tensor
+    max_blocks: int
+    positions: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.cos is not None:  # the C step reads rot_dim floats per row
+            self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+
+    def pointers(self) -> tuple:
+        """cos, sin, slots, tables, max_blocks, positions as the C entries take them."""
+        rope = (None, None) if self.cos is None else (self.cos.data_ptr(), self.sin.data_ptr())
+        return *rope, self.slots.data_ptr(), self.block_ids.data_ptr(), self.max_blocks, self.positions.data_ptr()
+
+
 def run(
     decoder: Decoder,
-    k_caches: ctypes.Array,
-    v_caches: ctypes.Array,
+    caches: tuple[ctypes.Array, ctypes.Array],
     embedded: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    slots: torch.Tensor,
-    block_ids: torch.Tensor,
-    max_blocks: int,
-    positions: torch.Tensor,
+    rows: StepRows,
     loras: ctypes.Array | None = None,
     lora_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V at `slots`.
-    cos/sin [S, rot_dim] (None without RoPE), `block_ids` [S * max_blocks] the block tables (int64),
-    `positions` [S] each row's position; `loras` [layers · LORA_PER_LAYER] and `lora_slot` [S] (int64) when
-    the step has adapter rows."""
+    """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V (`caches`: the
+    per-layer K and V pointers) at the rows' slots. `loras` [layers · LORA_PER_LAYER] and `lora_slot` [S]
+    (int64) when the step has adapter rows."""
     embedded = embedded.contiguous()
-    cos, sin = (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
     out = torch.empty_like(embedded)
+    cos, sin, slots, tables, max_blocks, positions = rows.pointers()
     status = library().kettle_decoder_step(
-        ctypes.byref(decoder), k_caches, v_caches, embedded.data_ptr(), embedded.shape[0],
-        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), slots.data_ptr(),
-        block_ids.data_ptr(), max_blocks, positions.data_ptr(), out.data_ptr(), torch.get_num_threads(), loras,
-        None if lora_slot is None else lora_slot.data_ptr(),
+        ctypes.byref(decoder), *caches, embedded.data_ptr(), embedded.shape[0], cos, sin, slots, tables, max_blocks,
+        positions, out.data_ptr(), torch.get_num_threads(), loras, None if lora_slot is None else lora_slot.data_ptr(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU decoder step: out of memory for the step's activations")
@@ -106,35 +121,26 @@ def run(
 
 def run_greedy(
     decoder: Decoder,
-    k_caches: ctypes.Array,
-    v_caches: ctypes.Array,
-    embedding: Linear,
-    head: Linear,
+    caches: tuple[ctypes.Array, ctypes.Array],
+    ends: tuple[Linear, Linear],
     head_path: int,
     tokens: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    slots: torch.Tensor,
-    block_ids: torch.Tensor,
-    max_blocks: int,
-    positions: torch.Tensor,
+    rows: StepRows,
     stop_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decode steps of `tokens` [S] (each sequence's last token, int64) in one call: step s reads rows
-    s·S .. s·S + S of cos/sin [steps·S, rot_dim], slots and positions [steps·S]. Returns the chosen ids [n, S]
-    (int64) and their logprobs [n, S] for the n steps run: all of them, or fewer when a step chose one of
-    `stop_ids` (int64)."""
-    rows = tokens.shape[0]
-    steps = positions.shape[0] // rows
+    """Greedy decode steps of `tokens` [S] (each sequence's last token, int64) in one call, through the embedding
+    and the LM head of `ends` (the head run by `head_path`): step s takes rows s·S .. s·S + S of `rows`. Returns
+    the chosen ids [n, S] (int64) and their logprobs [n, S] for the n steps run: all of them, or fewer when a
+    step chose one of `stop_ids` (int64)."""
+    seqs = tokens.shape[0]
+    steps = rows.positions.shape[0] // seqs
     tokens = tokens.clone()  # the C loop feeds each step's choice back through it
-    cos, sin = (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
-    ids = torch.empty(steps, rows, dtype=torch.long)
-    logprobs = torch.empty(steps, rows, dtype=torch.float32)
+    ids = torch.empty(steps, seqs, dtype=torch.long)
+    logprobs = torch.empty(steps, seqs, dtype=torch.float32)
+    embedding, head = ends
     done = library().kettle_greedy_steps(
-        ctypes.byref(decoder), k_caches, v_caches, ctypes.byref(embedding), ctypes.byref(head), head_path,
-        tokens.data_ptr(), rows, steps, None if cos is None else cos.data_ptr(),
-        None if sin is None else sin.data_ptr(), slots.data_ptr(), block_ids.data_ptr(), max_blocks,
-        positions.data_ptr(), stop_ids.data_ptr(), stop_ids.numel(), ids.data_ptr(), logprobs.data_ptr(),
+        ctypes.byref(decoder), *caches, ctypes.byref(embedding), ctypes.byref(head), head_path, tokens.data_ptr(),
+        seqs, steps, *rows.pointers(), stop_ids.data_ptr(), stop_ids.numel(), ids.data_ptr(), logprobs.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if done < 0:

@@ -173,8 +173,7 @@ class CausalLM(nn.Module):
         if step is None or not plain or dynamic or self.embed_scale is not None or not step.fits(kv_cache, meta):
             return None
         positions = (meta.positions.unsqueeze(0) + torch.arange(1 - steps, 1).unsqueeze(1)).reshape(-1)
-        cos, sin = self.rope(positions, meta)
-        return step.greedy(tokens, cos, sin, kv_cache, meta, positions, stop_ids)
+        return step.greedy(tokens, (positions, *self.rope(positions, meta)), kv_cache, meta, stop_ids)
 
     @torch.inference_mode()
     def forward(

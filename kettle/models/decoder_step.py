@@ -50,6 +50,7 @@ from kettle.kernels.decoder_step import (
     Linear,
     Lora,
     Norm,
+    StepRows,
     run,
     run_greedy,
 )
@@ -282,42 +283,31 @@ class DecoderStep:
         """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V. With `lora`
         active, each row also gets its adapter's deltas on the projections the adapters touch."""
         self.decoder.block_size, self.decoder.kv_dtype = meta.block_size, ops.KV_DTYPES[kv_cache.dtype]
-        k_caches, v_caches = self._cache_pointers(kv_cache)
         plan = meta.decode
+        rows = StepRows(cos, sin, meta.slots, plan.block_ids, plan.num_blocks, meta.positions)
         loras, slot = (self._lora_array(lora.present), lora.slot) if lora is not None and lora.active else (None, None)
-        return run(
-            self.decoder, k_caches, v_caches, embedded, cos, sin, meta.slots, plan.block_ids, plan.num_blocks,
-            meta.positions, loras, slot,
-        )  # fmt: skip
+        return run(self.decoder, self._cache_pointers(kv_cache), embedded, rows, loras, slot)
 
     def greedy(
-        self,
-        tokens: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        positions: torch.Tensor,
-        stop_ids: torch.Tensor,
+        self, tokens: torch.Tensor, rope: tuple, kv_cache: KVCache, meta: AttentionMetadata, stop_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Greedy decode steps from `tokens` [S] (each sequence's last token) in one C call: step s at
-        `positions` [steps · S] s·S .. s·S + S, with cos/sin to match; `meta` is the window's last step (its
-        block tables cover every step). Returns the chosen ids and logprobs [n, S] of the n steps run (fewer
-        when one chose a `stop_ids` token), or None where the embedding or the LM head has no C description."""
+        """Greedy decode steps from `tokens` [S] (each sequence's last token) in one C call, for the positions of
+        `rope` (positions [steps · S], step s at s·S .. s·S + S, and their cos and sin); `meta` is the window's
+        last step (its block tables cover every step). Returns the chosen ids and logprobs [n, S] of the n steps
+        run (fewer when one chose a `stop_ids` token), or None where the embedding or the head has no C
+        description."""
         if self._ends is None:
             return None
-        rows, plan, block = tokens.shape[0], meta.decode, meta.block_size
+        positions, cos, sin = rope
+        seqs, plan, block = tokens.shape[0], meta.decode, meta.block_size
         self.decoder.block_size, self.decoder.kv_dtype = block, ops.KV_DTYPES[kv_cache.dtype]
-        k_caches, v_caches = self._cache_pointers(kv_cache)
-        grid = positions.view(-1, rows)
-        tables = plan.block_ids.view(rows, plan.num_blocks)
-        slots = (tables[torch.arange(rows), grid // block] * block + grid % block).reshape(-1)
-        head = self._ends[1]
-        head_path = (ops.q8g_path if head.kind == LINEAR_Q8G else ops.q8_path)(rows, self.decoder.hidden)
-        return run_greedy(
-            self.decoder, k_caches, v_caches, *self._ends, head_path, tokens, cos, sin, slots, plan.block_ids,
-            plan.num_blocks, positions, stop_ids,
-        )  # fmt: skip
+        grid = positions.view(-1, seqs)
+        tables = plan.block_ids.view(seqs, plan.num_blocks)
+        slots = (tables[torch.arange(seqs), grid // block] * block + grid % block).reshape(-1)
+        rows = StepRows(cos, sin, slots, plan.block_ids, plan.num_blocks, positions)
+        path = ops.q8g_path if self._ends[1].kind == LINEAR_Q8G else ops.q8_path
+        caches = self._cache_pointers(kv_cache)
+        return run_greedy(self.decoder, caches, self._ends, path(seqs, self.decoder.hidden), tokens, rows, stop_ids)
 
     def _lora_array(self, present: tuple[int, ...]) -> ctypes.Array:
         """The C description of every projection's stacked LoRA matrices for the adapters `present`, built once
