@@ -115,14 +115,19 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     except Unsupported:
         return None
     embed_rows = getattr(model, "embed_rows", None)
+    weight = getattr(model, "embed_tokens", None)
     if embed_rows is not None:
         table = getattr(embed_rows, "__self__", None)  # the tied head's bound `embed`
-        return (_linear(table), _linear(head)) if isinstance(table, Q8Linear) else None
-    weight = getattr(model, "embed_tokens", None)
-    if weight is None or weight.dim() != 2 or not _float32_rows(weight):
+        embedding = _linear(table) if isinstance(table, Q8Linear) else None
+    elif weight is not None and weight.dim() == 2 and _float32_rows(weight):
+        n, k = weight.shape
+        embedding = Linear(LINEAR_F32, k, n, k, weight.data_ptr(), None, None, None)
+    else:
         return None
-    n, k = weight.shape
-    return Linear(LINEAR_F32, k, n, k, weight.data_ptr(), None, None, None), _linear(head)
+    # The loop embeds the token it chose: every column of a padded head must be a row of the table (the single
+    # step's embedding would refuse an id past it; the C loop would read outside it).
+    ends = (embedding, _linear(head))
+    return ends if embedding is not None and ends[1].n <= embedding.n else None
 
 
 def _float32_rows(weight: torch.Tensor) -> bool:

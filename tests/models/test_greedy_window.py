@@ -97,6 +97,17 @@ def test_a_window_ends_after_the_step_that_chose_a_stop_id(gguf_model):
     assert torch.equal(window_logprobs, logprobs[: first + 1])
 
 
+def test_a_head_wider_than_the_embedding_table_takes_no_window(tmp_path):
+    """The loop embeds the ids it chose: a padded head's extra columns have no row to read."""
+    from kettle.models.decoder_step import _embedding_and_head
+
+    reference = tiny_model("llama", 64, tie_word_embeddings=False)
+    model = load_model(write_gguf(reference, tmp_path, "llama", T.Q8_0, embedding=T.F32), torch.float32, "cpu")
+    assert _embedding_and_head(model) is not None
+    model.embed_tokens = model.embed_tokens[:-8].clone()
+    assert _embedding_and_head(model) is None
+
+
 def request_state(**params) -> RequestState:
     stopping = StoppingCriteria([0], [], max_new_tokens=20)
     stopping.current_tokens = 5
