@@ -107,8 +107,8 @@ def main() -> None:
     try:
         asyncio.run(run_load(server.url, prompts[:1], 1, 16))  # warm-up: the first request's one-off costs
         bare_decode(model, prompt_tokens, 16)
-        # The shard faults its KV cache in behind the warm-up (kettle/tensors/zeroed_memory.py: 0.5-4.5 s here); a
-        # first round inside that measured 0.44-0.47 where the others gave 0.9-1.1.
+        # The shard faults its KV cache in behind the warm-up (kettle/tensors/zeroed_memory.py: 0.5-4.5 s here);
+        # first rounds started without waiting measured 0.44-0.47 where the others gave 0.9-1.1.
         time.sleep(6)
         for r in range(args.rounds):
             # One prompt after another: a single stream at a time (run_load with one stream takes the first only).
