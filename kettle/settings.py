@@ -1,12 +1,13 @@
 """Kettle's environment settings: every `KETTLE_*` variable the code reads, parsed and checked once.
 
-User-facing choices are command-line flags. What stays in the environment is what a user sets once for a
-machine (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off
-switches and knobs for debugging and measurement (Kettle's CPU kernels, the fused decode step, the float32 tiles
-and quantized activations of the int4/int8 kernels, the CUDA fused kernels and int4 kernel, the attention
+User-facing choices are command-line flags. What stays in the environment is what a user sets once for a machine
+(the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off switches and
+knobs for debugging and measurement (Kettle's CPU kernels, the fused decode step and its greedy windows, the float32
+tiles and quantized activations of the int4/int8 kernels, the CUDA fused kernels and int4 kernel, the attention
 backend, the CPU linear layout, the fallback's padding, adaptive prefill chunks, the router's CPU priority, the
 shortest n-gram `--speculate` drafts from, the cost it weighs drafts against and the rows a step verifying drafts
-may feed). The first `current()` reads them and logs them once; a test that changes the environment calls `reload()`.
+may feed). The first `current()` reads them and logs them once; a test that changes the environment calls
+`reload()`.
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
 `KETTLE_CUDA_GRAPHS` on the command line), which the CLI reads, `KETTLE_MAX_KV_TOKENS`, which the shard's

@@ -106,12 +106,20 @@ class ModelRunner:
 
     def step(self, requests: list[RequestState], window: int = 1) -> StepResult:
         """Runs one forward for `requests` and returns their generations; with `window` > 1, up to that many
-        decode steps in one call where the batch allows it (`greedy_window.py`)."""
-        if window > 1 and settings.current().greedy_window:
+        decode steps in one call where the batch allows it (`greedy_window.py`): where no request has a draft worth
+        verifying (computed once here, for the window's choice and the step's forward)."""
+        drafts = self._drafts(requests)
+        if window > 1 and not any(drafts) and settings.current().greedy_window:
             result = self._greedy_window(requests, window)
             if result is not None:
                 return result
-        return self.finish(requests, self.compute(requests))
+        return self.finish(requests, self.compute(requests, drafts))
+
+    def _drafts(self, requests: list[RequestState]) -> list[list[int]]:
+        """Each request's draft for its next step (`speculation.drafts_for`); all empty without `--speculate`."""
+        if not self.speculate:
+            return [[] for _ in requests]
+        return drafts_for(requests, self.speculate, step_rows(self.device))
 
     @torch.inference_mode()
     def _greedy_window(self, requests: list[RequestState], window: int) -> StepResult | None:
@@ -123,8 +131,6 @@ class ModelRunner:
         greedy = getattr(self.model, "greedy_steps", None)
         if steps < 2 or greedy is None:
             return None
-        if self.speculate and any(drafts_for(requests, self.speculate, step_rows(self.device))):
-            return None  # a draft worth verifying: a speculative step
         start = time.perf_counter_ns()
         last = [r.cache_len + steps - 1 for r in requests]  # the window's last step: its tables cover all
         meta = AttentionMetadata.build([1] * len(requests), last, [r.blocks for r in requests], block_size, self.device)
@@ -148,15 +154,13 @@ class ModelRunner:
         return long_tensor(sorted(self.vocab.eos_token_ids))
 
     @torch.inference_mode()
-    def compute(self, requests: list[RequestState]) -> Computed:
-        """The device half of a step: forward and token choice. It leaves the state of requests past their prompt
-        as it was (only the KV cache rows it writes and the sampling generators move), so a step computed ahead
-        of the router's call can still be dropped (see `lookahead.py`)."""
+    def compute(self, requests: list[RequestState], drafts: list[list[int]] | None = None) -> Computed:
+        """The device half of a step: forward and token choice (`drafts`: the requests' drafts when the caller
+        has them). It leaves the state of requests past their prompt as it was (only the KV cache rows it writes
+        and the sampling generators move), so a step computed ahead of the router's call can still be dropped
+        (see `lookahead.py`)."""
         start = time.perf_counter_ns()
-        if self.speculate:
-            drafts = drafts_for(requests, self.speculate, step_rows(self.device))
-        else:
-            drafts = [[] for _ in requests]
+        drafts = self._drafts(requests) if drafts is None else drafts
         queries = [r.next_query() + d for r, d in zip(requests, drafts, strict=True)]
         meta, hidden = self._forward(requests, queries, drafts)
         prefill_logprobs = self._prefill_logprobs(requests, queries, meta, hidden)
