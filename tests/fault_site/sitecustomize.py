@@ -103,10 +103,10 @@ if os.environ.get("KETTLE_TEST_FAULTS") == "1":
         # `compute` is the forward of every step, including the one the shard computes ahead (overlap scheduling).
         compute = runner.ModelRunner.compute
 
-        def faulty_compute(self, requests):
+        def faulty_compute(self, requests, drafts=None):
             for r in requests:
                 _raise_if(_by_request.get(r.id), "prefill" if len(r.all_ids) == r.prompt_len else "decode")
-            return compute(self, requests)
+            return compute(self, requests, drafts)
 
         runner.ModelRunner.compute = faulty_compute
 
