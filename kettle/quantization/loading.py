@@ -9,9 +9,7 @@ memory at once. `finish` then quantizes the LM head, which the models build dire
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +17,7 @@ from torch import nn
 
 from kettle.catalog import check_scheme
 from kettle.kernels import ops
+from kettle.process_memory import release_free_memory
 from kettle.quantization.awq import AwqFormat
 from kettle.quantization.config import int4_group_size, lm_head_scheme
 from kettle.quantization.gptq import GptqFormat
@@ -150,7 +149,8 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
         model.lm_head = _quantized_head(scheme, head)
     elif scheme.head is not None and isinstance(head, VocabParallelHead):  # this rank's block of the vocabulary
         head.lm_head = _quantized_head(scheme, head.lm_head)
-    release_freed_memory()
+    # glibc keeps the freed float32 weights mapped for reuse (~300 MiB of a quantized SmolLM2): hand them back.
+    release_free_memory()
     if torch.cuda.is_available():  # the dense weights freed on the GPU, back for the KV cache to claim
         torch.cuda.empty_cache()
     groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear | Q4Linear)})
@@ -164,11 +164,3 @@ def _quantized_head(scheme: Scheme, head) -> nn.Module:
     weight = head.weight.to_dense() if head.layout == "onednn" else head.dense_weight
     bias = None if head.bias is None else head.bias.data
     return quantize_weight(Scheme(scheme.head, scheme.group_size), weight.float(), bias)
-
-
-def release_freed_memory() -> None:
-    """Hands the float32 weights freed while quantizing back to the OS. glibc keeps freed heap memory for
-    reuse (its mmap threshold grows after the first large free), which kept ~300 MiB of a quantized
-    SmolLM2 resident; malloc_trim returns it. A no-op where glibc is absent."""
-    with suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
