@@ -34,7 +34,8 @@ void kettle_q4_linear(
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *row_q = qw + j * (k / 2);
-        const uint16_t *row_s = scales + j * groups, *row_m = mins + j * groups;
+        const uint16_t *row_s = scales + j * groups;
+        const Minimums row_m = channel_minimums(mins, scales, groups, j);
         const float b = bias ? bias[j] : 0.0f;
         float out[MAX_TILE];
 #define ROW(t) q4_row(x + m0 * ldx, ldx, t, k, group, row_q, row_s, row_m, out)

@@ -286,7 +286,10 @@ static inline void channel_scales(const Linear *w, int64_t j, float *scale, floa
     const uint16_t *halves = (const uint16_t *)w->scales + j * groups;
     if (groups == blocks) halves_to_floats(halves, blocks, scale); /* Q8G; Q4 with groups of 32 */
     else for (int64_t b = 0; b < blocks; b++) scale[b] = _cvtsh_ss(halves[b * 32 / w->group]);
-    if (minimum) halves_to_floats(w->mins + j * groups, groups, minimum);
+    if (!minimum) return;
+    const Minimums m = channel_minimums(w->mins, w->scales, groups, j);
+    halves_to_floats(m.table, groups, minimum);
+    for (int64_t g = 0; m.factor != 1.0f && g < groups; g++) minimum[g] *= m.factor; /* exact: -8 is a power of two */
 }
 
 /* The widened weights of INT_CHANNELS channels: q [C][K] int16, scale [C][K/32], minimum [C][K/group] (Q4). */

@@ -6,6 +6,7 @@
  * channels; chunk c of row n is 32 bytes at qw[n*K/2 + c*32], byte j = q[c*64 + j] | q[c*64 + 32 + j] << 4,
  * q in 0..15, so one 32-byte load and a mask (or shift and mask) give 32 consecutive weights in order.
  * Group g (a multiple of 32) of row n has a float16 scale and minimum at [n*K/g + k/g]: w = q*scale + minimum.
+ * A symmetric weight (GGUF's Q4_0, w = d*(q - 8)) has no minimums: its minimum is -8*scale (`Minimums`).
  *
  * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
  */
@@ -40,9 +41,27 @@ typedef struct {
     int64_t kind, group, n, k; /* group: Q4's group size (Q8G: 32; Q8, F32: k) */
     const void *weight;        /* Q4: packed [N, K/2] uint8; Q8, Q8G: [N, K] int8; F32: [N, K] float */
     const void *scales;        /* Q4, Q8G: [N, K/group] float16; Q8: [N] float32 */
-    const uint16_t *mins;      /* Q4: [N, K/group] float16 */
+    const uint16_t *mins;      /* Q4: [N, K/group] float16, or NULL for a symmetric weight (`Minimums`) */
     const float *bias;         /* [N] or NULL */
 } Linear;
+
+/* A Q4 channel's minimums, each read as factor · table[g]. A symmetric weight stores none (mins NULL): its scales
+ * are read as -8 · scale. -8 is a power of two, so every minimum and every product with one is exactly what a
+ * stored -8 · scale would give, bit for bit, and the weight carries 2 bytes less per group (10% of a Q4_0 file's
+ * weight bytes, which a one-row step reads from memory every token). */
+typedef struct {
+    const uint16_t *table;
+    float factor;
+} Minimums;
+
+/* Channel j's minimums for a weight of `groups` groups a row (`mins` NULL: symmetric, read from `scales`). */
+static inline Minimums channel_minimums(const uint16_t *mins, const void *scales, int64_t groups, int64_t j) {
+    if (mins) return (Minimums){mins + j * groups, 1.0f};
+    return (Minimums){(const uint16_t *)scales + j * groups, -8.0f};
+}
+
+/* Minimum g of a channel as a float. */
+static inline float minimum_at(Minimums m, int64_t g) { return m.factor * _cvtsh_ss(m.table[g]); }
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -70,7 +89,7 @@ static inline void q4_chunk(const uint8_t *src, __m256i halves[2]) {
 /* One output channel for `tile` float32 activation rows (tile is a compile-time constant at each call site). */
 static inline __attribute__((always_inline)) void q4_row(
     const float *x, int64_t ldx, int tile, int64_t k, int group, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, float *out
+    Minimums mins, float *out
 ) {
     __m256 acc[MAX_TILE][2];
     for (int m = 0; m < tile; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -80,7 +99,7 @@ static inline __attribute__((always_inline)) void q4_row(
         for (int h = 0; h < 2; h++) {
             const int64_t col = c * 64 + h * 32, g = col / group;
             __m256 w[4];
-            q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(_cvtsh_ss(mins[g])), w);
+            q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(minimum_at(mins, g)), w);
             for (int m = 0; m < tile; m++) {
                 const float *xr = x + m * ldx + col;
                 /* Two chains per row: at tile 1 the FMA latency would otherwise bound the loop. */
@@ -202,9 +221,12 @@ static inline float minimum_tail(const uint16_t *mins, const float *sums, int64_
     return total;
 }
 
-/* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step. */
-static inline float minimum_term(const uint16_t *mins, const float *sums, int64_t groups) {
-    return minimum_tail(mins, sums, groups, hsum(minimum_lanes(mins, sums, groups, _mm256_setzero_ps())));
+/* Σ_g minimum_g · (Σ x over group g): the minimums' share of one output, 8 groups per step, over the table's
+ * values and times the factor once at the end (a power of two commutes with every rounding on the way: the bits
+ * of the sum over factor · table[g]). */
+static inline float minimum_term(Minimums mins, const float *sums, int64_t groups) {
+    const float raw = minimum_tail(mins.table, sums, groups, hsum(minimum_lanes(mins.table, sums, groups, _mm256_setzero_ps())));
+    return mins.factor * raw;
 }
 
 /* One Q4 output channel for `tile` quantized activation rows: Σ_blocks (d_x · scale_g) · (q · x_q), plus the
@@ -216,7 +238,7 @@ static inline float minimum_term(const uint16_t *mins, const float *sums, int64_
  * other. */
 static inline __attribute__((always_inline)) void q4_row_qa(
     const QuantizedRows *xq, int64_t row0, int tile, int64_t k, int group, const uint8_t *qw,
-    const uint16_t *scales, const uint16_t *mins, float *out
+    const uint16_t *scales, Minimums mins, float *out
 ) {
     const int64_t blocks = k / 32, groups = k / group;
     const int blocks_per_group = group / 32, chains = tile <= 2 ? 2 : 1;
@@ -265,13 +287,17 @@ static inline void combined_scales(const QuantizedRows *xq, int64_t blocks, int6
  * scale (d_x · scale_g) computed 8 at a time before it (a broadcast from memory per block inside), and the
  * minimums' term accumulated in the same vector as the blocks, so one horizontal sum ends the channel. At one row
  * the per-channel work was ~30% of a 576-wide channel's time (the same kernel on rows 8x longer ran 1.4x faster). */
-static inline float q4_channel_one(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
-                                   const uint16_t *scales, const uint16_t *mins) {
+static inline __attribute__((always_inline)) float q4_channel_one_at(
+    const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
+    const float factor
+) {
     const int64_t blocks = k / 32, groups = k / group;
     float combined[blocks];
     combined_scales(xq, blocks, group / 32, scales, combined);
-    __m256 acc0 = minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps()), acc1 = _mm256_setzero_ps();
-    const float tail = minimum_tail(mins, xq->sum, groups, 0.0f);
+    /* The minimums' lanes start the first accumulator, their factor applied once (see `minimum_term`). */
+    __m256 acc0 = _mm256_mul_ps(minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps()), _mm256_set1_ps(factor));
+    __m256 acc1 = _mm256_setzero_ps();
+    const float tail = factor * minimum_tail(mins, xq->sum, groups, 0.0f);
     const __m256i mask = _mm256_set1_epi16(0x0F);
     for (int64_t c = 0; c < k / 64; c++) {
         const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qw + c * 32)));
@@ -282,6 +308,14 @@ static inline float q4_channel_one(const QuantizedRows *xq, int64_t k, int group
         acc1 = _mm256_fmadd_ps(second, _mm256_broadcast_ss(combined + 2 * c + 1), acc1);
     }
     return hsum(_mm256_add_ps(acc0, acc1)) + tail;
+}
+
+/* `q4_channel_one_at` with the factor a constant in each branch: the multiplies by 1 fold away, so a weight with
+ * stored minimums runs exactly the loop it ran before symmetric weights had none. */
+static inline float q4_channel_one(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
+                                   const uint16_t *scales, Minimums mins) {
+    if (mins.factor == 1.0f) return q4_channel_one_at(xq, k, group, qw, scales, mins.table, 1.0f);
+    return q4_channel_one_at(xq, k, group, qw, scales, mins.table, -8.0f);
 }
 
 /* One int8 output channel for `tile` quantized activation rows, widened from memory as in `q4_row_qa` (one
@@ -350,13 +384,16 @@ static inline ONE512 __m512 block_dot512(__m512i w, const int16_t *x) {
 
 /* `q4_channel_one` in 512-bit vectors: each 32 bytes of the channel widened once, their low nibbles one block and
  * their high nibbles the next. */
-static ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
-                                      const uint16_t *scales, const uint16_t *mins) {
+static inline __attribute__((always_inline)) ONE512 float q4_channel_one512_at(
+    const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
+    const float factor
+) {
     const int64_t blocks = k / 32, groups = k / group;
     float combined[blocks];
     combined_scales(xq, blocks, group / 32, scales, combined);
-    const __m256 minimums = minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps());
-    const float tail = minimum_tail(mins, xq->sum, groups, 0.0f);
+    /* The factor applied once (see `minimum_term`). */
+    const __m256 minimums = _mm256_mul_ps(minimum_lanes(mins, xq->sum, groups, _mm256_setzero_ps()), _mm256_set1_ps(factor));
+    const float tail = factor * minimum_tail(mins, xq->sum, groups, 0.0f);
     const __m512i mask = _mm512_set1_epi16(0x0F);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t c = 0; c < k / 64; c++) {
@@ -367,6 +404,13 @@ static ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int gr
         acc1 = _mm512_fmadd_ps(second, _mm512_set1_ps(combined[2 * c + 1]), acc1);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + hsum(minimums) + tail;
+}
+
+/* `q4_channel_one512_at` with a constant factor, as `q4_channel_one`. */
+static ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
+                                      const uint16_t *scales, Minimums mins) {
+    if (mins.factor == 1.0f) return q4_channel_one512_at(xq, k, group, qw, scales, mins.table, 1.0f);
+    return q4_channel_one512_at(xq, k, group, qw, scales, mins.table, -8.0f);
 }
 
 /* acc + block b of a Q8_0 channel's products with the row, in one 512-bit vector. */
@@ -403,7 +447,8 @@ static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, i
         const int group = (int)w->group;
         const int64_t groups = k / group;
         const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
-        const uint16_t *row_s = (const uint16_t *)w->scales + j * groups, *row_m = w->mins + j * groups;
+        const uint16_t *row_s = (const uint16_t *)w->scales + j * groups;
+        const Minimums row_m = channel_minimums(w->mins, w->scales, groups, j);
         if (rows == 1 && kettle_channel_one) {
             y[j] = (one_row_avx512() ? q4_channel_one512 : q4_channel_one)(xq, k, group, row_q, row_s, row_m) + b;
             return;
@@ -471,14 +516,15 @@ void kettle_greedy(const float *scores, int64_t rows, int64_t vocab, int64_t ld,
 static inline void q4_dequant_row(const Linear *w, int64_t j, float *dst) {
     const int64_t k = w->k, groups = k / w->group;
     const uint8_t *qw = (const uint8_t *)w->weight + j * (k / 2);
-    const uint16_t *scales = (const uint16_t *)w->scales + j * groups, *mins = w->mins + j * groups;
+    const uint16_t *scales = (const uint16_t *)w->scales + j * groups;
+    const Minimums mins = channel_minimums(w->mins, w->scales, groups, j);
     for (int64_t c = 0; c < k / 64; c++) {
         __m256i halves[2];
         q4_chunk(qw + c * 32, halves);
         for (int h = 0; h < 2; h++) {
             const int64_t col = c * 64 + h * 32, g = col / w->group;
             __m256 v[4];
-            q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(_cvtsh_ss(mins[g])), v);
+            q4_dequant(halves[h], _mm256_set1_ps(_cvtsh_ss(scales[g])), _mm256_set1_ps(minimum_at(mins, g)), v);
             for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + col + 8 * i, v[i]);
         }
     }

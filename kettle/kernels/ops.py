@@ -98,16 +98,17 @@ def q4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
     scales: torch.Tensor,
-    mins: torch.Tensor,
+    mins: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`): [M, N] float32."""
+    """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`; `mins` None: a symmetric
+    weight, minimum = -8 · scale): [M, N] float32."""
     rows, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, group_size)
+    args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
     args += (_ptr(bias), y.data_ptr(), n)
     if rows >= min(Q4_FLOAT_ROWS, panel_rows()):  # the float32 tiles or the panel GEMM (the decode step's choice)
         status = library().kettle_q4_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
@@ -119,12 +120,14 @@ def q4_linear(
     return y
 
 
-def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+def q4_dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
     """The Q4 weight as a dense float32 [N, K] tensor (large prefills multiply it with a float32 GEMM)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(n, k, dtype=torch.float32)
     library().kettle_q4_dequantize(
-        packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group_size, out.data_ptr(),
+        packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, k, group_size, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out

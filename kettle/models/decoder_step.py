@@ -87,7 +87,7 @@ def _linear(module: nn.Module) -> Linear:
         module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
     if isinstance(module, Q4Linear):
-        weights = (module.packed.data_ptr(), module.scales.data_ptr(), module.mins.data_ptr())
+        weights = (module.packed.data_ptr(), module.scales.data_ptr(), _ptr_of(module.mins))
         return Linear(LINEAR_Q4, module.group_size, module.out_features, module.in_features, *weights, bias)
     if isinstance(module, Q8Linear):
         n, k = module.out_features, module.in_features

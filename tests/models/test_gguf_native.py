@@ -109,6 +109,9 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert (Q8Linear in kinds) == ops.available()
     else:
         assert (Q4Linear in kinds) == (qtype != T.F32 and ops.available())
+        # Q4_0 is symmetric (w = d · (q - 8)): its layers keep no minimums, the kernels read them off the scales.
+        layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+        assert all((m.mins is None) == (qtype == T.Q4_0) for m in layers)
     atol = Q4_K_RTOL * float(expected.abs().max()) if qtype == T.Q4_K else EXACT_ATOL[qtype]
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     reference.generation_config.eos_token_id = None  # Kettle's `greedy` runs its 8 tokens whatever they are

@@ -14,7 +14,7 @@ from kettle.layers.rotary import RotaryEmbedding
 from kettle.layers.sdpa_attention import SdpaBackend
 from kettle.quantization.int8 import quantize_int8
 from kettle.quantization.q4 import Q4Linear, pack_q4, unpack_q4
-from tests.fixtures import kernels_buildable, torch_threads
+from tests.fixtures import kernels_buildable, torch_threads, vector_width
 
 CAN_BUILD = kernels_buildable()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
@@ -59,6 +59,43 @@ def test_q4_linear_is_its_dequantized_weight(monkeypatch, group_size, rows):
     assert relative(layer(x), expected) < 1e-5
     # The dequantized weight is the quantization of the original: within half a step of every group.
     assert relative(layer.dequantized(), weight) < 0.2
+
+
+def symmetric_pair(n: int = 40, k: int = 576) -> tuple[Q4Linear, Q4Linear]:
+    """A Q4_0-like layer (every minimum -8 · its scale, so none is stored) and the same layer with them stored."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
+    symmetric = Q4Linear.from_groups(q, scales, -8 * scales, 32, torch.randn(n))
+    stored = Q4Linear.from_groups(q, scales, -8 * scales, 32, symmetric.bias.data)
+    stored.mins = -8 * stored.scales
+    return symmetric, stored
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(monkeypatch, rows):
+    torch.manual_seed(rows)
+    symmetric, stored = symmetric_pair()
+    assert symmetric.mins is None and stored.mins is not None
+    x = torch.randn(rows, 576)
+    assert torch.equal(symmetric.dequantized(), stored.dequantized())
+    paths = [{}, {"QUANTIZED_ACTIVATIONS": False}, {"Q4_FLOAT_ROWS": 1}, {"Q4_FLOAT_ROWS": 1, "_INTEGER_GEMM": False}]
+    for switches in paths:  # one-row channels or tiles; float32 rows; float32 tiles; integer or float32 panels
+        with monkeypatch.context() as patch:
+            for name, value in switches.items():
+                patch.setattr(ops, name, value)
+            assert torch.equal(symmetric(x), stored(x)), switches
+    for avx512 in (False, True):  # the one-row channels at both widths
+        with vector_width("kettle_channel_avx512", avx512):
+            assert torch.equal(symmetric(x[:1]), stored(x[:1]))
+    monkeypatch.setattr(ops, "available", lambda: False)  # PyTorch's ops: the minimums from the scales
+    assert torch.equal(symmetric.dequantized(), stored.dequantized())
+
+
+def test_an_asymmetric_q4_weight_keeps_its_minimums():
+    q = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
+    scales = torch.full((8, 2), 0.01)
+    layer = Q4Linear.from_groups(q, scales, -7.5 * scales, 32)
+    assert layer.mins is not None and torch.equal(layer.mins, (-7.5 * scales).half())
 
 
 @pytest.mark.parametrize("rows", [1, 4, 6])
