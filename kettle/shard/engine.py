@@ -225,10 +225,11 @@ class ShardEngine:
         """One step (or the one computed `ahead` applied, or up to `window` greedy steps where the runner can run
         them at once); the batch is cached again without its finished requests. A failure drops the batch."""
         try:
-            if ahead is None:
-                result = self.runner.step(batch.requests, window)
-            else:
-                result = self.runner.finish(batch.requests, ahead)
+            with self.runner.kv_cache.residency.working():  # the KV cache's pages fault in between the work
+                if ahead is None:
+                    result = self.runner.step(batch.requests, window)
+                else:
+                    result = self.runner.finish(batch.requests, ahead)
         except Exception:
             self.runner.release([r.id for r in batch.requests])
             raise

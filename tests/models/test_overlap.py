@@ -101,3 +101,20 @@ def _spy(fn, calls: list):
 
     spied.__wrapped__ = fn
     return spied
+
+
+def test_the_kv_cache_faults_in_only_between_the_engines_steps(engine, tokenizer, monkeypatch):
+    """Every step runs marked as the engine's work, so the KV cache's background faulting waits for it to end."""
+    residency, marked = engine.runner.kv_cache.residency, []
+
+    def step(requests, window=1):
+        marked.append(residency._working)
+        return step.__wrapped__(requests, window)
+
+    step.__wrapped__ = engine.runner.step
+    monkeypatch.setattr(engine.runner, "step", step)
+    answer = engine.prefill(pb.PrefillRequest(batch=make_batch(4, [tokenizer(PROMPTS[1]).input_ids], 40, 3)))
+    while answer.HasField("batch"):
+        answer = engine.decode(pb.DecodeRequest(batches=[answer.batch]))
+    assert len(marked) >= 3 and all(marked)
+    assert residency._working == 0

@@ -3,6 +3,8 @@ background thread when asked (MADV_POPULATE_WRITE), or in the caller where the k
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import torch
 
@@ -74,3 +76,19 @@ def test_the_cpu_kv_cache_is_resident_on_return_unless_asked_to_fault_in_later()
     now = KVCache(**shape, device="cpu")
     assert now.residency.done.is_set() and rss() - before >= 0.9 * nbytes
     check_tensors([*now.k, *now.v], (6400, 2, 64), torch.float16)
+
+
+def test_the_faulting_steps_aside_while_the_engine_works(monkeypatch):
+    """Beside a decode step the faulting takes a core from the step's threads: no piece faults in while the engine
+    works, nor until it has been idle for QUIET_S; then the rest goes on."""
+    monkeypatch.setattr(zeroed_memory, "CHUNK", 64 * 1024)
+    _, residency = zeroed_tensors(5, (100, 1000), torch.float32)
+    calls = []
+    monkeypatch.setattr(zeroed_memory, "populate", lambda address, length: calls.append(time.monotonic()) or True)
+    with residency.working():
+        residency.start()
+        time.sleep(0.3)
+        assert calls == [] and not residency.done.is_set()
+    ended = time.monotonic()
+    assert residency.wait(60)
+    assert calls and min(calls) >= ended + zeroed_memory.QUIET_S
