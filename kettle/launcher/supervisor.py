@@ -36,11 +36,13 @@ class Supervisor:
         router: ProcessSpec | None,
         graceful_timeout: float = 90.0,
         start_timeout: float = 600.0,
+        router_exit_margin: float = ROUTER_EXIT_MARGIN,
     ) -> None:
         self.shard_specs = shards
         self.router_spec = router
         self.graceful_timeout = graceful_timeout
         self.start_timeout = start_timeout
+        self.router_exit_margin = router_exit_margin
         self.shards: list[Child] = []
         self.router: Child | None = None
         self._signals: list[int] = []
@@ -53,7 +55,7 @@ class Supervisor:
             code = self._start_and_watch()
         finally:
             if code == 0:
-                self._stop_all(self.graceful_timeout, router_margin=ROUTER_EXIT_MARGIN)
+                self._stop_all(self.graceful_timeout, router_margin=self.router_exit_margin)
             else:
                 self._stop_all(min(self.graceful_timeout, FAILURE_STOP_SECONDS))
             for signum, handler in previous.items():
