@@ -82,6 +82,11 @@ class CausalLM(nn.Module):
         """Loads the input embedding and the LM head and returns the vocabulary size; tied, the embedding reads
         the head's storage (no copy). Under tensor parallelism each rank holds a block of the vocabulary."""
         self.tp = weights.tp
+        if head_bias is None and (table := weights.quantized_vocabulary(embed, head)) is not None:
+            # The file's own quantized table serves the head and the embedding's rows: no float32 copy of it.
+            self.lm_head, self.embed_rows = table, table.embed
+            self.register_buffer("embed_tokens", None, persistent=False)
+            return table.out_features
         embed_weight, head_weight, vocab_size = load_vocab_parallel(weights, embed, head, tied)
         # A head's bias goes with its vocabulary rows (this rank's block of it under tensor parallelism).
         bias = vocab_rows(weights, head_bias) if head_bias and weights.has(head_bias) else None

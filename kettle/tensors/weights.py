@@ -91,6 +91,13 @@ class CountedLoader:
     def quantize_tensor(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         return self.scheme.quantize_tensor(weight, bias)
 
+    def load_vocabulary(self, weights: Weights, embed: str, head: str) -> nn.Module | None:
+        load = getattr(self.scheme, "load_vocabulary", None)
+        layer = None if load is None else load(weights, embed, head)
+        if layer is not None:
+            self.progress.read(embed)
+        return layer
+
 
 class Weights:
     """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
@@ -144,6 +151,13 @@ class Weights:
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
         return self._handles[file]
+
+    def quantized_vocabulary(self, embed: str, head: str) -> nn.Module | None:
+        """The LM head as the quantization scheme reads it from the file, where that one table also serves the
+        embedding's rows (a GGUF file's tied Q8_0 table): then neither is loaded dense. None otherwise."""
+        if self.quantize is None or self.tp.sharded:
+            return None
+        return self.quantize.load_vocabulary(self, embed, head)
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, converted to the target dtype (if floating point) and device."""
