@@ -24,7 +24,7 @@ from kettle.kernels import ops
 from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
-from kettle.quantization.q4 import CHUNK, Q4Linear
+from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q8 import Q8Linear
 from kettle.quantization.qparams import QParams
 from kettle.tensors.gguf_file import DENSE, EXACT_INT4, GgufTensors
@@ -108,9 +108,9 @@ def gguf_scheme(gguf: GgufTensors) -> GgufScheme | None:
 
 def int4_linear(groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module | None:
     """Kettle's int4 kernel layout when the shape fits it, else PyTorch's packed int4, else None."""
-    n, k = groups.q.shape
-    if ops.available() and k % CHUNK == 0:
-        return Q4Linear.from_groups(groups.q, groups.scales, groups.mins, GROUP, bias)
+    n = groups.values.shape[0]
+    if ops.available() and groups.packed:
+        return Q4Linear.from_groups(groups.values, groups.scales, groups.mins, GROUP, bias)
     if n % 16 == 0:
         scale = groups.scales.t().contiguous()
         zero = (groups.mins + 8 * groups.scales).t().contiguous()
@@ -120,7 +120,8 @@ def int4_linear(groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module | No
 
 
 def _concat(parts: list[Int4Groups]) -> Int4Groups:
-    return Int4Groups(*(torch.cat([getattr(p, key) for p in parts]) for key in ("q", "scales", "mins")))
+    tensors = (torch.cat([getattr(p, key) for p in parts]) for key in ("values", "scales", "mins"))
+    return Int4Groups(*tensors, parts[0].packed)  # the parts of a fused projection share their input width
 
 
 def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:

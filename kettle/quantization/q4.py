@@ -41,17 +41,21 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 class Q4Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] group-wise int4 on Kettle's CPU kernel; same call shape as `Linear`."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bias=None) -> None:
+    def __init__(
+        self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, bias=None
+    ) -> None:
+        """From the stored form: packed [N, K/2] uint8 (`pack_q4`), scales and minimums [N, K/g] (rounded to
+        float16; `mins` None: a symmetric weight, minimum -8 · scale)."""
         super().__init__()
-        n, k = q.shape
+        n, k = packed.shape[0], packed.shape[1] * 2
         if k % group_size or group_size % BLOCK or k % CHUNK:
             raise ValueError(f"int4: in_features {k} must be a multiple of {CHUNK}, group size {group_size} of {BLOCK}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
         self.dense_rows = DENSE_ROWS
-        self.register_buffer("packed", pack_q4(q), persistent=False)
-        scale, zero = scale.float().t(), zero.float().t()  # [N, K/g]
-        self.register_buffer("scales", scale.to(torch.float16).contiguous(), persistent=False)
-        self.register_buffer("mins", (zero - 8 * scale).to(torch.float16).contiguous(), persistent=False)
+        self.register_buffer("packed", packed.to(torch.uint8).contiguous(), persistent=False)
+        self.register_buffer("scales", scales.to(torch.float16).contiguous(), persistent=False)
+        minimums = None if mins is None else mins.to(torch.float16).contiguous()
+        self.register_buffer("mins", minimums, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @classmethod
@@ -59,26 +63,25 @@ class Q4Linear(nn.Module):
         """Quantizes a dense [out, in] weight (group_size None: the weight's own 4-bit grid, else 128)."""
         wanted = group_size or native_group_size(weight) or DEFAULT_INT4_GROUP_SIZE
         size = kernel_group_size(weight.shape[1], wanted)  # the same groups as `Int4Linear`
-        return cls(*quantize_int4(weight, size), size, bias)
+        return cls.from_qparams(*quantize_int4(weight, size), size, bias)
 
     @classmethod
     def from_qparams(cls, q, scale, zero, group_size: int, bias=None) -> Q4Linear:
-        """From q [N, K] (0..15) and scale/zero [K/g, N] in the float-zero form (GPTQ/AWQ checkpoints)."""
-        return cls(q, scale, zero, group_size, bias)
+        """From q [N, K] (0..15) and scale/zero [K/g, N] in the float-zero form (w = (q - 8) · scale + zero:
+        `quantize_int4`, GPTQ/AWQ checkpoints)."""
+        scale, zero = scale.float().t(), zero.float().t()  # [N, K/g]
+        return cls(pack_q4(q), scale, zero - 8 * scale, group_size, bias)
 
     @classmethod
-    def from_groups(cls, q, scales, mins, group_size: int, bias=None) -> Q4Linear:
-        """From q [N, K] (0..15) and scales/mins [N, K/g] with W = q · scale + min (GGUF's 4-bit types): the
-        kernel's float16 scales and minimums are rounded from these directly, not through the float-zero form.
-        Where every minimum is -8 · its scale (GGUF's Q4_0, w = d · (q - 8)) none is stored: the kernels read
-        the scales for them (kernels.h `Minimums`), exactly, and a one-row step reads 10% fewer bytes."""
-        layer = cls(q, scales.t(), (mins + 8 * scales).t(), group_size, bias)
-        layer.scales.copy_(scales.to(torch.float16))
-        layer.mins.copy_(mins.to(torch.float16))
-        symmetric = layer.mins.isfinite().all() and torch.equal(layer.mins, -8 * layer.scales)
-        if symmetric:
-            layer.mins = None
-        return layer
+    def from_groups(cls, packed, scales, mins, group_size: int, bias=None) -> Q4Linear:
+        """From packed values ([N, K/2], `pack_q4`'s layout) and scales/mins [N, K/g] with W = q · scale + min
+        (GGUF's 4-bit types): the kernel's float16 scales and minimums are rounded from these directly, not through
+        the float-zero form. Where every minimum is -8 · its scale (GGUF's Q4_0, w = d · (q - 8)) none is stored:
+        the kernels read the scales for them (kernels.h `Minimums`), exactly, and a one-row step reads 10% fewer
+        bytes."""
+        scales, mins = scales.to(torch.float16), mins.to(torch.float16)
+        symmetric = bool(mins.isfinite().all()) and torch.equal(mins, -8 * scales)
+        return cls(packed, scales, None if symmetric else mins, group_size, bias)
 
     def minimums(self) -> torch.Tensor:
         """The float16 minimum of every group, [N, K/g] (a symmetric weight's -8 · scale)."""

@@ -65,8 +65,8 @@ def symmetric_pair(n: int = 40, k: int = 576) -> tuple[Q4Linear, Q4Linear]:
     """A Q4_0-like layer (every minimum -8 · its scale, so none is stored) and the same layer with them stored."""
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
-    symmetric = Q4Linear.from_groups(q, scales, -8 * scales, 32, torch.randn(n))
-    stored = Q4Linear.from_groups(q, scales, -8 * scales, 32, symmetric.bias.data)
+    symmetric = Q4Linear.from_groups(pack_q4(q), scales, -8 * scales, 32, torch.randn(n))
+    stored = Q4Linear.from_groups(pack_q4(q), scales, -8 * scales, 32, symmetric.bias.data)
     stored.mins = -8 * stored.scales
     return symmetric, stored
 
@@ -94,7 +94,7 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
 def test_an_asymmetric_q4_weight_keeps_its_minimums():
     q = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
     scales = torch.full((8, 2), 0.01)
-    layer = Q4Linear.from_groups(q, scales, -7.5 * scales, 32)
+    layer = Q4Linear.from_groups(pack_q4(q), scales, -7.5 * scales, 32)
     assert layer.mins is not None and torch.equal(layer.mins, (-7.5 * scales).half())
 
 
