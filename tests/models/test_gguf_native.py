@@ -200,19 +200,21 @@ def test_an_unsupported_type_is_refused_in_one_line(tmp_path):
         gguf_file.check_supported(T.IQ2_XXS, tensor.name)
 
 
-def test_a_tied_q8_0_table_loads_without_a_float_copy(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])  # Llama's names, a scaled embedding, GPT-2's names
+def test_a_tied_q8_0_table_loads_without_a_float_copy(tmp_path, monkeypatch, arch):
     """The file's tied Q8_0 table becomes the LM head and serves the embedding's rows straight from its blocks:
     neither is dequantized to float32 on the way (a 1.1B model's vocabulary: 400 MB and a second of its load)."""
     from kettle.tensors.gguf_file import GgufTensors
 
     if not ops.available():
         pytest.skip(EXACT_NEEDS_KERNELS)
-    model = tiny_model("llama", 64, tie_word_embeddings=True)
-    folder = write_gguf(model, tmp_path / "tied", "llama", T.Q4_0, embedding=T.Q8_0)
+    model = tiny_model(arch, 64, tie_word_embeddings=True)
+    folder = write_gguf(model, tmp_path / "tied", arch, T.Q4_0, embedding=T.Q8_0)
     dense, read = GgufTensors.dense, []
     monkeypatch.setattr(GgufTensors, "dense", lambda self, name: read.append(name) or dense(self, name))
     kettle = load_model(str(folder), torch.float32, torch.device("cpu"))
     assert isinstance(kettle.lm_head, Q8Linear) and kettle.embed_tokens is None and kettle.embed_rows is not None
-    assert read and not [name for name in read if "embed" in name or "lm_head" in name]
-    reference = dequantized_reference(model, folder, "llama")
+    vocabulary = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
+    assert read and not [name for name in read if name.endswith(vocabulary)]
+    reference = dequantized_reference(model, folder, arch)
     torch.testing.assert_close(kettle_logits(kettle), reference_logits(reference), atol=1e-4, rtol=0)
