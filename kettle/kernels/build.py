@@ -11,12 +11,15 @@ CPU without AVX2/FMA/F16C, `library()` returns None and the same PyTorch ops are
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -33,6 +36,10 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ENV_SWITCH = "KETTLE_CPU_KERNELS"  # read through kettle.settings
 COMPILER_NICE = 10  # the compilers' niceness (see `_lower_priority`)
 log = logging.getLogger(__name__)
+# The compilers running now, each the leader of its own process group (the driver and its cc1/as): a process that
+# exits while they run (a launcher stopping on a bad model before the build is done) kills them on its way out
+# instead of leaving them to finish in the background, holding its caller's output pipes open for seconds.
+_running: set[subprocess.Popen] = set()
 
 _int, _ptr = ctypes.c_int64, ctypes.c_void_p
 SIGNATURES = {
@@ -126,23 +133,50 @@ def _compiler(compiler: str):
         compile_flags = [flag for flag in FLAGS if flag != "-shared"]
         objects = [out / f"{source.stem}.o" for source in SOURCES]
         jobs = [
-            subprocess.Popen(
-                [compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
-                stderr=subprocess.PIPE,
-                preexec_fn=_lower_priority,
-            )
+            _start([compiler, *compile_flags, "-c", str(source), "-o", str(obj)])
             for source, obj in zip(SOURCES, objects, strict=True)
         ]
-        finished = [(job, job.communicate()[1]) for job in jobs]  # every job waited for, failed or not
+        finished = [(job, _wait(job)) for job in jobs]  # every job waited for, failed or not
         for job, errors in finished:
             if job.returncode:
                 raise subprocess.CalledProcessError(job.returncode, job.args, stderr=errors)
         link = [compiler, *FLAGS, *map(str, objects), "-o", str(out / "libkettle_cpu.so"), "-lm"]
-        subprocess.run(link, check=True, capture_output=True, text=True)
+        job = _start(link)
+        errors = _wait(job)
+        if job.returncode:
+            raise subprocess.CalledProcessError(job.returncode, link, stderr=errors)
         for obj in objects:
             obj.unlink()
 
     return build
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        process_group=0,
+        preexec_fn=_lower_priority,
+        text=True,
+    )
+    _running.add(job)
+    return job
+
+
+def _wait(job: subprocess.Popen) -> str:
+    """The job's error output, once it has finished."""
+    try:
+        return job.communicate()[1]
+    finally:
+        _running.discard(job)
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    for job in list(_running):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
 
 
 def _lower_priority() -> None:

@@ -135,6 +135,35 @@ def test_a_preparation_that_crashes_stops_the_launcher_with_its_error_and_one_li
     assert "Preparing the model failed: the child process exited with code 1" in line
 
 
+def test_a_launcher_that_stops_early_leaves_no_compiler_running(tmp_path):
+    """A first start compiles the CPU kernels beside the model's preparation; stopping on a bad model before that
+    build is done kills the compilers with it (they held the caller's output pipes open for their ~5 s)."""
+    cache = tmp_path / "cache"  # empty: the kernels are to be built
+    env = os.environ | {"KETTLE_CACHE": str(cache)}
+    command = [sys.executable, "-m", "kettle.cli", "launch", "--model-id", str(tmp_path / "missing-model")]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert launcher.wait(timeout=60) == 1
+    assert list(cache.glob("kernels/.tmp-*/")), "the launcher stopped before the build started: nothing tested"
+    deadline = time.monotonic() + 2.0
+    while (compilers := _processes_naming(cache)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not compilers
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """The command lines of live processes (not zombies) that name `path`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and str(path) in line:
+            found.append(line)
+    return found
+
+
 class Server:
     """Runs the supervisor in its own process (so it can receive signals) over dummy children."""
 
