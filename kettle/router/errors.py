@@ -127,7 +127,8 @@ def _pydantic_message(exc: RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
         where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+        message = "not a field this server supports" if error.get("type") == "extra_forbidden" else error.get("msg")
+        parts.append(f"{where}: {message}" if where else str(message))
     return "; ".join(parts)
 
 

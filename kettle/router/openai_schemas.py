@@ -42,9 +42,13 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields chat and completions share; every one may be absent."""
+    """The fields chat and completions share; every one may be absent. A field this server does not know is a 422
+    naming it (as OpenAI answers 400), not ignored: `echo` or `functions` ignored would change the answer silently."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="Ignored: this server runs one model.", examples=["tgi"])
+    user: str | None = Field(None, description="Ignored: OpenAI's end-user label for abuse monitoring.")
     max_tokens: int | None = Field(
         None, le=UINT32_MAX, description="Maximum number of generated tokens.", examples=[32]
     )

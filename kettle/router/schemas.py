@@ -49,7 +49,11 @@ class Grammar(_Strict):
 
 
 class GenerateParameters(_Strict):
-    """Generation parameters; every one may be absent (docs/api.md, Generate parameters)."""
+    """Generation parameters; every one may be absent (docs/api.md, Generate parameters). A parameter this server
+    does not know is a 422 naming it, not ignored as TGI does: a misspelt one (`max_tokens` here) would otherwise
+    change the answer without a word."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     best_of: int | None = Field(
         None, le=UINT32_MAX, description="Generate this many sampled sequences, return the best.", examples=[1]

@@ -196,6 +196,7 @@ def test_compat_keeps_the_sampling_quirk(make_client):
 
 JSON, TEXT = {"content-type": "application/json"}, {"content-type": "text/plain"}
 BAD_TYPE = "Input validation error: parameters.max_new_tokens: Input should be a valid integer"
+UNKNOWN_PARAMETER = "Input validation error: parameters.max_tokens: not a field this server supports"
 
 
 @pytest.mark.parametrize(
@@ -204,6 +205,8 @@ BAD_TYPE = "Input validation error: parameters.max_new_tokens: Input should be a
         ({"json": {"inputs": PROMPT, "parameters": {"temperature": 0.0}}}, 422, TEMPERATURE_ERROR),
         ({"json": {"inputs": PROMPT, "parameters": {"max_new_tokens": "many"}}}, 422, BAD_TYPE),
         ({"json": {"parameters": {}}}, 422, "Input validation error: inputs: Field required"),
+        # A misspelt parameter (OpenAI's name here) is named, not ignored: ignored, the answer runs to the limit.
+        ({"json": {"inputs": PROMPT, "parameters": {"max_tokens": 5}}}, 422, UNKNOWN_PARAMETER),
         ({"content": b'{"inputs": ', "headers": JSON}, 400, "bad_request"),
         ({"content": b'{"inputs": "x"}'}, 415, "unsupported_media_type"),
         ({"content": b'{"inputs": "x"}', "headers": TEXT}, 415, "unsupported_media_type"),

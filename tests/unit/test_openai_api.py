@@ -203,6 +203,9 @@ VALIDATION = "validation"
         ("/v1/chat/completions", {"messages": USER, "temperature": -1}, TEMPERATURE_ERROR),
         ("/v1/completions", {"prompt": []}, "`prompt` cannot be an empty list"),
         ("/v1/completions", {"prompt": "a", "top_p": 1.5}, "`top_p` must be > 0.0 and < 1.0"),
+        # Fields the server does not know are named, not ignored (echo would silently drop the prompt's text).
+        ("/v1/completions", {"prompt": "a", "echo": True}, "echo: not a field this server supports"),
+        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions: not a field"),
     ],
 )
 def test_unsupported_and_invalid_fields_are_422(make_client, route, body, message):
@@ -212,6 +215,12 @@ def test_unsupported_and_invalid_fields_are_422(make_client, route, body, messag
     assert response.json()["error_type"] == "validation" and message in response.json()["error"]
     assert response.json()["error"].startswith("Input validation error: ")
     assert client.app.state.generation.permits.available == 128
+
+
+def test_the_end_user_label_is_accepted(make_client):
+    """OpenAI's `user` only labels the caller for abuse monitoring: accepted and ignored, not a 422."""
+    response = make_client().post("/v1/chat/completions", json={"messages": USER, "user": "user-1234"})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(
