@@ -18,7 +18,11 @@ decode step implies from the weight bytes each engine reads (Kettle's tensors; l
 The file goes to ~/.cache/kettle/bench/<shape>-<qtype>/ (written once, ~0.6-1 GB; a minute) with a config.json
 and the bundled model's tokenizer, which every shape here uses (vocabulary 49,152), so Kettle loads the folder
 as it loads any GGUF folder. Q4_K blocks are random but well formed (gguf-py cannot quantize to Q4_K); the
-embedding, tied to the head, is Q8_0 as in llama.cpp's own Q4 files of small models.
+embedding, tied to the head, is Q8_0 as in llama.cpp's own Q4 files of small models. `--untied` writes the
+embedding in the layers' type and a head of its own in Q8_0, as a TinyLlama file is laid out (its Q4_K_M head is
+Q6_K, which gguf-py cannot write):
+
+    .venv/bin/python bench/larger_gguf.py --untied --qtype Q4_K
 """
 
 from __future__ import annotations
@@ -50,12 +54,13 @@ CACHE = Path.home() / ".cache" / "kettle" / "bench"
 SETTLE_S = 1.0
 
 
-def write_model(shape: str, qtype_name: str) -> Path:
-    """The GGUF and its Kettle folder for `shape` in `qtype_name` (written once)."""
+def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
+    """The GGUF and its Kettle folder for `shape` in `qtype_name` (written once); `untied`: an embedding in the
+    layers' type and a head of its own."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    folder = CACHE / f"{shape}-{qtype_name}"
+    folder = CACHE / f"{shape}-{qtype_name}{'-untied' if untied else ''}"
     if (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,11 @@ def write_model(shape: str, qtype_name: str) -> Path:
     rng, qtype = np.random.default_rng(0), T[qtype_name]
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     embedding = rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.02
-    writer.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
+    if untied:
+        writer.add_tensor("token_embd.weight", _random_blocks(rng, vocab, hidden, qtype), raw_dtype=qtype)
+        writer.add_tensor("output.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
+    else:
+        writer.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     kv = kv_heads * (hidden // heads)
     projections = [("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
@@ -87,7 +96,8 @@ def write_model(shape: str, qtype_name: str) -> Path:
     config = json.loads((source / "config.json").read_text())
     config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, head_dim=hidden // heads,
                   num_key_value_heads=kv_heads, intermediate_size=inner, max_position_embeddings=4096,
-                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rope_theta=10000.0)  # fmt: skip
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rope_theta=10000.0,
+                  tie_word_embeddings=not untied)  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
 
@@ -201,9 +211,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed per round")
     parser.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--untied", action="store_true", help="an embedding in --qtype and a Q8_0 head of its own")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = write_model(args.shape, args.qtype)
+    folder = write_model(args.shape, args.qtype, args.untied)
     engines = {"kettle": KettleRunner(folder, args.prompt), "llama.cpp": LlamaCppRunner(folder, args.threads)}
     results = {name: {"decode": [], "prefill": []} for name in engines}
     for round_ in range(args.rounds):

@@ -231,7 +231,7 @@ def write_gguf(model, path: Path, arch: str, qtype: T, embedding: T | None = Non
             continue  # a tied head is the embedding (llama.cpp writes no copy)
         data = to_gguf(arch, name, tensor.float().numpy(), config)
         is_embedding = name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
-        wanted = (embedding or qtype) if is_embedding else qtype
+        wanted = embedding if is_embedding and embedding is not None else qtype  # T.F32 is 0: falsy
         gguf_name = _gguf_name(names, name)
         if data.ndim == 2 and wanted != T.F32 and "wpe" not in name:
             writer.add_tensor(gguf_name, encode(data, wanted, seed), raw_dtype=wanted)

@@ -53,6 +53,8 @@ SIGNATURES["kettle_q4_linear_rows"] = [*SIGNATURES["kettle_q4_linear"][:-1], cty
 SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
 SIGNATURES["kettle_q8g_linear"] = SIGNATURES["kettle_q8_linear_rows"]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
+# packed, scales, mins, n, k, group, ids, count, out, threads
+SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, _ptr, _int, _ptr, ctypes.c_int]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
 # threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]

@@ -186,6 +186,17 @@ void kettle_q8g_rows(
     for (int64_t i = 0; i < count; i++) q8g_dequant_row(&w, ids[i], out + i * k);
 }
 
+/* Rows `ids` [count] of a Q4 weight as float32 [count, K]: the embedding lookup of a GGUF file's 4-bit table,
+ * exactly what the projections multiply by (`q4_dequant_row`). */
+void kettle_q4_rows(
+    const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group,
+    const int64_t *ids, int64_t count, float *out, int threads
+) {
+    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) q4_dequant_row(&w, ids[i], out + i * k);
+}
+
 /* ---- element-wise kernels of a decoder layer (float32): each replaces a chain of PyTorch ops whose fixed
  * per-op cost dominates at decode sizes. Rows run in parallel only when there is enough work to pay for it. */
 

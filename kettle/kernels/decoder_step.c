@@ -474,9 +474,11 @@ int kettle_decoder_step(
     return 0;
 }
 
-/* Row `token` of the embedding table (float32, or GGUF Q8_0 as for a tied head) as float32. */
+/* Row `token` of the embedding table (float32, GGUF Q8_0 as for a tied head, or a GGUF file's 4-bit table) as
+ * float32. */
 static void embed_row(const Linear *table, int64_t token, float *dst) {
     if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
+    else if (table->kind == LINEAR_Q4) q4_dequant_row(table, token, dst);
     else q8g_dequant_row(table, token, dst);
 }
 

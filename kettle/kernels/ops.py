@@ -192,11 +192,34 @@ def q8g_path(rows: int, k: int) -> int:
 
 def q8g_rows(q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a Q8_0 weight (q [N, K] int8, scales [N, K/32] float16) as float32 [len(ids), K]."""
-    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    ids = _row_ids(ids, q.shape[0])
     out = torch.empty(ids.numel(), q.shape[1], dtype=torch.float32)
     library().kettle_q8g_rows(
         q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr(),
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _row_ids(ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """`ids` flat as int64, each checked to name one of `rows` rows: an id past the table (a tokenizer's added
+    token the model has no row for) fails its batch as PyTorch's embedding would, instead of reading past it."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
+        raise IndexError(f"token ids must be in [0, {rows}): got {ids.min()}..{ids.max()}")
+    return ids
+
+
+def q4_rows(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows `ids` of a Q4 weight (`q4_linear`'s layout) as float32 [len(ids), K], the values its kernels multiply."""
+    ids = _row_ids(ids, packed.shape[0])
+    k = packed.shape[1] * 2
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    library().kettle_q4_rows(
+        packed.data_ptr(), scales.data_ptr(), _ptr(mins), packed.shape[0], k, group_size, ids.data_ptr(), ids.numel(),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

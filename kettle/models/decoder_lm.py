@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kettle.layers.attention import AttentionMetadata
+from kettle.layers.linear import Linear
 from kettle.layers.lora import LoraRows
 from kettle.layers.parallel import (
     ColumnParallelLinear,
@@ -76,7 +77,7 @@ class CausalLM(nn.Module):
     rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
     embed_scale: torch.Tensor | None = None  # Gemma multiplies embeddings by sqrt(hidden)
     lora_rows: LoraRows | None = None  # set when LoRA adapters are attached (kettle/models/lora_adapters.py)
-    embed_rows = None  # ids → rows, when the embedding reads a quantized tied head's table (no float copy)
+    embed_rows = None  # ids → rows, when the embedding reads a quantized table (a tied head's or its own)
 
     def load_embeddings(self, weights: Weights, embed: str, head: str, tied: bool, head_bias: str | None = None):
         """Loads the input embedding and the LM head and returns the vocabulary size; tied, the embedding reads
@@ -87,6 +88,13 @@ class CausalLM(nn.Module):
             self.lm_head, self.embed_rows = table, table.embed
             self.register_buffer("embed_tokens", None, persistent=False)
             return table.out_features
+        if not tied and (table := weights.quantized_embedding(embed, head)) is not None:
+            # An untied table the file stores quantized stays so, its rows dequantized as they are looked up; the
+            # head is a projection of its own ("lm_head.weight", "lm_head.bias"), loaded from its blocks as one.
+            self.embed_rows = table.embed
+            self.register_buffer("embed_tokens", None, persistent=False)
+            self.lm_head = Linear.load(weights, [head.removesuffix(".weight")])
+            return int(weights.shape(head)[0])
         embed_weight, head_weight, vocab_size = load_vocab_parallel(weights, embed, head, tied)
         # A head's bias goes with its vocabulary rows (this rank's block of it under tensor parallelism).
         bias = vocab_rows(weights, head_bias) if head_bias and weights.has(head_bias) else None

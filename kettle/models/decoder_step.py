@@ -117,8 +117,8 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     embed_rows = getattr(model, "embed_rows", None)
     weight = getattr(model, "embed_tokens", None)
     if embed_rows is not None:
-        table = getattr(embed_rows, "__self__", None)  # the tied head's bound `embed`
-        embedding = _linear(table) if isinstance(table, Q8Linear) else None
+        table = getattr(embed_rows, "__self__", None)  # the table's bound `embed` (a tied head's, or its own)
+        embedding = _linear(table) if isinstance(table, Q8Linear | Q4Linear) else None
     elif weight is not None and weight.dim() == 2 and _float32_rows(weight):
         n, k = weight.shape
         embedding = Linear(LINEAR_F32, k, n, k, weight.data_ptr(), None, None, None)

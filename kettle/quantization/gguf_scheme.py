@@ -7,7 +7,9 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
   dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
 - F32, F16, BF16 → dense, as any float checkpoint.
 A fused projection (q/k/v, gate/up) whose parts mix types loads as per-channel int8.
-The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact.
+The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact. An
+embedding table in Q8_0 or a 4-bit type stays in its blocks, tied or not, its rows dequantized as they are looked
+up (`load_vocabulary`, `load_embedding`); others load dense.
 """
 
 from __future__ import annotations
@@ -63,14 +65,30 @@ class GgufScheme:
         """Whether the file keeps one table for the embedding and the LM head (no `output.weight`)."""
         return not self.gguf.has("lm_head.weight")
 
-    def load_vocabulary(self, weights: Weights, embed: str, head: str) -> Q8Linear | None:
-        """A tied Q8_0 table straight from the file as the LM head, whose rows also serve the embedding
-        (`Q8Linear.embed`, exact): no dense float32 copy of either is made on the way (400 MB and 1 s of a 1.1B
-        model's load). None where the file has its own head tensor or another type: those load dense, and
-        `load_head` replaces the head after."""
-        if self.gguf.has(head) or self.gguf.qtype(embed) != T.Q8_0 or not ops.available():
+    def load_vocabulary(self, weights: Weights, embed: str, head: str) -> Q4Linear | Q8Linear | None:
+        """A tied table straight from the file as the LM head, whose rows also serve the embedding (`embed`,
+        exact): no dense float32 copy of either is made on the way (400 MB and 1 s of a 1.1B model's load). None
+        where the file has its own head tensor (`load_embedding`) or the table is of another type: those load
+        dense, and `load_head` replaces the head after."""
+        return None if self.gguf.has(head) else self._table(embed)
+
+    def load_embedding(self, weights: Weights, embed: str, head: str) -> Q4Linear | Q8Linear | None:
+        """An untied embedding table (the file has its own head tensor), kept in its blocks: the model dequantizes
+        the rows it looks up (`embed`), where a dense table would hold 4 bytes a value (a 1.1B model's Q4_K table:
+        250 MiB against 36). None for a tied table, or one of another type, which loads dense."""
+        return self._table(embed) if self.gguf.has(head) else None
+
+    def _table(self, name: str) -> Q4Linear | Q8Linear | None:
+        """A vocabulary table from its blocks, where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K)."""
+        if not ops.available():
             return None
-        return Q8Linear.from_blocks(self.gguf.blocks(embed))
+        qtype = self.gguf.qtype(name)
+        if qtype == T.Q8_0:
+            return Q8Linear.from_blocks(self.gguf.blocks(name))
+        if qtype in EXACT_INT4:
+            table = int4_linear(int4_groups(self.gguf.blocks(name)), None)
+            return table if isinstance(table, Q4Linear) else None
+        return None
 
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""

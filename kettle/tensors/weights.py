@@ -98,6 +98,13 @@ class CountedLoader:
             self.progress.read(embed)
         return layer
 
+    def load_embedding(self, weights: Weights, embed: str, head: str) -> nn.Module | None:
+        load = getattr(self.scheme, "load_embedding", None)
+        table = None if load is None else load(weights, embed, head)
+        if table is not None:
+            self.progress.read(embed)
+        return table
+
 
 class Weights:
     """Named tensors of one checkpoint. Floating-point tensors come back in `dtype`; others (quantized
@@ -158,6 +165,14 @@ class Weights:
         if self.quantize is None or self.tp.sharded:
             return None
         return self.quantize.load_vocabulary(self, embed, head)
+
+    def quantized_embedding(self, embed: str, head: str) -> nn.Module | None:
+        """The input embedding as the quantization scheme reads it from the file, where the file also has its own
+        head tensor (an untied GGUF table of a type the kernels read exactly): a module whose `embed(ids)` gives
+        the rows, and no dense table. None otherwise."""
+        if self.quantize is None or self.tp.sharded:
+            return None
+        return self.quantize.load_embedding(self, embed, head)
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, converted to the target dtype (if floating point) and device."""

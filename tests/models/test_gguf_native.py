@@ -200,21 +200,54 @@ def test_an_unsupported_type_is_refused_in_one_line(tmp_path):
         gguf_file.check_supported(T.IQ2_XXS, tensor.name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])  # Llama's names, a scaled embedding, GPT-2's names
-def test_a_tied_q8_0_table_loads_without_a_float_copy(tmp_path, monkeypatch, arch):
-    """The file's tied Q8_0 table becomes the LM head and serves the embedding's rows straight from its blocks:
-    neither is dequantized to float32 on the way (a 1.1B model's vocabulary: 400 MB and a second of its load)."""
+# (architecture, tied, the layers' type, the table's type). Tied: Llama's names, a scaled embedding (Gemma 2),
+# GPT-2's names; untied, each type the kernels read exactly, one under a Q8_0 head (the greedy C loop then embeds
+# from the 4-bit table).
+VOCABULARY_CASES = [
+    ("llama", True, T.Q4_0, T.Q8_0),
+    ("gemma2", True, T.Q4_0, T.Q8_0),
+    ("gpt2", True, T.Q4_0, T.Q8_0),
+    ("gpt2", True, T.Q4_0, T.Q4_0),
+    ("gemma2", True, T.Q4_1, T.Q4_1),
+    ("llama", False, T.Q4_0, T.Q4_0),
+    ("llama", False, T.Q4_K, T.Q4_K),
+    ("qwen2", False, T.Q4_1, T.Q8_0),
+    ("llama", False, T.Q8_0, T.Q4_0),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "tied", "layers", "table"),
+    VOCABULARY_CASES,
+    ids=[f"{a}-{'tied' if t else 'untied'}-{w.name}-{e.name}" for a, t, w, e in VOCABULARY_CASES],
+)
+def test_a_quantized_vocabulary_table_loads_without_a_float_copy(tmp_path, monkeypatch, arch, tied, layers, table):
+    """The file's embedding table stays in its blocks, its rows dequantized as they are looked up: tied, it is
+    the LM head too; untied, the head loads from its own tensor's blocks. No float32 copy of either is made (a
+    1.1B model's table: 384 MiB resident, and a second of its load), and the logits and greedy tokens are the
+    file's."""
+    from kettle.models.decoder_step import _embedding_and_head
     from kettle.tensors.gguf_file import GgufTensors
 
     if not ops.available():
         pytest.skip(EXACT_NEEDS_KERNELS)
-    model = tiny_model(arch, 64, tie_word_embeddings=True)
-    folder = write_gguf(model, tmp_path / "tied", arch, T.Q4_0, embedding=T.Q8_0)
+    model = tiny_model(arch, 256 if T.Q4_K in (layers, table) else 64, tie_word_embeddings=tied)
+    folder = write_gguf(model, tmp_path / "model", arch, layers, embedding=table)
     dense, read = GgufTensors.dense, []
     monkeypatch.setattr(GgufTensors, "dense", lambda self, name: read.append(name) or dense(self, name))
     kettle = load_model(str(folder), torch.float32, torch.device("cpu"))
-    assert isinstance(kettle.lm_head, Q8Linear) and kettle.embed_tokens is None and kettle.embed_rows is not None
-    vocabulary = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
+    rows_from = getattr(kettle.embed_rows, "__self__", None)
+    assert kettle.embed_tokens is None and isinstance(rows_from, Q8Linear if table == T.Q8_0 else Q4Linear)
+    assert (rows_from is kettle.lm_head) == tied
+    vocabulary = ("embed_tokens.weight", "wte.weight", "lm_head.weight")  # an untied head loads from its blocks
     assert read and not [name for name in read if name.endswith(vocabulary)]
+    if layers == T.Q8_0:  # a Q8_0 head: the greedy steps run in one C call, embedding from the 4-bit table
+        assert _embedding_and_head(kettle) is not None
     reference = dequantized_reference(model, folder, arch)
-    torch.testing.assert_close(kettle_logits(kettle), reference_logits(reference), atol=1e-4, rtol=0)
+    expected = reference_logits(reference)
+    atol = Q4_K_RTOL * float(expected.abs().max()) if T.Q4_K in (layers, table) else 1e-4
+    torch.testing.assert_close(kettle_logits(kettle), expected, atol=atol, rtol=0)
+    reference.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
+    assert greedy(kettle, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()

@@ -225,3 +225,25 @@ def test_a_source_that_does_not_compile_leaves_pytorch_s_ops_and_no_folder(tmp_p
         assert build.built_folder() is None
     assert "CPU kernels failed to build" in caplog.text
     assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+def test_table_rows_are_the_dequantized_weights_rows(symmetric):
+    """An embedding lookup from a quantized table (a GGUF file's Q4 or Q8_0 vocabulary) gives exactly the rows the
+    projections multiply by, and an id past the table fails as PyTorch's embedding does, reading nothing."""
+    torch.manual_seed(0)
+    n, k = 40, 128
+    scales = torch.rand(n, k // 32) * 0.1
+    mins = -8 * scales if symmetric else -torch.rand(n, k // 32)
+    table = Q4Linear.from_groups(pack_q4(torch.randint(0, 16, (n, k))), scales, mins, 32)
+    assert (table.mins is None) == symmetric
+    ids = torch.tensor([[3, 39, 0], [3, 17, 22]])
+    torch.testing.assert_close(table.embed(ids), table.dequantized()[ids], atol=0, rtol=0)
+    q, q_scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01).half()
+    dense = (q.float().view(n, -1, 32) * q_scales.float()[..., None]).view(n, k)
+    torch.testing.assert_close(ops.q8g_rows(q, q_scales, ids), dense[ids.reshape(-1)], atol=0, rtol=0)
+    for bad in (torch.tensor([n]), torch.tensor([-1])):
+        with pytest.raises(IndexError, match=r"token ids must be in \[0, 40\)"):
+            table.embed(bad)
+        with pytest.raises(IndexError):
+            ops.q8g_rows(q, q_scales, bad)
