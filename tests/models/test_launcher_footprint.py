@@ -49,18 +49,25 @@ def start_launcher(cache, flags: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-# --quantize makes the launcher ask how many GPUs the shards will see (a CUDA scheme or the CPU's): torch answers
-# that in a child too.
-@pytest.mark.parametrize("flags", [{}, {"quantize": "int4"}], ids=["defaults", "quantize"])
-def test_a_first_start_leaves_the_launcher_without_transformers_and_under_60_mib(tmp_path, flags):
-    launcher = start_launcher(tmp_path / "cache", flags)
+def launch_facts(cache, flags: dict | None = None) -> tuple[dict, str]:
+    """The launcher's report (heavy modules, resident MiB, the model folder) and its log."""
+    launcher = start_launcher(cache, flags)
     stdout, stderr = launcher.communicate(timeout=280)
     assert launcher.returncode == 0, stderr
+    return json.loads(stdout.strip().splitlines()[-1]), stderr
+
+
+def test_a_first_start_leaves_the_launcher_without_transformers_and_under_60_mib(tmp_path):
+    facts, stderr = launch_facts(tmp_path / "cache")
     assert "Converting SmolLM2-135M-Instruct" in stderr  # a first start: the child prepared the folder
-    facts = json.loads(stdout.strip().splitlines()[-1])
     assert facts["heavy"] == []
     assert facts["rss_mib"] <= 60
     assert os.path.isfile(os.path.join(facts["model_path"], "tokenizer.json"))
+    # --quantize makes the launcher ask how many GPUs the shards will see (a CUDA scheme or the CPU's): torch
+    # answers that in a child too. A later start, over the folder the first one prepared.
+    facts, stderr = launch_facts(tmp_path / "cache", {"quantize": "int4"})
+    assert "Converting" not in stderr
+    assert facts["heavy"] == [] and facts["rss_mib"] <= 60
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
