@@ -8,9 +8,10 @@ cannot express is refused here, with a 422 that says it is not supported.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from kettle.router.chat_template import ChatTemplate
 from kettle.router.errors import ApiError, TemplateError, ValidationError
@@ -29,6 +30,8 @@ from kettle.router.openai_schemas import (
 from kettle.router.schemas import GenerateParameters, GenerateRequest, Grammar
 from kettle.router.tools import ToolError, ToolPlan, tools_prompt
 from kettle.router.types import FinishReason, Token
+
+logger = logging.getLogger(__name__)
 
 OpenAIFinish = Literal["stop", "length"]
 
@@ -117,8 +120,21 @@ def _parameters(body: SamplingFields, max_tokens: int | None) -> GenerateParamet
 def check_chat_supported(body: ChatRequest) -> None:
     """422 for chat features not implemented; tools with a response format are TGI's `tool_error`."""
     _check_common(body)
+    if body.functions or body.function_call is not None:
+        raise ValidationError("`functions` and `function_call` are not supported: use `tools` and `tool_choice`")
     if body.tools and response_format_grammar(body.response_format) is not None:
         raise ToolError("Grammar and tools are mutually exclusive")
+
+
+_noted: set[str] = set()
+
+
+def note_ignored(extra: dict[str, Any]) -> None:
+    """Logs each field outside OpenAI's API (a gateway's, another server's extension) the first time a request
+    carries it: ignored, but never unseen."""
+    for name in sorted(extra.keys() - _noted):
+        _noted.add(name)
+        logger.warning("OpenAI request field `%s` is not supported by this server and is ignored", name)
 
 
 def check_completion_supported(body: CompletionRequest, max_prompts: int) -> list[str]:
@@ -126,6 +142,8 @@ def check_completion_supported(body: CompletionRequest, max_prompts: int) -> lis
     _check_common(body)
     if body.suffix is not None:
         raise SuffixNotSupported()
+    if body.echo:
+        raise ValidationError("`echo` is not supported yet")
     if body.logprobs is not None and body.logprobs < 0:
         raise ValidationError(f"`logprobs` must be >= 0. Given: {body.logprobs}")
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -137,6 +155,7 @@ def check_completion_supported(body: CompletionRequest, max_prompts: int) -> lis
 
 
 def _check_common(body: SamplingFields) -> None:
+    note_ignored(body.model_extra or {})
     if body.n is not None and body.n != 1:
         raise ValidationError("`n` > 1 is not supported yet")
     if body.logit_bias:

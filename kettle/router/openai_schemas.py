@@ -42,10 +42,13 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields chat and completions share; every one may be absent. A field this server does not know is a 422
-    naming it (as OpenAI answers 400), not ignored: `echo` or `functions` ignored would change the answer silently."""
+    """The fields chat and completions share; every one may be absent. OpenAI's own fields that this server does
+    not serve are declared and refused when set (`n`, `logit_bias`, `echo`, `functions`...). Other fields are
+    kept in `model_extra` and ignored, each named once in the log (`openai_mapping.note_ignored`): gateways add
+    their own at neutral values (vllm-router: `ignore_eos: false`, `skip_special_tokens: true`...), and refusing
+    them would refuse every request they forward, as vLLM and TGI do not."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="Ignored: this server runs one model.", examples=["tgi"])
     user: str | None = Field(None, description="Ignored: OpenAI's end-user label for abuse monitoring.")
@@ -90,6 +93,8 @@ class ChatRequest(SamplingFields):
         description="`auto` (default with tools), `none`, `required`, a name, or {type: function, function: {name}}.",
     )
     tool_prompt: str | None = Field(None, description="Text after the tools when the template does not render them.")
+    functions: list[dict[str, Any]] | None = Field(None, description="OpenAI's deprecated form of `tools`: refused.")
+    function_call: Any = Field(None, description="OpenAI's deprecated form of `tool_choice`: refused.")
     response_format: dict[str, Any] | None = Field(
         None, description="`text`, `json_object`, `json_schema` (OpenAI or TGI spelling) or {type: regex, value}."
     )
@@ -104,6 +109,7 @@ class CompletionRequest(SamplingFields):
     )
     repetition_penalty: float | None = Field(None, description="Penalty > 0 for repeated tokens.")
     suffix: str | None = Field(None, description="Not supported.")
+    echo: bool | None = Field(None, description="Only false is supported (the prompt is not repeated).")
 
 
 class Usage(BaseModel):

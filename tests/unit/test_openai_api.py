@@ -8,6 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from kettle.router import openai_mapping
 from kettle.router.app import create_app
 from kettle.router.config import RouterConfig
 from kettle.router.tokenizer import TokenizerPool
@@ -203,9 +204,10 @@ VALIDATION = "validation"
         ("/v1/chat/completions", {"messages": USER, "temperature": -1}, TEMPERATURE_ERROR),
         ("/v1/completions", {"prompt": []}, "`prompt` cannot be an empty list"),
         ("/v1/completions", {"prompt": "a", "top_p": 1.5}, "`top_p` must be > 0.0 and < 1.0"),
-        # Fields the server does not know are named, not ignored (echo would silently drop the prompt's text).
-        ("/v1/completions", {"prompt": "a", "echo": True}, "echo: not a field this server supports"),
-        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions: not a field"),
+        # OpenAI's own fields this server does not serve are refused when set, never dropped.
+        ("/v1/completions", {"prompt": "a", "echo": True}, "`echo` is not supported yet"),
+        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "use `tools` and `tool_choice`"),
+        ("/v1/chat/completions", {"messages": USER, "function_call": "auto"}, "`function_call` are not supported"),
     ],
 )
 def test_unsupported_and_invalid_fields_are_422(make_client, route, body, message):
@@ -217,10 +219,20 @@ def test_unsupported_and_invalid_fields_are_422(make_client, route, body, messag
     assert client.app.state.generation.permits.available == 128
 
 
-def test_the_end_user_label_is_accepted(make_client):
-    """OpenAI's `user` only labels the caller for abuse monitoring: accepted and ignored, not a 422."""
-    response = make_client().post("/v1/chat/completions", json={"messages": USER, "user": "user-1234"})
-    assert response.status_code == 200, response.text
+def test_fields_outside_openais_api_are_ignored_and_named_once_in_the_log(make_client, caplog, monkeypatch):
+    """A gateway forwards its own fields at neutral values (vllm-router's, here): served, each named once in the
+    log. OpenAI's `user` (an end-user label) and `echo: false` are plain OpenAI and log nothing."""
+    monkeypatch.setattr(openai_mapping, "_noted", set())  # a fresh process: nothing named yet
+    client = make_client()
+    gateway = {"ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
+    with caplog.at_level("WARNING", logger="kettle.router.openai_mapping"):
+        for _ in range(2):
+            body = {"messages": USER, "user": "user-1234", **gateway}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert client.post("/v1/completions", json={"prompt": "a", "echo": False, **gateway}).status_code == 200
+    named = sorted(record.getMessage() for record in caplog.records)
+    expected = (f"OpenAI request field `{field}` is not supported by this server and is ignored" for field in gateway)
+    assert named == sorted(expected)
 
 
 @pytest.mark.parametrize(
