@@ -23,6 +23,10 @@ embedding in the layers' type and a head of its own in Q8_0, as a TinyLlama file
 Q6_K, which gguf-py cannot write):
 
     .venv/bin/python bench/larger_gguf.py --untied --qtype Q4_K
+
+`--qtype Q4_K_M` lays the file out as llama.cpp's Q4_K_M does (untied): Q4_K layers and embedding, Q6_K for the
+head and for `attn_v` and `ffn_down` in the layers its rule gives more bits (the first and last eighth, and every
+third between), all random well-formed blocks. Kettle has no Q6_K kernel and serves those as int8 per channel.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    folder = CACHE / f"{shape}-{qtype_name}{'-untied' if untied else ''}"
+    untied = untied or qtype_name == "Q4_K_M"
+    folder = CACHE / f"{shape}-{qtype_name}{'-untied' if untied and qtype_name != 'Q4_K_M' else ''}"
     if (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -68,12 +73,16 @@ def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
     source = resolve_model(None).path
     writer = gguf.GGUFWriter(folder / "model.gguf", "llama")
     _metadata(writer, gguf.GGUFReader(source / "model.gguf"), SHAPES[shape], qtype_name)
-    rng, qtype = np.random.default_rng(0), T[qtype_name]
+    rng, qtype = np.random.default_rng(0), T[qtype_name.removesuffix("_M")]
+    head_type = T.Q6_K if qtype_name == "Q4_K_M" else T.Q8_0  # llama.cpp's Q4_K_M head; gguf-py writes Q8_0
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     embedding = rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.02
     if untied:
         writer.add_tensor("token_embd.weight", _random_blocks(rng, vocab, hidden, qtype), raw_dtype=qtype)
-        writer.add_tensor("output.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
+        if head_type == T.Q6_K:
+            writer.add_tensor("output.weight", _random_blocks(rng, vocab, hidden, T.Q6_K), raw_dtype=T.Q6_K)
+        else:
+            writer.add_tensor("output.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
     else:
         writer.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
@@ -85,7 +94,9 @@ def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, np.float32))
         for name, rows, cols in projections:
-            writer.add_tensor(f"blk.{layer}.{name}.weight", _random_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+            more = qtype_name == "Q4_K_M" and name in ("attn_v", "ffn_down") and _more_bits(layer, layers)
+            kind = T.Q6_K if more else qtype
+            writer.add_tensor(f"blk.{layer}.{name}.weight", _random_blocks(rng, rows, cols, kind), raw_dtype=kind)
         print(f"wrote layer {layer + 1}/{layers}", file=sys.stderr, flush=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -116,7 +127,8 @@ def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_rope_freq_base(10000.0)
-    writer.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S}[qtype_name])
+    types = {"Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M"}
+    writer.add_file_type(gguf.LlamaFileType[types[qtype_name]])
     kinds = gguf.GGUFValueType
     for field in source.fields.values():
         if not field.name.startswith("tokenizer."):
@@ -132,6 +144,11 @@ def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
             writer.add_key_value(field.name, field.parts[field.data[0]][0].item(), kind)
 
 
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the layers whose attn_v and ffn_down Q4_K_M stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
 def _random_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
     import gguf
     from gguf import GGMLQuantizationType as T
@@ -140,6 +157,11 @@ def _random_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
         blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
         blocks[..., 0:2] = np.full((rows, cols // 256, 1), 1.5e-3, np.float16).view(np.uint8)
         blocks[..., 2:4] = np.full((rows, cols // 256, 1), 2e-3, np.float16).view(np.uint8)
+        return blocks.reshape(rows, -1)
+    if qtype == T.Q6_K:  # 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, a float16 scale
+        blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+        blocks[..., 192:208] = rng.integers(1, 64, (rows, cols // 256, 16), dtype=np.uint8)
+        blocks[..., 208:210] = np.full((rows, cols // 256, 1), 2e-4, np.float16).view(np.uint8)
         return blocks.reshape(rows, -1)
     return gguf.quants.quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.02, qtype)
 
@@ -206,7 +228,7 @@ class LlamaCppRunner:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="tinyllama-1.1b")
-    parser.add_argument("--qtype", choices=["Q4_0", "Q4_K"], default="Q4_0")
+    parser.add_argument("--qtype", choices=["Q4_0", "Q4_K", "Q4_K_M"], default="Q4_0")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed per round")
     parser.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
