@@ -92,14 +92,15 @@ class CountedLoader:
         return self.scheme.quantize_tensor(weight, bias)
 
     def load_vocabulary(self, weights: Weights, embed: str, head: str) -> nn.Module | None:
-        load = getattr(self.scheme, "load_vocabulary", None)
-        layer = None if load is None else load(weights, embed, head)
-        if layer is not None:
-            self.progress.read(embed)
-        return layer
+        return self._table("load_vocabulary", weights, embed, head)
 
     def load_embedding(self, weights: Weights, embed: str, head: str) -> nn.Module | None:
-        load = getattr(self.scheme, "load_embedding", None)
+        return self._table("load_embedding", weights, embed, head)
+
+    def _table(self, method: str, weights: Weights, embed: str, head: str) -> nn.Module | None:
+        """The scheme's quantized table for `embed` by `method` (None where the scheme has no such loader),
+        counted as read."""
+        load = getattr(self.scheme, method, None)
         table = None if load is None else load(weights, embed, head)
         if table is not None:
             self.progress.read(embed)
