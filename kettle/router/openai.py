@@ -96,6 +96,7 @@ class OpenAIRoutes:
         return JSONResponse(answer.model_dump(mode="json"), headers={"x-compute-type": self.service.compute_type})
 
     async def chat_tokenize(self, body: oai.ChatRequest) -> oai.ChatTokenizeResponse:
+        mapping.check_content(body.messages)
         prompt, add_special_tokens = mapping.chat_prompt(self.template, body, plan_tools(body.tools, body.tool_choice))
         tokens = await self.service.validation.tokenizers.tokenize(prompt, add_special_tokens)
         return oai.ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)

@@ -18,6 +18,7 @@ from kettle.router.errors import ApiError, TemplateError, ValidationError
 from kettle.router.generation import Collected
 from kettle.router.grammar import response_format_grammar
 from kettle.router.openai_schemas import (
+    ChatMessage,
     ChatRequest,
     ChoiceLogprobs,
     CompletionLogprobs,
@@ -120,10 +121,21 @@ def _parameters(body: SamplingFields, max_tokens: int | None) -> GenerateParamet
 def check_chat_supported(body: ChatRequest) -> None:
     """422 for chat features not implemented; tools with a response format are TGI's `tool_error`."""
     _check_common(body)
+    check_content(body.messages)
     if body.functions or body.function_call is not None:
         raise ValidationError("`functions` and `function_call` are not supported: use `tools` and `tool_choice`")
     if body.tools and response_format_grammar(body.response_format) is not None:
         raise ToolError("Grammar and tools are mutually exclusive")
+
+
+def check_content(messages: Sequence[ChatMessage]) -> None:
+    """422 naming the content parts other than text (an image for a text model is refused, not dropped)."""
+    parts = [part for message in messages if isinstance(message.content, list) for part in message.content]
+    if unserved := sorted({part.type for part in parts if part.type != "text"}):
+        kinds = ", ".join(f"`{kind}`" for kind in unserved)
+        raise ValidationError(f"content parts of type {kinds} are not supported: this server reads text parts only")
+    if any(part.text is None for part in parts):
+        raise ValidationError("a `text` content part needs its `text`")
 
 
 _noted: set[str] = set()

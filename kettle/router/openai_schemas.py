@@ -15,11 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kettle.router.schemas import UINT32_MAX, UINT64_MAX, SimpleToken, _OmitsEmpty
 
 
-class TextPart(BaseModel):
-    """One part of a message's content; only text parts are supported."""
+class ContentPart(BaseModel):
+    """One part of a message's content. Only text parts are served (the models here read text); any other type
+    (`image_url`, `input_audio`) is refused by name before the request is queued."""
 
-    type: Literal["text"] = "text"
-    text: str
+    model_config = ConfigDict(extra="allow")  # an image part's `image_url`, an audio part's `input_audio`
+
+    type: str = "text"
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -28,12 +31,12 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(examples=["user"])
-    content: str | list[TextPart] | None = Field(None, examples=["What is Deep Learning?"])
+    content: str | list[ContentPart] | None = Field(None, examples=["What is Deep Learning?"])
 
     def text(self) -> str | None:
         """The content as one string: text parts are joined without separators, as OpenAI does."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content
 
 

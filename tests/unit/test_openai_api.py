@@ -85,6 +85,21 @@ def test_content_parts_and_continuation(make_client):
     assert infer.requests[0].inputs == RENDERED + "Sure:"
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/chat_tokenize"])
+def test_an_image_part_is_refused_by_name_not_dropped(make_client, route):
+    """A text model's server refuses what it cannot read, naming it (it used to be the schema's three failed
+    alternatives: `content.str`, `content.list[TextPart].0.type`, `...text: Field required`)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "What is in this picture?"}, image]
+    infer = FakeInfer()
+    response = make_client(infer).post(route, json={"messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 422 and response.json()["error_type"] == "validation"
+    assert response.json()["error"] == (
+        "Input validation error: content parts of type `image_url` are not supported: this server reads text parts only"
+    )
+    assert not infer.requests
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
