@@ -474,12 +474,17 @@ int kettle_decoder_step(
     return 0;
 }
 
-/* Row `token` of the embedding table (float32, GGUF Q8_0 as for a tied head, or a GGUF file's 4-bit table) as
- * float32. */
+/* Row `token` of the embedding table (float32, GGUF Q8_0 as for a tied head, a GGUF file's 4-bit table, or int8
+ * with a scale per row) as float32. */
 static void embed_row(const Linear *table, int64_t token, float *dst) {
     if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
     else if (table->kind == LINEAR_Q4) q4_dequant_row(table, token, dst);
-    else q8g_dequant_row(table, token, dst);
+    else if (table->kind == LINEAR_Q8G) q8g_dequant_row(table, token, dst);
+    else {
+        const float scale = ((const float *)table->scales)[token];
+        q8_widen_row(table, token, dst);
+        for (int64_t i = 0; i < table->k; i++) dst[i] *= scale;
+    }
 }
 
 enum { Q8_QUANTIZED = -1, Q8_PLAIN = -2 }; /* kettle/kernels/ops.py's `q8_path` codes below 0 */

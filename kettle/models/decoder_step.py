@@ -105,7 +105,7 @@ def _linear(module: nn.Module) -> Linear:
 
 
 def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
-    """The C descriptions of the input embedding (float32 rows, or a tied Q8_0 head's) and of the LM head, for
+    """The C descriptions of the input embedding (float32 rows, or a quantized table's) and of the LM head, for
     the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, a GGUF checkpoint's) or a kernel-backed
     int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs as `compute_logits` does."""
     head = getattr(model, "lm_head", None)
@@ -118,7 +118,10 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     weight = getattr(model, "embed_tokens", None)
     if embed_rows is not None:
         table = getattr(embed_rows, "__self__", None)  # the table's bound `embed` (a tied head's, or its own)
-        embedding = _linear(table) if isinstance(table, Q8Linear | Q4Linear) else None
+        try:
+            embedding = _linear(table) if isinstance(table, Q8Linear | Q4Linear | Int8Linear) else None
+        except Unsupported:  # an int8 table the kernels do not read (a row width not a multiple of 32)
+            return None
     elif weight is not None and weight.dim() == 2 and _float32_rows(weight):
         n, k = weight.shape
         embedding = Linear(LINEAR_F32, k, n, k, weight.data_ptr(), None, None, None)

@@ -9,7 +9,8 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
 A fused projection (q/k/v, gate/up) whose parts mix types loads as per-channel int8.
 The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact. An
 embedding table in Q8_0 or a 4-bit type stays in its blocks, tied or not, its rows dequantized as they are looked
-up (`load_vocabulary`, `load_embedding`); others load dense.
+up (`load_vocabulary`, `load_embedding`); one of the other quantized types is held in int8 per row, as the head
+of that type is; a float table loads dense.
 """
 
 from __future__ import annotations
@@ -78,17 +79,19 @@ class GgufScheme:
         250 MiB against 36). None for a tied table, or one of another type, which loads dense."""
         return self._table(embed) if self.gguf.has(head) else None
 
-    def _table(self, name: str) -> Q4Linear | Q8Linear | None:
-        """A vocabulary table from its blocks, where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K)."""
-        if not ops.available():
-            return None
+    def _table(self, name: str) -> Q4Linear | Q8Linear | Int8Linear | None:
+        """A vocabulary table from its blocks where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K), or
+        requantized to int8 per row as this scheme serves those types' projections (Q5_*, Q6_K: a quarter of the
+        float32 table, within those types' own rounding). None for a float table, which stays dense."""
         qtype = self.gguf.qtype(name)
+        if not ops.available() or qtype in DENSE:
+            return None
         if qtype == T.Q8_0:
             return Q8Linear.from_blocks(self.gguf.blocks(name))
         if qtype in EXACT_INT4:
             table = int4_linear(int4_groups(self.gguf.blocks(name)), None)
             return table if isinstance(table, Q4Linear) else None
-        return None
+        return Int8Linear.from_weight(self.gguf.dense(name))
 
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""

@@ -213,6 +213,8 @@ VOCABULARY_CASES = [
     ("llama", False, T.Q4_K, T.Q4_K),
     ("qwen2", False, T.Q4_1, T.Q8_0),
     ("llama", False, T.Q8_0, T.Q4_0),
+    ("qwen2", True, T.Q4_0, T.Q5_0),  # no kernel on its grid: int8 per row, as a head of that type
+    ("llama", False, T.Q8_0, T.Q5_0),
 ]
 
 
@@ -237,16 +239,25 @@ def test_a_quantized_vocabulary_table_loads_without_a_float_copy(tmp_path, monke
     monkeypatch.setattr(GgufTensors, "dense", lambda self, name: read.append(name) or dense(self, name))
     kettle = load_model(str(folder), torch.float32, torch.device("cpu"))
     rows_from = getattr(kettle.embed_rows, "__self__", None)
-    assert kettle.embed_tokens is None and isinstance(rows_from, Q8Linear if table == T.Q8_0 else Q4Linear)
+    kind = {T.Q8_0: Q8Linear, T.Q5_0: Int8Linear}.get(table, Q4Linear)
+    assert kettle.embed_tokens is None and isinstance(rows_from, kind)
     assert (rows_from is kettle.lm_head) == tied
-    vocabulary = ("embed_tokens.weight", "wte.weight", "lm_head.weight")  # an untied head loads from its blocks
-    assert read and not [name for name in read if name.endswith(vocabulary)]
-    if layers == T.Q8_0:  # a Q8_0 head: the greedy steps run in one C call, embedding from the 4-bit table
+    # Neither is read dense, but for a type without a kernel, whose table is requantized from gguf's values.
+    vocabulary = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
+    assert [name for name in read if name.endswith(vocabulary)] == (
+        ["model.embed_tokens.weight"] if kind is Int8Linear else []
+    )
+    if layers == T.Q8_0:  # a Q8_0 head: the greedy steps run in one C call, embedding from the table
         assert _embedding_and_head(kettle) is not None
     reference = dequantized_reference(model, folder, arch)
-    expected = reference_logits(reference)
+    expected, logits = reference_logits(reference), kettle_logits(kettle)
+    if kind is Int8Linear:  # the nearest scheme: within its stated bounds
+        kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
+        assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
+        assert float(kl.mean()) < NEAREST_KL
+        return
     atol = Q4_K_RTOL * float(expected.abs().max()) if T.Q4_K in (layers, table) else 1e-4
-    torch.testing.assert_close(kettle_logits(kettle), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     reference.generation_config.eos_token_id = None
     with torch.inference_mode():
         hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)

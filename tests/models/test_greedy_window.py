@@ -1,12 +1,12 @@
 """Greedy windows (kettle/shard/greedy_window.py): several greedy decode steps in one C call give the tokens,
 logprobs and K/V of the same steps run one at a time.
 
-On the model: tiny GGUF Llamas (Q4_0 layers with the tied Q8_0 embedding as head, as the bundled model has;
-Q8_0 layers and head with a float32 or a Q4_0 embedding) and a tiny Llama under `--quantize int4` (an int8 head), three
-sequences over scattered blocks of 4 tokens, windows crossing block boundaries, against single forward + LM
-head + greedy choice steps; an EOS id ends the window after the step that chose it. On the bundled model's
-engine: Decode calls of up to 8 steps against the same steps called one at a time, through a stop string and
-EOS inside a window, a length that is no multiple of the window and a sampled request joining (which takes
+On the model: tiny GGUF Llamas (Q4_0 layers with the tied Q8_0 embedding as head, as the bundled model has; Q8_0
+layers and head with a float32, a Q4_0 or a Q5_0 (int8) embedding) and a tiny Llama under `--quantize int4` (an
+int8 head), three sequences over scattered blocks of 4 tokens, windows crossing block boundaries, against single
+forward + LM head + greedy choice steps; an EOS id ends the window after the step that chose it. On the bundled
+model's engine: Decode calls of up to 8 steps against the same steps called one at a time, through a stop string
+and EOS inside a window, a length that is no multiple of the window and a sampled request joining (which takes
 single steps), with and without `--speculate`.
 """
 
@@ -36,7 +36,9 @@ PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 
 STEPS = 9
 
 
-@pytest.fixture(scope="module", params=["tied Q8_0 head", "float32 embedding", "4-bit embedding", "int8 head"])
+@pytest.fixture(
+    scope="module", params=["tied Q8_0 head", "float32 embedding", "4-bit embedding", "int8 embedding", "int8 head"]
+)
 def gguf_model(request, tmp_path_factory):
     """The model each window runs on: its fused step, embedding and head kind as named."""
     folder = tmp_path_factory.mktemp("model")
@@ -48,6 +50,7 @@ def gguf_model(request, tmp_path_factory):
         "tied Q8_0 head": (T.Q4_0, T.Q8_0, True),
         "float32 embedding": (T.Q8_0, T.F32, False),
         "4-bit embedding": (T.Q8_0, T.Q4_0, False),  # an untied table kept in its Q4_0 blocks
+        "int8 embedding": (T.Q8_0, T.Q5_0, False),  # an untied Q5_0 table held in int8 per row
     }[request.param]
     reference = tiny_model("llama", 64, tie_word_embeddings=tied)
     return load_model(write_gguf(reference, folder, "llama", layers, embedding=embedding), torch.float32, "cpu")
