@@ -66,17 +66,17 @@ class GgufScheme:
         """Whether the file keeps one table for the embedding and the LM head (no `output.weight`)."""
         return not self.gguf.has("lm_head.weight")
 
-    def load_vocabulary(self, weights: Weights, embed: str, head: str) -> Q4Linear | Q8Linear | None:
-        """A tied table straight from the file as the LM head, whose rows also serve the embedding (`embed`,
-        exact): no dense float32 copy of either is made on the way (400 MB and 1 s of a 1.1B model's load). None
-        where the file has its own head tensor (`load_embedding`) or the table is of another type: those load
-        dense, and `load_head` replaces the head after."""
+    def load_vocabulary(self, weights: Weights, embed: str, head: str) -> nn.Module | None:
+        """A tied quantized table (`_table`) as the LM head, whose rows also serve the embedding (`embed`): no
+        dense float32 copy of either is kept, or, for the exact types, made on the way (400 MB and 1 s of a 1.1B
+        model's load). None where the file has its own head tensor (`load_embedding`) or the table is a float one:
+        those load dense, and `load_head` replaces the head after."""
         return None if self.gguf.has(head) else self._table(embed)
 
-    def load_embedding(self, weights: Weights, embed: str, head: str) -> Q4Linear | Q8Linear | None:
-        """An untied embedding table (the file has its own head tensor), kept in its blocks: the model dequantizes
-        the rows it looks up (`embed`), where a dense table would hold 4 bytes a value (a 1.1B model's Q4_K table:
-        250 MiB against 36). None for a tied table, or one of another type, which loads dense."""
+    def load_embedding(self, weights: Weights, embed: str, head: str) -> nn.Module | None:
+        """An untied quantized embedding table (the file has its own head tensor), kept quantized (`_table`): the
+        model dequantizes the rows it looks up (`embed`), where a dense table holds 4 bytes a value (TinyLlama's
+        Q4_K table: 250 MiB against 40). None for a tied table or a float one."""
         return self._table(embed) if self.gguf.has(head) else None
 
     def _table(self, name: str) -> Q4Linear | Q8Linear | Int8Linear | None:
