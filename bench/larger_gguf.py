@@ -197,10 +197,22 @@ class KettleRunner:
         return prompt / (time.perf_counter() - started)
 
     def weight_bytes(self) -> int:
+        """The bytes a decode step reads: every tensor but an embedding table of its own (a step looks up a few
+        of its rows); a table tied to the head is read whole, as the head."""
         tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()] if not t.is_mkldnn}
-        embed = getattr(self.model, "embed_tokens", None)
-        skip = {embed.weight.data_ptr()} if isinstance(embed, torch.nn.Embedding) else set()
+        table = getattr(self.model.embed_rows, "__self__", None)
+        dense = getattr(self.model, "embed_tokens", None)
+        own = [] if table is None or table is self.model.lm_head else [*table.buffers()]
+        skip = {t.data_ptr() for t in own + ([dense] if isinstance(dense, torch.Tensor) else [])}
         return sum(t.numel() * t.element_size() for p, t in tensors.items() if p not in skip)
+
+
+def file_step_bytes(path: Path) -> int:
+    """The same for llama.cpp: the file's tensors, less an untied embedding table (a tied one is the head)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    return sum(tensors.values()) - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
 
 
 class LlamaCppRunner:
@@ -248,8 +260,7 @@ def main() -> None:
                 results[name][kind].append(getattr(engines[name], kind)(size))
         line = (f"{n} decode {r['decode'][-1]:.1f}, prefill {r['prefill'][-1]:.1f} tok/s" for n, r in results.items())
         print(f"round {round_ + 1}: " + ", ".join(line), flush=True)
-    file_bytes = (folder / "model.gguf").stat().st_size
-    sizes = {"kettle": engines["kettle"].weight_bytes(), "llama.cpp": file_bytes}
+    sizes = {"kettle": engines["kettle"].weight_bytes(), "llama.cpp": file_step_bytes(folder / "model.gguf")}
     print(f"\n{args.shape} {args.qtype}, {args.threads} threads, medians of {args.rounds} rounds")
     print("| engine | decode tok/s | GB/s (weights a step) | prefill tok/s |\n|---|---|---|---|")
     for name, r in results.items():

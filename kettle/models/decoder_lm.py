@@ -91,7 +91,7 @@ class CausalLM(nn.Module):
         if not tied and (table := weights.quantized_embedding(embed, head)) is not None:
             # An untied table the file stores quantized stays so, its rows dequantized as they are looked up; the
             # head is a projection of its own ("lm_head.weight", "lm_head.bias"), loaded from its blocks as one.
-            self.embed_rows = table.embed
+            self.embed_table, self.embed_rows = table, table.embed  # a submodule: its tensors count as the model's
             self.register_buffer("embed_tokens", None, persistent=False)
             self.lm_head = Linear.load(weights, [head.removesuffix(".weight")])
             return int(weights.shape(head)[0])
