@@ -154,6 +154,7 @@ def _compiler(compiler: str):
 
 
 def _start(command: list[str]) -> subprocess.Popen:
+    """A compiler started at low priority as its own process group's leader, tracked until `_wait` has it."""
     job = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,

@@ -205,8 +205,10 @@ def _row_ids(ids: torch.Tensor, rows: int) -> torch.Tensor:
     """`ids` flat as int64, each checked to name one of `rows` rows: an id past the table (a tokenizer's added
     token the model has no row for) fails its batch as PyTorch's embedding would, instead of reading past it."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
-        raise IndexError(f"token ids must be in [0, {rows}): got {ids.min()}..{ids.max()}")
+    if ids.numel():
+        low, high = (int(v) for v in torch.aminmax(ids))  # one pass over the step's ids
+        if low < 0 or high >= rows:
+            raise IndexError(f"token ids must be in [0, {rows}): got {low}..{high}")
     return ids
 
 

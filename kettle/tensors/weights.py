@@ -168,9 +168,9 @@ class Weights:
         return self.quantize.load_vocabulary(self, embed, head)
 
     def quantized_embedding(self, embed: str, head: str) -> nn.Module | None:
-        """The input embedding as the quantization scheme reads it from the file, where the file also has its own
-        head tensor (an untied GGUF table of a type the kernels read exactly): a module whose `embed(ids)` gives
-        the rows, and no dense table. None otherwise."""
+        """The input embedding as the quantization scheme keeps it, where the file also has its own head tensor
+        (an untied quantized GGUF table): a module whose `embed(ids)` gives the rows, and no dense table. None
+        otherwise."""
         if self.quantize is None or self.tp.sharded:
             return None
         return self.quantize.load_embedding(self, embed, head)
