@@ -90,7 +90,12 @@ def test_stops_inside_accepted_drafts_end_the_request_there(engine, draft_every_
 
     reference, _, _ = run(engine, 0, configure, max_new_tokens=24)
     speculative, _, accepted = run(engine, 4, configure, max_new_tokens=24)
-    assert speculative == reference and accepted > 0
+    assert accepted > 0 and speculative.keys() == reference.keys()
+    for request_id, (tokens, logprobs, text, finish) in reference.items():
+        got = speculative[request_id]
+        assert got[0] == tokens and got[2:] == [text, finish]
+        # A verifying forward runs rows the plain step ran one at a time: on a GPU its matmuls round differently.
+        assert got[1] == pytest.approx(logprobs, abs=1e-4)
     assert reference[1][3] == pb.FINISH_REASON_STOP_SEQUENCE
 
 
