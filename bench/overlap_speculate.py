@@ -5,6 +5,7 @@
     .venv/bin/python bench/overlap_speculate.py --configs off,speculate,speculate-always
     .venv/bin/python bench/overlap_speculate.py --in-process --rounds 7 --configs off,speculate,speculate-always
     .venv/bin/python bench/overlap_speculate.py --in-process --rounds 5 --configs off,speculate-7rows,speculate
+    .venv/bin/python bench/overlap_speculate.py --server-args "" --configs off,speculate --together --rounds 7
 
 Configurations (each its own server; the rounds alternate them so machine drift hits all alike):
 - `off`: the default, the shard waits for each call;
@@ -19,6 +20,10 @@ Workloads: kettle.bench.loadgen's chat prompts at 1 and 16 streams (decode tok/s
 copy-heavy single stream: the model is asked to repeat a ~500-token passage (this repository's
 docs/architecture.md) word for word. Each cell is the median of the rounds (the table also gives each
 round's ratio to `off` in the same round, whose median is the figure to quote on a shared machine).
+
+`--together` starts every configuration's server at once and alternates them workload by workload (the order
+reversed every other round), so a round's ratio compares runs seconds apart, not minutes: one server waits idle
+while the other is measured (each holds its own KV cache: ~3 GB apiece on the bundled model).
 
 `--in-process` runs the same workloads on one shard engine, no server: the router's round trip is left out, and
 the configurations alternate workload by workload (seconds apart, not minutes), which a busy shared machine
@@ -91,6 +96,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--in-process", action="store_true", help="one shard engine, no server (see above)")
+    parser.add_argument("--together", action="store_true", help="every configuration's server up at once (see above)")
     parser.add_argument(
         "--max-steps", type=int, default=8, help="in process: decode steps a call may run (a settled router's window)"
     )
@@ -99,6 +105,9 @@ def main() -> None:
     chat, copy = chat_prompts(model_path), copy_prompt(model_path)
     if args.in_process:
         print_table(in_process(model_path, args, chat, copy))
+        return
+    if args.together:
+        print_table(together(model_path, args, chat, copy))
         return
     rounds: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):
@@ -112,6 +121,32 @@ def main() -> None:
             print(name, {k: round(v, 1) for k, v in rates.items()}, flush=True)
             rounds.setdefault(name, []).append(rates)
     print_table(rounds)
+
+
+def together(model_path: str, args: argparse.Namespace, chat: list[str], copy: str) -> dict[str, list]:
+    """Every configuration's server at once; each round runs every workload under each configuration in turn."""
+    names = args.configs.split(",")
+    servers = {}
+    try:
+        for name in names:
+            env, flags = CONFIGS[name]
+            servers[name] = start(model_path, [*args.server_args.split(), *flags], {**os.environ, **env})
+            asyncio.run(run_load(servers[name].url, chat, 2, 8))  # the server's first-call paths
+        workloads = {"chat x1": (chat, 1), "chat x16": (chat, 16), "copy x1": ([copy], 1)}
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        for round_ in range(args.rounds):
+            rates: dict[str, dict[str, float]] = {name: {} for name in names}
+            for workload, (prompts, streams) in workloads.items():
+                for name in names if round_ % 2 == 0 else names[::-1]:
+                    load = run_load(servers[name].url, prompts, streams, args.max_new_tokens)
+                    rates[name][workload] = asyncio.run(load).decode_tokens_per_s
+            for name in names:
+                print(name, {k: round(v, 1) for k, v in rates[name].items()}, flush=True)
+                rounds[name].append(rates[name])
+        return rounds
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def in_process(model_path: str, args: argparse.Namespace, chat: list[str], copy: str) -> dict[str, list]:
