@@ -46,15 +46,18 @@ SIGNATURES = {
     "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
     "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
 }
-SIGNATURES["kettle_q4_linear_qa"] = SIGNATURES["kettle_q4_linear"]
+# The int4 entries below take one more int after the group size: 1 for a weight in the Q4L layout (kernels.h).
+_Q4_LANES = [*SIGNATURES["kettle_q4_linear"][:9], ctypes.c_int, *SIGNATURES["kettle_q4_linear"][9:]]
+SIGNATURES["kettle_q4_linear_qa"] = _Q4_LANES
 SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
 # The several-row entries take one more int before the threads: the path (tiles or GEMM; Q8_0 also int16 rows).
-SIGNATURES["kettle_q4_linear_rows"] = [*SIGNATURES["kettle_q4_linear"][:-1], ctypes.c_int, ctypes.c_int]
+SIGNATURES["kettle_q4_linear_rows"] = [*_Q4_LANES[:-1], ctypes.c_int, ctypes.c_int]
 SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
 SIGNATURES["kettle_q8g_linear"] = SIGNATURES["kettle_q8_linear_rows"]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
-# packed, scales, mins, n, k, group, ids, count, out, threads
-SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, _ptr, _int, _ptr, ctypes.c_int]
+# packed, scales, mins, n, k, group, lanes, ids, count, out, threads
+SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _int, _ptr]
+SIGNATURES["kettle_q4_rows"] += [ctypes.c_int]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
 # threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
@@ -71,7 +74,7 @@ SIGNATURES["kettle_silu_mul"] = SIGNATURES["kettle_gelu_tanh_mul"] = [_ptr, _int
 # x, stride, cos, sin, rows, heads, dim, out, threads
 SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
 # packed, scales, mins, n, k, group, out, threads
-SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, _ptr, ctypes.c_int]
+SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int]
 # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]

@@ -48,12 +48,12 @@ void kettle_q4_linear(
 
 /* W [N, K] float32 from its Q4 form, for the dense GEMM of large prefills (parallel over rows). */
 void kettle_q4_dequantize(
-    const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, float *out,
-    int threads
+    const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, int lanes,
+    float *out, int threads
 ) {
-    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) q4_dequant_row(&w, j, out + j * k);
+    for (int64_t j = 0; j < n; j++) dequant_channel(&w, j, out + j * k);
 }
 
 /* y[M, N] = x[M, K] · Wᵀ (+ bias) for a per-channel int8 weight (K a multiple of 16). */
@@ -103,9 +103,10 @@ static int linear_rows(const Linear *w, const float *x, int64_t ldx, int64_t row
 /* `kettle_q4_linear` for several rows, by `path`. */
 int kettle_q4_linear_rows(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int path, int threads
+    const uint16_t *mins, int64_t n, int group, int lanes, const float *bias, float *y, int64_t ldy, int path,
+    int threads
 ) {
-    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias};
     return linear_rows(&w, x, ldx, rows, y, ldy, path, threads);
 }
 
@@ -126,14 +127,20 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     return 0;
 }
 
-/* `kettle_q4_linear` with quantized activations. Returns -1 when out of memory (nothing written). */
+/* `kettle_q4_linear` with quantized activations, for either Q4 layout (`lanes`: Q4L, kernels.h). Returns -1 when out
+ * of memory (nothing written). */
 int kettle_q4_linear_qa(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, const float *bias, float *y, int64_t ldy, int threads
+    const uint16_t *mins, int64_t n, int group, int lanes, const float *bias, float *y, int64_t ldy, int threads
 ) {
-    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, bias};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias};
     QuantizedRows xq;
     if (quantize_rows(x, ldx, rows, k, group, &xq)) return free_rows(&xq), -1;
+    if (lanes) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t g = 0; g < n / 16; g++) q4l_group(&w, g, &xq, rows, y, ldy);
+        return free_rows(&xq), 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
     free_rows(&xq);
@@ -189,12 +196,12 @@ void kettle_q8g_rows(
 /* Rows `ids` [count] of a Q4 weight as float32 [count, K]: the embedding lookup of a GGUF file's 4-bit table,
  * exactly what the projections multiply by (`q4_dequant_row`). */
 void kettle_q4_rows(
-    const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group,
+    const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, int lanes,
     const int64_t *ids, int64_t count, float *out, int threads
 ) {
-    const Linear w = {LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
 #pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
-    for (int64_t i = 0; i < count; i++) q4_dequant_row(&w, ids[i], out + i * k);
+    for (int64_t i = 0; i < count; i++) dequant_channel(&w, ids[i], out + i * k);
 }
 
 /* ---- element-wise kernels of a decoder layer (float32): each replaces a chain of PyTorch ops whose fixed

@@ -74,6 +74,9 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
 static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
     if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
+    /* Lanes share each weight vector among 4 rows a pass for 16 channels at once: below the panels they beat
+     * dequantizing every weight to float32 at any row count (bundled model, 8 rows: ms, see ops.py). */
+    if (w->kind == LINEAR_Q4L) return 0;
     return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
 }
 
@@ -267,6 +270,9 @@ static void linear(const Decoder *m, const Linear *w, const float *x, const Quan
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
             linear_channels_f32(w, p, x, k, rows, y, n, buffer);
+    } else if (w->kind == LINEAR_Q4L) {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < n / 16; g++) q4l_group(w, g, xq, rows, y, n);
     } else {
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) linear_channel_qa(w, xq, rows, j, y, n);
@@ -474,11 +480,13 @@ int kettle_decoder_step(
     return 0;
 }
 
-/* Row `token` of the embedding table (float32, GGUF Q8_0 as for a tied head, a GGUF file's 4-bit table, or int8
+/* Row `token` of the embedding table (float32, GGUF Q8_0 as for a tied head, a GGUF file's 4-bit table in either
+ * Q4 layout, or int8
  * with a scale per row) as float32. */
 static void embed_row(const Linear *table, int64_t token, float *dst) {
     if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
     else if (table->kind == LINEAR_Q4) q4_dequant_row(table, token, dst);
+    else if (table->kind == LINEAR_Q4L) q4l_dequant_row(table, token, dst);
     else if (table->kind == LINEAR_Q8G) q8g_dequant_row(table, token, dst);
     else {
         const float scale = ((const float *)table->scales)[token];

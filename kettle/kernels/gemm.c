@@ -251,10 +251,17 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
     }
 }
 
-/* Channel j's quantized values as K int16 (Q4: 0..15 in input order; Q8, Q8G: the int8 values), 32 at a time. */
+/* Channel j's quantized values as K int16 (Q4, Q4L: 0..15 in input order; Q8, Q8G: the int8 values), 32 at a time. */
 static inline VNNI void widen_channel(const Linear *w, int64_t j, int16_t *dst) {
     const int64_t k = w->k;
-    if (w->kind == LINEAR_Q4) {
+    if (w->kind == LINEAR_Q4L) {
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        for (int64_t b = 0; b < k / 32; b++) {
+            const __m128i bytes = q4l_block(w, j, b);
+            _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)));
+            _mm256_storeu_si256((__m256i *)(dst + b * 32 + 16), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+        }
+    } else if (w->kind == LINEAR_Q4) {
         const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
         const __m512i mask = _mm512_set1_epi16(0x0F);
         for (int64_t c = 0; c < k / 64; c++) {
@@ -279,6 +286,11 @@ static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) 
 /* Channel j's weight scale per block of 32 inputs (K/32 floats) and, for Q4, its minimum per group. */
 static inline void channel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
+    if (w->kind == LINEAR_Q4L) { /* groups of 32: a minimum per block */
+        float unused;
+        for (int64_t b = 0; b < blocks; b++) q4l_scale(w, j, b, scale + b, minimum ? minimum + b : &unused);
+        return;
+    }
     if (w->kind == LINEAR_Q8) {
         for (int64_t b = 0; b < blocks; b++) scale[b] = ((const float *)w->scales)[j];
         return;
@@ -404,7 +416,7 @@ static inline void store_lanes(float *tile, int channels, int rows, const float 
 VNNI void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     IntChannels c = {(int16_t *)buffer, buffer + INT_CHANNELS * k / 2, NULL};
-    if (w->kind == LINEAR_Q4) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
+    if (w->kind == LINEAR_Q4 || w->kind == LINEAR_Q4L) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
     /* Prompt chunks go ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in L2 while every group of

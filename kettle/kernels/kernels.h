@@ -9,6 +9,14 @@
  * A symmetric weight (GGUF's Q4_0, w = d*(q - 8)) has no minimums: its minimum is -8*scale (`Minimums`).
  *
  * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
+ *
+ * Q4L layout (LINEAR_Q4L, "lanes": Q4 with groups of 32 and N a multiple of 16, on CPUs with AVX-512 VNNI): the
+ * weight is stored 16 output channels at a time, so that one vector holds those 16 channels' weights for a pair of
+ * inputs and `vpdpwssd` multiplies it with that pair of one activation row broadcast: 16 channels advance by two
+ * inputs in one instruction, every scale is applied once per block of 32 inputs for 16 channels together, and
+ * several rows share each weight vector. weight [N/16][K/32][256] bytes: for channels 16G .. 16G + 15 and block b,
+ * unit u (0..7) of 32 bytes holds, at byte 2c + e, q[16G + c][32b + 2u + e] | q[16G + c][32b + 16 + 2u + e] << 4.
+ * Scales and minimums [N/16][K/32][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py packs it.
  */
 #ifndef KETTLE_KERNELS_H
 #define KETTLE_KERNELS_H
@@ -33,7 +41,7 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4 };
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L = 5 };
 
 /* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
  * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
@@ -433,6 +441,54 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
+/* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ MAX_TILE, a constant at
+ * each call): per block, each unit of 32 bytes widened once gives two vectors of input pairs (low and high nibbles)
+ * that every row multiplies by its broadcast pair (`vpdpwssd`), the block's int32 sums then scaled for the 16
+ * channels at once. The products are those of `q4_channel_one`; the float sums run per block, not per lane. */
+static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+    const int64_t k = w->k, blocks = k / 32, first = G * blocks;
+    const uint8_t *qw = (const uint8_t *)w->weight + first * 256;
+    const uint16_t *scales = (const uint16_t *)w->scales + first * 16, *mins = w->mins ? w->mins + first * 16 : NULL;
+    const __m512i mask = _mm512_set1_epi16(0x0F);
+    __m512 out[MAX_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i acc[MAX_TILE];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u++) {
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 256 + u * 32)));
+            const __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_srli_epi16(bytes, 4);
+            for (int r = 0; r < R; r++) {
+                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
+                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
+                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 16)));
+        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + b * 16)))
+                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        for (int r = 0; r < R; r++) {
+            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
+            out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * blocks + b]), out[r]);
+        }
+    }
+    const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
+}
+
+/* Output channels 16G .. 16G + 15 of a Q4L weight for every row quantized in xq, MAX_TILE rows a pass. */
+static ONE512 void q4l_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y, int64_t ldy) {
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
+        const int64_t tile = rows - r0 < MAX_TILE ? rows - r0 : MAX_TILE;
+        if (tile == 4) q4l_tile(w, G, xq, r0, 4, y, ldy);
+        else if (tile == 3) q4l_tile(w, G, xq, r0, 3, y, ldy);
+        else if (tile == 2) q4l_tile(w, G, xq, r0, 2, y, ldy);
+        else q4l_tile(w, G, xq, r0, 1, y, ldy);
+    }
+}
+
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
 
@@ -554,8 +610,39 @@ static inline void q8g_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
+/* Block b of channel j of a Q4L weight as 16 bytes: byte i holds input i of the block in its low nibble and input
+ * 16 + i in its high nibble (the channel's two bytes of each of the block's 8 units, gathered in order). */
+static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
+    const uint8_t *unit = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256 + 2 * (j % 16);
+    uint16_t pairs[8];
+    for (int u = 0; u < 8; u++) memcpy(pairs + u, unit + u * 32, 2);
+    return _mm_loadu_si128((const __m128i *)pairs);
+}
+
+/* Channel j's scale and minimum of block b of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
+static inline void q4l_scale(const Linear *w, int64_t j, int64_t b, float *scale, float *minimum) {
+    const int64_t at = (j / 16 * (w->k / 32) + b) * 16 + j % 16;
+    *scale = _cvtsh_ss(((const uint16_t *)w->scales)[at]);
+    *minimum = w->mins ? _cvtsh_ss(w->mins[at]) : -8.0f * *scale;
+}
+
+/* Row j of a Q4L weight as K floats: q · scale + minimum, one fused multiply-add as `q4_dequant`. */
+static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const __m128i bytes = q4l_block(w, j, b);
+        float d, m;
+        q4l_scale(w, j, b, &d, &m);
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+        __m256 v[4];
+        q4_dequant(q, _mm256_set1_ps(d), _mm256_set1_ps(m), v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + b * 32 + 8 * i, v[i]);
+    }
+}
+
 static inline void dequant_channel(const Linear *w, int64_t j, float *dst) {
-    if (w->kind == LINEAR_Q4) q4_dequant_row(w, j, dst);
+    if (w->kind == LINEAR_Q4L) q4l_dequant_row(w, j, dst);
+    else if (w->kind == LINEAR_Q4) q4_dequant_row(w, j, dst);
     else if (w->kind == LINEAR_Q8G) q8g_dequant_row(w, j, dst);
     else q8_widen_row(w, j, dst);
 }

@@ -47,6 +47,9 @@ INTEGER_ROWS = (10 if _GEMM_ROWS is None else _GEMM_ROWS) or 1 << 62
 # prefill 1.3x. The outputs then carry the activations' int16 rounding (~1e-5 relative), as one row of decode's
 # do; `KETTLE_CPU_INTEGER_GEMM=0` keeps the float32 panels, exact to the dequantized weights.
 _INTEGER_GEMM = settings.current().cpu_integer_gemm
+# int4 weights with groups of 32 in lanes (kettle/quantization/q4.py `to_lanes`) where the CPU has AVX-512 VNNI;
+# `KETTLE_CPU_Q4_LANES=0` keeps the rows layout, for measurement.
+_Q4_LANES = settings.current().cpu_q4_lanes
 
 # Activation rows the int4/int8 kernels' integer path (and the float32 tiles) take in one pass over the weights:
 # kernels.h's MAX_TILE. A fifth row starts a second pass, which unpacks every weight again (the fused step on the
@@ -76,6 +79,12 @@ def _has_vnni() -> bool:
     return bool(library().kettle_integer_gemm_supported())
 
 
+def q4_lanes() -> bool:
+    """Whether int4 weights with groups of 32 are stored in lanes here (kernels.h's Q4L layout: AVX-512 VNNI, and
+    not switched off by `KETTLE_CPU_Q4_LANES=0`)."""
+    return available() and _Q4_LANES and _has_vnni()
+
+
 def panel_rows() -> int:
     """Rows from which the int4/int8 projections run gemm.c's panels: INTEGER_ROWS where those are the integer
     panels (unless GEMM_ROWS is lower), GEMM_ROWS where they are the float32 ones."""
@@ -101,33 +110,38 @@ def q4_linear(
     mins: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None,
+    lanes: bool = False,
 ) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`; `mins` None: a symmetric
-    weight, minimum = -8 · scale): [M, N] float32."""
+    weight, minimum = -8 · scale), or in lanes (`lanes`, `to_lanes`): [M, N] float32."""
     rows, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    args = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
-    args += (_ptr(bias), y.data_ptr(), n)
-    if rows >= min(Q4_FLOAT_ROWS, panel_rows()):  # the float32 tiles or the panel GEMM (the decode step's choice)
-        status = library().kettle_q4_linear_rows(*args, _rows_path(rows, k), torch.get_num_threads())
+    head = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
+    tail = (_ptr(bias), y.data_ptr(), n)
+    # The float32 tiles or the panel GEMM (the decode step's choice); lanes keep quantized rows below the panels.
+    if rows >= (panel_rows() if lanes and QUANTIZED_ACTIVATIONS else min(Q4_FLOAT_ROWS, panel_rows())):
+        status = library().kettle_q4_linear_rows(*head, lanes, *tail, _rows_path(rows, k), torch.get_num_threads())
+    elif QUANTIZED_ACTIVATIONS:
+        status = library().kettle_q4_linear_qa(*head, lanes, *tail, torch.get_num_threads())
+    elif lanes:  # float32 activations: the float32 tiles, exactly the dequantized weight's products
+        status = library().kettle_q4_linear_rows(*head, lanes, *tail, 0, torch.get_num_threads())
     else:
-        kernel = library().kettle_q4_linear_qa if QUANTIZED_ACTIVATIONS else library().kettle_q4_linear
-        status = kernel(*args, torch.get_num_threads())
+        status = library().kettle_q4_linear(*head, *tail, torch.get_num_threads())
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
     return y
 
 
 def q4_dequantize(
-    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, lanes: bool = False
 ) -> torch.Tensor:
-    """The Q4 weight as a dense float32 [N, K] tensor (large prefills multiply it with a float32 GEMM)."""
+    """The Q4 weight (in lanes when `lanes`) as a dense float32 [N, K] tensor."""
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(n, k, dtype=torch.float32)
     library().kettle_q4_dequantize(
-        packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, k, group_size, out.data_ptr(),
+        packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, k, group_size, lanes, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -213,15 +227,20 @@ def _row_ids(ids: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def q4_rows(
-    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, ids: torch.Tensor
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    ids: torch.Tensor,
+    lanes: bool = False,
 ) -> torch.Tensor:
-    """Rows `ids` of a Q4 weight (`q4_linear`'s layout) as float32 [len(ids), K], the values its kernels multiply."""
+    """Rows `ids` of a Q4 weight (`q4_linear`'s layouts) as float32 [len(ids), K], the values its kernels multiply."""
     ids = _row_ids(ids, packed.shape[0])
     k = packed.shape[1] * 2
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     library().kettle_q4_rows(
-        packed.data_ptr(), scales.data_ptr(), _ptr(mins), packed.shape[0], k, group_size, ids.data_ptr(), ids.numel(),
-        out.data_ptr(), torch.get_num_threads(),
+        packed.data_ptr(), scales.data_ptr(), _ptr(mins), packed.shape[0], k, group_size, lanes, ids.data_ptr(),
+        ids.numel(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -38,6 +38,7 @@ from kettle.kernels.decoder_step import (
     ACT_SILU,
     LINEAR_F32,
     LINEAR_Q4,
+    LINEAR_Q4L,
     LINEAR_Q8,
     LINEAR_Q8G,
     MAX_EXPERTS,
@@ -88,7 +89,8 @@ def _linear(module: nn.Module) -> Linear:
     bias = _ptr_of(getattr(module, "bias", None))
     if isinstance(module, Q4Linear):
         weights = (module.packed.data_ptr(), module.scales.data_ptr(), _ptr_of(module.mins))
-        return Linear(LINEAR_Q4, module.group_size, module.out_features, module.in_features, *weights, bias)
+        kind = LINEAR_Q4L if module.lanes else LINEAR_Q4
+        return Linear(kind, module.group_size, module.out_features, module.in_features, *weights, bias)
     if isinstance(module, Q8Linear):
         n, k = module.out_features, module.in_features
         return Linear(LINEAR_Q8G, 32, n, k, module.q.data_ptr(), module.scales.data_ptr(), None, bias)

@@ -7,6 +7,12 @@ row keeps its nibbles in chunks of 64 input channels (byte j holds channels j an
 gives 32 weights in order) and a float16 scale and minimum per group, 0.5625 bytes a weight at group size 64 (a
 symmetric weight, GGUF's Q4_0, stores no minimums: `from_groups`).
 
+Where the CPU has AVX-512 VNNI, a weight with groups of 32 (every GGUF 4-bit type) and a multiple of 16 output
+channels is stored in lanes instead (`to_lanes`, kernels.h's Q4L layout): 16 channels side by side for each pair
+of inputs, so one instruction advances 16 channels by two inputs for a row and several rows share every weight
+vector. Same bytes, same values, same kernels' results to float rounding; a one-row step of the bundled model's
+projections ran 1.5-2x faster, four rows (a speculative step's verification) ~3x (docs/performance.md).
+
 Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernels build here
 (`kettle.kernels.ops.available()`); `KETTLE_CPU_KERNELS=0` selects `Int4Linear` instead.
 """
@@ -38,6 +44,42 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([chunks & 0xF, chunks >> 4], dim=2).reshape(n, half * 2)
 
 
+LANES = 16  # output channels side by side in the lanes layout
+
+
+def lanes_fit(n: int, group_size: int) -> bool:
+    """Whether a weight of n output channels and this group size is stored in lanes (`to_lanes`) here."""
+    return group_size == BLOCK and n % LANES == 0 and ops.q4_lanes()
+
+
+def to_lanes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """`pack_q4`'s [N, K/2] with scales and minimums [N, K/32] → kernels.h's Q4L layout, in tensors of the same
+    shapes: unit u of block b of channels 16G.. holds, at byte 2c + e, inputs 2u + e (low nibble) and 16 + 2u + e
+    (high) of channel 16G + c; scales and minimums go [N/16][K/32][16]."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    chunks = packed.view(n, k // CHUNK, 1, CHUNK // 2)  # one byte a weight from here, never int32 (load time)
+    q = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(n // LANES, LANES, k // BLOCK, 2, 8, 2)  # [G, c, b, h, u, e]
+    units = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, u, c, e]
+    lanes = units.reshape(n, k // 2).contiguous()
+
+    def per_lane(table: torch.Tensor) -> torch.Tensor:
+        return table.view(n // LANES, LANES, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+    return lanes, per_lane(scales), None if mins is None else per_lane(mins)
+
+
+def from_lanes(lanes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The inverse of `to_lanes`."""
+    n, k = lanes.shape[0], lanes.shape[1] * 2
+    units = lanes.view(n // LANES, k // BLOCK, 8, LANES, 2).permute(0, 3, 1, 2, 4)  # [G, c, b, u, e]
+    q = torch.stack([units & 0xF, units >> 4], dim=3).reshape(n, k)  # [G, c, b, half, u, e]
+
+    def per_channel(table: torch.Tensor) -> torch.Tensor:
+        return table.view(n // LANES, -1, LANES).transpose(1, 2).reshape(n, -1).contiguous()
+
+    return pack_q4(q), per_channel(scales), None if mins is None else per_channel(mins)
+
+
 class Q4Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] group-wise int4 on Kettle's CPU kernel; same call shape as `Linear`."""
 
@@ -52,9 +94,13 @@ class Q4Linear(nn.Module):
             raise ValueError(f"int4: in_features {k} must be a multiple of {CHUNK}, group size {group_size} of {BLOCK}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
         self.dense_rows = DENSE_ROWS
-        self.register_buffer("packed", packed.to(torch.uint8).contiguous(), persistent=False)
-        self.register_buffer("scales", scales.to(torch.float16).contiguous(), persistent=False)
+        packed, scales = packed.to(torch.uint8).contiguous(), scales.to(torch.float16).contiguous()
         minimums = None if mins is None else mins.to(torch.float16).contiguous()
+        self.lanes = lanes_fit(n, group_size)  # the Q4L layout: the tensors below hold it (`to_lanes`)
+        if self.lanes:
+            packed, scales, minimums = to_lanes(packed, scales, minimums)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", minimums, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
@@ -90,24 +136,31 @@ class Q4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
         if ops.available():  # one parallel C pass; the tensor ops below cost ~10x more per prefill chunk
-            return ops.q4_dequantize(self.packed, self.scales, self.mins, self.group_size)
-        q = unpack_q4(self.packed).float().view(self.out_features, -1, self.group_size)
-        weight = q * self.scales.float()[..., None] + self.minimums().float()[..., None]
+            return ops.q4_dequantize(self.packed, self.scales, self.mins, self.group_size, self.lanes)
+        packed, scales, mins = (from_lanes if self.lanes else _same)(self.packed, self.scales, self.mins)
+        q = unpack_q4(packed).float().view(self.out_features, -1, self.group_size)
+        minimums = -8 * scales if mins is None else mins
+        weight = q * scales.float()[..., None] + minimums.float()[..., None]
         return weight.view(self.out_features, self.in_features)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in float32, the values the kernels multiply by: the embedding lookup of a GGUF file's
         4-bit table, which then needs no float32 copy (a 1.1B model's: 250 MiB). Only loaded where the kernels are
         (`GgufScheme`), as `forward` runs on them."""
-        rows = ops.q4_rows(self.packed, self.scales, self.mins, self.group_size, ids)
+        rows = ops.q4_rows(self.packed, self.scales, self.mins, self.group_size, ids, self.lanes)
         return rows.view(*ids.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         # Every row count runs on the kernels: prompt chunks on the panel GEMM, which never dequantizes the whole
         # weight (`ops.GEMM_ROWS`).
-        y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias)
+        y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias, self.lanes)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}, kernel=kettle"
+        layout = ", lanes" if self.lanes else ""
+        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}, kernel=kettle{layout}"
+
+
+def _same(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tensors

@@ -43,12 +43,23 @@ def test_q4_packing_round_trips():
     assert torch.equal(unpack_q4(pack_q4(q)), q)
 
 
+@pytest.fixture(params=["rows", "lanes"])
+def q4_layout(request, monkeypatch) -> str:
+    """Both int4 layouts: in rows, and in lanes where the CPU has AVX-512 VNNI (weights with groups of 32 and a
+    multiple of 16 channels; others stay in rows either way)."""
+    if request.param == "lanes" and not ops._has_vnni():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    monkeypatch.setattr(ops, "_Q4_LANES", request.param == "lanes")
+    return request.param
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
-def test_q4_linear_is_its_dequantized_weight(monkeypatch, group_size, rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17])
+def test_q4_linear_is_its_dequantized_weight(monkeypatch, q4_layout, group_size, rows):
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(80, 256) * 0.05, torch.randn(80), torch.randn(rows, 256)
     layer = Q4Linear.from_weight(weight, bias, group_size)
+    assert layer.lanes == (q4_layout == "lanes" and group_size == 32)
     expected = F.linear(x, layer.dequantized(), bias)
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)
     assert relative(layer(x), expected) < 1e-5
@@ -56,7 +67,9 @@ def test_q4_linear_is_its_dequantized_weight(monkeypatch, group_size, rows):
     assert relative(layer(x), expected) < QUANTIZED_ACTIVATION_RTOL
     monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 1)  # the float32 tiles: 80 channels, not a multiple of 3
     monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # (17 rows: the float32 panels, not the integer ones)
-    assert relative(layer(x), expected) < 1e-5
+    # Lanes keep quantized rows below the panels at any row count: no float32 tiles for them there.
+    exact = not layer.lanes or rows >= ops.panel_rows()
+    assert relative(layer(x), expected) < (1e-5 if exact else QUANTIZED_ACTIVATION_RTOL)
     # The dequantized weight is the quantization of the original: within half a step of every group.
     assert relative(layer.dequantized(), weight) < 0.2
 
@@ -89,6 +102,45 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
             assert torch.equal(symmetric(x[:1]), stored(x[:1]))
     monkeypatch.setattr(ops, "available", lambda: False)  # PyTorch's ops: the minimums from the scales
     assert torch.equal(symmetric.dequantized(), stored.dequantized())
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkeypatch, symmetric):
+    """A weight in lanes (kernels.h's Q4L) is the rows layout's, moved: the same dequantized values and table rows,
+    the layout round-trips, and every path's outputs match the rows layout's: the lanes kernel (1-9 rows, one to
+    three passes of 4) within float rounding of the same integer products (where the rows layout multiplies
+    quantized rows too), the panels (prompt chunks) exactly."""
+    if not ops._has_vnni():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    from kettle.quantization import q4
+
+    torch.manual_seed(3)
+    n, k = 96, 576
+    packed = pack_q4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
+    scales = torch.rand(n, k // 32) * 0.02 + 1e-3
+    mins = -8 * scales if symmetric else -torch.rand(n, k // 32) * 0.1
+    lanes = Q4Linear.from_groups(packed, scales, mins, 32, torch.randn(n))
+    monkeypatch.setattr(ops, "_Q4_LANES", False)
+    rows = Q4Linear.from_groups(packed, scales, mins, 32, lanes.bias.data)
+    assert lanes.lanes and not rows.lanes and (lanes.mins is None) == symmetric
+    back = q4.from_lanes(lanes.packed, lanes.scales, lanes.mins)
+    assert all(a is b or torch.equal(a, b) for a, b in zip(back, (rows.packed, rows.scales, rows.mins), strict=True))
+    assert torch.equal(lanes.dequantized(), rows.dequantized())
+    ids = torch.tensor([0, 95, 17, 16, 15])
+    assert torch.equal(lanes.embed(ids), rows.embed(ids))
+    monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path reads lanes too
+    assert torch.equal(lanes.dequantized(), rows.dequantized())
+    monkeypatch.undo()
+    dense = rows.dequantized()
+    for count in (1, 2, 3, 4, 5, 8, 9, 16, 40):
+        x = torch.randn(count, k)
+        got, want = lanes(x), rows(x)
+        if count >= ops.panel_rows():
+            assert torch.equal(got, want), count
+            continue
+        assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
+        if count < ops.Q4_FLOAT_ROWS:  # the rows layout's integer path too (from there its float32 tiles)
+            assert relative(got, want) < 1e-6, count
 
 
 def test_an_asymmetric_q4_weight_keeps_its_minimums():
