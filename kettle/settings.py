@@ -55,7 +55,7 @@ class Settings:
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
     cpu_gemm_rows: int | None  # KETTLE_CPU_GEMM_ROWS: int4/int8 projections on the panels from N rows (0: never)
     cpu_integer_gemm: bool  # KETTLE_CPU_INTEGER_GEMM=0: the float32 panels (16+ rows), not the int16 ones (10+)
-    cpu_q4_lanes: bool  # KETTLE_CPU_Q4_LANES=0: int4 weights in rows, not in lanes, on AVX-512 VNNI CPUs
+    cpu_lanes: bool  # KETTLE_CPU_LANES=0: int4 and Q8_0 weights in rows, not in lanes, on AVX-512 VNNI CPUs
     cpu_prefill_attention: bool  # KETTLE_CPU_PREFILL_ATTENTION=0: SDPA's kernel instead of Kettle's for prefill
     quantized_activations: bool  # KETTLE_QUANTIZED_ACTIVATIONS=0: float32 activations in the int4/int8 GEMVs
     cuda_fused_kernels: bool  # KETTLE_FUSED_KERNELS=0: eager ops instead of the Triton norm/RoPE/SiLU kernels
@@ -87,7 +87,7 @@ class Settings:
             cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,
             cpu_gemm_rows=int(env["KETTLE_CPU_GEMM_ROWS"]) if env.get("KETTLE_CPU_GEMM_ROWS") else None,
             cpu_integer_gemm=env.get("KETTLE_CPU_INTEGER_GEMM", "1") != "0",
-            cpu_q4_lanes=env.get("KETTLE_CPU_Q4_LANES", "1") != "0",
+            cpu_lanes=env.get("KETTLE_CPU_LANES", "1") != "0",
             cpu_prefill_attention=env.get("KETTLE_CPU_PREFILL_ATTENTION", "1") != "0",
             quantized_activations=env.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0",
             cuda_fused_kernels=env.get("KETTLE_FUSED_KERNELS", "1") != "0",

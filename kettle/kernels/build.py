@@ -53,8 +53,10 @@ SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
 # The several-row entries take one more int before the threads: the path (tiles or GEMM; Q8_0 also int16 rows).
 SIGNATURES["kettle_q4_linear_rows"] = [*_Q4_LANES[:-1], ctypes.c_int, ctypes.c_int]
 SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
-SIGNATURES["kettle_q8g_linear"] = SIGNATURES["kettle_q8_linear_rows"]
-SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
+# The Q8_0 entries take an int after N (kettle_q8g_rows: after K): 1 for a weight in the Q8L layout (kernels.h).
+SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear_rows"][:7], ctypes.c_int]
+SIGNATURES["kettle_q8g_linear"] += SIGNATURES["kettle_q8_linear_rows"][7:]
+SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, ctypes.c_int, _ptr, _int, _ptr, ctypes.c_int]
 # packed, scales, mins, n, k, group, lanes, ids, count, out, threads
 SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _int, _ptr]
 SIGNATURES["kettle_q4_rows"] += [ctypes.c_int]

@@ -138,7 +138,7 @@ int kettle_q4_linear_qa(
     if (quantize_rows(x, ldx, rows, k, group, &xq)) return free_rows(&xq), -1;
     if (lanes) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t g = 0; g < n / 16; g++) q4l_group(&w, g, &xq, rows, y, ldy);
+        for (int64_t g = 0; g < n / 16; g++) lanes_group(&w, g, &xq, rows, y, ldy);
         return free_rows(&xq), 0;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -169,14 +169,19 @@ int kettle_q8_linear_qa(
 enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2, Q8G_INT_GEMM = 3 }; /* kettle/kernels/ops.py's `q8g_linear` */
 int kettle_q8g_linear(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
-    const float *bias, float *y, int64_t ldy, int path, int threads
+    int lanes, const float *bias, float *y, int64_t ldy, int path, int threads
 ) {
-    const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
+    const Linear w = {lanes ? LINEAR_Q8L : LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
     if (path == Q8G_INT_GEMM) return quant_gemm_int(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_GEMM) return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_TILES) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
     QuantizedRows xq;
     if (quantize_rows(x, ldx, rows, k, 32, &xq)) return free_rows(&xq), -1;
+    if (lanes) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t g = 0; g < n / 16; g++) lanes_group(&w, g, &xq, rows, y, ldy);
+        return free_rows(&xq), 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
     free_rows(&xq);
@@ -185,12 +190,12 @@ int kettle_q8g_linear(
 
 /* Rows `ids` [count] of W as float32 [count, K] (the embedding lookup of a tied Q8_0 table). */
 void kettle_q8g_rows(
-    const int8_t *qw, const uint16_t *scales, int64_t n, int64_t k, const int64_t *ids, int64_t count, float *out,
-    int threads
+    const int8_t *qw, const uint16_t *scales, int64_t n, int64_t k, int lanes, const int64_t *ids, int64_t count,
+    float *out, int threads
 ) {
-    const Linear w = {LINEAR_Q8G, 32, n, k, qw, scales, NULL, NULL};
+    const Linear w = {lanes ? LINEAR_Q8L : LINEAR_Q8G, 32, n, k, qw, scales, NULL, NULL};
 #pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
-    for (int64_t i = 0; i < count; i++) q8g_dequant_row(&w, ids[i], out + i * k);
+    for (int64_t i = 0; i < count; i++) dequant_channel(&w, ids[i], out + i * k);
 }
 
 /* Rows `ids` [count] of a Q4 weight as float32 [count, K]: the embedding lookup of a GGUF file's 4-bit table,

@@ -63,6 +63,7 @@ typedef struct {
     int64_t float_rows_q4, float_rows_q8; /* from these many rows on, projections run the float32 tiles */
     int64_t gemm_rows;                    /* and from these many rows on, gemm.c's panels (quantized weights) */
     int64_t integer_gemm;                 /* the panels' integer kernel (AVX-512 VNNI) over int16 rows, when 1 */
+    int64_t lanes_gemm_rows;              /* gemm_rows for weights in lanes (Q4L, Q8L): their kernel goes further */
     int64_t rot_dim, interleaved;         /* RoPE over the first rot_dim of each head (0: no RoPE) */
     const Layer *layers;
     Norm final_norm;
@@ -76,14 +77,14 @@ static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
     if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
     /* Lanes share each weight vector among 4 rows a pass for 16 channels at once: below the panels they beat
      * dequantizing every weight to float32 at any row count (bundled model, 8 rows: ms, see ops.py). */
-    if (w->kind == LINEAR_Q4L) return 0;
+    if (in_lanes(w)) return 0;
     return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
 }
 
 /* Whether `w` runs over gemm.c's panels for `rows` rows, and whether over their integer kernel (K a multiple of
  * 32: whole blocks of quantized rows). */
 static inline int panels(const Decoder *m, const Linear *w, int64_t rows) {
-    return w->kind != LINEAR_F32 && rows >= m->gemm_rows;
+    return w->kind != LINEAR_F32 && rows >= (in_lanes(w) ? m->lanes_gemm_rows : m->gemm_rows);
 }
 
 static inline int integer_panels(const Decoder *m, const Linear *w, int64_t rows) {
@@ -270,9 +271,9 @@ static void linear(const Decoder *m, const Linear *w, const float *x, const Quan
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
             linear_channels_f32(w, p, x, k, rows, y, n, buffer);
-    } else if (w->kind == LINEAR_Q4L) {
+    } else if (in_lanes(w)) {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < n / 16; g++) q4l_group(w, g, xq, rows, y, n);
+        for (int64_t g = 0; g < n / 16; g++) lanes_group(w, g, xq, rows, y, n);
     } else {
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) linear_channel_qa(w, xq, rows, j, y, n);
@@ -486,7 +487,7 @@ int kettle_decoder_step(
 static void embed_row(const Linear *table, int64_t token, float *dst) {
     if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
     else if (table->kind == LINEAR_Q4) q4_dequant_row(table, token, dst);
-    else if (table->kind == LINEAR_Q4L) q4l_dequant_row(table, token, dst);
+    else if (table->kind == LINEAR_Q4L || table->kind == LINEAR_Q8L) dequant_channel(table, token, dst);
     else if (table->kind == LINEAR_Q8G) q8g_dequant_row(table, token, dst);
     else {
         const float scale = ((const float *)table->scales)[token];
@@ -501,8 +502,9 @@ enum { Q8_QUANTIZED = -1, Q8_PLAIN = -2 }; /* kettle/kernels/ops.py's `q8_path` 
  * `q8_path` names, as kettle/kernels/ops.py runs either. -1 when out of memory. */
 static int head_logits(const Linear *head, int path, const float *x, int64_t rows, int64_t k, float *y, int threads) {
     const int8_t *q = head->weight;
-    if (head->kind == LINEAR_Q8G)
-        return kettle_q8g_linear(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, path, threads);
+    if (head->kind == LINEAR_Q8G || head->kind == LINEAR_Q8L)
+        return kettle_q8g_linear(x, k, rows, k, q, head->scales, head->n, head->kind == LINEAR_Q8L, head->bias, y,
+                                 head->n, path, threads);
     if (path >= 0) return kettle_q8_linear_rows(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, path, threads);
     if (path == Q8_QUANTIZED) return kettle_q8_linear_qa(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, threads);
     kettle_q8_linear(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, threads);

@@ -13,7 +13,7 @@ import torch
 
 from kettle.kernels.build import library
 
-LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L = 1, 2, 3, 4, 5
+LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L = 1, 2, 3, 4, 5, 6
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 ACT_SILU, ACT_GELU_TANH, ACT_GELU, ACT_RELU = 0, 1, 2, 3  # the MLP's activation (of the gate when gated)
 MAX_EXPERTS = 64
@@ -21,7 +21,7 @@ _int, _ptr, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
-    """One projection: kind (LINEAR_Q4/Q8/F32/Q8G/Q4L), the int4 group (Q8G: 32, else K), shape [n, k], weight
+    """One projection: kind (LINEAR_Q4/Q8/F32/Q8G/Q4L/Q8L), the int4 group (Q8G: 32, else K), shape [n, k], weight
     pointers."""
 
     _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
@@ -68,7 +68,7 @@ class Decoder(ctypes.Structure):
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int), ("gemm_rows", _int)]
-    _fields_ += [("integer_gemm", _int)]
+    _fields_ += [("integer_gemm", _int), ("lanes_gemm_rows", _int)]
     _fields_ += [("rot_dim", _int), ("interleaved", _int)]
     _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int)]
 

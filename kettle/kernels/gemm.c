@@ -261,6 +261,8 @@ static inline VNNI void widen_channel(const Linear *w, int64_t j, int16_t *dst) 
             _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)));
             _mm256_storeu_si256((__m256i *)(dst + b * 32 + 16), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
         }
+    } else if (w->kind == LINEAR_Q8L) {
+        for (int64_t b = 0; b < k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(q8l_block(w, j, b)));
     } else if (w->kind == LINEAR_Q4) {
         const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
         const __m512i mask = _mm512_set1_epi16(0x0F);
@@ -293,6 +295,10 @@ static inline void channel_scales(const Linear *w, int64_t j, float *scale, floa
     }
     if (w->kind == LINEAR_Q8) {
         for (int64_t b = 0; b < blocks; b++) scale[b] = ((const float *)w->scales)[j];
+        return;
+    }
+    if (w->kind == LINEAR_Q8L) {
+        for (int64_t b = 0; b < blocks; b++) scale[b] = q8l_scale(w, j, b);
         return;
     }
     const uint16_t *halves = (const uint16_t *)w->scales + j * groups;

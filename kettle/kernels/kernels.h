@@ -17,6 +17,10 @@
  * several rows share each weight vector. weight [N/16][K/32][256] bytes: for channels 16G .. 16G + 15 and block b,
  * unit u (0..7) of 32 bytes holds, at byte 2c + e, q[16G + c][32b + 2u + e] | q[16G + c][32b + 16 + 2u + e] << 4.
  * Scales and minimums [N/16][K/32][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py packs it.
+ *
+ * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI): weight [N/16][K/32][16][32] int8,
+ * pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales [N/16][K/32][16] float16.
+ * kettle/quantization/q8.py packs it.
  */
 #ifndef KETTLE_KERNELS_H
 #define KETTLE_KERNELS_H
@@ -41,7 +45,7 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L = 5 };
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L = 5, LINEAR_Q8L = 6 };
 
 /* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
  * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
@@ -478,16 +482,54 @@ static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* Output channels 16G .. 16G + 15 of a Q4L weight for every row quantized in xq, MAX_TILE rows a pass. */
-static ONE512 void q4l_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y, int64_t ldy) {
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
-        const int64_t tile = rows - r0 < MAX_TILE ? rows - r0 : MAX_TILE;
-        if (tile == 4) q4l_tile(w, G, xq, r0, 4, y, ldy);
-        else if (tile == 3) q4l_tile(w, G, xq, r0, 3, y, ldy);
-        else if (tile == 2) q4l_tile(w, G, xq, r0, 2, y, ldy);
-        else q4l_tile(w, G, xq, r0, 1, y, ldy);
+/* `q4l_tile` for a Q8L weight: each pair's 32 bytes widened once, then one `vpdpwssd` per row. */
+static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+    const int64_t k = w->k, blocks = k / 32, first = G * blocks;
+    const int8_t *qw = (const int8_t *)w->weight + first * 512;
+    const uint16_t *scales = (const uint16_t *)w->scales + first * 16;
+    __m512 out[MAX_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i acc[MAX_TILE];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 16; p++) {
+            const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 512 + p * 32)));
+            for (int r = 0; r < R; r++) {
+                const int32_t *x = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
+                acc[r] = _mm512_dpwssd_epi32(acc[r], pair, _mm512_set1_epi32(x[p]));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 16)));
+        for (int r = 0; r < R; r++) {
+            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
+        }
     }
+    const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
+
+#define LANES_TILE(tile_fn)                                                                                  \
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {                                                      \
+        const int64_t tile = rows - r0 < MAX_TILE ? rows - r0 : MAX_TILE;                                  \
+        if (tile == 4) tile_fn(w, G, xq, r0, 4, y, ldy);                                                   \
+        else if (tile == 3) tile_fn(w, G, xq, r0, 3, y, ldy);                                              \
+        else if (tile == 2) tile_fn(w, G, xq, r0, 2, y, ldy);                                              \
+        else tile_fn(w, G, xq, r0, 1, y, ldy);                                                             \
+    }
+
+/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L or Q8L) for every row quantized in xq, MAX_TILE rows
+ * a pass. */
+static ONE512 void lanes_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y,
+                               int64_t ldy) {
+    if (w->kind == LINEAR_Q8L) LANES_TILE(q8l_tile)
+    else LANES_TILE(q4l_tile)
+}
+#undef LANES_TILE
+
+/* Whether `w` is stored in lanes (its output channels 16 at a time: `lanes_group`). */
+static inline int in_lanes(const Linear *w) { return w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L; }
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
@@ -552,7 +594,7 @@ int kettle_integer_gemm_supported(void);
 /* cpu_kernels.c's LM heads (GGUF Q8_0; int8 per channel) and greedy choice, which decoder_step.c's greedy steps
  * also run. */
 int kettle_q8g_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales,
-                      int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads);
+                      int64_t n, int lanes, const float *bias, float *y, int64_t ldy, int path, int threads);
 void kettle_q8_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
                       int64_t n, const float *bias, float *y, int64_t ldy, int threads);
 int kettle_q8_linear_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
@@ -640,8 +682,35 @@ static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
+/* Block b of channel j of a Q8L weight: its 32 int8 values in input order (two from each of the block's 16 pairs). */
+static inline __m256i q8l_block(const Linear *w, int64_t j, int64_t b) {
+    const int8_t *pair = (const int8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 512 + 2 * (j % 16);
+    int16_t values[16];
+    for (int p = 0; p < 16; p++) memcpy(values + p, pair + p * 32, 2);
+    return _mm256_loadu_si256((const __m256i *)values);
+}
+
+/* Channel j's scale of block b of a Q8L weight. */
+static inline float q8l_scale(const Linear *w, int64_t j, int64_t b) {
+    return _cvtsh_ss(((const uint16_t *)w->scales)[(j / 16 * (w->k / 32) + b) * 16 + j % 16]);
+}
+
+/* Row j of a Q8L weight as K floats: q · d per block, as `q8g_dequant_row`. */
+static inline void q8l_dequant_row(const Linear *w, int64_t j, float *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const __m256i q = q8l_block(w, j, b);
+        const __m256 d = _mm256_set1_ps(q8l_scale(w, j, b));
+        for (int h = 0; h < 2; h++) {
+            const __m128i bytes = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+            _mm256_storeu_ps(dst + b * 32 + h * 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+            _mm256_storeu_ps(dst + b * 32 + h * 16 + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d));
+        }
+    }
+}
+
 static inline void dequant_channel(const Linear *w, int64_t j, float *dst) {
-    if (w->kind == LINEAR_Q4L) q4l_dequant_row(w, j, dst);
+    if (w->kind == LINEAR_Q8L) q8l_dequant_row(w, j, dst);
+    else if (w->kind == LINEAR_Q4L) q4l_dequant_row(w, j, dst);
     else if (w->kind == LINEAR_Q4) q4_dequant_row(w, j, dst);
     else if (w->kind == LINEAR_Q8G) q8g_dequant_row(w, j, dst);
     else q8_widen_row(w, j, dst);

@@ -47,9 +47,14 @@ INTEGER_ROWS = (10 if _GEMM_ROWS is None else _GEMM_ROWS) or 1 << 62
 # prefill 1.3x. The outputs then carry the activations' int16 rounding (~1e-5 relative), as one row of decode's
 # do; `KETTLE_CPU_INTEGER_GEMM=0` keeps the float32 panels, exact to the dequantized weights.
 _INTEGER_GEMM = settings.current().cpu_integer_gemm
-# int4 weights with groups of 32 in lanes (kettle/quantization/q4.py `to_lanes`) where the CPU has AVX-512 VNNI;
-# `KETTLE_CPU_Q4_LANES=0` keeps the rows layout, for measurement.
-_Q4_LANES = settings.current().cpu_q4_lanes
+# int4 weights with groups of 32 and Q8_0 weights in lanes (kettle/quantization/q4.py `to_lanes`, q8.py) where the
+# CPU has AVX-512 VNNI; `KETTLE_CPU_LANES=0` keeps the rows layouts, for measurement.
+_LANES = settings.current().cpu_lanes
+
+# A weight in lanes (`lanes()`) keeps its own kernel, 4 rows a pass, up to here: the panels widen every weight again
+# per call, which a batch of decode rows does not amortize (the bundled model's 4 layers, op by op, 2 threads: 16
+# rows 2.8 against 4.3 ms on the panels, 64 rows 7.2 against 10.0, 128 and 256 even, 512 rows 81 against 72).
+LANES_GEMM_ROWS = 128
 
 # Activation rows the int4/int8 kernels' integer path (and the float32 tiles) take in one pass over the weights:
 # kernels.h's MAX_TILE. A fifth row starts a second pass, which unpacks every weight again (the fused step on the
@@ -79,22 +84,24 @@ def _has_vnni() -> bool:
     return bool(library().kettle_integer_gemm_supported())
 
 
-def q4_lanes() -> bool:
-    """Whether int4 weights with groups of 32 are stored in lanes here (kernels.h's Q4L layout: AVX-512 VNNI, and
-    not switched off by `KETTLE_CPU_Q4_LANES=0`)."""
-    return available() and _Q4_LANES and _has_vnni()
+def lanes() -> bool:
+    """Whether int4 weights with groups of 32 and Q8_0 weights are stored in lanes here (kernels.h's Q4L and Q8L
+    layouts: AVX-512 VNNI, and not switched off by `KETTLE_CPU_LANES=0`)."""
+    return available() and _LANES and _has_vnni()
 
 
-def panel_rows() -> int:
+def panel_rows(lanes: bool = False) -> int:
     """Rows from which the int4/int8 projections run gemm.c's panels: INTEGER_ROWS where those are the integer
-    panels (unless GEMM_ROWS is lower), GEMM_ROWS where they are the float32 ones."""
-    return min(GEMM_ROWS, INTEGER_ROWS) if integer_gemm() else GEMM_ROWS
+    panels (unless GEMM_ROWS is lower), GEMM_ROWS where they are the float32 ones; for a weight in lanes not
+    before LANES_GEMM_ROWS."""
+    rows = min(GEMM_ROWS, INTEGER_ROWS) if integer_gemm() else GEMM_ROWS
+    return max(rows, LANES_GEMM_ROWS) if lanes else rows
 
 
-def _rows_path(rows: int, k: int) -> int:
+def _rows_path(rows: int, k: int, lanes: bool = False) -> int:
     """The several-row entries' path: 0 the float32 tiles, 1 the float32 panels, 2 the integer panels (over whole
     blocks of 32 inputs)."""
-    if rows < panel_rows():
+    if rows < panel_rows(lanes):
         return 0
     return 2 if k % 32 == 0 and integer_gemm() else 1
 
@@ -121,8 +128,9 @@ def q4_linear(
     head = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
     tail = (_ptr(bias), y.data_ptr(), n)
     # The float32 tiles or the panel GEMM (the decode step's choice); lanes keep quantized rows below the panels.
-    if rows >= (panel_rows() if lanes and QUANTIZED_ACTIVATIONS else min(Q4_FLOAT_ROWS, panel_rows())):
-        status = library().kettle_q4_linear_rows(*head, lanes, *tail, _rows_path(rows, k), torch.get_num_threads())
+    if rows >= (panel_rows(True) if lanes and QUANTIZED_ACTIVATIONS else min(Q4_FLOAT_ROWS, panel_rows(lanes))):
+        path = _rows_path(rows, k, lanes)
+        status = library().kettle_q4_linear_rows(*head, lanes, *tail, path, torch.get_num_threads())
     elif QUANTIZED_ACTIVATIONS:
         status = library().kettle_q4_linear_qa(*head, lanes, *tail, torch.get_num_threads())
     elif lanes:  # float32 activations: the float32 tiles, exactly the dequantized weight's products
@@ -165,17 +173,20 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     return y
 
 
-def q8g_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def q8g_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, lanes: bool = False
+) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for GGUF's Q8_0 layout, W = q [N, K] int8 · scales [N, K/32] float16 per
-    block: quantized activations below Q8_FLOAT_ROWS rows (or none with KETTLE_QUANTIZED_ACTIVATIONS=0), the
-    float32 tiles above, the panels from `panel_rows()` rows. [M, N] float32."""
+    block (in lanes when `lanes`: kettle/quantization/q8.py): quantized activations below Q8_FLOAT_ROWS rows (or
+    none with KETTLE_QUANTIZED_ACTIVATIONS=0), the float32 tiles above, the panels from `panel_rows()` rows.
+    [M, N] float32."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     status = library().kettle_q8g_linear(
-        x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n,
-        q8g_path(rows, k), torch.get_num_threads(),
+        x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, lanes, _ptr(bias), y.data_ptr(), n,
+        q8g_path(rows, k, lanes), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
@@ -196,20 +207,21 @@ def q8_path(rows: int, k: int) -> int:
     return Q8_QUANTIZED if QUANTIZED_ACTIVATIONS and k % 32 == 0 else Q8_PLAIN
 
 
-def q8g_path(rows: int, k: int) -> int:
+def q8g_path(rows: int, k: int, lanes: bool = False) -> int:
     """`kettle_q8g_linear`'s path for `rows` rows of K inputs: 0 float32 tiles, 1 quantized activations, 2 the
-    float32 panels, 3 the integer panels."""
-    if rows >= panel_rows():
-        return 1 + _rows_path(rows, k)
-    return int(QUANTIZED_ACTIVATIONS and rows < Q8_FLOAT_ROWS)
+    float32 panels, 3 the integer panels. A weight in lanes keeps quantized rows below the panels."""
+    if rows >= panel_rows(lanes):
+        return 1 + _rows_path(rows, k, lanes)
+    return int(QUANTIZED_ACTIVATIONS and (lanes or rows < Q8_FLOAT_ROWS))
 
 
-def q8g_rows(q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a Q8_0 weight (q [N, K] int8, scales [N, K/32] float16) as float32 [len(ids), K]."""
+def q8g_rows(q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, lanes: bool = False) -> torch.Tensor:
+    """Rows `ids` of a Q8_0 weight (q [N, K] int8, scales [N, K/32] float16; in lanes when `lanes`) as float32
+    [len(ids), K]."""
     ids = _row_ids(ids, q.shape[0])
     out = torch.empty(ids.numel(), q.shape[1], dtype=torch.float32)
     library().kettle_q8g_rows(
-        q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr(),
+        q.data_ptr(), scales.data_ptr(), q.shape[0], q.shape[1], lanes, ids.data_ptr(), ids.numel(), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -41,6 +41,7 @@ from kettle.kernels.decoder_step import (
     LINEAR_Q4L,
     LINEAR_Q8,
     LINEAR_Q8G,
+    LINEAR_Q8L,
     MAX_EXPERTS,
     NORM_LAYER,
     NORM_NONE,
@@ -93,7 +94,8 @@ def _linear(module: nn.Module) -> Linear:
         return Linear(kind, module.group_size, module.out_features, module.in_features, *weights, bias)
     if isinstance(module, Q8Linear):
         n, k = module.out_features, module.in_features
-        return Linear(LINEAR_Q8G, 32, n, k, module.q.data_ptr(), module.scales.data_ptr(), None, bias)
+        kind = LINEAR_Q8L if module.lanes else LINEAR_Q8G
+        return Linear(kind, 32, n, k, module.q.data_ptr(), module.scales.data_ptr(), None, bias)
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         n, k = module.out_features, module.in_features
         return Linear(LINEAR_Q8, k, n, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)
@@ -112,7 +114,7 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs as `compute_logits` does."""
     head = getattr(model, "lm_head", None)
     try:
-        if not isinstance(head, Q8Linear | Int8Linear) or _linear(head).kind not in (LINEAR_Q8G, LINEAR_Q8):
+        if not isinstance(head, Q8Linear | Int8Linear) or _linear(head).kind not in (LINEAR_Q8G, LINEAR_Q8L, LINEAR_Q8):
             return None
     except Unsupported:
         return None
@@ -186,6 +188,7 @@ class DecoderStep:
         self._layers = (Layer * len(layers))(*layers)
         shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.inner)
         rows = (ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS, ops.panel_rows(), int(ops.integer_gemm()))
+        rows += (ops.panel_rows(lanes=True),)
         rope = (0, 0) if rotary is None else (rotary.rotary_dim, int(rotary.interleaved))
         # block_size (0 here) is set from each step's metadata.
         self.decoder = Decoder(*shape, 0, *rows, *rope, self._layers, _norm(model.norm))
@@ -315,9 +318,10 @@ class DecoderStep:
         tables = plan.block_ids.view(seqs, plan.num_blocks)
         slots = (tables[torch.arange(seqs), grid // block] * block + grid % block).reshape(-1)
         rows = StepRows(cos, sin, slots, plan.block_ids, plan.num_blocks, positions)
-        path = ops.q8g_path if self._ends[1].kind == LINEAR_Q8G else ops.q8_path
+        kind, hidden = self._ends[1].kind, self.decoder.hidden
+        path = ops.q8_path(seqs, hidden) if kind == LINEAR_Q8 else ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
         caches = self._cache_pointers(kv_cache)
-        return run_greedy(self.decoder, caches, self._ends, path(seqs, self.decoder.hidden), tokens, rows, stop_ids)
+        return run_greedy(self.decoder, caches, self._ends, path, tokens, rows, stop_ids)
 
     def _lora_array(self, present: tuple[int, ...]) -> ctypes.Array:
         """The C description of every projection's stacked LoRA matrices for the adapters `present`, built once

@@ -49,7 +49,7 @@ LANES = 16  # output channels side by side in the lanes layout
 
 def lanes_fit(n: int, group_size: int) -> bool:
     """Whether a weight of n output channels and this group size is stored in lanes (`to_lanes`) here."""
-    return group_size == BLOCK and n % LANES == 0 and ops.q4_lanes()
+    return group_size == BLOCK and n % LANES == 0 and ops.lanes()
 
 
 def to_lanes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:

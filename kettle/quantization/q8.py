@@ -5,6 +5,11 @@ weight a second time). The kernels (kettle/kernels/cpu_kernels.c, `LINEAR_Q8G`) 
 activations' per-block scale for the integer dot products, or dequantize a row at a time for the float32 tiles
 and the prompt GEMM. A tied Q8_0 embedding table reads its rows from the same storage (`embed`), so the
 embedding needs no float copy.
+
+Where the CPU has AVX-512 VNNI, a weight with a multiple of 16 output channels is stored in lanes (kernels.h's Q8L
+layout, as int4's in kettle/quantization/q4.py): each pair of inputs of 16 channels side by side, so one
+`vpdpwssd` advances 16 channels for a row and the rows of a step share each weight vector. The bundled model's
+head (49,152 channels) at four rows, a speculative step's verification: ms against ms in rows.
 """
 
 from __future__ import annotations
@@ -18,6 +23,24 @@ from kettle.tensors.gguf_file import Blocks
 
 BLOCK = 32  # input channels per scale
 BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
+LANES = 16  # output channels side by side in lanes
+
+
+def to_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8 and scales [N, K/32] → kernels.h's Q8L layout in tensors of the same shapes: pair p of block b
+    of channels 16G.. holds inputs 2p, 2p + 1 of channel 16G + c at bytes 2c, 2c + 1; scales [N/16][K/32][16]."""
+    n, k = q.shape
+    pairs = q.view(n // LANES, LANES, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [G, b, p, c, e]
+    table = scales.view(n // LANES, LANES, -1).transpose(1, 2)
+    return pairs.reshape(n, k).contiguous(), table.reshape(n, -1).contiguous()
+
+
+def from_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `to_lanes`."""
+    n, k = q.shape
+    rows = q.view(n // LANES, k // BLOCK, BLOCK // 2, LANES, 2).permute(0, 3, 1, 2, 4)  # [G, c, b, p, e]
+    table = scales.view(n // LANES, -1, LANES).transpose(1, 2)
+    return rows.reshape(n, k).contiguous(), table.reshape(n, -1).contiguous()
 
 
 class Q8Linear(nn.Module):
@@ -29,8 +52,12 @@ class Q8Linear(nn.Module):
         if k % BLOCK or scales.shape != (n, k // BLOCK):
             raise ValueError(f"Q8_0: in_features {k} must be a multiple of {BLOCK}, with one scale per block")
         self.out_features, self.in_features = int(n), int(k)
-        self.register_buffer("q", q.to(torch.int8).contiguous(), persistent=False)
-        self.register_buffer("scales", scales.to(torch.float16).contiguous(), persistent=False)
+        q, scales = q.to(torch.int8).contiguous(), scales.to(torch.float16).contiguous()
+        self.lanes = n % LANES == 0 and ops.lanes()  # the Q8L layout: `q` and `scales` hold it (`to_lanes`)
+        if self.lanes:
+            q, scales = to_lanes(q, scales)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @classmethod
@@ -46,27 +73,33 @@ class Q8Linear(nn.Module):
     @classmethod
     def concat(cls, parts: list[Q8Linear], bias: torch.Tensor | None) -> Q8Linear:
         """Projections fused along the outputs (q|k|v, gate|up)."""
-        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), bias)
+        stored = [p.stored() for p in parts]
+        return cls(torch.cat([q for q, _ in stored]), torch.cat([s for _, s in stored]), bias)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, K] and scales [N, K/32] in the file's order (out of lanes)."""
+        return from_lanes(self.q, self.scales) if self.lanes else (self.q, self.scales)
 
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly the file's dequantization."""
-        blocks = self.q.float().view(self.out_features, -1, BLOCK) * self.scales.float()[..., None]
+        q, scales = self.stored()
+        blocks = q.float().view(self.out_features, -1, BLOCK) * scales.float()[..., None]
         return blocks.view(self.out_features, self.in_features)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in float32: the embedding lookup of a tied Q8_0 table."""
         if ops.available():
-            return ops.q8g_rows(self.q, self.scales, ids).view(*ids.shape, self.in_features)
+            return ops.q8g_rows(self.q, self.scales, ids, self.lanes).view(*ids.shape, self.in_features)
         rows = self.q[ids].float().view(*ids.shape, -1, BLOCK) * self.scales[ids].float()[..., None]
         return rows.view(*ids.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if ops.available():
-            y = ops.q8g_linear(rows.float(), self.q, self.scales, self.bias)
+            y = ops.q8g_linear(rows.float(), self.q, self.scales, self.bias, self.lanes)
         else:  # PyTorch's ops over the dequantized weight (machines without the kernels)
             y = torch.nn.functional.linear(rows.float(), self.dequantized(), self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, Q8_0"
+        return f"in={self.in_features}, out={self.out_features}, Q8_0{', lanes' if self.lanes else ''}"

@@ -49,7 +49,7 @@ def q4_layout(request, monkeypatch) -> str:
     multiple of 16 channels; others stay in rows either way)."""
     if request.param == "lanes" and not ops._has_vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
-    monkeypatch.setattr(ops, "_Q4_LANES", request.param == "lanes")
+    monkeypatch.setattr(ops, "_LANES", request.param == "lanes")
     return request.param
 
 
@@ -68,7 +68,7 @@ def test_q4_linear_is_its_dequantized_weight(monkeypatch, q4_layout, group_size,
     monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 1)  # the float32 tiles: 80 channels, not a multiple of 3
     monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # (17 rows: the float32 panels, not the integer ones)
     # Lanes keep quantized rows below the panels at any row count: no float32 tiles for them there.
-    exact = not layer.lanes or rows >= ops.panel_rows()
+    exact = not layer.lanes or rows >= ops.panel_rows(lanes=True)
     assert relative(layer(x), expected) < (1e-5 if exact else QUANTIZED_ACTIVATION_RTOL)
     # The dequantized weight is the quantization of the original: within half a step of every group.
     assert relative(layer.dequantized(), weight) < 0.2
@@ -108,8 +108,8 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
 def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkeypatch, symmetric):
     """A weight in lanes (kernels.h's Q4L) is the rows layout's, moved: the same dequantized values and table rows,
     the layout round-trips, and every path's outputs match the rows layout's: the lanes kernel (1-9 rows, one to
-    three passes of 4) within float rounding of the same integer products (where the rows layout multiplies
-    quantized rows too), the panels (prompt chunks) exactly."""
+    three passes of 4, and decode batches up to `LANES_GEMM_ROWS`) within float rounding of the same integer
+    products (where the rows layout multiplies int16 rows too), the panels (prompt chunks) exactly."""
     if not ops._has_vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
     from kettle.quantization import q4
@@ -120,7 +120,7 @@ def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkey
     scales = torch.rand(n, k // 32) * 0.02 + 1e-3
     mins = -8 * scales if symmetric else -torch.rand(n, k // 32) * 0.1
     lanes = Q4Linear.from_groups(packed, scales, mins, 32, torch.randn(n))
-    monkeypatch.setattr(ops, "_Q4_LANES", False)
+    monkeypatch.setattr(ops, "_LANES", False)
     rows = Q4Linear.from_groups(packed, scales, mins, 32, lanes.bias.data)
     assert lanes.lanes and not rows.lanes and (lanes.mins is None) == symmetric
     back = q4.from_lanes(lanes.packed, lanes.scales, lanes.mins)
@@ -132,15 +132,48 @@ def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkey
     assert torch.equal(lanes.dequantized(), rows.dequantized())
     monkeypatch.undo()
     dense = rows.dequantized()
-    for count in (1, 2, 3, 4, 5, 8, 9, 16, 40):
+    for count in (1, 2, 3, 4, 5, 8, 9, 16, 40, 130):
         x = torch.randn(count, k)
         got, want = lanes(x), rows(x)
-        if count >= ops.panel_rows():
+        if count >= ops.panel_rows(lanes=True):  # prompt chunks: the panels, over the same widened weights
             assert torch.equal(got, want), count
             continue
         assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
-        if count < ops.Q4_FLOAT_ROWS:  # the rows layout's integer path too (from there its float32 tiles)
-            assert relative(got, want) < 1e-6, count
+        if count < ops.Q4_FLOAT_ROWS or (ops.integer_gemm() and count >= ops.panel_rows()):
+            assert relative(got, want) < 1e-6, count  # the rows layout multiplies int16 rows there too
+
+
+def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):
+    """GGUF's Q8_0 in lanes (kernels.h's Q8L): the same dequantized values, table rows and fused parts as in rows,
+    the layout round-trips, and every path's outputs match: the lanes kernel (below `LANES_GEMM_ROWS` rows) within
+    float rounding of the same integer products, the panels exactly."""
+    if not ops._has_vnni():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    from kettle.quantization import q8
+    from kettle.quantization.q8 import Q8Linear
+
+    torch.manual_seed(4)
+    n, k = 96, 576
+    q, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+    lanes = Q8Linear(q, scales, torch.randn(n))
+    monkeypatch.setattr(ops, "_LANES", False)
+    rows = Q8Linear(q, scales, lanes.bias.data)
+    assert lanes.lanes and not rows.lanes
+    assert all(torch.equal(a, b) for a, b in zip(q8.from_lanes(lanes.q, lanes.scales), (q, scales), strict=True))
+    assert torch.equal(lanes.dequantized(), rows.dequantized())
+    assert torch.equal(Q8Linear.concat([lanes, lanes], None).dequantized(), torch.cat([rows.dequantized()] * 2))
+    ids = torch.tensor([0, 95, 17, 16, 15])
+    assert torch.equal(lanes.embed(ids), rows.embed(ids))
+    monkeypatch.undo()
+    dense = rows.dequantized()
+    for count in (1, 2, 4, 5, 9, 16, 40, 130):
+        x = torch.randn(count, k)
+        got, want = lanes(x), rows(x)
+        if count >= ops.panel_rows(lanes=True):  # prompt chunks: the panels, over the same widened weights
+            assert torch.equal(got, want), count
+            continue
+        assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
+        assert relative(got, want) < 1e-6, count  # the rows layout multiplies int16 rows there too
 
 
 def test_an_asymmetric_q4_weight_keeps_its_minimums():
