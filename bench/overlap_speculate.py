@@ -14,7 +14,9 @@ Configurations (each its own server; the rounds alternate them so machine drift 
 - `speculate-always`: `--speculate 4` drafting every step in full from 1-gram matches on (the drafting before
   it weighed acceptance against cost: `KETTLE_SPECULATE_MIN_NGRAM=1 KETTLE_SPECULATE_ROW_COST=0`);
 - `speculate-7rows`: `--speculate 4` with steps of up to 7 rows on the CPU, the rule before a step was held to
-  one pass of the integer kernels (`KETTLE_SPECULATE_STEP_ROWS=7`).
+  one pass of the integer kernels (`KETTLE_SPECULATE_STEP_ROWS=7`);
+- `rows`, `speculate-rows`: `off` and `speculate` with the weights in rows instead of lanes (`KETTLE_CPU_LANES=0`,
+  AVX-512 VNNI CPUs).
 
 Workloads: kettle.bench.loadgen's chat prompts at 1 and 16 streams (decode tok/s as loadgen defines it), and a
 copy-heavy single stream: the model is asked to repeat a ~500-token passage (this repository's
@@ -54,6 +56,8 @@ CONFIGS = {
     "speculate": ({}, ["--speculate", "4"]),
     "speculate-always": ({"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0"}, ["--speculate", "4"]),
     "speculate-7rows": ({"KETTLE_SPECULATE_STEP_ROWS": "7"}, ["--speculate", "4"]),
+    "rows": ({"KETTLE_CPU_LANES": "0"}, []),
+    "speculate-rows": ({"KETTLE_CPU_LANES": "0"}, ["--speculate", "4"]),
 }
 PASSAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
