@@ -104,6 +104,24 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
     assert torch.equal(symmetric.dequantized(), stored.dequantized())
 
 
+def assert_lanes_products(lanes: torch.nn.Module, rows: torch.nn.Module, float_rows: int) -> None:
+    """A weight in lanes against the same weight in rows, at decode and prompt row counts: the panels' outputs
+    exactly (prompt chunks: the same widened weights); below them within the int16 activations' bound of the dense
+    products, and within float rounding of the rows layout's where that multiplies int16 rows too (not its float32
+    tiles, from `float_rows` rows, or its float32 panels)."""
+    k = lanes.in_features
+    dense = rows.dequantized()
+    for count in (1, 2, 3, 4, 5, 8, 9, 16, 40, 130):
+        x = torch.randn(count, k)
+        got, want = lanes(x), rows(x)
+        if count >= ops.panel_rows(lanes=True):
+            assert torch.equal(got, want), count
+            continue
+        assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
+        if count < min(float_rows, ops.panel_rows()) or (ops.integer_gemm() and count >= ops.panel_rows()):
+            assert relative(got, want) < 1e-6, count
+
+
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
 def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkeypatch, symmetric):
     """A weight in lanes (kernels.h's Q4L) is the rows layout's, moved: the same dequantized values and table rows,
@@ -131,16 +149,7 @@ def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkey
     monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path reads lanes too
     assert torch.equal(lanes.dequantized(), rows.dequantized())
     monkeypatch.undo()
-    dense = rows.dequantized()
-    for count in (1, 2, 3, 4, 5, 8, 9, 16, 40, 130):
-        x = torch.randn(count, k)
-        got, want = lanes(x), rows(x)
-        if count >= ops.panel_rows(lanes=True):  # prompt chunks: the panels, over the same widened weights
-            assert torch.equal(got, want), count
-            continue
-        assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
-        if count < ops.Q4_FLOAT_ROWS or (ops.integer_gemm() and count >= ops.panel_rows()):
-            assert relative(got, want) < 1e-6, count  # the rows layout multiplies int16 rows there too
+    assert_lanes_products(lanes, rows, ops.Q4_FLOAT_ROWS)
 
 
 def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):
@@ -165,15 +174,7 @@ def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products
     ids = torch.tensor([0, 95, 17, 16, 15])
     assert torch.equal(lanes.embed(ids), rows.embed(ids))
     monkeypatch.undo()
-    dense = rows.dequantized()
-    for count in (1, 2, 4, 5, 9, 16, 40, 130):
-        x = torch.randn(count, k)
-        got, want = lanes(x), rows(x)
-        if count >= ops.panel_rows(lanes=True):  # prompt chunks: the panels, over the same widened weights
-            assert torch.equal(got, want), count
-            continue
-        assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
-        assert relative(got, want) < 1e-6, count  # the rows layout multiplies int16 rows there too
+    assert_lanes_products(lanes, rows, ops.Q8_FLOAT_ROWS)
 
 
 def test_an_asymmetric_q4_weight_keeps_its_minimums():
