@@ -46,6 +46,8 @@ from kettle.shard.sampling import BatchSampler, SamplingParams, greedy_choice, i
 # measured on the bundled model (int4, fused step, context 560, one thread) a step of 4 rows cost 2.30 one-row
 # steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
 # cost more than it saved (`bench/overlap_speculate.py --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
+# With the weights in lanes (AVX-512 VNNI: kernels.h's Q4L/Q8L, 4 rows a pass too) 4 rows cost ~1.65x one row's
+# layers and 7 rows gave no more (copy 1.79x against 1.63x, 2026-11-27).
 # And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
 CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1, ops.INTEGER_ROWS - 1)
 # On a GPU a step's rows cost little until the batch fills the device; a batch of 8 is already using it well.
