@@ -445,7 +445,11 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
-/* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ MAX_TILE, a constant at
+/* Rows a pass of the lanes kernels: 8 int32 and 8 float accumulators of 16 channels, with the weight vectors, in
+ * AVX-512's 32 registers. */
+#define LANES_TILE 8
+
+/* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ LANES_TILE, a constant at
  * each call): per block, each unit of 32 bytes widened once gives two vectors of input pairs (low and high nibbles)
  * that every row multiplies by its broadcast pair (`vpdpwssd`), the block's int32 sums then scaled for the 16
  * channels at once. The products are those of `q4_channel_one`; the float sums run per block, not per lane. */
@@ -455,10 +459,10 @@ static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *
     const uint8_t *qw = (const uint8_t *)w->weight + first * 256;
     const uint16_t *scales = (const uint16_t *)w->scales + first * 16, *mins = w->mins ? w->mins + first * 16 : NULL;
     const __m512i mask = _mm512_set1_epi16(0x0F);
-    __m512 out[MAX_TILE];
+    __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i acc[MAX_TILE];
+        __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         for (int u = 0; u < 8; u++) {
             const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 256 + u * 32)));
@@ -488,10 +492,10 @@ static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *
     const int64_t k = w->k, blocks = k / 32, first = G * blocks;
     const int8_t *qw = (const int8_t *)w->weight + first * 512;
     const uint16_t *scales = (const uint16_t *)w->scales + first * 16;
-    __m512 out[MAX_TILE];
+    __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i acc[MAX_TILE];
+        __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         for (int p = 0; p < 16; p++) {
             const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 512 + p * 32)));
@@ -510,23 +514,28 @@ static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-#define LANES_TILE(tile_fn)                                                                                  \
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {                                                      \
-        const int64_t tile = rows - r0 < MAX_TILE ? rows - r0 : MAX_TILE;                                  \
-        if (tile == 4) tile_fn(w, G, xq, r0, 4, y, ldy);                                                   \
-        else if (tile == 3) tile_fn(w, G, xq, r0, 3, y, ldy);                                              \
-        else if (tile == 2) tile_fn(w, G, xq, r0, 2, y, ldy);                                              \
-        else tile_fn(w, G, xq, r0, 1, y, ldy);                                                             \
+#define LANES_PASSES(tile_fn)                                                                                \
+    for (int64_t r0 = 0; r0 < rows; r0 += LANES_TILE) {                                                    \
+        switch (rows - r0 < LANES_TILE ? rows - r0 : LANES_TILE) {                                         \
+        case 8: tile_fn(w, G, xq, r0, 8, y, ldy); break;                                                   \
+        case 7: tile_fn(w, G, xq, r0, 7, y, ldy); break;                                                   \
+        case 6: tile_fn(w, G, xq, r0, 6, y, ldy); break;                                                   \
+        case 5: tile_fn(w, G, xq, r0, 5, y, ldy); break;                                                   \
+        case 4: tile_fn(w, G, xq, r0, 4, y, ldy); break;                                                   \
+        case 3: tile_fn(w, G, xq, r0, 3, y, ldy); break;                                                   \
+        case 2: tile_fn(w, G, xq, r0, 2, y, ldy); break;                                                   \
+        default: tile_fn(w, G, xq, r0, 1, y, ldy);                                                         \
+        }                                                                                                  \
     }
 
-/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L or Q8L) for every row quantized in xq, MAX_TILE rows
+/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L or Q8L) for every row quantized in xq, LANES_TILE rows
  * a pass. */
 static ONE512 void lanes_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y,
                                int64_t ldy) {
-    if (w->kind == LINEAR_Q8L) LANES_TILE(q8l_tile)
-    else LANES_TILE(q4l_tile)
+    if (w->kind == LINEAR_Q8L) LANES_PASSES(q8l_tile)
+    else LANES_PASSES(q4l_tile)
 }
-#undef LANES_TILE
+#undef LANES_PASSES
 
 /* Whether `w` is stored in lanes (its output channels 16 at a time: `lanes_group`). */
 static inline int in_lanes(const Linear *w) { return w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L; }

@@ -17,6 +17,7 @@ import torch
 from kettle import settings
 from kettle.layers.attention import AttentionMetadata, long_tensor
 from kettle.proto import generate_pb2 as pb
+from kettle.quantization.loading import in_lanes
 from kettle.shard.batch import RequestState
 from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
 from kettle.shard.grammar import Grammars, advance
@@ -73,6 +74,7 @@ class ModelRunner:
         self._sampler: BatchSampler | None = None
         self.grammars = Grammars(vocab.tokenizer, vocab.eos_token_ids)
         self.speculate = 0  # draft tokens per step and request (--speculate); 0: off
+        self.lanes = in_lanes(model)  # its kernels' passes take 8 rows: a verifying step's limit (speculation.py)
         self.kv_dtype: torch.dtype | None = None  # the paged KV cache's (--kv-cache-dtype); None: the model's
 
     def release(self, request_ids: Iterable[int] | None) -> None:
@@ -119,7 +121,7 @@ class ModelRunner:
         """Each request's draft for its next step (`speculation.drafts_for`); all empty without `--speculate`."""
         if not self.speculate:
             return [[] for _ in requests]
-        return drafts_for(requests, self.speculate, step_rows(self.device))
+        return drafts_for(requests, self.speculate, step_rows(self.device, self.lanes))
 
     @torch.inference_mode()
     def _greedy_window(self, requests: list[RequestState], window: int) -> StepResult | None:

@@ -21,8 +21,8 @@ acceptance estimate (`NgramDrafter.acceptance`): a draft token is verified only 
 chance that it and every draft token before it are accepted) beats what the step already gets per unit of cost.
 A request that copies drafts up to `--speculate` tokens every step; one whose drafts keep failing stops drafting
 until its bad record fades, then probes with a token or two. A step drafts within `step_rows` rows in all: on the
-CPU one pass of the integer kernels (4 rows: a single stream's last token and 3 drafts), on a GPU 7 (a batch of 7
-or more is already using the step well). And only requests whose token
+CPU one pass of the integer kernels (4 rows: a single stream's last token and 3 drafts; 8 with the weights in
+lanes), on a GPU 7 (a batch of 7 or more is already using the step well). And only requests whose token
 choice depends on nothing but the row's logits draft: no grammar, penalties, watermark or top tokens (their
 per-row state would have to follow the draft). The others in the same batch decode one token as usual.
 """
@@ -46,21 +46,25 @@ from kettle.shard.sampling import BatchSampler, SamplingParams, greedy_choice, i
 # measured on the bundled model (int4, fused step, context 560, one thread) a step of 4 rows cost 2.30 one-row
 # steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
 # cost more than it saved (`bench/overlap_speculate.py --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
-# With the weights in lanes (AVX-512 VNNI: kernels.h's Q4L/Q8L, 4 rows a pass too) 4 rows cost ~1.65x one row's
-# layers and 7 rows gave no more (copy 1.79x against 1.63x, 2026-11-27).
 # And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
 CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1, ops.INTEGER_ROWS - 1)
+# A model whose weights are all in lanes (AVX-512 VNNI: kernels.h's Q4L/Q8L) runs 8 rows a pass
+# (`ops.LANES_TILE_ROWS`), so `--speculate 4` verifies all 4 drafts of a stream in one pass (copy 2.06x against
+# 1.60x with 4 rows, ops.py).
+CPU_LANES_STEP_ROWS = min(ops.LANES_TILE_ROWS, ops.LANES_GEMM_ROWS - 1)
 # On a GPU a step's rows cost little until the batch fills the device; a batch of 8 is already using it well.
 GPU_STEP_ROWS = 7
 
 
-def step_rows(device: torch.device) -> int:
+def step_rows(device: torch.device, lanes: bool = False) -> int:
     """The rows a step that verifies drafts may feed on `device` (drafts stop there): `KETTLE_SPECULATE_STEP_ROWS`
-    when set, else the device's default."""
+    when set, else the device's default (on the CPU, by whether the model's weights are in lanes)."""
     chosen = settings.current().speculate_step_rows
     if chosen is not None:
         return chosen
-    return CPU_STEP_ROWS if device.type == "cpu" else GPU_STEP_ROWS
+    if device.type != "cpu":
+        return GPU_STEP_ROWS
+    return CPU_LANES_STEP_ROWS if lanes else CPU_STEP_ROWS
 
 
 def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> NgramDrafter | None:

@@ -11,7 +11,7 @@ import torch
 
 from kettle.kernels import ops
 from kettle.shard.ngram import NgramDrafter
-from kettle.shard.speculation import CPU_STEP_ROWS, GPU_STEP_ROWS, drafts_for, step_rows
+from kettle.shard.speculation import CPU_LANES_STEP_ROWS, CPU_STEP_ROWS, GPU_STEP_ROWS, drafts_for, step_rows
 
 # A context that repeats itself: every suffix of COPY has a match, and what follows it is the copy.
 PASSAGE = list(range(100, 140))
@@ -107,6 +107,13 @@ def test_a_cpu_step_drafts_within_one_pass_of_the_integer_kernels(monkeypatch):
     pair = drafts_for([copying(Request(list(COPY))), copying(Request(list(COPY)))], 4, CPU_STEP_ROWS)
     assert sum(len(d) for d in pair) == 2
     assert drafts_for([copying(Request(list(COPY))) for _ in range(4)], 4, CPU_STEP_ROWS) == [[]] * 4
+    # Weights in lanes take 8 rows a pass: a copying stream verifies all of --speculate 4, two streams 3 each.
+    monkeypatch.delenv("KETTLE_SPECULATE_STEP_ROWS")
+    lanes = step_rows(torch.device("cpu"), lanes=True)
+    assert lanes == CPU_LANES_STEP_ROWS == ops.LANES_TILE_ROWS == 8
+    assert drafts_for([copying(Request(list(COPY)))], 4, lanes) == [PASSAGE[10:14]]
+    pair = drafts_for([copying(Request(list(COPY))), copying(Request(list(COPY)))], 4, lanes)
+    assert sum(len(d) for d in pair) == 6
 
 
 def test_drafts_stop_short_of_max_new_tokens_and_skip_prompts():
