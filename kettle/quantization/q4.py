@@ -10,8 +10,9 @@ symmetric weight, GGUF's Q4_0, stores no minimums: `from_groups`).
 Where the CPU has AVX-512 VNNI, a weight with groups of 32 (every GGUF 4-bit type) and a multiple of 16 output
 channels is stored in lanes instead (`to_lanes`, kernels.h's Q4L layout): 16 channels side by side for each pair
 of inputs, so one instruction advances 16 channels by two inputs for a row and several rows share every weight
-vector. Same bytes, same values, same kernels' results to float rounding; a one-row step of the bundled model's
-projections ran 1.5-2x faster, four rows (a speculative step's verification) ~3x (docs/performance.md).
+vector. Same bytes, same values, same kernels' results to float rounding; the bundled model's decode step of 4-8
+rows (small batches, a speculative step's verification) ran 1.5-2.3x faster, one row (which reads the weights at
+the memory's pace) about the same (docs/performance.md, "Weights in lanes").
 
 Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernels build here
 (`kettle.kernels.ops.available()`); `KETTLE_CPU_KERNELS=0` selects `Int4Linear` instead.
@@ -128,10 +129,6 @@ class Q4Linear(nn.Module):
         scales, mins = scales.to(torch.float16), mins.to(torch.float16)
         symmetric = bool(mins.isfinite().all()) and torch.equal(mins, -8 * scales)
         return cls(packed, scales, None if symmetric else mins, group_size, bias)
-
-    def minimums(self) -> torch.Tensor:
-        """The float16 minimum of every group, [N, K/g] (a symmetric weight's -8 · scale)."""
-        return -8 * self.scales if self.mins is None else self.mins
 
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
