@@ -288,9 +288,13 @@ static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) 
 /* Channel j's weight scale per block of 32 inputs (K/32 floats) and, for Q4, its minimum per group. */
 static inline void channel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
-    if (w->kind == LINEAR_Q4L) { /* groups of 32: a minimum per block */
-        float unused;
-        for (int64_t b = 0; b < blocks; b++) q4l_scale(w, j, b, scale + b, minimum ? minimum + b : &unused);
+    if (w->kind == LINEAR_Q4L) {
+        float d, m;
+        for (int64_t g = 0; g < groups; g++) {
+            q4l_scale(w, j, g, &d, &m);
+            for (int64_t b = g * w->group / 32; b < (g + 1) * w->group / 32; b++) scale[b] = d;
+            if (minimum) minimum[g] = m;
+        }
         return;
     }
     if (w->kind == LINEAR_Q8) {

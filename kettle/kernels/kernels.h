@@ -10,13 +10,14 @@
  *
  * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
  *
- * Q4L layout (LINEAR_Q4L, "lanes": Q4 with groups of 32 and N a multiple of 16, on CPUs with AVX-512 VNNI): the
+ * Q4L layout (LINEAR_Q4L, "lanes": Q4 with N a multiple of 16, on CPUs with AVX-512 VNNI): the
  * weight is stored 16 output channels at a time, so that one vector holds those 16 channels' weights for a pair of
  * inputs and `vpdpwssd` multiplies it with that pair of one activation row broadcast: 16 channels advance by two
  * inputs in one instruction, every scale is applied once per block of 32 inputs for 16 channels together, and
  * several rows share each weight vector. weight [N/16][K/32][256] bytes: for channels 16G .. 16G + 15 and block b,
  * unit u (0..7) of 32 bytes holds, at byte 2c + e, q[16G + c][32b + 2u + e] | q[16G + c][32b + 16 + 2u + e] << 4.
- * Scales and minimums [N/16][K/32][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py packs it.
+ * Scales and minimums [N/16][K/group][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py
+ * packs it.
  *
  * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI): weight [N/16][K/32][16][32] int8,
  * pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales [N/16][K/32][16] float16.
@@ -455,9 +456,10 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
  * channels at once. The products are those of `q4_channel_one`; the float sums run per block, not per lane. */
 static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                   int64_t r0, const int R, float *y, int64_t ldy) {
-    const int64_t k = w->k, blocks = k / 32, first = G * blocks;
-    const uint8_t *qw = (const uint8_t *)w->weight + first * 256;
-    const uint16_t *scales = (const uint16_t *)w->scales + first * 16, *mins = w->mins ? w->mins + first * 16 : NULL;
+    const int64_t k = w->k, blocks = k / 32, per_group = w->group / 32, groups = k / w->group;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
+    const uint16_t *scales = (const uint16_t *)w->scales + G * groups * 16;
+    const uint16_t *mins = w->mins ? w->mins + G * groups * 16 : NULL;
     const __m512i mask = _mm512_set1_epi16(0x0F);
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
@@ -473,13 +475,14 @@ static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *
                 acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 16)));
-        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + b * 16)))
+        const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
+        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
                               : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
         for (int r = 0; r < R; r++) {
             const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
             out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-            out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * blocks + b]), out[r]);
+            if (b % per_group == 0) out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * groups + g]), out[r]);
         }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
@@ -670,9 +673,9 @@ static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
     return _mm_loadu_si128((const __m128i *)pairs);
 }
 
-/* Channel j's scale and minimum of block b of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
-static inline void q4l_scale(const Linear *w, int64_t j, int64_t b, float *scale, float *minimum) {
-    const int64_t at = (j / 16 * (w->k / 32) + b) * 16 + j % 16;
+/* Channel j's scale and minimum of group g of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
+static inline void q4l_scale(const Linear *w, int64_t j, int64_t g, float *scale, float *minimum) {
+    const int64_t at = (j / 16 * (w->k / w->group) + g) * 16 + j % 16;
     *scale = _cvtsh_ss(((const uint16_t *)w->scales)[at]);
     *minimum = w->mins ? _cvtsh_ss(w->mins[at]) : -8.0f * *scale;
 }
@@ -683,7 +686,7 @@ static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) {
         const __m128i bytes = q4l_block(w, j, b);
         float d, m;
-        q4l_scale(w, j, b, &d, &m);
+        q4l_scale(w, j, b * 32 / w->group, &d, &m);
         const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
         __m256 v[4];
         q4_dequant(q, _mm256_set1_ps(d), _mm256_set1_ps(m), v);

@@ -47,7 +47,7 @@ INTEGER_ROWS = (10 if _GEMM_ROWS is None else _GEMM_ROWS) or 1 << 62
 # prefill 1.3x. The outputs then carry the activations' int16 rounding (~1e-5 relative), as one row of decode's
 # do; `KETTLE_CPU_INTEGER_GEMM=0` keeps the float32 panels, exact to the dequantized weights.
 _INTEGER_GEMM = settings.current().cpu_integer_gemm
-# int4 weights with groups of 32 and Q8_0 weights in lanes (kettle/quantization/q4.py `to_lanes`, q8.py) where the
+# int4 and Q8_0 weights in lanes (kettle/quantization/q4.py `to_lanes`, q8.py) where the
 # CPU has AVX-512 VNNI; `KETTLE_CPU_LANES=0` keeps the rows layouts, for measurement.
 _LANES = settings.current().cpu_lanes
 
@@ -89,8 +89,8 @@ def _has_vnni() -> bool:
 
 
 def lanes() -> bool:
-    """Whether int4 weights with groups of 32 and Q8_0 weights are stored in lanes here (kernels.h's Q4L and Q8L
-    layouts: AVX-512 VNNI, and not switched off by `KETTLE_CPU_LANES=0`)."""
+    """Whether int4 and Q8_0 weights (with a multiple of 16 output channels) are stored in lanes here (kernels.h's
+    Q4L and Q8L layouts: AVX-512 VNNI, and not switched off by `KETTLE_CPU_LANES=0`)."""
     return available() and _LANES and _has_vnni()
 
 

@@ -7,12 +7,12 @@ row keeps its nibbles in chunks of 64 input channels (byte j holds channels j an
 gives 32 weights in order) and a float16 scale and minimum per group, 0.5625 bytes a weight at group size 64 (a
 symmetric weight, GGUF's Q4_0, stores no minimums: `from_groups`).
 
-Where the CPU has AVX-512 VNNI, a weight with groups of 32 (every GGUF 4-bit type) and a multiple of 16 output
-channels is stored in lanes instead (`to_lanes`, kernels.h's Q4L layout): 16 channels side by side for each pair
-of inputs, so one instruction advances 16 channels by two inputs for a row and several rows share every weight
-vector. Same bytes, same values, same kernels' results to float rounding; the bundled model's decode step of 4-8
-rows (small batches, a speculative step's verification) ran 1.5-2.3x faster, one row (which reads the weights at
-the memory's pace) about the same (docs/performance.md, "Weights in lanes").
+Where the CPU has AVX-512 VNNI, a weight with a multiple of 16 output channels is stored in lanes instead
+(`to_lanes`, kernels.h's Q4L layout): 16 channels side by side for each pair of inputs, so one instruction
+advances 16 channels by two inputs for a row and several rows share every weight vector. Same bytes, same values,
+same kernels' results to float rounding; the bundled model's decode step of 4-8 rows (small batches, a
+speculative step's verification) ran 1.5-2.3x faster, one row (which reads the weights at the memory's pace)
+about the same (docs/performance.md, "Weights in lanes").
 
 Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernels build here
 (`kettle.kernels.ops.available()`); `KETTLE_CPU_KERNELS=0` selects `Int4Linear` instead.
@@ -49,14 +49,15 @@ LANES = 16  # output channels side by side in the lanes layout
 
 
 def lanes_fit(n: int, group_size: int) -> bool:
-    """Whether a weight of n output channels and this group size is stored in lanes (`to_lanes`) here."""
-    return group_size == BLOCK and n % LANES == 0 and ops.lanes()
+    """Whether a weight of n output channels and this group size is stored in lanes (`to_lanes`) here: any group
+    of whole blocks of 32 (the kernels' activation blocks), N a multiple of 16."""
+    return group_size % BLOCK == 0 and n % LANES == 0 and ops.lanes()
 
 
 def to_lanes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """`pack_q4`'s [N, K/2] with scales and minimums [N, K/32] → kernels.h's Q4L layout, in tensors of the same
+    """`pack_q4`'s [N, K/2] with scales and minimums [N, K/g] → kernels.h's Q4L layout, in tensors of the same
     shapes: unit u of block b of channels 16G.. holds, at byte 2c + e, inputs 2u + e (low nibble) and 16 + 2u + e
-    (high) of channel 16G + c; scales and minimums go [N/16][K/32][16]."""
+    (high) of channel 16G + c; scales and minimums go [N/16][K/g][16]."""
     n, k = packed.shape[0], packed.shape[1] * 2
     chunks = packed.view(n, k // CHUNK, 1, CHUNK // 2)  # one byte a weight from here, never int32 (load time)
     q = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(n // LANES, LANES, k // BLOCK, 2, 8, 2)  # [G, c, b, h, u, e]

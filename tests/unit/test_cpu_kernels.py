@@ -45,8 +45,8 @@ def test_q4_packing_round_trips():
 
 @pytest.fixture(params=["rows", "lanes"])
 def q4_layout(request, monkeypatch) -> str:
-    """Both int4 layouts: in rows, and in lanes where the CPU has AVX-512 VNNI (weights with groups of 32 and a
-    multiple of 16 channels; others stay in rows either way)."""
+    """Both int4 layouts: in rows, and in lanes where the CPU has AVX-512 VNNI (weights with a multiple of 16
+    channels; others stay in rows either way)."""
     if request.param == "lanes" and not ops._has_vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
     monkeypatch.setattr(ops, "_LANES", request.param == "lanes")
@@ -59,7 +59,7 @@ def test_q4_linear_is_its_dequantized_weight(monkeypatch, q4_layout, group_size,
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(80, 256) * 0.05, torch.randn(80), torch.randn(rows, 256)
     layer = Q4Linear.from_weight(weight, bias, group_size)
-    assert layer.lanes == (q4_layout == "lanes" and group_size == 32)
+    assert layer.lanes == (q4_layout == "lanes")
     expected = F.linear(x, layer.dequantized(), bias)
     monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)
     assert relative(layer(x), expected) < 1e-5
@@ -122,9 +122,11 @@ def assert_lanes_products(lanes: torch.nn.Module, rows: torch.nn.Module, float_r
             assert relative(got, want) < 1e-6, count
 
 
+@pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
-def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkeypatch, symmetric):
-    """A weight in lanes (kernels.h's Q4L) is the rows layout's, moved: the same dequantized values and table rows,
+def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkeypatch, symmetric, group):
+    """A weight in lanes (kernels.h's Q4L; GGUF's groups of 32, `--quantize int4`'s 128) is the rows layout's,
+    moved: the same dequantized values and table rows,
     the layout round-trips, and every path's outputs match the rows layout's: the lanes kernel (1-9 rows, one to
     three passes of 4, and decode batches up to `LANES_GEMM_ROWS`) within float rounding of the same integer
     products (where the rows layout multiplies int16 rows too), the panels (prompt chunks) exactly."""
@@ -133,13 +135,13 @@ def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkey
     from kettle.quantization import q4
 
     torch.manual_seed(3)
-    n, k = 96, 576
+    n, k = 96, 512
     packed = pack_q4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
-    scales = torch.rand(n, k // 32) * 0.02 + 1e-3
-    mins = -8 * scales if symmetric else -torch.rand(n, k // 32) * 0.1
-    lanes = Q4Linear.from_groups(packed, scales, mins, 32, torch.randn(n))
+    scales = torch.rand(n, k // group) * 0.02 + 1e-3
+    mins = -8 * scales if symmetric else -torch.rand(n, k // group) * 0.1
+    lanes = Q4Linear.from_groups(packed, scales, mins, group, torch.randn(n))
     monkeypatch.setattr(ops, "_LANES", False)
-    rows = Q4Linear.from_groups(packed, scales, mins, 32, lanes.bias.data)
+    rows = Q4Linear.from_groups(packed, scales, mins, group, lanes.bias.data)
     assert lanes.lanes and not rows.lanes and (lanes.mins is None) == symmetric
     back = q4.from_lanes(lanes.packed, lanes.scales, lanes.mins)
     assert all(a is b or torch.equal(a, b) for a, b in zip(back, (rows.packed, rows.scales, rows.mins), strict=True))

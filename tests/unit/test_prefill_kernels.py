@@ -56,10 +56,11 @@ def test_q8_gemm_is_its_dequantized_weight(micro_kernel, rows):
 
 
 def test_gemm_rows_switch_keeps_the_float32_tiles(monkeypatch):
-    """`KETTLE_CPU_GEMM_ROWS=0` (never the GEMM) gives the same products through the float32 tiles (groups of 64:
-    the rows layout, as a weight in lanes keeps its quantized rows below the panels)."""
+    """`KETTLE_CPU_GEMM_ROWS=0` (never the GEMM) gives the same products through the float32 tiles (in rows: a
+    weight in lanes keeps its quantized rows below the panels)."""
     monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
-    layer = Q4Linear.from_weight(torch.randn(64, 128) * 0.05, group_size=64)
+    monkeypatch.setattr(ops, "_LANES", False)
+    layer = Q4Linear.from_weight(torch.randn(64, 128) * 0.05, group_size=32)
     x = torch.randn(150, 128)
     fast = layer(x)
     monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
