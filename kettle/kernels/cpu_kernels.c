@@ -127,6 +127,22 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
     return 0;
 }
 
+/* y = x Wᵀ (+ bias) with x quantized to int16 per block of 32 (groups of w->group for the minimum terms): a weight in
+ * lanes 16 channels at a time (`lanes_group`), else channel by channel. -1 when out of memory (nothing written). */
+static int linear_qa(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int threads) {
+    QuantizedRows xq;
+    if (quantize_rows(x, ldx, rows, w->k, w->group, &xq)) return free_rows(&xq), -1;
+    if (in_lanes(w)) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t g = 0; g < w->n / 16; g++) lanes_group(w, g, &xq, rows, y, ldy);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t j = 0; j < w->n; j++) linear_channel_qa(w, &xq, rows, j, y, ldy);
+    }
+    free_rows(&xq);
+    return 0;
+}
+
 /* `kettle_q4_linear` with quantized activations, for either Q4 layout (`lanes`: Q4L, kernels.h). Returns -1 when out
  * of memory (nothing written). */
 int kettle_q4_linear_qa(
@@ -134,17 +150,7 @@ int kettle_q4_linear_qa(
     const uint16_t *mins, int64_t n, int group, int lanes, const float *bias, float *y, int64_t ldy, int threads
 ) {
     const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias};
-    QuantizedRows xq;
-    if (quantize_rows(x, ldx, rows, k, group, &xq)) return free_rows(&xq), -1;
-    if (lanes) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t g = 0; g < n / 16; g++) lanes_group(&w, g, &xq, rows, y, ldy);
-        return free_rows(&xq), 0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
-    free_rows(&xq);
-    return 0;
+    return linear_qa(&w, x, ldx, rows, y, ldy, threads);
 }
 
 /* `kettle_q8_linear` with quantized activations (K a multiple of 32). Returns -1 when out of memory. */
@@ -153,12 +159,7 @@ int kettle_q8_linear_qa(
     const float *bias, float *y, int64_t ldy, int threads
 ) {
     const Linear w = {LINEAR_Q8, k, n, k, qw, scales, NULL, bias};
-    QuantizedRows xq;
-    if (quantize_rows(x, ldx, rows, k, k, &xq)) return free_rows(&xq), -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
-    free_rows(&xq);
-    return 0;
+    return linear_qa(&w, x, ldx, rows, y, ldy, threads);
 }
 
 /* The Q8G (GGUF Q8_0) entry points: W = q [N, K] int8 · d [N, K/32] float16. K a multiple of 32. */
@@ -175,17 +176,7 @@ int kettle_q8g_linear(
     if (path == Q8G_INT_GEMM) return quant_gemm_int(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_GEMM) return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_TILES) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
-    QuantizedRows xq;
-    if (quantize_rows(x, ldx, rows, k, 32, &xq)) return free_rows(&xq), -1;
-    if (lanes) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t g = 0; g < n / 16; g++) lanes_group(&w, g, &xq, rows, y, ldy);
-        return free_rows(&xq), 0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) linear_channel_qa(&w, &xq, rows, j, y, ldy);
-    free_rows(&xq);
-    return 0;
+    return linear_qa(&w, x, ldx, rows, y, ldy, threads);
 }
 
 /* Rows `ids` [count] of W as float32 [count, K] (the embedding lookup of a tied Q8_0 table). */

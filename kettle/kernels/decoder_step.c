@@ -75,8 +75,9 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
 static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
     if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
-    /* Lanes share each weight vector among 4 rows a pass for 16 channels at once: below the panels they beat
-     * dequantizing every weight to float32 at any row count (bundled model, 8 rows: ms, see ops.py). */
+    /* Lanes share each weight vector among 8 rows a pass for 16 channels at once: below the panels they beat
+     * dequantizing every weight to float32 at any row count (bundled model's fused step at 8 rows: 15 against
+     * 25-35 ms in rows, docs/performance.md). */
     if (in_lanes(w)) return 0;
     return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
 }
@@ -486,12 +487,9 @@ int kettle_decoder_step(
  * with a scale per row) as float32. */
 static void embed_row(const Linear *table, int64_t token, float *dst) {
     if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
-    else if (table->kind == LINEAR_Q4) q4_dequant_row(table, token, dst);
-    else if (table->kind == LINEAR_Q4L || table->kind == LINEAR_Q8L) dequant_channel(table, token, dst);
-    else if (table->kind == LINEAR_Q8G) q8g_dequant_row(table, token, dst);
-    else {
+    else dequant_channel(table, token, dst);
+    if (table->kind == LINEAR_Q8) { /* per-row int8: `dequant_channel` leaves the row's scale to the caller */
         const float scale = ((const float *)table->scales)[token];
-        q8_widen_row(table, token, dst);
         for (int64_t i = 0; i < table->k; i++) dst[i] *= scale;
     }
 }

@@ -51,9 +51,10 @@ _INTEGER_GEMM = settings.current().cpu_integer_gemm
 # CPU has AVX-512 VNNI; `KETTLE_CPU_LANES=0` keeps the rows layouts, for measurement.
 _LANES = settings.current().cpu_lanes
 
-# A weight in lanes (`lanes()`) keeps its own kernel, 4 rows a pass, up to here: the panels widen every weight again
-# per call, which a batch of decode rows does not amortize (the bundled model's 4 layers, op by op, 2 threads: 16
-# rows 2.8 against 4.3 ms on the panels, 64 rows 7.2 against 10.0, 128 and 256 even, 512 rows 81 against 72).
+# A weight in lanes (`lanes()`) keeps its own kernel up to here: the panels widen every weight again per call,
+# which a batch of decode rows does not amortize (the bundled model's 4 layers, op by op, 2 threads, measured with
+# 4 rows a pass: 16 rows 2.8 against 4.3 ms on the panels, 64 rows 7.2 against 10.0, 128 and 256 even, 512 rows 81
+# against 72).
 LANES_GEMM_ROWS = 128
 
 # Activation rows the int4/int8 kernels' integer path (and the float32 tiles) take in one pass over the weights:
@@ -131,14 +132,16 @@ def q4_linear(
     y = torch.empty(rows, n, dtype=torch.float32)
     head = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
     tail = (_ptr(bias), y.data_ptr(), n)
-    # The float32 tiles or the panel GEMM (the decode step's choice); lanes keep quantized rows below the panels.
-    if rows >= (panel_rows(True) if lanes and QUANTIZED_ACTIVATIONS else min(Q4_FLOAT_ROWS, panel_rows(lanes))):
+    # From here the float32 tiles or the panel GEMM (the decode step's choice). Lanes keep int16 rows below the
+    # panels; with float32 activations they always take the several-row entry (its tiles below the panels).
+    several = min(Q4_FLOAT_ROWS, panel_rows())
+    if lanes:
+        several = panel_rows(lanes=True) if QUANTIZED_ACTIVATIONS else 0
+    if rows >= several:
         path = _rows_path(rows, k, lanes)
         status = library().kettle_q4_linear_rows(*head, lanes, *tail, path, torch.get_num_threads())
     elif QUANTIZED_ACTIVATIONS:
         status = library().kettle_q4_linear_qa(*head, lanes, *tail, torch.get_num_threads())
-    elif lanes:  # float32 activations: the float32 tiles, exactly the dequantized weight's products
-        status = library().kettle_q4_linear_rows(*head, lanes, *tail, 0, torch.get_num_threads())
     else:
         status = library().kettle_q4_linear(*head, *tail, torch.get_num_threads())
     if status:

@@ -9,7 +9,7 @@ embedding needs no float copy.
 Where the CPU has AVX-512 VNNI, a weight with a multiple of 16 output channels is stored in lanes (kernels.h's Q8L
 layout, as int4's in kettle/quantization/q4.py): each pair of inputs of 16 channels side by side, so one
 `vpdpwssd` advances 16 channels for a row and the rows of a step share each weight vector. The bundled model's
-head (49,152 channels) at four rows, a speculative step's verification: ms against ms in rows.
+head (49,152 channels) at four rows, a speculative step's verification: 1.4-1.8 ms against 2.4-2.5 in rows.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.quantization.q4 import LANES
 from kettle.tensors.gguf_file import Blocks
 
 BLOCK = 32  # input channels per scale
 BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
-LANES = 16  # output channels side by side in lanes
 
 
 def to_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
