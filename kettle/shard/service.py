@@ -24,6 +24,8 @@ from kettle.shard.engine import ShardEngine
 from kettle.shard.tracing import shard_span
 
 logger = logging.getLogger(__name__)
+# Seconds without a model call, the engine holding no batch, before the shard hands freed memory back.
+IDLE_SECONDS = 1.0
 # The one thread that runs every torch op of the shard (see the module docstring).
 ENGINE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kettle-engine")
 
@@ -43,6 +45,14 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         self.urls = urls
         self._lock = asyncio.Lock()
         self._memory_report: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
+        self._calls = 0  # model calls answered so far: an idle check compares it with its own call's
+
+    def _settle_if_idle(self, calls: int) -> None:
+        """`engine.settle` (memory back to the system) if no call came since the one numbered `calls`, which left
+        the engine without batches. Not after every such call: a request arriving right after would fault the
+        pages back in, 5-10 ms added to a one-token request here."""
+        if calls == self._calls:
+            ENGINE_THREAD.submit(self.engine.settle)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn, request):
         if tracing.enabled():  # the router's trace continues here (its span context is in the call's metadata)
@@ -60,6 +70,9 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
             # Queued, not awaited: the next step is computed while this answer travels to the router, and the next
             # call queues behind it on the same thread (overlap scheduling, kettle/shard/lookahead.py).
             ENGINE_THREAD.submit(contextvars.copy_context().run, self.engine.look_ahead)
+            self._calls += 1
+            if not self.engine.batches:
+                asyncio.get_running_loop().call_later(IDLE_SECONDS, self._settle_if_idle, self._calls)
             return answer
 
     async def Info(self, request, context):
