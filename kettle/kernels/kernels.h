@@ -675,8 +675,8 @@ static inline short load_u16(const uint8_t *p) {
  * 16 + i in its high nibble (the channel's two bytes of each of the block's 8 units, gathered in order). */
 static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
     const uint8_t *unit = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256 + 2 * (j % 16);
-    /* Inserted into the vector one by one: eight 2-byte stores read back as one 16-byte load stalled on store
-     * forwarding, which made widening a channel for the prefill panels cost a tenth of their time. */
+    /* Inserted into the vector one by one: eight 2-byte stores read back as one 16-byte load stall on store
+     * forwarding, in every block the prefill panels widen. */
     return _mm_setr_epi16(load_u16(unit), load_u16(unit + 32), load_u16(unit + 64), load_u16(unit + 96),
                           load_u16(unit + 128), load_u16(unit + 160), load_u16(unit + 192), load_u16(unit + 224));
 }
