@@ -27,14 +27,19 @@ def format_bytes(size: int) -> str:
     return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
-def log_resident_memory(logger: logging.Logger, process: str) -> None:
-    """One line saying how much memory `process` (launcher, router, shard-N) holds now that it is ready; with
-    --json-output the number and the process are also structured fields."""
+def log_resident_memory(logger: logging.Logger, process: str, kv_cache_bytes: int = 0) -> None:
+    """One line saying how much memory `process` (launcher, router, shard-N) holds now that it is ready, and of
+    it how much a resident KV cache (`kv_cache_bytes`, a CPU shard's) and the rest; with --json-output the numbers
+    and the process are also structured fields."""
     size = resident_bytes()
     if size is None:
         return
     fields = {"process": process, "resident_memory_bytes": size}
-    logger.info("Resident memory of %s: %s", process, format_bytes(size), extra={"fields": fields})
+    split = ""
+    if kv_cache_bytes:
+        fields["kv_cache_bytes"] = kv_cache_bytes
+        split = f" (KV cache {format_bytes(kv_cache_bytes)}, the rest {format_bytes(max(size - kv_cache_bytes, 0))})"
+    logger.info("Resident memory of %s: %s%s", process, format_bytes(size), split, extra={"fields": fields})
 
 
 @functools.cache

@@ -103,7 +103,11 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         # The warm-up prefill's activations are freed but glibc keeps most of them resident (25-75 MiB on
         # the bundled model): hand them back before the shard settles.
         release_free_memory()
-        log_resident_memory(logger, f"shard-{self.engine.rank}")
+        cache = self.engine.runner.kv_cache
+        # The part of the shard that grows with --cpu-kv-cache-fraction, told apart from the rest (a CUDA cache is
+        # in the GPU's memory, not this process's).
+        in_rss = cache.nbytes if cache.device.type == "cpu" else 0
+        log_resident_memory(logger, f"shard-{self.engine.rank}", in_rss)
 
     async def Prefill(self, request, context):
         return await self._call(context, self.engine.prefill, request)

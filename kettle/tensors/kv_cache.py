@@ -86,6 +86,11 @@ class KVCache:
         """Capacity in tokens."""
         return self.num_blocks * self.block_size
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the whole cache takes (keys and values of every layer)."""
+        return self.num_slots * self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Memory one cached token takes across all layers (keys and values)."""

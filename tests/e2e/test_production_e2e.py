@@ -104,6 +104,9 @@ def test_every_process_logs_its_resident_memory_once_and_exposes_it_as_a_gauge(p
     logged = [r["fields"] for r in records if "resident_memory_bytes" in r.get("fields", {})]
     assert sorted(fields["process"] for fields in logged) == ["launcher", "router", "shard-0"]
     assert all(fields["resident_memory_bytes"] > 16 * 2**20 for fields in logged)
+    # The CPU shard tells its KV cache apart from the rest: the cache is resident, so inside the total.
+    shard = next(fields for fields in logged if fields["process"] == "shard-0")
+    assert 0 < shard["kv_cache_bytes"] < shard["resident_memory_bytes"], shard
 
 
 def test_one_trace_across_router_and_shard_parented_on_the_client(prod, receiver):
