@@ -671,14 +671,18 @@ static inline short load_u16(const uint8_t *p) {
     return (short)v;
 }
 
+/* Eight 2-byte pieces 32 bytes apart from p (one channel's bytes of 8 units or pairs of a lanes block), inserted
+ * into the vector one by one: eight 2-byte stores read back as one 16-byte load stall on store forwarding, in every
+ * block the prefill panels widen. */
+static inline __m128i strided_pairs(const uint8_t *p) {
+    return _mm_setr_epi16(load_u16(p), load_u16(p + 32), load_u16(p + 64), load_u16(p + 96), load_u16(p + 128),
+                          load_u16(p + 160), load_u16(p + 192), load_u16(p + 224));
+}
+
 /* Block b of channel j of a Q4L weight as 16 bytes: byte i holds input i of the block in its low nibble and input
  * 16 + i in its high nibble (the channel's two bytes of each of the block's 8 units, gathered in order). */
 static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
-    const uint8_t *unit = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256 + 2 * (j % 16);
-    /* Inserted into the vector one by one: eight 2-byte stores read back as one 16-byte load stall on store
-     * forwarding, in every block the prefill panels widen. */
-    return _mm_setr_epi16(load_u16(unit), load_u16(unit + 32), load_u16(unit + 64), load_u16(unit + 96),
-                          load_u16(unit + 128), load_u16(unit + 160), load_u16(unit + 192), load_u16(unit + 224));
+    return strided_pairs((const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256 + 2 * (j % 16));
 }
 
 /* Channel j's scale and minimum of group g of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
@@ -705,13 +709,7 @@ static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
 /* Block b of channel j of a Q8L weight: its 32 int8 values in input order (two from each of the block's 16 pairs). */
 static inline __m256i q8l_block(const Linear *w, int64_t j, int64_t b) {
     const uint8_t *pair = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 512 + 2 * (j % 16);
-    __m128i halves[2]; /* inserted one by one, as `q4l_block` */
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *p = pair + h * 256;
-        halves[h] = _mm_setr_epi16(load_u16(p), load_u16(p + 32), load_u16(p + 64), load_u16(p + 96), load_u16(p + 128),
-                                   load_u16(p + 160), load_u16(p + 192), load_u16(p + 224));
-    }
-    return _mm256_set_m128i(halves[1], halves[0]);
+    return _mm256_set_m128i(strided_pairs(pair + 256), strided_pairs(pair));
 }
 
 /* Channel j's scale of block b of a Q8L weight. */

@@ -54,6 +54,19 @@ def lanes_fit(n: int, group_size: int) -> bool:
     return group_size % BLOCK == 0 and n % LANES == 0 and ops.lanes()
 
 
+def table_to_lanes(table: torch.Tensor) -> torch.Tensor:
+    """A per-channel table [N, T] (scales, minimums) → [N/16][T][16]: entry t of 16 channels side by side, as the
+    lanes kernels load them (one vector a block or group); same shape."""
+    n = table.shape[0]
+    return table.view(n // LANES, LANES, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+
+def table_from_lanes(table: torch.Tensor) -> torch.Tensor:
+    """The inverse of `table_to_lanes`."""
+    n = table.shape[0]
+    return table.view(n // LANES, -1, LANES).transpose(1, 2).reshape(n, -1).contiguous()
+
+
 def to_lanes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """`pack_q4`'s [N, K/2] with scales and minimums [N, K/g] → kernels.h's Q4L layout, in tensors of the same
     shapes: unit u of block b of channels 16G.. holds, at byte 2c + e, inputs 2u + e (low nibble) and 16 + 2u + e
@@ -63,11 +76,7 @@ def to_lanes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | No
     q = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(n // LANES, LANES, k // BLOCK, 2, 8, 2)  # [G, c, b, h, u, e]
     units = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, u, c, e]
     lanes = units.reshape(n, k // 2).contiguous()
-
-    def per_lane(table: torch.Tensor) -> torch.Tensor:
-        return table.view(n // LANES, LANES, -1).transpose(1, 2).reshape(n, -1).contiguous()
-
-    return lanes, per_lane(scales), None if mins is None else per_lane(mins)
+    return lanes, table_to_lanes(scales), None if mins is None else table_to_lanes(mins)
 
 
 def from_lanes(lanes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -75,11 +84,7 @@ def from_lanes(lanes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     n, k = lanes.shape[0], lanes.shape[1] * 2
     units = lanes.view(n // LANES, k // BLOCK, 8, LANES, 2).permute(0, 3, 1, 2, 4)  # [G, c, b, u, e]
     q = torch.stack([units & 0xF, units >> 4], dim=3).reshape(n, k)  # [G, c, b, half, u, e]
-
-    def per_channel(table: torch.Tensor) -> torch.Tensor:
-        return table.view(n // LANES, -1, LANES).transpose(1, 2).reshape(n, -1).contiguous()
-
-    return pack_q4(q), per_channel(scales), None if mins is None else per_channel(mins)
+    return pack_q4(q), table_from_lanes(scales), None if mins is None else table_from_lanes(mins)
 
 
 class Q4Linear(nn.Module):
@@ -131,11 +136,15 @@ class Q4Linear(nn.Module):
         symmetric = bool(mins.isfinite().all()) and torch.equal(mins, -8 * scales)
         return cls(packed, scales, None if symmetric else mins, group_size, bias)
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """packed [N, K/2], scales and minimums [N, K/g] in the rows layout (`pack_q4`'s; out of lanes)."""
+        return from_lanes(self.packed, self.scales, self.mins) if self.lanes else (self.packed, self.scales, self.mins)
+
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
         if ops.available():  # one parallel C pass; the tensor ops below cost ~10x more per prefill chunk
             return ops.q4_dequantize(self.packed, self.scales, self.mins, self.group_size, self.lanes)
-        packed, scales, mins = (from_lanes if self.lanes else _same)(self.packed, self.scales, self.mins)
+        packed, scales, mins = self.stored()
         q = unpack_q4(packed).float().view(self.out_features, -1, self.group_size)
         minimums = -8 * scales if mins is None else mins
         weight = q * scales.float()[..., None] + minimums.float()[..., None]
@@ -158,7 +167,3 @@ class Q4Linear(nn.Module):
     def extra_repr(self) -> str:
         layout = ", lanes" if self.lanes else ""
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}, kernel=kettle{layout}"
-
-
-def _same(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    return tensors

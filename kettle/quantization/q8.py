@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.quantization.q4 import LANES
+from kettle.quantization.q4 import LANES, table_from_lanes, table_to_lanes
 from kettle.tensors.gguf_file import Blocks
 
 BLOCK = 32  # input channels per scale
@@ -31,16 +31,14 @@ def to_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch
     of channels 16G.. holds inputs 2p, 2p + 1 of channel 16G + c at bytes 2c, 2c + 1; scales [N/16][K/32][16]."""
     n, k = q.shape
     pairs = q.view(n // LANES, LANES, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [G, b, p, c, e]
-    table = scales.view(n // LANES, LANES, -1).transpose(1, 2)
-    return pairs.reshape(n, k).contiguous(), table.reshape(n, -1).contiguous()
+    return pairs.reshape(n, k).contiguous(), table_to_lanes(scales)
 
 
 def from_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `to_lanes`."""
     n, k = q.shape
     rows = q.view(n // LANES, k // BLOCK, BLOCK // 2, LANES, 2).permute(0, 3, 1, 2, 4)  # [G, c, b, p, e]
-    table = scales.view(n // LANES, -1, LANES).transpose(1, 2)
-    return rows.reshape(n, k).contiguous(), table.reshape(n, -1).contiguous()
+    return rows.reshape(n, k).contiguous(), table_from_lanes(scales)
 
 
 class Q8Linear(nn.Module):
