@@ -46,8 +46,9 @@ SIGNATURES = {
     "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
     "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
 }
-# The int4 entries below take one more int after the group size: 1 for a weight in the Q4L layout (kernels.h).
-_Q4_LANES = [*SIGNATURES["kettle_q4_linear"][:9], ctypes.c_int, *SIGNATURES["kettle_q4_linear"][9:]]
+# The int4 entries below take one more int after the group size, 1 for a weight in the Q4L layout (kernels.h), and
+# then the pointer to Q4_K's super-block scales (NULL for every other weight).
+_Q4_LANES = [*SIGNATURES["kettle_q4_linear"][:9], ctypes.c_int, _ptr, *SIGNATURES["kettle_q4_linear"][9:]]
 SIGNATURES["kettle_q4_linear_qa"] = _Q4_LANES
 SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
 # The several-row entries take one more int before the threads: the path (tiles or GEMM; Q8_0 also int16 rows).
@@ -57,8 +58,8 @@ SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], cty
 SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear_rows"][:7], ctypes.c_int]
 SIGNATURES["kettle_q8g_linear"] += SIGNATURES["kettle_q8_linear_rows"][7:]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, ctypes.c_int, _ptr, _int, _ptr, ctypes.c_int]
-# packed, scales, mins, n, k, group, lanes, ids, count, out, threads
-SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _int, _ptr]
+# packed, scales, mins, n, k, group, lanes, supers, ids, count, out, threads
+SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _ptr, _int, _ptr]
 SIGNATURES["kettle_q4_rows"] += [ctypes.c_int]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
 # threads
@@ -75,8 +76,9 @@ SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _
 SIGNATURES["kettle_silu_mul"] = SIGNATURES["kettle_gelu_tanh_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
 # x, stride, cos, sin, rows, heads, dim, out, threads
 SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
-# packed, scales, mins, n, k, group, out, threads
-SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int]
+# packed, scales, mins, n, k, group, lanes, supers, out, threads
+SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _ptr]
+SIGNATURES["kettle_q4_dequantize"] += [ctypes.c_int]
 # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
 SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
 SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]

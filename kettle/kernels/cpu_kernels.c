@@ -49,9 +49,9 @@ void kettle_q4_linear(
 /* W [N, K] float32 from its Q4 form, for the dense GEMM of large prefills (parallel over rows). */
 void kettle_q4_dequantize(
     const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, int lanes,
-    float *out, int threads
+    const uint16_t *supers, float *out, int threads
 ) {
-    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, NULL, supers};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) dequant_channel(&w, j, out + j * k);
 }
@@ -103,10 +103,10 @@ static int linear_rows(const Linear *w, const float *x, int64_t ldx, int64_t row
 /* `kettle_q4_linear` for several rows, by `path`. */
 int kettle_q4_linear_rows(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, int lanes, const float *bias, float *y, int64_t ldy, int path,
-    int threads
+    const uint16_t *mins, int64_t n, int group, int lanes, const uint16_t *supers, const float *bias, float *y,
+    int64_t ldy, int path, int threads
 ) {
-    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias, supers};
     return linear_rows(&w, x, ldx, rows, y, ldy, path, threads);
 }
 
@@ -147,9 +147,10 @@ static int linear_qa(const Linear *w, const float *x, int64_t ldx, int64_t rows,
  * of memory (nothing written). */
 int kettle_q4_linear_qa(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const uint16_t *scales,
-    const uint16_t *mins, int64_t n, int group, int lanes, const float *bias, float *y, int64_t ldy, int threads
+    const uint16_t *mins, int64_t n, int group, int lanes, const uint16_t *supers, const float *bias, float *y,
+    int64_t ldy, int threads
 ) {
-    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, bias, supers};
     return linear_qa(&w, x, ldx, rows, y, ldy, threads);
 }
 
@@ -193,9 +194,9 @@ void kettle_q8g_rows(
  * exactly what the projections multiply by (`q4_dequant_row`). */
 void kettle_q4_rows(
     const uint8_t *qw, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int group, int lanes,
-    const int64_t *ids, int64_t count, float *out, int threads
+    const uint16_t *supers, const int64_t *ids, int64_t count, float *out, int threads
 ) {
-    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, NULL};
+    const Linear w = {lanes ? LINEAR_Q4L : LINEAR_Q4, group, n, k, qw, scales, mins, NULL, supers};
 #pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
     for (int64_t i = 0; i < count; i++) dequant_channel(&w, ids[i], out + i * k);
 }

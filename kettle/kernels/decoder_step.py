@@ -22,10 +22,10 @@ _int, _ptr, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class Linear(ctypes.Structure):
     """One projection: kind (LINEAR_Q4/Q8/F32/Q8G/Q4L/Q8L), the int4 group (Q8G: 32, else K), shape [n, k], weight
-    pointers."""
+    pointers (`supers`: a Q4L weight's Q4_K super-block scales, else None)."""
 
     _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
-    _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr)]
+    _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("supers", _ptr)]
 
 
 class Norm(ctypes.Structure):

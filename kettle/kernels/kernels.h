@@ -17,7 +17,10 @@
  * several rows share each weight vector. weight [N/16][K/32][256] bytes: for channels 16G .. 16G + 15 and block b,
  * unit u (0..7) of 32 bytes holds, at byte 2c + e, q[16G + c][32b + 2u + e] | q[16G + c][32b + 16 + 2u + e] << 4.
  * Scales and minimums [N/16][K/group][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py
- * packs it.
+ * packs it. A Q4L weight with `supers` holds GGUF Q4_K's own scales instead (group 32): scales and minimums
+ * [N/16][K/32][16] uint8, the 6-bit sc and m of each sub-block, and supers [N/16][K/256][2][16] float16, each
+ * super-block's d and dmin: scale = d · sc, minimum = -(dmin · m), products exact in float32 as in GGUF's own
+ * dequantization, and 148 bytes a channel's 256 weights where float16 scales and minimums take 160 (the file: 144).
  *
  * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI): weight [N/16][K/32][16][32] int8,
  * pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales [N/16][K/32][16] float16.
@@ -56,6 +59,7 @@ typedef struct {
     const void *scales;        /* Q4, Q8G: [N, K/group] float16; Q8: [N] float32 */
     const uint16_t *mins;      /* Q4: [N, K/group] float16, or NULL for a symmetric weight (`Minimums`) */
     const float *bias;         /* [N] or NULL */
+    const uint16_t *supers;    /* Q4L only: Q4_K's super-block d and dmin (the layout above), or NULL */
 } Linear;
 
 /* A Q4 channel's minimums, each read as factor · table[g]. A symmetric weight stores none (mins NULL): its scales
@@ -450,6 +454,21 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
  * AVX-512's 32 registers. */
 #define LANES_TILE 8
 
+/* Scales and minimums of group g (a sub-block of 32) of channels 16G .. 16G + 15 of a Q4L weight with Q4_K's scales
+ * (`supers`): d · sc and -(dmin · m), sc and m widened from bytes (the products exact, as GGUF computes them). */
+static inline ONE512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m512 *scale, __m512 *minimum) {
+    const int64_t groups = w->k / 32, at = (G * groups + g) * 16;
+    const uint16_t *super = w->supers + (G * (groups / 8) + g / 8) * 32;
+    const __m128i sc = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->scales + at));
+    const __m128i m = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->mins + at));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 16)));
+    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000); /* -(dmin · m) bit for bit as `q4l_scale`, zeros too */
+    const __m512 product = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)));
+    *minimum = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
+}
+
 /* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ LANES_TILE, a constant at
  * each call): per block, each unit of 32 bytes widened once gives two vectors of input pairs (low and high nibbles)
  * that every row multiplies by its broadcast pair (`vpdpwssd`), the block's int32 sums then scaled for the 16
@@ -476,9 +495,14 @@ static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *
             }
         }
         const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
-        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
-                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        __m512 d, m;
+        if (w->supers) {
+            q4k_lanes(w, G, g, &d, &m);
+        } else {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
+            m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
+                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        }
         for (int r = 0; r < R; r++) {
             const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
             out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
@@ -688,6 +712,12 @@ static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
 /* Channel j's scale and minimum of group g of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
 static inline void q4l_scale(const Linear *w, int64_t j, int64_t g, float *scale, float *minimum) {
     const int64_t at = (j / 16 * (w->k / w->group) + g) * 16 + j % 16;
+    if (w->supers) { /* Q4_K's scales: d · sc and -(dmin · m), as `q4k_lanes` */
+        const uint16_t *super = w->supers + (j / 16 * (w->k / 256) + g / 8) * 32 + j % 16;
+        *scale = _cvtsh_ss(super[0]) * (float)((const uint8_t *)w->scales)[at];
+        *minimum = -(_cvtsh_ss(super[16]) * (float)((const uint8_t *)w->mins)[at]);
+        return;
+    }
     *scale = _cvtsh_ss(((const uint16_t *)w->scales)[at]);
     *minimum = w->mins ? _cvtsh_ss(w->mins[at]) : -8.0f * *scale;
 }

@@ -123,9 +123,10 @@ def q4_linear(
     group_size: int,
     bias: torch.Tensor | None,
     lanes: bool = False,
+    supers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`; `mins` None: a symmetric
-    weight, minimum = -8 · scale), or in lanes (`lanes`, `to_lanes`): [M, N] float32."""
+    weight, minimum = -8 · scale), or in lanes (`lanes`, `to_lanes`; `supers`: with Q4_K's scales): [M, N] float32."""
     rows, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
@@ -139,10 +140,10 @@ def q4_linear(
         several = panel_rows(lanes=True) if QUANTIZED_ACTIVATIONS else 0
     if rows >= several:
         path = _rows_path(rows, k, lanes)
-        status = library().kettle_q4_linear_rows(*head, lanes, *tail, path, torch.get_num_threads())
+        status = library().kettle_q4_linear_rows(*head, lanes, _ptr(supers), *tail, path, torch.get_num_threads())
     elif QUANTIZED_ACTIVATIONS:
-        status = library().kettle_q4_linear_qa(*head, lanes, *tail, torch.get_num_threads())
-    else:
+        status = library().kettle_q4_linear_qa(*head, lanes, _ptr(supers), *tail, torch.get_num_threads())
+    else:  # the rows layout only: lanes, with or without Q4_K's scales, always take one of the entries above
         status = library().kettle_q4_linear(*head, *tail, torch.get_num_threads())
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
@@ -150,13 +151,18 @@ def q4_linear(
 
 
 def q4_dequantize(
-    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, lanes: bool = False
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    lanes: bool = False,
+    supers: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Q4 weight (in lanes when `lanes`) as a dense float32 [N, K] tensor."""
+    """The Q4 weight (in lanes when `lanes`; with Q4_K's scales when `supers`) as a dense float32 [N, K] tensor."""
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(n, k, dtype=torch.float32)
     library().kettle_q4_dequantize(
-        packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, k, group_size, lanes, out.data_ptr(),
+        packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, k, group_size, lanes, _ptr(supers), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -252,14 +258,15 @@ def q4_rows(
     group_size: int,
     ids: torch.Tensor,
     lanes: bool = False,
+    supers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows `ids` of a Q4 weight (`q4_linear`'s layouts) as float32 [len(ids), K], the values its kernels multiply."""
     ids = _row_ids(ids, packed.shape[0])
     k = packed.shape[1] * 2
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     library().kettle_q4_rows(
-        packed.data_ptr(), scales.data_ptr(), _ptr(mins), packed.shape[0], k, group_size, lanes, ids.data_ptr(),
-        ids.numel(), out.data_ptr(), torch.get_num_threads(),
+        packed.data_ptr(), scales.data_ptr(), _ptr(mins), packed.shape[0], k, group_size, lanes, _ptr(supers),
+        ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

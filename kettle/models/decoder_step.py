@@ -91,7 +91,8 @@ def _linear(module: nn.Module) -> Linear:
     if isinstance(module, Q4Linear):
         weights = (module.packed.data_ptr(), module.scales.data_ptr(), _ptr_of(module.mins))
         kind = LINEAR_Q4L if module.lanes else LINEAR_Q4
-        return Linear(kind, module.group_size, module.out_features, module.in_features, *weights, bias)
+        shape = (module.group_size, module.out_features, module.in_features)
+        return Linear(kind, *shape, *weights, bias, _ptr_of(module.supers))
     if isinstance(module, Q8Linear):
         n, k = module.out_features, module.in_features
         kind = LINEAR_Q8L if module.lanes else LINEAR_Q8G

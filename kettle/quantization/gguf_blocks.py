@@ -5,7 +5,9 @@ a 4-bit grid with groups of 32 input channels, so they become `Q4Linear`'s layou
 rounding any weight: only the nibble order changes (a GGUF block keeps elements j and j + 16 in byte j, Kettle's
 chunks j and j + 32), and it changes byte by byte, two values at a time, never one value a byte (Q4_K's runs of
 32 bytes are Kettle's chunks already). The scales and minimums the kernel reads are float16, which Q4_0 and Q4_1
-store as is; Q4_K's products d · sc and dmin · m are rounded once to float16 (relative error ≤ 2⁻¹¹ on a scale).
+store as is. Q4_K keeps its own 6-bit scales (as bytes) and super-block d and dmin too (`Int4Groups.q4k`): a weight
+in lanes reads those, its products exactly gguf's; elsewhere its products d · sc and dmin · m are rounded once to
+float16 (relative error ≤ 2⁻¹¹ on a scale).
 
 The other types GGUF files carry are either dense (F32, F16, BF16: dequantized, kept in the model dtype) or
 served on the nearest scheme (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: dequantized, then int8 per output channel).
@@ -35,6 +37,9 @@ class Int4Groups:
     scales: torch.Tensor
     mins: torch.Tensor
     packed: bool
+    # Q4_K's own scales: sc and m [N, K/32] uint8 and the super-blocks' d and dmin [N, K/256, 2] float16, of which
+    # `scales` and `mins` are the products (`Q4Linear` keeps these in lanes); None for Q4_0 and Q4_1.
+    q4k: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def q(self) -> torch.Tensor:
@@ -43,7 +48,8 @@ class Int4Groups:
 
     def rows(self, order: torch.Tensor) -> Int4Groups:
         """The output channels in `order` (the llama.cpp q/k head permutation undone: whole rows move)."""
-        return Int4Groups(self.values[order], self.scales[order], self.mins[order], self.packed)
+        q4k = None if self.q4k is None else tuple(part[order] for part in self.q4k)
+        return Int4Groups(self.values[order], self.scales[order], self.mins[order], self.packed, q4k)
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -55,15 +61,20 @@ def int4_groups(blocks: Blocks) -> Int4Groups:
     """The raw blocks of a Q4_0/Q4_1/Q4_K tensor → `Int4Groups`, rows in Hugging Face order."""
     decode = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}[blocks.qtype]
     packed = blocks.cols % CHUNK == 0  # Q4_K always: its super-blocks are 256 wide
-    values, scales, mins = decode(np.asarray(blocks.data).reshape(-1), packed)
+    values, scales, mins, *q4k = decode(np.asarray(blocks.data).reshape(-1), packed)
     shape = (blocks.rows, blocks.cols // GROUP)
     groups = Int4Groups(
-        torch.from_numpy(np.ascontiguousarray(values)).view(blocks.rows, blocks.cols // (2 if packed else 1)),
-        torch.from_numpy(np.ascontiguousarray(scales)).reshape(shape),
-        torch.from_numpy(np.ascontiguousarray(mins)).reshape(shape),
+        _tensor(values, (blocks.rows, blocks.cols // (2 if packed else 1))),
+        _tensor(scales, shape),
+        _tensor(mins, shape),
         packed,
+        (_tensor(q4k[0], shape), _tensor(q4k[1], shape), _tensor(q4k[2], (blocks.rows, -1, 2))) if q4k else None,
     )
     return groups if blocks.order is None else groups.rows(blocks.order)
+
+
+def _tensor(array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
 
 
 def _nibbles(qs: np.ndarray, packed: bool) -> np.ndarray:
@@ -93,11 +104,12 @@ def _q4_k(data: np.ndarray, packed: bool):
     from gguf.quants import Q4_K
 
     blocks = data.reshape(-1, 144)
-    halves = blocks[:, :4].copy().view(np.float16).astype(np.float32)
+    supers = blocks[:, :4].copy().view(np.float16)  # d, dmin
+    halves = supers.astype(np.float32)
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
     scales = halves[:, :1] * sc.astype(np.float32)
     mins = -(halves[:, 1:2] * m.astype(np.float32))
     # 128 bytes of nibbles: four runs of 32 bytes, each holding sub-block 2c (low nibbles) and 2c + 1 (high):
     # `Q4Linear`'s chunks as they are.
     assert packed, "Q4_K rows are whole 256-wide super-blocks"
-    return blocks[:, 16:].reshape(-1, 128), scales, mins
+    return blocks[:, 16:].reshape(-1, 128), scales, mins, sc.astype(np.uint8), m.astype(np.uint8), supers

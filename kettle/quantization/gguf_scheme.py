@@ -1,7 +1,8 @@
 """How a GGUF checkpoint is served by default: quantized, on the Kettle kernel nearest to each tensor's own type.
 
 With no `--quantize` and no float `--dtype`, a GGUF model's projections load from the file's blocks:
-- Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py);
+- Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py;
+  Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
 - Q5_0, Q5_1, Q5_K, Q6_K → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
   dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
@@ -130,6 +131,8 @@ def gguf_scheme(gguf: GgufTensors) -> GgufScheme | None:
 def int4_linear(groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module | None:
     """Kettle's int4 kernel layout when the shape fits it, else PyTorch's packed int4, else None."""
     n = groups.values.shape[0]
+    if ops.available() and groups.packed and groups.q4k is not None:
+        return Q4Linear(groups.values, groups.q4k[0], groups.q4k[1], GROUP, bias, groups.q4k[2])
     if ops.available() and groups.packed:
         return Q4Linear.from_groups(groups.values, groups.scales, groups.mins, GROUP, bias)
     if n % 16 == 0:
@@ -142,7 +145,10 @@ def int4_linear(groups: Int4Groups, bias: torch.Tensor | None) -> nn.Module | No
 
 def _concat(parts: list[Int4Groups]) -> Int4Groups:
     tensors = (torch.cat([getattr(p, key) for p in parts]) for key in ("values", "scales", "mins"))
-    return Int4Groups(*tensors, parts[0].packed)  # the parts of a fused projection share their input width
+    q4k = None  # Q4_K's own scales only where every part has them (a Q4_K q with a Q4_0 k takes the products)
+    if all(p.q4k is not None for p in parts):
+        q4k = tuple(torch.cat([p.q4k[i] for p in parts]) for i in range(3))
+    return Int4Groups(*tensors, parts[0].packed, q4k)  # the parts of a fused projection share their input width
 
 
 def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -5,7 +5,8 @@ kernel that takes float32 activations: PyTorch's packed int4 kernel is fast only
 AVX2, which costs two casts per call and rounds the activations (measured in bench/quant_kernels.py). Each
 row keeps its nibbles in chunks of 64 input channels (byte j holds channels j and j + 32, so one 32-byte load
 gives 32 weights in order) and a float16 scale and minimum per group, 0.5625 bytes a weight at group size 64 (a
-symmetric weight, GGUF's Q4_0, stores no minimums: `from_groups`).
+symmetric weight, GGUF's Q4_0, stores no minimums: `from_groups`; a Q4_K weight in lanes keeps the file's
+6-bit scales as bytes with its super-block scales: `supers`).
 
 Where the CPU has AVX-512 VNNI, a weight with a multiple of 16 output channels is stored in lanes instead
 (`to_lanes`, kernels.h's Q4L layout): 16 channels side by side for each pair of inputs, so one instruction
@@ -87,28 +88,58 @@ def from_lanes(lanes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     return pack_q4(q), table_from_lanes(scales), None if mins is None else table_from_lanes(mins)
 
 
+SUPER_BLOCK = 256  # input channels per Q4_K super-block: one d and one dmin, 8 sub-blocks' 6-bit sc and m
+
+
+def q4k_products(sc: torch.Tensor, m: torch.Tensor, supers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's sub-block scales sc and m [N, K/32] with its super-block d and dmin (`supers` [N, K/256, 2]) →
+    scales d · sc and minimums -(dmin · m), float32 [N, K/32]: GGUF's own dequantization's products, exact."""
+    n = sc.shape[0]
+    d, dmin = supers.float().unbind(-1)
+    scales = d[..., None] * sc.float().view(n, -1, SUPER_BLOCK // BLOCK)
+    mins = -(dmin[..., None] * m.float().view(n, -1, SUPER_BLOCK // BLOCK))
+    return scales.view(n, -1), mins.view(n, -1)
+
+
 class Q4Linear(nn.Module):
     """y = x Wᵀ (+ b) with W [out, in] group-wise int4 on Kettle's CPU kernel; same call shape as `Linear`."""
 
     def __init__(
-        self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, bias=None
+        self,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group_size: int,
+        bias=None,
+        supers: torch.Tensor | None = None,
     ) -> None:
         """From the stored form: packed [N, K/2] uint8 (`pack_q4`), scales and minimums [N, K/g] (rounded to
-        float16; `mins` None: a symmetric weight, minimum -8 · scale)."""
+        float16; `mins` None: a symmetric weight, minimum -8 · scale). With `supers` [N, K/256, 2] (GGUF Q4_K's
+        super-block d and dmin, groups of 32), scales and minimums are Q4_K's 6-bit sc and m, uint8: a weight in
+        lanes keeps them so (kernels.h: 148 bytes a channel's 256 weights instead of 160, the products exact);
+        any other takes their products rounded to float16 (`q4k_products`)."""
         super().__init__()
         n, k = packed.shape[0], packed.shape[1] * 2
         if k % group_size or group_size % BLOCK or k % CHUNK:
             raise ValueError(f"int4: in_features {k} must be a multiple of {CHUNK}, group size {group_size} of {BLOCK}")
         self.out_features, self.in_features, self.group_size = int(n), int(k), group_size
         self.dense_rows = DENSE_ROWS
-        packed, scales = packed.to(torch.uint8).contiguous(), scales.to(torch.float16).contiguous()
-        minimums = None if mins is None else mins.to(torch.float16).contiguous()
         self.lanes = lanes_fit(n, group_size)  # the Q4L layout: the tensors below hold it (`to_lanes`)
+        if supers is not None and not (self.lanes and group_size == BLOCK and k % SUPER_BLOCK == 0):
+            scales, mins = q4k_products(scales, mins, supers)
+            supers = None
+        packed = packed.to(torch.uint8).contiguous()
+        table = torch.uint8 if supers is not None else torch.float16
+        scales = scales.to(table).contiguous()
+        minimums = None if mins is None else mins.to(table).contiguous()
         if self.lanes:
             packed, scales, minimums = to_lanes(packed, scales, minimums)
+        if supers is not None:  # [N/16][K/256][2][16]: d and dmin of 16 channels side by side, as the kernels load them
+            supers = table_to_lanes(supers.to(torch.float16).reshape(n, -1))
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", minimums, persistent=False)
+        self.register_buffer("supers", supers, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @classmethod
@@ -137,13 +168,22 @@ class Q4Linear(nn.Module):
         return cls(packed, scales, None if symmetric else mins, group_size, bias)
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """packed [N, K/2], scales and minimums [N, K/g] in the rows layout (`pack_q4`'s; out of lanes)."""
-        return from_lanes(self.packed, self.scales, self.mins) if self.lanes else (self.packed, self.scales, self.mins)
+        """packed [N, K/2], scales and minimums [N, K/g] in the rows layout (`pack_q4`'s; out of lanes); Q4_K's
+        scales as their float32 products."""
+        packed, scales, mins = from_lanes(self.packed, self.scales, self.mins) if self.lanes else self.tables()
+        if self.supers is None:
+            return packed, scales, mins
+        supers = table_from_lanes(self.supers).view(self.out_features, -1, 2)
+        return (packed, *q4k_products(scales, mins, supers))
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """packed, scales and minimums as the kernels read them (in lanes where `lanes`)."""
+        return self.packed, self.scales, self.mins
 
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
         if ops.available():  # one parallel C pass; the tensor ops below cost ~10x more per prefill chunk
-            return ops.q4_dequantize(self.packed, self.scales, self.mins, self.group_size, self.lanes)
+            return ops.q4_dequantize(*self.tables(), self.group_size, self.lanes, self.supers)
         packed, scales, mins = self.stored()
         q = unpack_q4(packed).float().view(self.out_features, -1, self.group_size)
         minimums = -8 * scales if mins is None else mins
@@ -154,16 +194,16 @@ class Q4Linear(nn.Module):
         """Rows `ids` of W in float32, the values the kernels multiply by: the embedding lookup of a GGUF file's
         4-bit table, which then needs no float32 copy (a 1.1B model's: 250 MiB). Only loaded where the kernels are
         (`GgufScheme`), as `forward` runs on them."""
-        rows = ops.q4_rows(self.packed, self.scales, self.mins, self.group_size, ids, self.lanes)
+        rows = ops.q4_rows(*self.tables(), self.group_size, ids, self.lanes, self.supers)
         return rows.view(*ids.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         # Every row count runs on the kernels: prompt chunks on the panel GEMM, which never dequantizes the whole
         # weight (`ops.GEMM_ROWS`).
-        y = ops.q4_linear(rows.float(), self.packed, self.scales, self.mins, self.group_size, self.bias, self.lanes)
+        y = ops.q4_linear(rows.float(), *self.tables(), self.group_size, self.bias, self.lanes, self.supers)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        layout = ", lanes" if self.lanes else ""
+        layout = (", lanes" if self.lanes else "") + (", q4_k scales" if self.supers is not None else "")
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}, kernel=kettle{layout}"

@@ -154,6 +154,56 @@ def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkey
     assert_lanes_products(lanes, rows, ops.Q4_FLOAT_ROWS)
 
 
+def random_q4_k_blocks(n: int, k: int, seed: int):
+    """Q4_K blocks [n, k/256 · 144 bytes] with random nibbles and 6-bit scales, and a d and dmin of its own for
+    each super-block (so a super-block read for the wrong one shows)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for at, top in ((0, 2e-3), (2, 3e-3)):  # d, dmin
+        blocks[..., at : at + 2] = (rng.random((n, k // 256, 1)) * top + 1e-4).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_a_q4_k_weight_in_lanes_keeps_the_files_scales_and_computes_its_products(monkeypatch):
+    """GGUF's Q4_K in lanes keeps its 6-bit scales as bytes with each super-block's d and dmin (148 bytes a channel's
+    256 weights, not the 160 of float16 scale products): its dequantized values are gguf's own, bit for bit (the
+    kernels and the tensor-op path), table rows too, and every path's products (lanes kernel, panels) lie within
+    the int16 activations' bound of the dense ones. Where the weight is not in lanes it takes the float16 products,
+    as before."""
+    if not ops._has_vnni():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from kettle.quantization.gguf_blocks import int4_groups
+    from kettle.quantization.gguf_scheme import int4_linear
+    from kettle.tensors.gguf_file import Blocks
+
+    n, k = 96, 768
+    data = random_q4_k_blocks(n, k, seed=5)
+    files = torch.from_numpy(dequantize(data, T.Q4_K)).float()
+    groups = int4_groups(Blocks(data, T.Q4_K, n, k, None))
+    layer = int4_linear(groups, torch.randn(n))
+    assert layer.lanes and layer.supers is not None
+    assert sum(t.numel() * t.element_size() for t in (*layer.tables(), layer.supers)) == n * k // 256 * 148
+    assert torch.equal(layer.dequantized(), files)
+    ids = torch.tensor([0, 95, 17, 16, 15])
+    assert torch.equal(layer.embed(ids), files[ids])
+    monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path reads the same scales
+    assert torch.equal(layer.dequantized(), files)
+    monkeypatch.undo()
+    for count in (1, 2, 5, 8, 9, 40, 130):
+        x = torch.randn(count, k)
+        assert relative(layer(x), F.linear(x, files, layer.bias)) < QUANTIZED_ACTIVATION_RTOL, count
+    monkeypatch.setattr(ops, "_LANES", False)
+    rows = int4_linear(groups, None)
+    assert rows.supers is None and rows.scales.dtype == torch.float16
+    products = Q4Linear.from_groups(groups.values, groups.scales, groups.mins, 32)
+    assert torch.equal(rows.dequantized(), products.dequantized())
+
+
 def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):
     """GGUF's Q8_0 in lanes (kernels.h's Q8L): the same dequantized values, table rows and fused parts as in rows,
     the layout round-trips, and every path's outputs match: the lanes kernel (below `LANES_GEMM_ROWS` rows) within
