@@ -26,7 +26,8 @@ Q6_K, which gguf-py cannot write):
 
 `--qtype Q4_K_M` lays the file out as llama.cpp's Q4_K_M does (untied): Q4_K layers and embedding, Q6_K for the
 head and for `attn_v` and `ffn_down` in the layers its rule gives more bits (the first and last eighth, and every
-third between), all random well-formed blocks. Kettle has no Q6_K kernel and serves those as int8 per channel.
+third between), all random well-formed blocks. Kettle serves Q6_K on its own kernel where weights sit in lanes
+(AVX-512 VNNI), but a fused q/k/v whose v is Q6_K and q, k Q4_K loads as int8 per channel.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tiny GGUF files written at test time with `gguf.GGUFWriter` from random transformers models.
 
-Each projection (and the embedding) is quantized with `gguf.quants` (Q4_K, which gguf-py cannot quantize, gets
-random well-formed blocks), norms stay F32. The file is laid out as llama.cpp's converter writes it, quirks
-included (`to_gguf`): llama's q/k rows permuted, Gemma 2's norms stored as 1 + w, GPT-2's Conv1D weights
+Each projection (and the embedding) is quantized with `gguf.quants` (Q4_K and Q6_K, which gguf-py cannot
+quantize, get random well-formed blocks), norms stay F32. The file is laid out as llama.cpp's converter writes it,
+quirks included (`to_gguf`): llama's q/k rows permuted, Gemma 2's norms stored as 1 + w, GPT-2's Conv1D weights
 transposed, Falcon's and BLOOM's fused q/k/v rows regrouped into [q | k | v]; `from_gguf` undoes them, as
 transformers' GGUF loader does. The metadata carries what that loader reads back into a config.
 The folder holds the transformers config.json and the file as `model.gguf`, the layout Kettle prepares.
@@ -150,11 +150,21 @@ def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def random_q6_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Well-formed Q6_K blocks: random 6-bit values and int8 scales, a small float16 d of its own per super-block."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = (rng.random((rows, cols // 256, 1)) * 1e-5 + 2e-6).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def encode(weight: np.ndarray, qtype: T, seed: int) -> np.ndarray:
     from gguf import quants
 
     if qtype == T.Q4_K:
         return random_q4_k(*weight.shape, seed)
+    if qtype == T.Q6_K:
+        return random_q6_k(*weight.shape, seed)
     return quants.quantize(weight, qtype)
 
 

@@ -28,7 +28,8 @@ from kettle.hub.cache import build_once, cache_root
 
 FOLDER = Path(__file__).parent
 SOURCES = tuple(
-    FOLDER / name for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "prefill_attention.c", "decode_attention.c")
+    FOLDER / name
+    for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "lanes.c", "prefill_attention.c", "decode_attention.c")
 )
 HEADERS = (FOLDER / "kernels.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -58,6 +59,11 @@ SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], cty
 SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear_rows"][:7], ctypes.c_int]
 SIGNATURES["kettle_q8g_linear"] += SIGNATURES["kettle_q8_linear_rows"][7:]
 SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, ctypes.c_int, _ptr, _int, _ptr, ctypes.c_int]
+# GGUF Q6_K in lanes: x, ldx, rows, k, weight, scales, d, n, bias, y, ldy, path, threads; weight, scales, d, n, k,
+# ids (NULL: every row), count, out, threads
+SIGNATURES["kettle_q6_linear"] = [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int]
+SIGNATURES["kettle_q6_linear"] += [ctypes.c_int]
+SIGNATURES["kettle_q6_rows"] = [_ptr, _ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
 # packed, scales, mins, n, k, group, lanes, supers, ids, count, out, threads
 SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _ptr, _int, _ptr]
 SIGNATURES["kettle_q4_rows"] += [ctypes.c_int]
@@ -88,7 +94,7 @@ SIGNATURES["kettle_greedy_steps"] = [_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int,
 SIGNATURES["kettle_greedy_steps"] += [_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, ctypes.c_int]
 RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_rows", "kettle_q8_linear_rows")
 RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q8g_linear")
-RETURNS_STATUS += ("kettle_paged_prefill", "kettle_greedy_steps")
+RETURNS_STATUS += ("kettle_paged_prefill", "kettle_greedy_steps", "kettle_q6_linear")
 # scores, rows, vocab, ld, ids, logprobs, threads
 SIGNATURES["kettle_greedy"] = [_ptr, _int, _int, _int, _ptr, _ptr, ctypes.c_int]
 SIGNATURES["kettle_integer_gemm_supported"] = []

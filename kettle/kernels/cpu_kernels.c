@@ -190,6 +190,31 @@ void kettle_q8g_rows(
     for (int64_t i = 0; i < count; i++) dequant_channel(&w, ids[i], out + i * k);
 }
 
+/* The Q6L (GGUF Q6_K in lanes) entry points: qw [N/16][K/32][384] bytes, scales [N/16][K/16][16] int8, d
+ * [N/16][K/256][16] float16 (kernels.h). */
+
+/* y[M, N] = x · Wᵀ (+ bias) by `path`: rows quantized to int16 on the lanes kernel (-1), or `linear_rows`' paths
+ * (the float32 tiles, exact to the dequantized weights, and gemm.c's float32 or integer panels). -1 when out of
+ * memory. */
+int kettle_q6_linear(
+    const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const int8_t *scales, const uint16_t *d,
+    int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads
+) {
+    const Linear w = {LINEAR_Q6L, 32, n, k, qw, scales, NULL, bias, d};
+    return path < 0 ? linear_qa(&w, x, ldx, rows, y, ldy, threads) : linear_rows(&w, x, ldx, rows, y, ldy, path, threads);
+}
+
+/* Rows `ids` [count] of W (every row when ids is NULL) as float32 [count, K]: an embedding table's lookup, or the
+ * whole weight. */
+void kettle_q6_rows(
+    const uint8_t *qw, const int8_t *scales, const uint16_t *d, int64_t n, int64_t k, const int64_t *ids,
+    int64_t count, float *out, int threads
+) {
+    const Linear w = {LINEAR_Q6L, 32, n, k, qw, scales, NULL, NULL, d};
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) dequant_channel(&w, ids ? ids[i] : i, out + i * k);
+}
+
 /* Rows `ids` [count] of a Q4 weight as float32 [count, K]: the embedding lookup of a GGUF file's 4-bit table,
  * exactly what the projections multiply by (`q4_dequant_row`). */
 void kettle_q4_rows(

@@ -496,10 +496,14 @@ static void embed_row(const Linear *table, int64_t token, float *dst) {
 
 enum { Q8_QUANTIZED = -1, Q8_PLAIN = -2 }; /* kettle/kernels/ops.py's `q8_path` codes below 0 */
 
-/* logits [rows, head->n] of x [rows, k]: a GGUF Q8_0 head by `kettle_q8g_linear`'s path, an int8 one by the entry
+/* logits [rows, head->n] of x [rows, k]: a GGUF Q8_0 head by `kettle_q8g_linear`'s path, a Q6_K one by
+ * `kettle_q6_linear`'s, an int8 one by the entry
  * `q8_path` names, as kettle/kernels/ops.py runs either. -1 when out of memory. */
 static int head_logits(const Linear *head, int path, const float *x, int64_t rows, int64_t k, float *y, int threads) {
     const int8_t *q = head->weight;
+    if (head->kind == LINEAR_Q6L) /* GGUF Q6_K, by `kettle_q6_linear`'s path */
+        return kettle_q6_linear(x, k, rows, k, head->weight, head->scales, head->supers, head->n, head->bias, y,
+                                head->n, path, threads);
     if (head->kind == LINEAR_Q8G || head->kind == LINEAR_Q8L)
         return kettle_q8g_linear(x, k, rows, k, q, head->scales, head->n, head->kind == LINEAR_Q8L, head->bias, y,
                                  head->n, path, threads);

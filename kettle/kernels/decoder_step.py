@@ -13,7 +13,7 @@ import torch
 
 from kettle.kernels.build import library
 
-LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L = 1, 2, 3, 4, 5, 6
+LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L = 1, 2, 3, 4, 5, 6, 7
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 ACT_SILU, ACT_GELU_TANH, ACT_GELU, ACT_RELU = 0, 1, 2, 3  # the MLP's activation (of the gate when gated)
 MAX_EXPERTS = 64
@@ -21,8 +21,8 @@ _int, _ptr, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
-    """One projection: kind (LINEAR_Q4/Q8/F32/Q8G/Q4L/Q8L), the int4 group (Q8G: 32, else K), shape [n, k], weight
-    pointers (`supers`: a Q4L weight's Q4_K super-block scales, else None)."""
+    """One projection: kind (LINEAR_Q4/Q8/F32/Q8G/Q4L/Q8L/Q6L), the int4 group (Q8G: 32, else K), shape [n, k], weight
+    pointers (`supers`: a Q4L weight's Q4_K super-block scales or a Q6L weight's d, else None)."""
 
     _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
     _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("supers", _ptr)]

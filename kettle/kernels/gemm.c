@@ -251,7 +251,8 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
     }
 }
 
-/* Channel j's quantized values as K int16 (Q4, Q4L: 0..15 in input order; Q8, Q8G: the int8 values), 32 at a time. */
+/* Channel j's quantized values as K int16 (Q4, Q4L: 0..15 in input order; Q8, Q8G: the int8 values; Q6L: q - 32),
+ * 32 at a time. */
 static inline VNNI void widen_channel(const Linear *w, int64_t j, int16_t *dst) {
     const int64_t k = w->k;
     if (w->kind == LINEAR_Q4L) {
@@ -263,6 +264,12 @@ static inline VNNI void widen_channel(const Linear *w, int64_t j, int16_t *dst) 
         }
     } else if (w->kind == LINEAR_Q8L) {
         for (int64_t b = 0; b < k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(q8l_block(w, j, b)));
+    } else if (w->kind == LINEAR_Q6L) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m128i q[2];
+            q6l_block(w, j, b, q);
+            _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(_mm256_set_m128i(q[1], q[0])));
+        }
     } else if (w->kind == LINEAR_Q4) {
         const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
         const __m512i mask = _mm512_set1_epi16(0x0F);
@@ -285,9 +292,14 @@ static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) 
     for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
 }
 
-/* Channel j's weight scale per block of 32 inputs (K/32 floats) and, for Q4, its minimum per group. */
+/* Channel j's weight scale per block of 32 inputs (K/32 floats; Q6L: per sub-block of 16, K/16 floats) and, for
+ * Q4, its minimum per group. */
 static inline void channel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
+    if (w->kind == LINEAR_Q6L) {
+        q6l_scales(w, j, scale);
+        return;
+    }
     if (w->kind == LINEAR_Q4L) {
         float d, m;
         for (int64_t g = 0; g < groups; g++) {
@@ -325,24 +337,25 @@ static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (k / 2 +
 /* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
 #define TILE_FLOATS (16 * LANES)
 
-/* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]. */
+/* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]; the
+ * weights' scales each cover `pairs` input pairs (a constant: 16, a block; 8 for Q6_K's sub-blocks of 16 inputs). */
 static inline __attribute__((always_inline)) VNNI void micro_vnni(
-    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, const int pairs, float *tile
 ) {
-    const int64_t blocks = k / 32, groups = k / group;
+    const int64_t spans = k / (2 * pairs), groups = k / group;
     __m512 acc[INT_CHANNELS];
     for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = 0; b < spans; b++) {
         __m512i dot[INT_CHANNELS];
         for (int c = 0; c < channels; c++) dot[c] = _mm512_setzero_si512();
-        for (int64_t i = b * 16; i < b * 16 + 16; i++) {
+        for (int64_t i = b * pairs; i < b * pairs + pairs; i++) {
             const __m512i a = _mm512_load_si512(x->pairs + i * LANES);
             for (int c = 0; c < channels; c++)
                 dot[c] = _mm512_dpwssd_epi32(dot[c], a, _mm512_set1_epi32(((const int32_t *)(w->q + c * k))[i]));
         }
-        const __m512 d = _mm512_load_ps(x->scale + b * LANES);
+        const __m512 d = _mm512_load_ps(x->scale + b * pairs / 16 * LANES); /* the rows' scale of this block */
         for (int c = 0; c < channels; c++)
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * blocks + b])), acc[c]);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * spans + b])), acc[c]);
     }
     for (int64_t g = 0; w->minimum && g < groups; g++) { /* Σ_g minimum_g · (Σ x over group g) */
         const __m512 sum = _mm512_load_ps(x->sum + g * LANES);
@@ -386,8 +399,17 @@ int kettle_integer_lanes8 = 1;
 /* The micro-kernel for `channels` (a constant at each call) and the group's `rows`: 8 lanes when they hold them. */
 static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels,
                                int64_t rows, float *tile) {
-#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, tile); else micro_vnni(x, k, group, w, t, tile); break;
+#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, tile); else micro_vnni(x, k, group, w, t, 16, tile); break;
     const int narrow = kettle_integer_lanes8 && rows <= LANES / 2;
+    switch (channels) {
+        CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
+    }
+#undef CASE
+}
+
+/* `int_channels` for Q6_K's scales per 16 inputs (16 lanes at any row count: its panels are a few layers' share). */
+static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels *w, int channels, float *tile) {
+#define CASE(t) case t: micro_vnni(x, k, 32, w, t, 8, tile); break;
     switch (channels) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
     }
@@ -440,12 +462,15 @@ VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, 
             const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
             for (int i = 0; i < n; i++) {
                 widen_channel(w, j0 + i, c.q + i * k);
-                channel_scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
+                /* Q6L: two scales a block, in the room of the minimums it has none of (`channel_floats`) */
+                const int64_t spans = w->kind == LINEAR_Q6L ? 2 * blocks : blocks;
+                channel_scales(w, j0 + i, c.scale + i * spans, c.minimum ? c.minimum + i * groups : NULL);
             }
             for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
                 const LaneRows x = lane_group(xq, r0 / LANES, k);
                 const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-                int_channels(&x, k, w->group, &c, n, count, tile);
+                if (w->kind == LINEAR_Q6L) int_channels_q6(&x, k, &c, n, tile);
+                else int_channels(&x, k, w->group, &c, n, count, tile);
                 store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
             }
         }

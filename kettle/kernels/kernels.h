@@ -25,6 +25,13 @@
  * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI): weight [N/16][K/32][16][32] int8,
  * pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales [N/16][K/32][16] float16.
  * kettle/quantization/q8.py packs it.
+ *
+ * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · sc · (q - 32),
+ * q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes: for block b, the low
+ * 4 bits of q laid out as Q4L's 256 bytes, then their high 2 bits in 4 vectors of 32 bytes, byte 2c + e of vector v
+ * holding in bits 2j, 2j + 1 those of unit 2v + j / 2's input 2(2v + j / 2) + e + 16 (j % 2) of channel 16G + c
+ * (the two units one vector widened feeds). scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d);
+ * 6.56 bits a weight as in the file. kettle/quantization/q6.py packs it.
  */
 #ifndef KETTLE_KERNELS_H
 #define KETTLE_KERNELS_H
@@ -49,7 +56,7 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L = 5, LINEAR_Q8L = 6 };
+enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L = 5, LINEAR_Q8L = 6, LINEAR_Q6L = 7 };
 
 /* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
  * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
@@ -85,6 +92,12 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
 }
 
 /* 32 weights in 0..15 (one byte each) as four float vectors, dequantized with a group's scale and minimum. */
@@ -160,6 +173,7 @@ typedef struct {
     float *scale;  /* [rows, K/32] */
     float *sum;    /* [rows, K/group]: the exact float sum of each weight group's inputs (the minimum term) */
     float *lanes;  /* the same rows 16 to a vector for gemm.c's integer panels (`lay_out_lanes`), or NULL */
+    int32_t *half; /* [rows, K/16]: the sum of each 16 int16 values (Q6L's q - 32: 32 · this, once per sub-block) */
 } QuantizedRows;
 
 static inline void free_rows(QuantizedRows *rows) {
@@ -167,6 +181,7 @@ static inline void free_rows(QuantizedRows *rows) {
     free(rows->scale);
     free(rows->sum);
     free(rows->lanes);
+    free(rows->half);
 }
 
 /* Room for `rows` rows of up to `k` channels; -1 when out of memory. */
@@ -174,8 +189,9 @@ static inline int alloc_rows(int64_t rows, int64_t k, QuantizedRows *out) {
     out->q = aligned_alloc(32, sizeof(int16_t) * (size_t)(rows * k + 32));
     out->scale = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
     out->sum = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    out->half = malloc(sizeof(int32_t) * (size_t)(rows * (k / 16) + 1));
     out->lanes = NULL;
-    return out->q && out->scale && out->sum ? 0 : -1;
+    return out->q && out->scale && out->sum && out->half ? 0 : -1;
 }
 
 /* Floats of one group of 16 rows laid out in lanes for K (pairs [K/2][16], scale [K/32][16], sum [K/32][16]). */
@@ -208,6 +224,8 @@ static inline void quantize_row(const float *x, int64_t k, int64_t group, Quanti
         const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
         __m256i q[4]; /* rounded to nearest */
         for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        out->half[r * (k / 16) + 2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+        out->half[r * (k / 16) + 2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
         /* packs works within 128-bit lanes: [0-3, 8-11 | 4-7, 12-15]; the permute restores the order. */
         int16_t *dst = out->q + r * k + b * 32;
         _mm256_store_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
@@ -450,122 +468,17 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
-/* Rows a pass of the lanes kernels: 8 int32 and 8 float accumulators of 16 channels, with the weight vectors, in
- * AVX-512's 32 registers. */
+/* Rows a pass of the lanes kernels (lanes.c): 8 int32 and 8 float accumulators of 16 channels, with the weight
+ * vectors, in AVX-512's 32 registers. */
 #define LANES_TILE 8
 
-/* Scales and minimums of group g (a sub-block of 32) of channels 16G .. 16G + 15 of a Q4L weight with Q4_K's scales
- * (`supers`): d · sc and -(dmin · m), sc and m widened from bytes (the products exact, as GGUF computes them). */
-static inline ONE512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m512 *scale, __m512 *minimum) {
-    const int64_t groups = w->k / 32, at = (G * groups + g) * 16;
-    const uint16_t *super = w->supers + (G * (groups / 8) + g / 8) * 32;
-    const __m128i sc = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->scales + at));
-    const __m128i m = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->mins + at));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 16)));
-    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000); /* -(dmin · m) bit for bit as `q4l_scale`, zeros too */
-    const __m512 product = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)));
-    *minimum = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
-}
-
-/* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ LANES_TILE, a constant at
- * each call): per block, each unit of 32 bytes widened once gives two vectors of input pairs (low and high nibbles)
- * that every row multiplies by its broadcast pair (`vpdpwssd`), the block's int32 sums then scaled for the 16
- * channels at once. The products are those of `q4_channel_one`; the float sums run per block, not per lane. */
-static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
-    const int64_t k = w->k, blocks = k / 32, per_group = w->group / 32, groups = k / w->group;
-    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
-    const uint16_t *scales = (const uint16_t *)w->scales + G * groups * 16;
-    const uint16_t *mins = w->mins ? w->mins + G * groups * 16 : NULL;
-    const __m512i mask = _mm512_set1_epi16(0x0F);
-    __m512 out[LANES_TILE];
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m512i acc[LANES_TILE];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 256 + u * 32)));
-            const __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_srli_epi16(bytes, 4);
-            for (int r = 0; r < R; r++) {
-                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
-                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
-            }
-        }
-        const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
-        __m512 d, m;
-        if (w->supers) {
-            q4k_lanes(w, G, g, &d, &m);
-        } else {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
-            m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
-                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-            if (b % per_group == 0) out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * groups + g]), out[r]);
-        }
-    }
-    const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
-}
-
-/* `q4l_tile` for a Q8L weight: each pair's 32 bytes widened once, then one `vpdpwssd` per row. */
-static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
-    const int64_t k = w->k, blocks = k / 32, first = G * blocks;
-    const int8_t *qw = (const int8_t *)w->weight + first * 512;
-    const uint16_t *scales = (const uint16_t *)w->scales + first * 16;
-    __m512 out[LANES_TILE];
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m512i acc[LANES_TILE];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 16; p++) {
-            const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 512 + p * 32)));
-            for (int r = 0; r < R; r++) {
-                const int32_t *x = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                acc[r] = _mm512_dpwssd_epi32(acc[r], pair, _mm512_set1_epi32(x[p]));
-            }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 16)));
-        for (int r = 0; r < R; r++) {
-            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-        }
-    }
-    const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
-}
-
-#define LANES_PASSES(tile_fn)                                                                                \
-    for (int64_t r0 = 0; r0 < rows; r0 += LANES_TILE) {                                                    \
-        switch (rows - r0 < LANES_TILE ? rows - r0 : LANES_TILE) {                                         \
-        case 8: tile_fn(w, G, xq, r0, 8, y, ldy); break;                                                   \
-        case 7: tile_fn(w, G, xq, r0, 7, y, ldy); break;                                                   \
-        case 6: tile_fn(w, G, xq, r0, 6, y, ldy); break;                                                   \
-        case 5: tile_fn(w, G, xq, r0, 5, y, ldy); break;                                                   \
-        case 4: tile_fn(w, G, xq, r0, 4, y, ldy); break;                                                   \
-        case 3: tile_fn(w, G, xq, r0, 3, y, ldy); break;                                                   \
-        case 2: tile_fn(w, G, xq, r0, 2, y, ldy); break;                                                   \
-        default: tile_fn(w, G, xq, r0, 1, y, ldy);                                                         \
-        }                                                                                                  \
-    }
-
-/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L or Q8L) for every row quantized in xq, LANES_TILE rows
- * a pass. */
-static ONE512 void lanes_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y,
-                               int64_t ldy) {
-    if (w->kind == LINEAR_Q8L) LANES_PASSES(q8l_tile)
-    else LANES_PASSES(q4l_tile)
-}
-#undef LANES_PASSES
+/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L, Q8L or Q6L) for every row quantized in xq (lanes.c). */
+void lanes_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y, int64_t ldy);
 
 /* Whether `w` is stored in lanes (its output channels 16 at a time: `lanes_group`). */
-static inline int in_lanes(const Linear *w) { return w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L; }
+static inline int in_lanes(const Linear *w) {
+    return w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L || w->kind == LINEAR_Q6L;
+}
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
@@ -627,10 +540,12 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
 int kettle_integer_gemm_supported(void);
-/* cpu_kernels.c's LM heads (GGUF Q8_0; int8 per channel) and greedy choice, which decoder_step.c's greedy steps
+/* cpu_kernels.c's LM heads (GGUF Q8_0 and Q6_K; int8 per channel) and greedy choice, which decoder_step.c's greedy steps
  * also run. */
 int kettle_q8g_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales,
                       int64_t n, int lanes, const float *bias, float *y, int64_t ldy, int path, int threads);
+int kettle_q6_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const int8_t *scales,
+                     const uint16_t *d, int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads);
 void kettle_q8_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
                       int64_t n, const float *bias, float *y, int64_t ldy, int threads);
 int kettle_q8_linear_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
@@ -760,8 +675,50 @@ static inline void q8l_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
+/* Block b of channel j of a Q6L weight: its 32 values q - 32 (-32..31) in input order, as two vectors of 16 bytes
+ * (inputs 0..15, 16..31). The low bits come as a Q4L block's (input i in byte i's low nibble, 16 + i in its high);
+ * the high bits from the channel's two bytes in each of the block's four vectors, which a byte shuffle spreads to
+ * the inputs (input 2u + e reads byte 2 (u / 2) + e, at bit 4 (u % 2), and 2 more for the second half). */
+static inline void q6l_block(const Linear *w, int64_t j, int64_t b, __m128i q[2]) {
+    const uint8_t *low = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 384 + 2 * (j % 16);
+    const __m128i nibbles = strided_pairs(low), mask = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3);
+    const __m128i bits = _mm_setr_epi16(load_u16(low + 256), load_u16(low + 288), load_u16(low + 320), load_u16(low + 352), 0, 0, 0, 0);
+    const __m128i spread = _mm_shuffle_epi8(bits, _mm_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7));
+    const __m128i odd_units = _mm_setr_epi8(0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1);
+    const __m128i fields = _mm_blendv_epi8(spread, _mm_and_si128(_mm_srli_epi16(spread, 4), mask), odd_units);
+    const __m128i first = _mm_slli_epi16(_mm_and_si128(fields, two), 4);
+    const __m128i second = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(fields, 2), two), 4);
+    const __m128i offset = _mm_set1_epi8(32);
+    q[0] = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(nibbles, mask), first), offset);
+    q[1] = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(nibbles, 4), mask), second), offset);
+}
+
+/* Channel j's weight scale per sub-block of 16 inputs of a Q6L weight (K/16 floats): d · sc, exact in float32. */
+static inline void q6l_scales(const Linear *w, int64_t j, float *scale) {
+    const int8_t *sc = (const int8_t *)w->scales + j / 16 * (w->k / 16) * 16 + j % 16;
+    const uint16_t *d = w->supers + j / 16 * (w->k / 256) * 16 + j % 16;
+    for (int64_t s = 0; s < w->k / 16; s++) scale[s] = _cvtsh_ss(d[s / 16 * 16]) * (float)sc[s * 16];
+}
+
+/* Row j of a Q6L weight as K floats: (d · sc) · (q - 32), the products GGUF's dequantization forms, bit for bit. */
+static inline void q6l_dequant_row(const Linear *w, int64_t j, float *dst) {
+    float scale[w->k / 16];
+    q6l_scales(w, j, scale);
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        __m128i q[2];
+        q6l_block(w, j, b, q);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_set1_ps(scale[2 * b + h]);
+            float *out = dst + b * 32 + 16 * h;
+            _mm256_storeu_ps(out, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[h]))));
+            _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q[h], 8)))));
+        }
+    }
+}
+
 static inline void dequant_channel(const Linear *w, int64_t j, float *dst) {
-    if (w->kind == LINEAR_Q8L) q8l_dequant_row(w, j, dst);
+    if (w->kind == LINEAR_Q6L) q6l_dequant_row(w, j, dst);
+    else if (w->kind == LINEAR_Q8L) q8l_dequant_row(w, j, dst);
     else if (w->kind == LINEAR_Q4L) q4l_dequant_row(w, j, dst);
     else if (w->kind == LINEAR_Q4) q4_dequant_row(w, j, dst);
     else if (w->kind == LINEAR_Q8G) q8g_dequant_row(w, j, dst);

@@ -168,6 +168,47 @@ def q4_dequantize(
     return out
 
 
+def q6_path(rows: int, k: int) -> int:
+    """`kettle_q6_linear`'s path for `rows` rows of K inputs, as for the other weights in lanes: -1 its lanes kernel
+    (int16 rows), from the lanes' panel row count on 1 the float32 panels or 2 the integer ones; 0 the float32 tiles
+    where quantized activations are off (`KETTLE_QUANTIZED_ACTIVATIONS=0`)."""
+    if rows >= panel_rows(lanes=True):
+        return _rows_path(rows, k, lanes=True)
+    return -1 if QUANTIZED_ACTIVATIONS else 0
+
+
+def q6_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] float32 · Wᵀ (+ bias) for GGUF's Q6_K in lanes (kettle/quantization/q6.py): [M, N] float32."""
+    rows, k = x.shape
+    n = scales.shape[0]
+    x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    status = library().kettle_q6_linear(
+        x.data_ptr(), k, rows, k, weight.data_ptr(), scales.data_ptr(), d.data_ptr(), n, _ptr(bias), y.data_ptr(), n,
+        q6_path(rows, k), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
+    return y
+
+
+def q6_rows(
+    weight: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows `ids` of a Q6_K weight in lanes (every row when None) as float32 [len(ids), K]: gguf's values."""
+    n, k = scales.shape[0], scales.shape[1] * 16
+    ids = None if ids is None else _row_ids(ids, n)
+    count = n if ids is None else ids.numel()
+    out = torch.empty(count, k, dtype=torch.float32)
+    library().kettle_q6_rows(
+        weight.data_ptr(), scales.data_ptr(), d.data_ptr(), n, k, _ptr(ids), count, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for W = q [N, K] int8 · scales [N] float32: [M, N] float32."""
     rows, k = x.shape

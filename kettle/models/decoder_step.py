@@ -15,9 +15,10 @@ GPT-BigCode. Not described: ALiBi (BLOOM, MPT, Falcon-ALiBi), qkv clipping, post
 projection.
 
 It applies to a CPU float32 model whose every projection is a `Q4Linear`, a `Q8Linear` (GGUF Q8_0), a
-kernel-backed `Int8Linear` or a float32 `Linear` stored dense (`KETTLE_CPU_LINEAR=dense`: the default
-oneDNN-packed layout has no rows to read), on one shard, with quantized activations on, a KV cache of float32,
-float16 or bfloat16 (`--kv-cache-dtype`) and a decode batch the packed kernels take (`dense_rows`). Anything else
+`Q6Linear` (GGUF Q6_K), a kernel-backed `Int8Linear` or a float32 `Linear` stored dense
+(`KETTLE_CPU_LINEAR=dense`: the default oneDNN-packed layout has no rows to read), on one shard, with quantized
+activations on, a KV cache of float32, float16 or bfloat16 (`--kv-cache-dtype`) and a decode batch the packed
+kernels take (`dense_rows`). Anything else
 returns None from `build` (with the reason in `DecoderStep.why_not`) or False from `fits`, and the model's
 forward runs layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
 """
@@ -39,6 +40,7 @@ from kettle.kernels.decoder_step import (
     LINEAR_F32,
     LINEAR_Q4,
     LINEAR_Q4L,
+    LINEAR_Q6L,
     LINEAR_Q8,
     LINEAR_Q8G,
     LINEAR_Q8L,
@@ -66,6 +68,7 @@ from kettle.models.blocks import DenseMLP, GatedMLP
 from kettle.models.decoder import Attention, BlockPlan
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from kettle.tensors.kv_cache import KVCache
 
@@ -97,6 +100,10 @@ def _linear(module: nn.Module) -> Linear:
         n, k = module.out_features, module.in_features
         kind = LINEAR_Q8L if module.lanes else LINEAR_Q8G
         return Linear(kind, 32, n, k, module.q.data_ptr(), module.scales.data_ptr(), None, bias)
+    if isinstance(module, Q6Linear):
+        n, k = module.out_features, module.in_features
+        weights = (module.weight_bytes.data_ptr(), module.scales.data_ptr(), None, bias, module.d.data_ptr())
+        return Linear(LINEAR_Q6L, 32, n, k, *weights)
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         n, k = module.out_features, module.in_features
         return Linear(LINEAR_Q8, k, n, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)
@@ -111,11 +118,13 @@ def _linear(module: nn.Module) -> Linear:
 
 def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     """The C descriptions of the input embedding (float32 rows, or a quantized table's) and of the LM head, for
-    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, a GGUF checkpoint's) or a kernel-backed
-    int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs as `compute_logits` does."""
+    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, a GGUF checkpoint's) or Q6_K (`Q6Linear`)
+    or a kernel-backed int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs as `compute_logits`
+    does."""
     head = getattr(model, "lm_head", None)
     try:
-        if not isinstance(head, Q8Linear | Int8Linear) or _linear(head).kind not in (LINEAR_Q8G, LINEAR_Q8L, LINEAR_Q8):
+        heads = (LINEAR_Q8G, LINEAR_Q8L, LINEAR_Q8, LINEAR_Q6L)
+        if not isinstance(head, Q8Linear | Q6Linear | Int8Linear) or _linear(head).kind not in heads:
             return None
     except Unsupported:
         return None
@@ -124,7 +133,7 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     if embed_rows is not None:
         table = getattr(embed_rows, "__self__", None)  # the table's bound `embed` (a tied head's, or its own)
         try:
-            embedding = _linear(table) if isinstance(table, Q8Linear | Q4Linear | Int8Linear) else None
+            embedding = _linear(table) if isinstance(table, Q8Linear | Q4Linear | Q6Linear | Int8Linear) else None
         except Unsupported:  # an int8 table the kernels do not read (a row width not a multiple of 32)
             return None
     elif weight is not None and weight.dim() == 2 and _float32_rows(weight):
@@ -320,7 +329,10 @@ class DecoderStep:
         slots = (tables[torch.arange(seqs), grid // block] * block + grid % block).reshape(-1)
         rows = StepRows(cos, sin, slots, plan.block_ids, plan.num_blocks, positions)
         kind, hidden = self._ends[1].kind, self.decoder.hidden
-        path = ops.q8_path(seqs, hidden) if kind == LINEAR_Q8 else ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
+        if kind == LINEAR_Q6L:
+            path = ops.q6_path(seqs, hidden)
+        else:
+            path = ops.q8_path(seqs, hidden) if kind == LINEAR_Q8 else ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
         caches = self._cache_pointers(kv_cache)
         return run_greedy(self.decoder, caches, self._ends, path, tokens, rows, stop_ids)
 

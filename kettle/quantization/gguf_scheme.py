@@ -4,8 +4,9 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
 - Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py;
   Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
-- Q5_0, Q5_1, Q5_K, Q6_K → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
-  dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
+- Q6_K → its own layout in lanes (`Q6Linear`), the file's values, where weights are held in lanes (AVX-512 VNNI);
+- Q5_0, Q5_1, Q5_K (and Q6_K elsewhere) → int8 with one scale per output channel (`Int8Linear`), requantized from
+  gguf's dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
 - F32, F16, BF16 → dense, as any float checkpoint.
 A fused projection (q/k/v, gate/up) whose parts mix types loads as per-channel int8.
 The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact. An
@@ -25,10 +26,12 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.quantization import q6
 from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from kettle.quantization.qparams import QParams
 from kettle.tensors.gguf_file import DENSE, EXACT_INT4, GgufTensors
@@ -80,10 +83,11 @@ class GgufScheme:
         Q4_K table: 250 MiB against 40). None for a tied table or a float one."""
         return self._table(embed) if self.gguf.has(head) else None
 
-    def _table(self, name: str) -> Q4Linear | Q8Linear | Int8Linear | None:
-        """A vocabulary table from its blocks where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K), or
-        requantized to int8 per row as this scheme serves those types' projections (Q5_*, Q6_K: a quarter of the
-        float32 table, within those types' own rounding). None for a float table, which stays dense."""
+    def _table(self, name: str) -> Q4Linear | Q8Linear | Q6Linear | Int8Linear | None:
+        """A vocabulary table from its blocks where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K; Q6_K
+        in lanes), or requantized to int8 per row as this scheme serves those types' projections (Q5_*, Q6_K
+        elsewhere: a quarter of the float32 table, within those types' own rounding). None for a float table, which
+        stays dense."""
         qtype = self.gguf.qtype(name)
         if not ops.available() or qtype in DENSE:
             return None
@@ -92,6 +96,8 @@ class GgufScheme:
         if qtype in EXACT_INT4:
             table = int4_linear(int4_groups(self.gguf.blocks(name)), None)
             return table if isinstance(table, Q4Linear) else None
+        if qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)):
+            return Q6Linear.from_blocks([self.gguf.blocks(name)])
         return Int8Linear.from_weight(self.gguf.dense(name))
 
     def load_head(self, head: nn.Module) -> nn.Module:
@@ -110,6 +116,9 @@ class GgufScheme:
                 return layer
         if all(qtype == T.Q8_0 for qtype in qtypes) and ops.available():  # the file's own grid, exactly
             return Q8Linear.concat([Q8Linear.from_blocks(self.gguf.blocks(name)) for name in names], bias)
+        shapes = [self.gguf.shape(name) for name in names]
+        if all(qtype == T.Q6_K for qtype in qtypes) and all(q6.fits(*shape) for shape in shapes):
+            return Q6Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
 
 

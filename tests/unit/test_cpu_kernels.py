@@ -172,8 +172,8 @@ def test_a_q4_k_weight_in_lanes_keeps_the_files_scales_and_computes_its_products
     kernels and the tensor-op path), table rows too, and every path's products (lanes kernel, panels) lie within
     the int16 activations' bound of the dense ones. Where the weight is not in lanes it takes the float16 products,
     as before."""
-    if not ops._has_vnni():
-        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    if not ops.lanes():
+        pytest.skip("the lanes layout needs AVX-512 VNNI (and KETTLE_CPU_LANES on)")
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
@@ -202,6 +202,44 @@ def test_a_q4_k_weight_in_lanes_keeps_the_files_scales_and_computes_its_products
     assert rows.supers is None and rows.scales.dtype == torch.float16
     products = Q4Linear.from_groups(groups.values, groups.scales, groups.mins, 32)
     assert torch.equal(rows.dequantized(), products.dequantized())
+
+
+def random_q6_k_blocks(n: int, k: int, seed: int):
+    """Q6_K blocks [n, k/256 · 210 bytes]: random low and high bits and int8 scales, a d of its own per super-block."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = (rng.random((n, k // 256, 1)) * 2e-4 + 1e-5).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_a_q6_k_weight_in_lanes_holds_the_files_values_and_computes_their_products():
+    """GGUF's Q6_K in lanes (kernels.h's Q6L): the file's 210 bytes per 256 weights become 6.56 bits a weight as
+    stored (384 bytes a block of 32 for 16 channels, the scale tables beside), its dequantized values are gguf's
+    own bit for bit, in the file's row order where the loader reorders rows, a fused projection's parts stack, and
+    every path's products (lanes kernel, the integer panels with a scale per 16 inputs) lie within the int16
+    activations' bound of the dense ones."""
+    if not ops.lanes():
+        pytest.skip("the lanes layout needs AVX-512 VNNI (and KETTLE_CPU_LANES on)")
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from kettle.quantization.q6 import Q6Linear
+    from kettle.tensors.gguf_file import Blocks
+
+    n, k = 96, 768
+    parts = [random_q6_k_blocks(n, k, seed) for seed in (6, 7)]
+    files = [torch.from_numpy(dequantize(data, T.Q6_K)).float() for data in parts]
+    order = torch.randperm(n)
+    blocks = [Blocks(parts[0], T.Q6_K, n, k, order), Blocks(parts[1], T.Q6_K, n, k, None)]
+    fused = Q6Linear.from_blocks(blocks, torch.randn(2 * n))
+    dense = torch.cat([files[0][order], files[1]])
+    assert sum(t.numel() * t.element_size() for t in fused.buffers()) == 2 * n * k * 210 // 256
+    assert torch.equal(fused.dequantized(), dense)
+    for count in (1, 2, 5, 8, 9, 40, 130, 300):
+        x = torch.randn(count, k)
+        assert relative(fused(x), F.linear(x, dense, fused.bias)) < QUANTIZED_ACTIVATION_RTOL, count
 
 
 def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):

@@ -1,0 +1,110 @@
+"""GGUF's Q6_K on Kettle's CPU kernels, in lanes (kernels.h's Q6L layout): the file's own 6.56 bits a weight.
+
+Q6_K stores w = d · sc · (q - 32) with q in 0..63 (its low 4 bits and high 2 bits in separate arrays), an int8
+scale sc per 16 inputs and a float16 d per 256. Kettle keeps exactly those values: the low bits in the Q4L layout
+(16 output channels side by side, kettle/quantization/q4.py `to_lanes`), the high bits beside them in each block,
+and the two scale tables side by side for 16 channels, so the lanes kernel multiplies q - 32 with int16
+activations as it does Q4L's nibbles, keeping the sums of each sub-block of 16 apart for its own scale. The
+dequantized weights are gguf's own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
+
+Only where weights are held in lanes (AVX-512 VNNI, N a multiple of 16, K of 256: `fits`); elsewhere Q6_K serves
+on the nearest scheme, int8 per output channel (kettle/quantization/gguf_scheme.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from kettle.kernels import ops
+from kettle.quantization.config import DENSE_ROWS
+from kettle.quantization.q4 import LANES, SUPER_BLOCK, table_to_lanes
+from kettle.tensors.gguf_file import Blocks
+
+BLOCK_BYTES = 210  # a Q6_K super-block: 128 bytes of low bits, 64 of high bits, 16 int8 scales, float16 d
+LANE_BLOCK = 384  # bytes of one block of 32 inputs for 16 channels in lanes: 256 of low bits, 128 of high
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether a Q6_K weight of n output channels and k inputs is held in lanes here (the only layout its kernel
+    reads)."""
+    return ops.lanes() and n % LANES == 0 and k % SUPER_BLOCK == 0
+
+
+def decode_blocks(data: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q6_K tensor's raw blocks [n, k / 256 · 210 bytes] → q [n, k] uint8 (0..63), scales [n, k/16] int8 and d
+    [n, k/256] float16, the file's values (gguf.quants' Q6_K bit order)."""
+    blocks = np.asarray(data).reshape(-1, BLOCK_BYTES)
+    low, high = blocks[:, :128].reshape(-1, 2, 1, 64), blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    low = (low >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = low.reshape(-1, SUPER_BLOCK) | (high.reshape(-1, SUPER_BLOCK) << 4)
+    scales = blocks[:, 192:208].copy().view(np.int8)
+    d = blocks[:, 208:210].copy().view(np.float16)
+    return _tensor(q, (n, k)), _tensor(scales, (n, k // 16)), _tensor(d, (n, k // SUPER_BLOCK))
+
+
+def _ordered(parts: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    return parts if order is None else tuple(part[order] for part in parts)
+
+
+def _tensor(array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
+
+
+def to_lanes(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..63) → kernels.h's Q6L weight bytes [N, K · 3/4]: per 16 channels and block of 32, the low 4 bits
+    as Q4L's units (byte 2c + e of unit u: inputs 2u + e and 16 + 2u + e), then the high 2 bits, byte 2c + e of
+    vector v holding units 2v and 2v + 1's (bits 2j: unit 2v + j / 2, half j % 2)."""
+    n, k = q.shape
+    q = q.view(n // LANES, LANES, k // 32, 2, 8, 2)  # [G, c, b, half, u, e]
+    low, high = q & 0x0F, q >> 4
+    units = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, u, c, e]
+    pairs = high.view(n // LANES, LANES, k // 32, 2, 4, 2, 2)  # [G, c, b, half, v, t, e]
+    shifts = torch.tensor([[0, 4], [2, 6]], dtype=torch.uint8).view(1, 1, 1, 2, 1, 2, 1)  # 2j, j = 2t + half
+    bits = (pairs << shifts).sum(dim=(3, 5), dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [G, b, v, c, e]
+    blocks = torch.cat([units.reshape(n // LANES, k // 32, 256), bits.reshape(n // LANES, k // 32, 128)], dim=2)
+    return blocks.reshape(n, k * 3 // 4).contiguous()
+
+
+class Q6Linear(nn.Module):
+    """y = x Wᵀ (+ b) with W [out, in] in GGUF's Q6_K, in lanes on Kettle's CPU kernels; same call shape as
+    `Linear`."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, bias=None) -> None:
+        """From q [N, K] (0..63), scales [N, K/16] int8 and d [N, K/256] float16 (`decode_blocks`); the caller
+        checks `fits`."""
+        super().__init__()
+        n, k = q.shape
+        self.out_features, self.in_features = int(n), int(k)
+        self.dense_rows = DENSE_ROWS
+        self.register_buffer("weight_bytes", to_lanes(q.to(torch.uint8)), persistent=False)
+        self.register_buffer("scales", table_to_lanes(scales.to(torch.int8)), persistent=False)
+        self.register_buffer("d", table_to_lanes(d.to(torch.float16)), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_blocks(cls, parts: list[Blocks], bias=None) -> Q6Linear:
+        """GGUF Q6_K tensors' blocks, rows in Hugging Face order (`Blocks.order`: whole rows move), as one
+        projection (a fused one: the parts' output channels stacked)."""
+        decoded = [_ordered(decode_blocks(b.data, b.rows, b.cols), b.order) for b in parts]
+        return cls(*(torch.cat(tensors) for tensors in zip(*decoded, strict=True)), bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
+        return ops.q6_rows(self.weight_bytes, self.scales, self.d)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32: the embedding lookup of a GGUF file's Q6_K table (tied to the head or its
+        own), which then needs no float32 copy."""
+        rows = ops.q6_rows(self.weight_bytes, self.scales, self.d, ids)
+        return rows.view(*ids.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = ops.q6_linear(rows.float(), self.weight_bytes, self.scales, self.d, self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, q6_k, kernel=kettle, lanes"
