@@ -64,16 +64,17 @@ def int4_groups(blocks: Blocks) -> Int4Groups:
     values, scales, mins, *q4k = decode(np.asarray(blocks.data).reshape(-1), packed)
     shape = (blocks.rows, blocks.cols // GROUP)
     groups = Int4Groups(
-        _tensor(values, (blocks.rows, blocks.cols // (2 if packed else 1))),
-        _tensor(scales, shape),
-        _tensor(mins, shape),
+        as_tensor(values, (blocks.rows, blocks.cols // (2 if packed else 1))),
+        as_tensor(scales, shape),
+        as_tensor(mins, shape),
         packed,
-        (_tensor(q4k[0], shape), _tensor(q4k[1], shape), _tensor(q4k[2], (blocks.rows, -1, 2))) if q4k else None,
+        (as_tensor(q4k[0], shape), as_tensor(q4k[1], shape), as_tensor(q4k[2], (blocks.rows, -1, 2))) if q4k else None,
     )
     return groups if blocks.order is None else groups.rows(blocks.order)
 
 
-def _tensor(array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+def as_tensor(array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """A decoded numpy array as a contiguous tensor of `shape` (a view of it where it is contiguous already)."""
     return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
 
 

@@ -116,8 +116,7 @@ class GgufScheme:
                 return layer
         if all(qtype == T.Q8_0 for qtype in qtypes) and ops.available():  # the file's own grid, exactly
             return Q8Linear.concat([Q8Linear.from_blocks(self.gguf.blocks(name)) for name in names], bias)
-        shapes = [self.gguf.shape(name) for name in names]
-        if all(qtype == T.Q6_K for qtype in qtypes) and all(q6.fits(*shape) for shape in shapes):
+        if all(qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)) for qtype, name in zip(qtypes, names, strict=True)):
             return Q6Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
 

@@ -19,11 +19,11 @@ from torch import nn
 
 from kettle.kernels import ops
 from kettle.quantization.config import DENSE_ROWS
+from kettle.quantization.gguf_blocks import as_tensor
 from kettle.quantization.q4 import LANES, SUPER_BLOCK, table_to_lanes
 from kettle.tensors.gguf_file import Blocks
 
 BLOCK_BYTES = 210  # a Q6_K super-block: 128 bytes of low bits, 64 of high bits, 16 int8 scales, float16 d
-LANE_BLOCK = 384  # bytes of one block of 32 inputs for 16 channels in lanes: 256 of low bits, 128 of high
 
 
 def fits(n: int, k: int) -> bool:
@@ -42,15 +42,11 @@ def decode_blocks(data: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch
     q = low.reshape(-1, SUPER_BLOCK) | (high.reshape(-1, SUPER_BLOCK) << 4)
     scales = blocks[:, 192:208].copy().view(np.int8)
     d = blocks[:, 208:210].copy().view(np.float16)
-    return _tensor(q, (n, k)), _tensor(scales, (n, k // 16)), _tensor(d, (n, k // SUPER_BLOCK))
+    return as_tensor(q, (n, k)), as_tensor(scales, (n, k // 16)), as_tensor(d, (n, k // SUPER_BLOCK))
 
 
 def _ordered(parts: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return parts if order is None else tuple(part[order] for part in parts)
-
-
-def _tensor(array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
 
 
 def to_lanes(q: torch.Tensor) -> torch.Tensor:
