@@ -120,9 +120,11 @@ int kettle_q8_linear_rows(
     return linear_rows(&w, x, ldx, rows, y, ldy, path, threads);
 }
 
-/* x [rows, K] (rows ldx floats apart) quantized for a weight with groups of `group`; -1 when out of memory. */
-static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, QuantizedRows *out) {
-    if (alloc_rows(rows, k, out)) return -1;
+/* x [rows, K] (rows ldx floats apart) quantized for a weight with groups of `group` (with `halves`, the sums a Q6L
+ * weight reads); -1 when out of memory. */
+static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, int64_t group, int halves,
+                         QuantizedRows *out) {
+    if (alloc_rows(rows, k, out) || (halves && alloc_halves(rows, k, out))) return -1;
     for (int64_t m = 0; m < rows; m++) quantize_row(x + m * ldx, k, group, out, m);
     return 0;
 }
@@ -131,7 +133,7 @@ static int quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, i
  * lanes 16 channels at a time (`lanes_group`), else channel by channel. -1 when out of memory (nothing written). */
 static int linear_qa(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int threads) {
     QuantizedRows xq;
-    if (quantize_rows(x, ldx, rows, w->k, w->group, &xq)) return free_rows(&xq), -1;
+    if (quantize_rows(x, ldx, rows, w->k, w->group, w->kind == LINEAR_Q6L, &xq)) return free_rows(&xq), -1;
     if (in_lanes(w)) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t g = 0; g < w->n / 16; g++) lanes_group(w, g, &xq, rows, y, ldy);

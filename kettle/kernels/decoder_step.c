@@ -189,6 +189,19 @@ typedef struct {
     float *lora_t;               /* [rows · widest rank]: each row's products with the A rows */
 } Scratch;
 
+/* Whether any projection of the model is a Q6L weight, whose kernel reads the quantized rows' sums per 16 inputs
+ * (`QuantizedRows.half`): only then are they formed. */
+static int reads_halves(const Decoder *m) {
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const Layer *l = m->layers + i;
+        const Linear *own[] = {&l->qkv, &l->o, &l->up, &l->down};
+        for (int p = 0; p < 4; p++) if (own[p]->kind == LINEAR_Q6L) return 1;
+        for (int64_t e = 0; l->experts && e < l->experts->num_experts; e++)
+            if (l->experts->up[e].kind == LINEAR_Q6L || l->experts->down[e].kind == LINEAR_Q6L) return 1;
+    }
+    return 0;
+}
+
 static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim, heads = m->heads * m->head_dim;
     const int64_t kv = m->kv_heads * m->head_dim;
@@ -201,7 +214,8 @@ static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
     if (!base || !s->chosen) return free(base), free(s->chosen), -1;
     const int lanes = m->integer_gemm && rows >= m->gemm_rows; /* room for the integer panels' layout */
-    if (alloc_rows(rows, widest, &s->xq) || (lanes && alloc_lanes(rows, widest, &s->xq)))
+    if (alloc_rows(rows, widest, &s->xq) || (lanes && alloc_lanes(rows, widest, &s->xq)) ||
+        (reads_halves(m) && alloc_halves(rows, widest, &s->xq)))
         return free(base), free(s->chosen), free_rows(&s->xq), -1;
     for (int i = 0; i < 11; i++) *slots[i] = base, base += rows * sizes[i];
     s->route = base;

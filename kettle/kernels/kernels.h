@@ -63,10 +63,10 @@ enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L 
 typedef struct {
     int64_t kind, group, n, k; /* group: Q4's group size (Q8G: 32; Q8, F32: k) */
     const void *weight;        /* Q4: packed [N, K/2] uint8; Q8, Q8G: [N, K] int8; F32: [N, K] float */
-    const void *scales;        /* Q4, Q8G: [N, K/group] float16; Q8: [N] float32 */
+    const void *scales;        /* Q4, Q8G: [N, K/group] float16; Q8: [N] float32; Q6L: int8 (the layouts above) */
     const uint16_t *mins;      /* Q4: [N, K/group] float16, or NULL for a symmetric weight (`Minimums`) */
     const float *bias;         /* [N] or NULL */
-    const uint16_t *supers;    /* Q4L only: Q4_K's super-block d and dmin (the layout above), or NULL */
+    const uint16_t *supers;    /* Q4L with Q4_K's scales: d and dmin; Q6L: d (the layouts above); else NULL */
 } Linear;
 
 /* A Q4 channel's minimums, each read as factor · table[g]. A symmetric weight stores none (mins NULL): its scales
@@ -173,7 +173,8 @@ typedef struct {
     float *scale;  /* [rows, K/32] */
     float *sum;    /* [rows, K/group]: the exact float sum of each weight group's inputs (the minimum term) */
     float *lanes;  /* the same rows 16 to a vector for gemm.c's integer panels (`lay_out_lanes`), or NULL */
-    int32_t *half; /* [rows, K/16]: the sum of each 16 int16 values (Q6L's q - 32: 32 · this, once per sub-block) */
+    int32_t *half; /* [rows, K/16]: the sum of each 16 int16 values (Q6L's q - 32: 32 · this, once per sub-block),
+                    * or NULL where no Q6L weight reads the rows (`alloc_halves`) */
 } QuantizedRows;
 
 static inline void free_rows(QuantizedRows *rows) {
@@ -189,9 +190,15 @@ static inline int alloc_rows(int64_t rows, int64_t k, QuantizedRows *out) {
     out->q = aligned_alloc(32, sizeof(int16_t) * (size_t)(rows * k + 32));
     out->scale = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
     out->sum = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    out->lanes = NULL, out->half = NULL;
+    return out->q && out->scale && out->sum ? 0 : -1;
+}
+
+/* Room in `out` (allocated by alloc_rows) for the sums a Q6L weight reads (`QuantizedRows.half`); -1 when out of
+ * memory. Only then does `quantize_row` form them. */
+static inline int alloc_halves(int64_t rows, int64_t k, QuantizedRows *out) {
     out->half = malloc(sizeof(int32_t) * (size_t)(rows * (k / 16) + 1));
-    out->lanes = NULL;
-    return out->q && out->scale && out->sum && out->half ? 0 : -1;
+    return out->half ? 0 : -1;
 }
 
 /* Floats of one group of 16 rows laid out in lanes for K (pairs [K/2][16], scale [K/32][16], sum [K/32][16]). */
@@ -224,8 +231,10 @@ static inline void quantize_row(const float *x, int64_t k, int64_t group, Quanti
         const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
         __m256i q[4]; /* rounded to nearest */
         for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-        out->half[r * (k / 16) + 2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
-        out->half[r * (k / 16) + 2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+        if (out->half) {
+            out->half[r * (k / 16) + 2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+            out->half[r * (k / 16) + 2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+        }
         /* packs works within 128-bit lanes: [0-3, 8-11 | 4-7, 12-15]; the permute restores the order. */
         int16_t *dst = out->q + r * k + b * 32;
         _mm256_store_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
@@ -540,8 +549,8 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
 int kettle_integer_gemm_supported(void);
-/* cpu_kernels.c's LM heads (GGUF Q8_0 and Q6_K; int8 per channel) and greedy choice, which decoder_step.c's greedy steps
- * also run. */
+/* cpu_kernels.c's LM heads (GGUF Q8_0 and Q6_K; int8 per channel) and greedy choice, which decoder_step.c's
+ * greedy steps also run. */
 int kettle_q8g_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales,
                       int64_t n, int lanes, const float *bias, float *y, int64_t ldy, int path, int threads);
 int kettle_q6_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const int8_t *scales,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kettle.quantization.q4 import CHUNK, unpack_q4
+from kettle.quantization.q4 import CHUNK, q4k_products, unpack_q4
 from kettle.tensors.gguf_file import Blocks
 
 GROUP = 32
@@ -61,15 +61,14 @@ def int4_groups(blocks: Blocks) -> Int4Groups:
     """The raw blocks of a Q4_0/Q4_1/Q4_K tensor → `Int4Groups`, rows in Hugging Face order."""
     decode = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}[blocks.qtype]
     packed = blocks.cols % CHUNK == 0  # Q4_K always: its super-blocks are 256 wide
-    values, scales, mins, *q4k = decode(np.asarray(blocks.data).reshape(-1), packed)
+    values, *tables = decode(np.asarray(blocks.data).reshape(-1), packed)
     shape = (blocks.rows, blocks.cols // GROUP)
-    groups = Int4Groups(
-        as_tensor(values, (blocks.rows, blocks.cols // (2 if packed else 1))),
-        as_tensor(scales, shape),
-        as_tensor(mins, shape),
-        packed,
-        (as_tensor(q4k[0], shape), as_tensor(q4k[1], shape), as_tensor(q4k[2], (blocks.rows, -1, 2))) if q4k else None,
-    )
+    values = as_tensor(values, (blocks.rows, blocks.cols // (2 if packed else 1)))
+    if blocks.qtype == T.Q4_K:  # sc, m and each super-block's d, dmin: the products from them (`q4k_products`)
+        q4k = (as_tensor(tables[0], shape), as_tensor(tables[1], shape), as_tensor(tables[2], (blocks.rows, -1, 2)))
+        groups = Int4Groups(values, *q4k_products(*q4k), packed, q4k)
+    else:
+        groups = Int4Groups(values, as_tensor(tables[0], shape), as_tensor(tables[1], shape), packed)
     return groups if blocks.order is None else groups.rows(blocks.order)
 
 
@@ -106,11 +105,8 @@ def _q4_k(data: np.ndarray, packed: bool):
 
     blocks = data.reshape(-1, 144)
     supers = blocks[:, :4].copy().view(np.float16)  # d, dmin
-    halves = supers.astype(np.float32)
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-    scales = halves[:, :1] * sc.astype(np.float32)
-    mins = -(halves[:, 1:2] * m.astype(np.float32))
     # 128 bytes of nibbles: four runs of 32 bytes, each holding sub-block 2c (low nibbles) and 2c + 1 (high):
     # `Q4Linear`'s chunks as they are.
     assert packed, "Q4_K rows are whole 256-wide super-blocks"
-    return blocks[:, 16:].reshape(-1, 128), scales, mins, sc.astype(np.uint8), m.astype(np.uint8), supers
+    return blocks[:, 16:].reshape(-1, 128), sc.astype(np.uint8), m.astype(np.uint8), supers

@@ -38,6 +38,8 @@ EXACT_NEEDS_KERNELS = "the exact mapping runs on Kettle's CPU kernels (switched 
 # scales, measured max difference 3e-6 (the products are gguf's); in the rows layout 1.8e-4 (d · sc rounded to
 # float16, ≤ 2^-11 relative).
 Q4_K_RTOL, Q4_K_ROWS_RTOL = 2e-5, 1e-3
+# Q6_K with the kernels' int16 activations (the fused decode step's), relative to the largest logit: measured 4-5e-5.
+Q6_K_QUANTIZED_RTOL = 5e-4
 
 
 def q4_k_rtol(model) -> float:
@@ -139,6 +141,26 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     atol = q4_k_rtol(model) * float(expected.abs().max()) if qtype == T.Q4_K else EXACT_ATOL[qtype]
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     reference.generation_config.eos_token_id = None  # Kettle's `greedy` runs its 8 tokens whatever they are
+    with torch.inference_mode():
+        hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
+    assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
+
+
+def test_q6_k_layers_run_in_the_fused_decode_step(tmp_path, monkeypatch):
+    """A Q6_K file with the kernels' int16 activations on: every projection, the table and the head run in the fused
+    CPU decode step (whose rows carry the sums Q6_K's kernel reads), and its logits and greedy tokens are the
+    file's."""
+    from kettle.models.decoder_step import DecoderStep
+
+    if not ops.lanes():
+        pytest.skip("Q6_K's kernel needs the lanes layout (AVX-512 VNNI)")
+    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
+    folder, reference = build(tmp_path, "llama", T.Q6_K)
+    model = load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert model.cpu_decoder_step is not None, DecoderStep.why_not
+    expected, logits = reference_logits(reference), kettle_logits(model)
+    torch.testing.assert_close(logits, expected, atol=Q6_K_QUANTIZED_RTOL * float(expected.abs().max()), rtol=0)
+    reference.generation_config.eos_token_id = None
     with torch.inference_mode():
         hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
     assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
