@@ -6,7 +6,8 @@
 # volume, and the arguments go to `kettle launch`, which takes every text-generation-launcher flag.
 FROM python:3.11-slim
 
-# A C compiler builds Kettle's CPU kernels on first start; without one Kettle says so and runs slower.
+# A C compiler builds Kettle's CPU kernels during the install below, into the image (a container then starts
+# without compiling); it stays for sources that differ from the image's. Without one Kettle says so and runs slower.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -2,9 +2,11 @@
 
     PYTHONPATH=. .venv/bin/python bench/startup_time.py [--runs 2] [-- LAUNCH FLAGS...]
 
-The first start prepares the model folder from the GGUF and builds the C kernels into the (temporary) cache;
-the later ones reuse both. Each run prints its time, the launcher's log lines that say where the time went,
-and the resident memory each process logged.
+The first start prepares the model folder from the GGUF into the (temporary) cache; the later ones reuse it. The
+C kernels come from the install (scripts/install.sh builds them into the environment); with
+KETTLE_INSTALLED_KERNELS=0 the first start builds them into the cache as well, as a bare `pip install` would.
+Each run prints its time, the launcher's log lines that say where the time went, and the resident memory each
+process logged.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Settings:
     int4_group_size: int | None  # KETTLE_INT4_GROUP_SIZE: None lets a checkpoint's own 4-bit grid decide
     quant_lm_head: str  # KETTLE_QUANT_LM_HEAD: int8, int4 or dense, for --quantize int8/int4
     cpu_kernels: bool  # KETTLE_CPU_KERNELS=0: PyTorch's ops instead of Kettle's C kernels
+    installed_kernels: bool  # KETTLE_INSTALLED_KERNELS=0: ignore the kernels built at install; build into the cache
     cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
     greedy_window: bool  # KETTLE_GREEDY_WINDOW=0: a decode call's greedy steps one at a time, not in one C call
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
@@ -82,6 +83,7 @@ class Settings:
             int4_group_size=_group_size(env.get("KETTLE_INT4_GROUP_SIZE")),
             quant_lm_head=_lm_head(env.get("KETTLE_QUANT_LM_HEAD", "int8")),
             cpu_kernels=env.get("KETTLE_CPU_KERNELS", "1") != "0",
+            installed_kernels=env.get("KETTLE_INSTALLED_KERNELS", "1") != "0",
             cpu_decoder_step=env.get("KETTLE_CPU_DECODER_STEP", "1") != "0",
             greedy_window=env.get("KETTLE_GREEDY_WINDOW", "1") != "0",
             cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,

@@ -59,3 +59,7 @@ fi
 # Importing kettle.proto generates the gRPC stubs from generate.proto (run outside the checkout, so that a
 # regular install generates them in site-packages, beside the installed proto file).
 (cd / && "$PYTHON" -c "import kettle.proto")
+# The CPU kernels are compiled here, into the environment, as a package's C extension is when installed: a first
+# start then waits only for the model. Without a compiler (or AVX2) the server runs on PyTorch's ops instead, so
+# this step never fails the install.
+(cd / && "$PYTHON" -m kettle.kernels.build) || echo "install.sh: the CPU kernels did not build; see above" >&2

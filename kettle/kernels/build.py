@@ -1,7 +1,14 @@
-"""Builds and loads Kettle's CPU kernels (the C files of this folder) the first time a process needs them.
+"""Builds and loads Kettle's CPU kernels (the C files of this folder): at install time, else the first time a
+process needs them.
 
-The shared library is compiled with the machine's C compiler into `$KETTLE_CACHE/kernels/cpu-<key>/`, keyed by
-the source, the flags and the compiler, so later processes only load it (~1 ms). It links the OpenMP runtime
+The shared library is compiled with the machine's C compiler into a folder `cpu-<key>`, keyed by the source, the
+flags and the compiler, so later processes only load it (~1 ms). `scripts/install.sh` (the install of `make
+serve`, `make test` and the container image) builds it into the environment, `<sys.prefix>/share/kettle/kernels/`
+(`python -m kettle.kernels.build`), as a package with a C extension compiles it when installed: a first start
+then waits only for the model's preparation. Where that folder lacks the key (a plain `pip install`, sources
+edited since, `KETTLE_INSTALLED_KERNELS=0`), the first process builds it into `$KETTLE_CACHE/kernels/`. The flags
+name no `-march`: the library runs on any AVX2 CPU and picks its AVX-512 paths at run time, so one built into an
+image on one machine serves on another. It links the OpenMP runtime
 PyTorch loaded (`libgomp.so.1`, same soname) so its parallel loops share PyTorch's threads instead of starting
 a second pool that would fight it for the cores.
 
@@ -21,6 +28,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from kettle import settings
@@ -32,6 +40,10 @@ SOURCES = tuple(
     for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "lanes.c", "prefill_attention.c", "decode_attention.c")
 )
 HEADERS = (FOLDER / "kernels.h",)
+LIBRARY = "libkettle_cpu.so"
+# Where the install puts the library (`install`): inside the environment, so it goes with it (a venv removed, an
+# image layer) and never mixes with another environment's build of other sources.
+INSTALLED = Path(sys.prefix) / "share" / "kettle" / "kernels"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ENV_SWITCH = "KETTLE_CPU_KERNELS"  # read through kettle.settings
@@ -107,17 +119,20 @@ def enabled() -> bool:
 
 
 def built_folder() -> Path | None:
-    """The folder of the compiled library, compiled first if missing; None when switched off or it cannot be
-    built here (with one warning). Torch-free: the launcher calls it to build beside the model's preparation."""
+    """The folder of the compiled library: the install's build, else the cache's, compiled first if missing; None
+    when switched off or it cannot be built here (with one warning). Torch-free: the launcher calls it to build
+    beside the model's preparation."""
     if not enabled():
         return None
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if missing or compiler is None:
-        log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
+    compiler = _usable_compiler()
+    if compiler is None:
         return None
+    name = f"cpu-{_key(compiler)}"
+    installed = INSTALLED / name
+    if settings.current().installed_kernels and (installed / LIBRARY).is_file():
+        return installed
     try:
-        return build_once(cache_root() / "kernels" / f"cpu-{_key(compiler)}", _compiler(compiler), "the CPU kernels")
+        return build_once(cache_root() / "kernels" / name, _compiler(compiler), "the CPU kernels")
     except (OSError, subprocess.CalledProcessError) as error:
         log.warning("CPU kernels failed to build (%s): using PyTorch's kernels", error)
         return None
@@ -130,7 +145,7 @@ def library() -> ctypes.CDLL | None:
     if folder is None:
         return None
     try:
-        lib = ctypes.CDLL(str(folder / "libkettle_cpu.so"))
+        lib = ctypes.CDLL(str(folder / LIBRARY))
     except OSError as error:
         log.warning("CPU kernels failed to load (%s): using PyTorch's kernels", error)
         return None
@@ -139,6 +154,16 @@ def library() -> ctypes.CDLL | None:
         function.argtypes = argtypes
         function.restype = ctypes.c_int if name in RETURNS_STATUS else None
     return lib
+
+
+def _usable_compiler() -> str | None:
+    """The C compiler's path; None, with one warning, where there is none or the CPU lacks what the kernels need."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if missing or compiler is None:
+        log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
+        return None
+    return compiler
 
 
 def _compiler(compiler: str):
@@ -155,7 +180,7 @@ def _compiler(compiler: str):
         for job, errors in finished:
             if job.returncode:
                 raise subprocess.CalledProcessError(job.returncode, job.args, stderr=errors)
-        link = [compiler, *FLAGS, *map(str, objects), "-o", str(out / "libkettle_cpu.so"), "-lm"]
+        link = [compiler, *FLAGS, *map(str, objects), "-o", str(out / LIBRARY), "-lm"]
         job = _start(link)
         errors = _wait(job)
         if job.returncode:
@@ -218,3 +243,29 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def install(root: Path | None = None) -> Path | None:
+    """Builds the library into `root` (default: the environment's share/kettle/kernels) unless it is there; the
+    folder, or None (with the reason logged) where this machine cannot build it. Older keys' folders there are
+    removed: they belong to sources this environment no longer has."""
+    compiler = _usable_compiler()
+    if compiler is None:
+        return None
+    name = f"cpu-{_key(compiler)}"
+    root = root or INSTALLED
+    if root.is_dir():
+        for old in root.iterdir():
+            if old.name.startswith("cpu-") and old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    try:
+        return build_once(root / name, _compiler(compiler), "the CPU kernels")
+    except (OSError, subprocess.CalledProcessError) as error:
+        log.warning("CPU kernels failed to build (%s): the server will try again on its first start", error)
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    folder = install()
+    print(f"Kettle's CPU kernels: {folder or 'not built (the server builds them on first start if it can)'}")

@@ -68,11 +68,11 @@ def launch(config: LauncherConfig) -> int:
 
 
 def _build_kernels_meanwhile() -> None:
-    """Compiles the CPU kernels (a first start only; ~8 s of compiler time) on a thread while the child process
-    prepares the model (a first start converts a GGUF's metadata in ~4.5 s, one core's Python), instead of after it
-    in the shard: on two cores the two overlap, the compilers at a lower priority so that the preparation keeps a
-    core, and the build goes on while the shards import. The compilers run as subprocesses; nothing here loads
-    torch."""
+    """Compiles the CPU kernels (a first start where the install did not build them; ~11 s of compiler time) on a
+    thread while the child process prepares the model (a first start converts a GGUF's metadata in ~4.5 s, one
+    core's Python), instead of after it in the shard: on two cores the two overlap, the compilers at a lower
+    priority so that the preparation keeps a core, and the build goes on while the shards import. The compilers
+    run as subprocesses; nothing here loads torch."""
     from kettle.kernels.build import built_folder
 
     threading.Thread(target=built_folder, name="kettle-kernel-build", daemon=True).start()

@@ -403,6 +403,38 @@ def test_a_source_that_does_not_compile_leaves_pytorch_s_ops_and_no_folder(tmp_p
     assert list((tmp_path / "cache" / "kernels").iterdir()) == []
 
 
+def _fake_compiler(tmp_path):
+    """A "compiler" that writes every output it is asked for, empty, and logs each call."""
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        f'#!/bin/sh\necho "$*" >> {tmp_path}/calls\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done\n'
+    )
+    compiler.chmod(0o755)
+    return compiler
+
+
+def test_kernels_built_at_install_serve_a_first_start_with_an_empty_cache(tmp_path, monkeypatch):
+    """`python -m kettle.kernels.build` (the install's step) builds into the environment, replacing older keys'
+    builds; a server whose cache is empty then loads that build instead of compiling, unless
+    KETTLE_INSTALLED_KERNELS=0 asks for the cache's own."""
+    monkeypatch.setenv("CC", str(_fake_compiler(tmp_path)))
+    monkeypatch.setenv("KETTLE_CACHE", str(tmp_path / "cache"))
+    installed = tmp_path / "env" / "share" / "kettle" / "kernels"
+    (installed / "cpu-0ld").mkdir(parents=True)
+    monkeypatch.setattr(build, "INSTALLED", installed)
+    folder = build.install()
+    assert folder is not None and folder.parent == installed and (folder / build.LIBRARY).is_file()
+    assert [path.name for path in installed.iterdir() if not path.name.startswith(".")] == [folder.name]
+    compiles = (tmp_path / "calls").read_text().count(" -o ")  # not the key's `--version`
+    assert compiles == len(build.SOURCES) + 1  # each source, then the link
+    assert build.built_folder() == folder
+    assert (tmp_path / "calls").read_text().count(" -o ") == compiles  # nothing compiled for the server
+    assert not (tmp_path / "cache" / "kernels").exists()
+    monkeypatch.setenv("KETTLE_INSTALLED_KERNELS", "0")
+    assert build.built_folder() == tmp_path / "cache" / "kernels" / folder.name
+
+
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
 def test_table_rows_are_the_dequantized_weights_rows(symmetric):
     """An embedding lookup from a quantized table (a GGUF file's Q4 or Q8_0 vocabulary) gives exactly the rows the

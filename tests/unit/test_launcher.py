@@ -138,8 +138,8 @@ def test_a_preparation_that_crashes_stops_the_launcher_with_its_error_and_one_li
 def test_a_launcher_that_stops_early_leaves_no_compiler_running(tmp_path):
     """A first start compiles the CPU kernels beside the model's preparation; stopping on a bad model before that
     build is done kills the compilers with it (they held the caller's output pipes open for their ~5 s)."""
-    cache = tmp_path / "cache"  # empty: the kernels are to be built
-    env = os.environ | {"KETTLE_CACHE": str(cache)}
+    cache = tmp_path / "cache"  # empty, and the install's build ignored: the kernels are to be built
+    env = os.environ | {"KETTLE_CACHE": str(cache), "KETTLE_INSTALLED_KERNELS": "0"}
     command = [sys.executable, "-m", "kettle.cli", "launch", "--model-id", str(tmp_path / "missing-model")]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert launcher.wait(timeout=60) == 1
@@ -232,7 +232,7 @@ def test_a_shard_dying_during_startup_fails_fast(tmp_path):
     server = Server(tmp_path, shard="import sys; sys.exit(3)")
     code, stderr = server.finish()
     assert code == 1
-    assert "shard-0 exited with code 3 before it was ready" in stderr
+    assert "shard-0 exited with code 3 before the shards were ready" in stderr
 
 
 def test_sigterm_stops_the_router_then_the_shards(tmp_path):
