@@ -277,7 +277,7 @@ def launch(
     env: Env = False,
     version: Version = False,
 ) -> None:
-    """Start a server: resolve the model, start the shards, then the router, and supervise them."""
+    """Start a server: resolve the model, start the shards and the router, and supervise them."""
     settings = dict(locals())  # the parameters above, which are named like LauncherConfig's fields
     del settings["version"]  # handled by its callback before this runs
     from kettle.launcher import tgi_environment

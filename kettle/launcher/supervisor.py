@@ -1,4 +1,4 @@
-"""The supervisor: start the shards, wait until they answer, start the router, then watch all of them.
+"""The supervisor: start the shards and the router, wait until the shards answer, then watch all of them.
 
 Any child that exits takes the whole server down at once with a log line naming it (never a half-alive
 server, never a hang); SIGINT/SIGTERM stop the router first, so it stops taking requests while the shards
@@ -28,7 +28,7 @@ ROUTER_EXIT_MARGIN = 10.0
 
 
 class Supervisor:
-    """Runs one server: shard processes, then the router, until a signal or a child's exit."""
+    """Runs one server: shard processes and the router, until a signal or a child's exit."""
 
     def __init__(
         self,
@@ -78,11 +78,13 @@ class Supervisor:
             log.error("%s", error)
             return 1
         self.shards = [Child(spec) for spec in self.shard_specs]
+        if self.router_spec is not None:  # None: a --node-rank > 0 host runs shards only
+            # Started beside the shards, not after them: its imports and tokenizers (~2 s here) load while they
+            # load the model, and it waits for rank 0's socket before it asks anything.
+            self.router = Child(self.router_spec)
         code = self._wait_for_shards()
         if code is not None:
             return code
-        if self.router_spec is not None:  # None: a --node-rank > 0 host runs shards only
-            self.router = Child(self.router_spec)
         # Everything is started: the launcher holds what it will hold until shutdown (the model resolution is done).
         log_resident_memory(log, "launcher")
         return self._watch()
@@ -95,9 +97,9 @@ class Supervisor:
             if self._signals:
                 log.info("Received %s while starting: shutting down", signal.Signals(self._signals[0]).name)
                 return 0
-            dead = self._first_exited(self.shards)
+            dead = self._first_exited([*self.shards, *([self.router] if self.router else [])])
             if dead is not None:
-                log.error("%s %s before it was ready; shutting down", dead.name, dead.describe_exit())
+                log.error("%s %s before the shards were ready; shutting down", dead.name, dead.describe_exit())
                 return 1
             pending = [child for child in pending if not answers(child.spec.socket)]
             if not pending:

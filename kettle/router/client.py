@@ -21,6 +21,15 @@ from kettle.proto import generate_pb2_grpc
 # Prefill logprobs of long prompts in big batches make large messages; gRPC's 4 MB default is too small.
 _MAX_MESSAGE = 256 * 1024 * 1024
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+# Rank 0's socket may not exist yet (the launcher starts the router beside the shards): gRPC's default reconnect
+# backoff (1 s, growing to 2 min) would answer seconds after the shard opens it; a local socket's failed connect
+# costs microseconds, so retry it every 50-200 ms.
+_DISCOVERY_OPTIONS = [
+    *_CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
 # Warmup and health probes need some token the model knows; id 0 exists in every vocabulary.
 DUMMY_TOKEN = 0
 
@@ -102,9 +111,10 @@ class ShardedClient:
         self._stubs = [generate_pb2_grpc.TextGenerationServiceStub(c) for c in channels]
 
     @classmethod
-    async def connect(cls, master_uds_path: str, timeout: float = 60.0) -> ShardedClient:
-        """Asks rank 0 (at `master_uds_path`) for every rank's socket and connects to all of them."""
-        master = grpc.aio.insecure_channel(_channel_target(master_uds_path), options=_CHANNEL_OPTIONS)
+    async def connect(cls, master_uds_path: str, timeout: float | None = 60.0) -> ShardedClient:
+        """Asks rank 0 (at `master_uds_path`) for every rank's socket and connects to all of them, waiting up to
+        `timeout` seconds (None: without end) for rank 0 to open its socket."""
+        master = grpc.aio.insecure_channel(_channel_target(master_uds_path), options=_DISCOVERY_OPTIONS)
         try:
             stub = generate_pb2_grpc.TextGenerationServiceStub(master)
             call = stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout, wait_for_ready=True)

@@ -37,6 +37,7 @@ DEFAULT_MAX_TOTAL_TOKENS = 4096
 _PREFILL_MARGIN = 50  # TGI's edge over max_input_tokens, for block-size alignment
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length", "n_ctx")
 _UNSET_MODEL_MAX_LENGTH = 10**9  # transformers writes ~1e30 when a tokenizer has no limit
+STANDALONE_CONNECT_SECONDS = 60.0  # a router started by hand waits this long for rank 0's socket
 _CLOSE_SECONDS = 5  # after the drain: closing connections and the lifespan shutdown
 # How often the router asks the shards for their resident memory (a Health call each: no model work).
 MEMORY_REFRESH_SECONDS = 5.0
@@ -89,17 +90,30 @@ def yield_cpu(niceness: int) -> None:
 
 
 async def serve(config: RouterConfig) -> None:
+    # The launcher starts the router beside the shards: what needs no shard loads first, while they load the
+    # model, and then the router waits for rank 0 as long as the launcher does (it stops the router if a shard
+    # fails or its start times out). Started by hand, the router gives up after a minute.
+    tokenizers = TokenizerPool.from_path(config.tokenizer_name, config.validation_workers)
     try:
-        client = await ShardedClient.connect(config.master_shard_uds_path)
+        await tokenizers.warm()
+        client = await _connect(config)
+        try:
+            await _serve_with(config, client, tokenizers)
+        finally:
+            await client.close()
+    finally:
+        tokenizers.close()
+
+
+async def _connect(config: RouterConfig) -> ShardedClient:
+    timeout = None if config.launcher_pid is not None else STANDALONE_CONNECT_SECONDS
+    try:
+        return await ShardedClient.connect(config.master_shard_uds_path, timeout)
     except Exception as exc:
         raise StartupError(f"cannot reach the shards at {config.master_shard_uds_path}: {exc}") from exc
-    try:
-        await _serve_with(config, client)
-    finally:
-        await client.close()
 
 
-async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
+async def _serve_with(config: RouterConfig, client: ShardedClient, tokenizers: TokenizerPool) -> None:
     info = await client.info()
     limits = choose_limits(config, context_length(config, info))
     logger.info("Warming up the shards: they size and allocate the KV cache, then run a prefill")
@@ -115,8 +129,6 @@ async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
         *(limits.max_batch_total_tokens, warmup.num_blocks, block_size),
     )
     infer = Infer(client, _scheduler_config(config, limits, warmup.num_blocks, block_size))
-    tokenizers = TokenizerPool.from_path(config.tokenizer_name, config.validation_workers)
-    await tokenizers.warm()
     validation_limits = ValidationLimits.from_config(config, limits.max_input_tokens, limits.max_total_tokens)
     validation = Validation(validation_limits, tokenizers, grammar_support=not config.disable_grammar_support)
     drain = Drain()
@@ -134,7 +146,6 @@ async def _serve_with(config: RouterConfig, client: ShardedClient) -> None:
     finally:
         memory.cancel()
         await infer.stop()
-        tokenizers.close()
         if metrics_server is not None:
             metrics_server.shutdown()
 

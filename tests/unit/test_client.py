@@ -95,6 +95,28 @@ def test_discovery_broadcast_and_merged_answers(socket_dir):
     asyncio.run(main())
 
 
+def test_a_router_started_before_the_shard_connects_as_soon_as_it_serves(socket_dir):
+    """The launcher starts the router beside the shards: discovery waits for rank 0's socket to appear, and
+    answers within a fraction of a second of it (gRPC's default backoff would retry only after 1, 2.6, 5.1 s...)."""
+
+    async def main():
+        path = str(socket_dir / "shard-0")
+        connecting = asyncio.create_task(ShardedClient.connect(path, timeout=None))
+        await asyncio.sleep(1.5)  # past the first default retries
+        assert not connecting.done()
+        servers, _ = await serve([path])
+        opened = asyncio.get_running_loop().time()
+        client = await connecting
+        waited = asyncio.get_running_loop().time() - opened
+        try:
+            assert client.world_size == 1 and waited < 0.5
+        finally:
+            await client.close()
+            await asyncio.gather(*(s.stop(None) for s in servers))
+
+    asyncio.run(main())
+
+
 def test_warmup_sends_the_largest_prefill_and_takes_the_smallest_limits(socket_dir):
     async def main():
         paths = [str(socket_dir / f"shard-{rank}") for rank in range(2)]
