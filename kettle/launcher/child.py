@@ -47,12 +47,13 @@ def _death_signal_hook() -> Callable[[], None] | None:
 class Child:
     """A running child process and the handful of operations the supervisor needs on it."""
 
-    def __init__(self, spec: ProcessSpec) -> None:
+    def __init__(self, spec: ProcessSpec, reads_stdin: bool = False) -> None:
+        """Starts `spec`; with `reads_stdin` its stdin is a pipe from the launcher (`tell`), else empty."""
         self.spec = spec
         self.process = subprocess.Popen(
             list(spec.argv),
             env=dict(spec.env),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if reads_stdin else subprocess.DEVNULL,
             process_group=0,
             preexec_fn=_death_signal_hook(),
         )
@@ -61,6 +62,13 @@ class Child:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def tell(self, line: str) -> None:
+        """Writes one line to the child's stdin and closes it (a child started with `reads_stdin`); a child that has
+        exited already is left to the supervisor, which reports it."""
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.process.stdin.write(f"{line}\n".encode())
+            self.process.stdin.close()
 
     @property
     def pid(self) -> int:

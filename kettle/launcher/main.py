@@ -6,13 +6,16 @@ import logging
 import signal
 import threading
 
-from kettle.hub import ModelNotFound
+from kettle.hub import ModelNotFound, ResolvedModel
 from kettle.launcher import tgi_environment
+from kettle.launcher.child import Child, stop_children
 from kettle.launcher.config import LauncherConfig
 from kettle.launcher.prepare import PreparationFailed, prepare_model
+from kettle.launcher.sockets import SocketInUse
 from kettle.launcher.specs import router_spec, shard_specs
-from kettle.launcher.supervisor import Supervisor
+from kettle.launcher.supervisor import Supervisor, clear_sockets
 from kettle.logging_setup import setup_logging
+from kettle.shard.config import MODEL_FROM_LAUNCHER
 
 log = logging.getLogger("kettle.launcher")
 
@@ -29,10 +32,34 @@ def launch(config: LauncherConfig) -> int:
         log.warning("--%s is accepted for compatibility with TGI and does nothing in Kettle", _flag(name))
     tgi_environment.apply_token_alias()
     _build_kernels_meanwhile()
+    early: list[Child] = []  # shards started while the model is prepared (`_start_shards_early`)
+    model = _prepared_model(config, early)
+    if not isinstance(model, ResolvedModel):
+        stop_children(early, config.graceful_termination_timeout)
+        return model
+    log.info("Model %s ready in %s", model.display_id, model.path)
+    for child in early:
+        child.tell(str(model.path))
+    # Not joined: the shards import and start loading while the kernels compile, and wait for that build when they
+    # need the library (a lock in kettle/hub/cache.py `build_once`), instead of compiling their own copies.
+    supervisor = Supervisor(
+        shard_specs(config, str(model.path)),
+        # With --nnodes, the router runs on node 0 only: it reaches every rank through rank 0's discovery.
+        router_spec(config, model) if config.node_rank == 0 else None,
+        graceful_timeout=config.graceful_termination_timeout,
+        start_timeout=config.shard_start_timeout,
+        started=early or None,
+    )
+    return supervisor.run()
+
+
+def _prepared_model(config: LauncherConfig, early: list[Child]) -> ResolvedModel | int:
+    """The model, resolved and prepared (in a child process: what that imports, transformers and torch, never enters
+    the launcher) and checked; or the exit code to stop with, its reason logged. A preparation that takes a while
+    starts the shards beside it, into `early`."""
     try:
-        # In a child process: what preparing a model imports (transformers, torch) never enters the launcher.
-        model = prepare_model(config)
-    except (ModelNotFound, PreparationFailed) as error:
+        model = prepare_model(config, meanwhile=lambda: _start_shards_early(config, early))
+    except (ModelNotFound, PreparationFailed, SocketInUse) as error:
         log.error("%s", error)
         return 1
     except KeyboardInterrupt:
@@ -43,28 +70,24 @@ def launch(config: LauncherConfig) -> int:
         from kettle.catalog import check_loadable
 
         check_loadable(str(model.path), config.trust_remote_code)
+        if config.world_size > 1:
+            from kettle.catalog import check_tensor_parallel_folder
+
+            check_tensor_parallel_folder(str(model.path), config.world_size)
     except ValueError as error:
         log.error("%s", error)
         return 1
-    if config.world_size > 1:
-        from kettle.catalog import check_tensor_parallel_folder
+    return model
 
-        try:
-            check_tensor_parallel_folder(str(model.path), config.world_size)
-        except ValueError as error:
-            log.error("%s", error)
-            return 1
-    log.info("Model %s ready in %s", model.display_id, model.path)
-    # Not joined: the shards import and start loading while the kernels compile, and wait for that build when they
-    # need the library (a lock in kettle/hub/cache.py `build_once`), instead of compiling their own copies.
-    supervisor = Supervisor(
-        shard_specs(config, str(model.path)),
-        # With --nnodes, the router runs on node 0 only: it reaches every rank through rank 0's discovery.
-        router_spec(config, model) if config.node_rank == 0 else None,
-        graceful_timeout=config.graceful_termination_timeout,
-        start_timeout=config.shard_start_timeout,
-    )
-    return supervisor.run()
+
+def _start_shards_early(config: LauncherConfig, early: list[Child]) -> None:
+    """Starts this host's shards before the model is ready (a download or a first start's conversion): their
+    imports (torch and the model code, ~3 s on 2 cores) run beside the preparation, and each reads the folder's path
+    from its stdin once the launcher has it (`Child.tell`)."""
+    specs = shard_specs(config, MODEL_FROM_LAUNCHER)
+    clear_sockets(specs)
+    log.info("Starting the shards while the model is prepared: they import meanwhile, then load it")
+    early.extend(Child(spec, reads_stdin=True) for spec in specs)
 
 
 def _build_kernels_meanwhile() -> None:

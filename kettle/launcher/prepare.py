@@ -21,8 +21,10 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 
 # What the child exits with when it was stopped (by the launcher's forwarded SIGTERM), as a shell reports Ctrl-C.
 STOPPED_EXIT_CODE = 130
+# A preparation still running after this long does real work (a cached model's look-up takes ~0.2 s): the
+# launcher's `meanwhile` then starts the shards beside it. A bad model id fails sooner, without starting any.
+SLOW_SECONDS = 0.5
 
 
 class PreparationFailed(Exception):
@@ -80,11 +85,14 @@ def resolve(request: ModelRequest) -> ResolvedModel:
     return dataclasses.replace(local, display_id=request.model_id or local.display_id)
 
 
-def prepare_model(config: LauncherConfig) -> ResolvedModel:
-    """Resolves and prepares `config`'s model in a child process and returns what it resolved to.
+def prepare_model(config: LauncherConfig, meanwhile: Callable[[], None] | None = None) -> ResolvedModel:
+    """Resolves and prepares `config`'s model in a child process and returns what it resolved to. `meanwhile` runs
+    once if the child is still at work after `SLOW_SECONDS` (a download or a first start's conversion, not a cached
+    model's look-up).
 
     Raises `ModelNotFound` with the child's one-line reason, `PreparationFailed` when it ended without a result,
-    and KeyboardInterrupt (Ctrl-C, or SIGTERM as the launcher maps it) once the child has stopped and cleaned up.
+    and KeyboardInterrupt (Ctrl-C, or SIGTERM as the launcher maps it) or what `meanwhile` raised once the child
+    has stopped and cleaned up.
     """
     from kettle.launcher.child import Child
     from kettle.launcher.specs import ProcessSpec, child_env
@@ -97,14 +105,23 @@ def prepare_model(config: LauncherConfig) -> ResolvedModel:
     try:
         child = Child(ProcessSpec("model preparation", tuple(argv), child_env({})))
         try:
-            code = child.process.wait()
-        except KeyboardInterrupt:
+            code = _wait(child, meanwhile)
+        except BaseException:  # Ctrl-C, or what `meanwhile` raised: the child stops and cleans up first
             _stop(child, config.graceful_termination_timeout)
             raise
         return _read_result(Path(result), code)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(result)
+
+
+def _wait(child: Child, meanwhile: Callable[[], None] | None) -> int:
+    try:
+        return child.process.wait(timeout=SLOW_SECONDS)
+    except subprocess.TimeoutExpired:
+        if meanwhile is not None:
+            meanwhile()
+        return child.process.wait()
 
 
 def _stop(child: Child, timeout: float) -> None:

@@ -27,6 +27,13 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ROUTER_EXIT_MARGIN = 10.0
 
 
+def clear_sockets(specs: list[ProcessSpec]) -> None:
+    """Removes the stale sockets of `specs` before they start; raises SocketInUse where a live server holds one."""
+    for spec in specs:
+        if spec.socket:
+            clear_stale(spec.socket)
+
+
 class Supervisor:
     """Runs one server: shard processes and the router, until a signal or a child's exit."""
 
@@ -37,8 +44,12 @@ class Supervisor:
         graceful_timeout: float = 90.0,
         start_timeout: float = 600.0,
         router_exit_margin: float = ROUTER_EXIT_MARGIN,
+        started: list[Child] | None = None,
     ) -> None:
+        """`started`: the shards' processes where the launcher started them already (`shards`' specs, their stale
+        sockets cleared), else the supervisor starts them."""
         self.shard_specs = shards
+        self.started = started
         self.router_spec = router
         self.graceful_timeout = graceful_timeout
         self.start_timeout = start_timeout
@@ -70,14 +81,15 @@ class Supervisor:
         return len(self._signals) > 1
 
     def _start_and_watch(self) -> int:
-        try:
-            for spec in self.shard_specs:
-                if spec.socket:
-                    clear_stale(spec.socket)
-        except SocketInUse as error:
-            log.error("%s", error)
-            return 1
-        self.shards = [Child(spec) for spec in self.shard_specs]
+        if self.started is not None:
+            self.shards = self.started
+        else:
+            try:
+                clear_sockets(self.shard_specs)
+            except SocketInUse as error:
+                log.error("%s", error)
+                return 1
+            self.shards = [Child(spec) for spec in self.shard_specs]
         if self.router_spec is not None:  # None: a --node-rank > 0 host runs shards only
             # Started beside the shards, not after them: its imports and tokenizers (~2 s here) load while they
             # load the model, and it waits for rank 0's socket before it asks anything.

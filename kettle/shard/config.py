@@ -25,6 +25,11 @@ def parse_graph_buckets(value: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+# The model path of a shard `kettle launch` starts before the model is ready (a first start's preparation): the shard
+# imports meanwhile and reads the folder's path from its stdin (kettle/shard/server.py `serve`).
+MODEL_FROM_LAUNCHER = "-"
+
+
 @dataclass(frozen=True)
 class ShardConfig:
     """Settings of one shard process (one rank)."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
+import sys
 
 import grpc
 import psutil
@@ -15,7 +17,7 @@ from kettle import settings
 from kettle.process_memory import release_free_memory
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
-from kettle.shard.config import ShardConfig
+from kettle.shard.config import MODEL_FROM_LAUNCHER, ShardConfig
 from kettle.shard.dtype import choose_dtype, choose_kv_dtype
 from kettle.shard.engine import ShardEngine
 from kettle.shard.runner import ModelRunner
@@ -60,6 +62,20 @@ def describe_decode_path(model, execution_path: str, device: torch.device) -> st
     if execution_path != "native" or device.type != "cpu":
         return "layer by layer"
     return f"layer by layer (the fused CPU step does not take {DecoderStep.why_not})"
+
+
+def model_from_launcher() -> str:
+    """The model folder's path, one line on stdin from the launcher, which started this shard before the folder was
+    ready so that the imports (torch, the model code: seconds) ran beside its preparation. What loading imports is
+    imported first; an empty stdin (the launcher stopped before the model was ready) ends the shard."""
+    import kettle.models.lora_adapters
+    import kettle.models.registry  # noqa: F401 (imported here, while the launcher still prepares the model)
+
+    path = sys.stdin.readline().strip()
+    if not path:
+        raise SystemExit("shard: the launcher stopped before the model was ready")
+    logger.info("Model folder from the launcher: %s", path)
+    return path
 
 
 def choose_device() -> torch.device:
@@ -166,6 +182,8 @@ async def _serve(config: ShardConfig) -> None:
 
 def serve(config: ShardConfig) -> None:
     """Blocks serving the shard until SIGTERM/SIGINT."""
+    if config.model_path == MODEL_FROM_LAUNCHER:
+        config = dataclasses.replace(config, model_path=model_from_launcher())
     set_threads(config.num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
     try:
         asyncio.run(_serve(config))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
+import httpx
 import psutil
 
-from kettle.bench.process import KettleServer
+from kettle.bench.process import KETTLE, KettleServer, free_port
 
 
 def _shard_pids(launcher_pid: int) -> list[int]:
@@ -45,3 +47,35 @@ def test_the_router_runs_at_a_lower_cpu_priority_than_the_shards(tiny_server):
     assert shard.nice() == launcher.nice()
     threads = [psutil.Process(t.id) for t in router.threads()]
     assert len(threads) > 1 and all(t.nice() == launcher.nice() + 10 for t in threads)
+
+
+def test_a_first_start_starts_the_shards_beside_the_models_preparation(tmp_path):
+    """With an empty cache the bundled GGUF's folder takes seconds to prepare: the shards start meanwhile (their
+    imports overlap it), get the folder's path from the launcher once it is ready, and serve."""
+    server = KettleServer(None, env={"KETTLE_CACHE": str(tmp_path / "cache")})
+    try:
+        logs = server.logs()
+        assert logs.index("Started shard-0") < logs.index("Model HuggingFaceTB/SmolLM2-135M-Instruct ready")
+        assert f"Model folder from the launcher: {tmp_path / 'cache'}" in logs
+        answer = httpx.post(f"{server.url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+        assert answer.status_code == 200 and answer.json()["generated_text"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_stopping_during_the_preparation_stops_the_shards_started_beside_it(tmp_path):
+    log = tmp_path / "launcher.log"
+    argv = [KETTLE, "launch", "--port", str(free_port()), "--shard-uds-path", str(tmp_path / "s")]
+    env = {**os.environ, "KETTLE_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 60
+    while "Starting the shards while the model is prepared" not in log.read_text() or not _shard_pids(launcher.pid):
+        assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
+        time.sleep(0.05)
+    children = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 130, log.read_text()
+    assert "Stopped while preparing the model" in log.read_text()
+    gone = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not gone, f"orphans left: {[c.cmdline() for c in gone]}"

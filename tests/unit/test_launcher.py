@@ -103,7 +103,7 @@ def keep_sigterm_handler():
 
 
 def test_inactive_flags_are_warned_about(monkeypatch, caplog, keep_sigterm_handler):
-    def missing(_config):
+    def missing(_config, meanwhile=None):
         raise ModelNotFound("Model 'x' is missing")
 
     monkeypatch.setattr(launcher_main, "prepare_model", missing)
