@@ -28,9 +28,9 @@ def weight_bytes(model) -> int:
     """Bytes of every parameter and buffer but the embedding table (one row of it is read a step)."""
     # A oneDNN-packed head has no storage pointer: keyed by identity instead (it is never shared).
     tensors = {t.data_ptr() if not t.is_mkldnn else id(t): t for t in [*model.parameters(), *model.buffers()]}
-    embed = model.embed_tokens
+    embed = model.embed_tokens  # None where a quantized table serves both (the head reads all of it every step)
     head = {t.data_ptr() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()] if not t.is_mkldnn}
-    skip = set() if embed.data_ptr() in head else {embed.data_ptr()}
+    skip = set() if embed is None or embed.data_ptr() in head else {embed.data_ptr()}
     return sum(t.numel() * t.element_size() for p, t in tensors.items() if p not in skip)
 
 
