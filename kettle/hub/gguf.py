@@ -95,10 +95,14 @@ def _plain_arrays() -> Iterator[None]:
     """`gguf.GGUFReader` maps the file as an `np.memmap`, whose `__getitem__` and `__array_finalize__` are Python
     code, and its metadata parse slices it once per item of every array: 1.8 million slices for the bundled
     model's vocabulary and merges, ~3 s of a 7 s preparation. Inside the block the reader gets a plain ndarray view
-    of the same mapping, sliced in C; the values read are the same bytes."""
+    of the same mapping, sliced in C; the values read are the same bytes. Its arrays of strings and numbers are
+    also cut into their items in one pass (`_array_parts`) instead of a recursive call and four NumPy views per
+    item: the same parts, as memoryviews (strings) and NumPy slices (numbers); 2.9 s → ~0.2 s on the bundled file."""
     from gguf import gguf_reader
 
     numpy = gguf_reader.np
+    reader = gguf_reader.GGUFReader
+    field_parts = reader._get_field_parts
 
     class PlainMapping:
         """numpy for the reader's module, except that `memmap` returns an ndarray view of the mapping."""
@@ -110,11 +114,43 @@ def _plain_arrays() -> Iterator[None]:
         def memmap(*args, **kwargs):
             return numpy.memmap(*args, **kwargs).view(numpy.ndarray)
 
-    gguf_reader.np = PlainMapping()
+    def parts(self, offset: int, raw_type: int):
+        return _array_parts(self, offset, raw_type) or field_parts(self, offset, raw_type)
+
+    gguf_reader.np, reader._get_field_parts = PlainMapping(), parts
     try:
         yield
     finally:
-        gguf_reader.np = numpy
+        gguf_reader.np, reader._get_field_parts = numpy, field_parts
+
+
+def _array_parts(reader, offset: int, raw_type: int) -> tuple | None:
+    """`GGUFReader._get_field_parts` for a flat array of strings or numbers in a native-order file: (size, parts,
+    data indices, types) as it returns them, each string's length and bytes as memoryviews (what transformers'
+    parse reads of them: `[0]`, the bytes, `nbytes`), each number as a one-item slice of the whole array. None for
+    anything else (a scalar, a nested array, a byte-swapped file), which the reader parses itself."""
+    import numpy as np
+    from gguf import GGUFValueType
+
+    if raw_type != GGUFValueType.ARRAY or reader.byte_order != "I":
+        return None
+    item_type, count = reader._get(offset, np.uint32), reader._get(offset + 4, np.uint64)
+    item, n, start = GGUFValueType(int(item_type[0])), int(count[0]), offset + 12
+    parts: list = [item_type, count]
+    if item == GGUFValueType.STRING:
+        view, end, indices = memoryview(reader.data), start, []
+        for _ in range(n):
+            size = int.from_bytes(view[end : end + 8], "little")
+            parts += (view[end : end + 8].cast("Q"), view[end + 8 : end + 8 + size])
+            indices.append(len(parts) - 1)
+            end += 8 + size
+    elif item in reader.gguf_scalar_to_np:
+        values = reader._get(start, reader.gguf_scalar_to_np[item], n)
+        parts += [values[i : i + 1] for i in range(n)]
+        indices, end = list(range(2, 2 + n)), start + int(values.nbytes)
+    else:
+        return None
+    return end - offset, parts, indices, [GGUFValueType.ARRAY, item] if n else [GGUFValueType.ARRAY]
 
 
 def save_config(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False):

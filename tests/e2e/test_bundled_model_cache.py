@@ -45,8 +45,9 @@ def test_the_folder_records_the_file_it_was_prepared_from(bundled):
 
 
 def test_the_metadata_parse_over_a_plain_array_reads_what_gguf_s_own_reader_reads():
-    """The preparation hands gguf's reader an ndarray view of the mapping instead of an np.memmap (3x faster on
-    the bundled file's vocabulary and merges); transformers' parse of the file must come out the same."""
+    """The preparation hands gguf's reader an ndarray view of the mapping instead of an np.memmap, and cuts its
+    arrays into items in one pass (together 4x faster on the bundled file's vocabulary, token types and merges);
+    transformers' parse of the file must come out the same."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from kettle.hub.gguf import _plain_arrays
