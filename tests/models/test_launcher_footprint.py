@@ -3,8 +3,9 @@ torch (the preparation imports them in its own child process), and at most 60 Mi
 when told to in the middle of that preparation.
 
 The launcher runs as `launch()` in a fresh interpreter, up to the point where it would start the shards: the
-supervisor is replaced by one that reports the process's state, and the CPU kernels are not built (their
-compiler runs as a subprocess anyway; skipping it keeps the test to the preparation's ~10 s).
+supervisor is replaced by one that reports the process's state, and neither the CPU kernels are built nor the
+shards started beside the preparation (both are subprocesses anyway; skipping them keeps the test to the
+preparation's ~7 s).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def no_kernels():
     return thread
 
 main.Supervisor, main._build_kernels_meanwhile = Supervisor, no_kernels
+main._start_shards_early = lambda config, early: None  # no shard beside the preparation (tests/e2e has those)
 sys.exit(main.launch(LauncherConfig(**json.loads(sys.argv[1]))))
 """
 
