@@ -124,10 +124,10 @@ def built_folder() -> Path | None:
     beside the model's preparation."""
     if not enabled():
         return None
-    compiler = _usable_compiler()
-    if compiler is None:
+    target = _target()
+    if target is None:
         return None
-    name = f"cpu-{_key(compiler)}"
+    compiler, name = target
     installed = INSTALLED / name
     if settings.current().installed_kernels and (installed / LIBRARY).is_file():
         return installed
@@ -156,14 +156,15 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _usable_compiler() -> str | None:
-    """The C compiler's path; None, with one warning, where there is none or the CPU lacks what the kernels need."""
+def _target() -> tuple[str, str] | None:
+    """The C compiler's path and the build's folder name (`cpu-<key>`); None, with one warning, where there is no
+    compiler or the CPU lacks what the kernels need."""
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if missing or compiler is None:
         log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
         return None
-    return compiler
+    return compiler, f"cpu-{_key(compiler)}"
 
 
 def _compiler(compiler: str):
@@ -249,10 +250,10 @@ def install(root: Path | None = None) -> Path | None:
     """Builds the library into `root` (default: the environment's share/kettle/kernels) unless it is there; the
     folder, or None (with the reason logged) where this machine cannot build it. Older keys' folders there are
     removed: they belong to sources this environment no longer has."""
-    compiler = _usable_compiler()
-    if compiler is None:
+    target = _target()
+    if target is None:
         return None
-    name = f"cpu-{_key(compiler)}"
+    compiler, name = target
     root = root or INSTALLED
     if root.is_dir():
         for old in root.iterdir():

@@ -109,7 +109,7 @@ class Supervisor:
             if self._signals:
                 log.info("Received %s while starting: shutting down", signal.Signals(self._signals[0]).name)
                 return 0
-            dead = self._first_exited([*self.shards, *([self.router] if self.router else [])])
+            dead = self._first_exited(self._children())
             if dead is not None:
                 log.error("%s %s before the shards were ready; shutting down", dead.name, dead.describe_exit())
                 return 1
@@ -124,7 +124,7 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
 
     def _watch(self) -> int:
-        children = [*self.shards, *([self.router] if self.router else [])]
+        children = self._children()
         while True:
             if self._signals:
                 log.info("Received %s: shutting down", signal.Signals(self._signals[0]).name)
@@ -134,6 +134,10 @@ class Supervisor:
                 log.error("%s %s; shutting down", dead.name, dead.describe_exit())
                 return 1
             time.sleep(POLL_SECONDS)
+
+    def _children(self) -> list[Child]:
+        """The shards and, where this host runs one, the router."""
+        return [*self.shards, *([self.router] if self.router else [])]
 
     @staticmethod
     def _first_exited(children: list[Child]) -> Child | None:

@@ -331,8 +331,10 @@ class DecoderStep:
         kind, hidden = self._ends[1].kind, self.decoder.hidden
         if kind == LINEAR_Q6L:
             path = ops.q6_path(seqs, hidden)
+        elif kind == LINEAR_Q8:
+            path = ops.q8_path(seqs, hidden)
         else:
-            path = ops.q8_path(seqs, hidden) if kind == LINEAR_Q8 else ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
+            path = ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
         caches = self._cache_pointers(kv_cache)
         return run_greedy(self.decoder, caches, self._ends, path, tokens, rows, stop_ids)
 
