@@ -73,6 +73,9 @@ def serve(
 ) -> None:
     """Run one shard (the model) as a gRPC server on a Unix socket. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like ShardConfig's fields
+    from kettle.process_memory import use_one_heap
+
+    use_one_heap()  # first: before torch, gRPC or the engine start a thread
     from kettle import tracing
     from kettle.logging_setup import setup_logging
     from kettle.shard.config import ShardConfig

@@ -1,4 +1,6 @@
-"""Resident memory (RSS) of Kettle's processes: read for the start-up log lines and the router's gauges.
+"""Resident memory (RSS) of Kettle's processes: read for the start-up log lines and the router's gauges, and kept
+down: freed heap handed back (`release_free_memory`), one heap for every thread (`use_one_heap`), and the library
+pages start-up ran dropped once a shard is warm (`release_library_pages`).
 
 psutil (already a dependency: the shard sizes its threads with it) reads it on every platform Kettle runs on;
 on Linux that is one small read of /proc/PID/statm, cheap enough for every metrics scrape.
@@ -10,6 +12,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
+from pathlib import Path
 
 import psutil
 
@@ -53,6 +57,8 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+MADV_DONTNEED = 4  # <sys/mman.h>
+M_ARENA_MAX = -8  # <malloc.h>
 MADV_POPULATE_WRITE = 23  # <sys/mman.h>, Linux 5.14+
 
 
@@ -72,3 +78,67 @@ def release_free_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def use_one_heap() -> bool:
+    """Has every thread of this process allocate from glibc's main heap (`M_ARENA_MAX` 1), unless the environment's
+    MALLOC_ARENA_MAX says otherwise; call it before any other thread starts. True where it took effect.
+
+    glibc gives each thread that allocates an arena of its own. `malloc_trim` hands back the free pages inside every
+    arena, but the free space at the top of a thread's arena goes back only past a threshold that glibc raises with
+    each large block freed (up to 64 MiB): the shard's engine thread, which runs the model, ended each burst of
+    requests with 25-50 MiB resident there and free. The main heap's top is trimmed by `malloc_trim` too. The
+    shard's other threads (the event loop, gRPC's, OpenMP's) allocate little, so one lock costs nothing measurable
+    (docs/deployment.md)."""
+    libc = _libc()
+    if libc is None or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    return libc.mallopt(M_ARENA_MAX, 1) == 1
+
+
+def release_library_pages(smaps: str = "/proc/self/smaps") -> int:
+    """Drops the pages of loaded libraries' code and constants from this process's resident set; returns the bytes
+    dropped (0 where there is no /proc). Start-up runs code all over the libraries once (torch's static
+    initializers alone touch ~60 MiB of libtorch_cpu's text) that serving never runs again, and those pages count
+    in the resident set until the kernel reclaims them under pressure. They stay in the page cache: a page used
+    again faults back from memory, not from the disk (~10 MiB of them do as the bundled model serves).
+
+    Only what MADV_DONTNEED cannot change is dropped: private, read-only mappings of a file that has a code
+    segment mapped (a library or the interpreter, never a model's weights), holding no page of their own
+    (smaps' `Anonymous: 0`: relocated data and anything written stay)."""
+    libc = _libc()
+    try:
+        mappings = _library_mappings(Path(smaps).read_text())
+    except OSError:
+        return 0
+    if libc is None:
+        return 0
+    dropped = 0
+    for start, end, resident in mappings:
+        if libc.madvise(start, end - start, MADV_DONTNEED) == 0:
+            dropped += resident
+    return dropped
+
+
+def _library_mappings(smaps: str) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each mapping `release_library_pages` may drop, from smaps' text."""
+    entries: list[dict] = []
+    for line in smaps.splitlines():
+        head, _, rest = line.partition(" ")
+        if not head.endswith(":"):  # "start-end perms offset dev inode [path]" opens each mapping
+            fields = rest.split(maxsplit=4)
+            start, end = (int(part, 16) for part in head.split("-"))
+            path = fields[4] if len(fields) > 4 else ""
+            entries.append({"start": start, "end": end, "perms": fields[0], "path": path})
+        elif entries and head in ("Rss:", "Anonymous:"):
+            entries[-1][head] = int(rest.split()[0]) * 1024
+    libraries = {entry["path"] for entry in entries if entry["perms"] == "r-xp" and entry["path"].startswith("/")}
+    return [
+        (entry["start"], entry["end"], entry.get("Rss:", 0))
+        for entry in entries
+        if entry["path"] in libraries
+        and not entry["path"].startswith("/dev/")
+        and entry["perms"] in ("r-xp", "r--p")
+        and entry.get("Anonymous:", 1) == 0
+        and entry.get("Rss:", 0) > 0
+    ]

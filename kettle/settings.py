@@ -2,12 +2,12 @@
 
 User-facing choices are command-line flags. What stays in the environment is what a user sets once for a machine
 (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off switches and
-knobs for debugging and measurement (Kettle's CPU kernels, the fused decode step and its greedy windows, the float32
-tiles and quantized activations of the int4/int8 kernels, the CUDA fused kernels and int4 kernel, the attention
-backend, the CPU linear layout, the fallback's padding, adaptive prefill chunks, the router's CPU priority, the
-shortest n-gram `--speculate` drafts from, the cost it weighs drafts against and the rows a step verifying drafts
-may feed). The first `current()` reads them and logs them once; a test that changes the environment calls
-`reload()`.
+knobs for debugging and measurement (Kettle's CPU kernels and the install's build of them, the library pages a warm
+shard drops, the fused decode step and its greedy windows, the float32 tiles and quantized activations of the
+int4/int8 kernels, the CUDA fused kernels and int4 kernel, the attention backend, the CPU linear layout, the
+fallback's padding, adaptive prefill chunks, the router's CPU priority, the shortest n-gram `--speculate` drafts
+from, the cost it weighs drafts against and the rows a step verifying drafts may feed). The first `current()` reads
+them and logs them once; a test that changes the environment calls `reload()`.
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
 `KETTLE_CUDA_GRAPHS` on the command line), which the CLI reads, `KETTLE_MAX_KV_TOKENS`, which the shard's
@@ -51,6 +51,7 @@ class Settings:
     quant_lm_head: str  # KETTLE_QUANT_LM_HEAD: int8, int4 or dense, for --quantize int8/int4
     cpu_kernels: bool  # KETTLE_CPU_KERNELS=0: PyTorch's ops instead of Kettle's C kernels
     installed_kernels: bool  # KETTLE_INSTALLED_KERNELS=0: ignore the kernels built at install; build into the cache
+    release_library_pages: bool  # KETTLE_RELEASE_LIBRARY_PAGES=0: keep the library pages start-up ran resident
     cpu_decoder_step: bool  # KETTLE_CPU_DECODER_STEP=0: decode layer by layer instead of one C call
     greedy_window: bool  # KETTLE_GREEDY_WINDOW=0: a decode call's greedy steps one at a time, not in one C call
     cpu_float_rows: int | None  # KETTLE_CPU_FLOAT_ROWS: int4/int8 float32 tiles from N rows (0: never)
@@ -84,6 +85,7 @@ class Settings:
             quant_lm_head=_lm_head(env.get("KETTLE_QUANT_LM_HEAD", "int8")),
             cpu_kernels=env.get("KETTLE_CPU_KERNELS", "1") != "0",
             installed_kernels=env.get("KETTLE_INSTALLED_KERNELS", "1") != "0",
+            release_library_pages=env.get("KETTLE_RELEASE_LIBRARY_PAGES", "1") != "0",
             cpu_decoder_step=env.get("KETTLE_CPU_DECODER_STEP", "1") != "0",
             greedy_window=env.get("KETTLE_GREEDY_WINDOW", "1") != "0",
             cpu_float_rows=int(env["KETTLE_CPU_FLOAT_ROWS"]) if env.get("KETTLE_CPU_FLOAT_ROWS") else None,

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kettle import tracing
-from kettle.process_memory import log_resident_memory, release_free_memory, resident_bytes
+from kettle import settings, tracing
+from kettle.process_memory import log_resident_memory, release_free_memory, release_library_pages, resident_bytes
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.engine import ShardEngine
@@ -103,6 +103,9 @@ class ShardService(generate_pb2_grpc.TextGenerationServiceServicer):
         # The warm-up prefill's activations are freed but glibc keeps most of them resident (25-75 MiB on
         # the bundled model): hand them back before the shard settles.
         release_free_memory()
+        if settings.current().release_library_pages:
+            dropped = release_library_pages()
+            logger.debug("Dropped %.1f MiB of library pages start-up ran", dropped / 2**20)
         cache = self.engine.runner.kv_cache
         # The part of the shard that grows with --cpu-kv-cache-fraction, told apart from the rest (a CUDA cache is
         # in the GPU's memory, not this process's).

@@ -1,11 +1,21 @@
-"""The start-up line of each process's resident memory, and a CPU shard's split of it: KV cache and the rest."""
+"""The start-up line of each process's resident memory, a CPU shard's split of it (KV cache and the rest), and the
+library pages a shard drops once it is ready."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 
-from kettle.process_memory import format_bytes, log_resident_memory, resident_bytes
+from kettle.process_memory import (
+    _library_mappings,
+    format_bytes,
+    log_resident_memory,
+    release_library_pages,
+    resident_bytes,
+)
 
 
 def logged(caplog, **kwargs) -> logging.LogRecord:
@@ -31,3 +41,76 @@ def test_a_cpu_shard_splits_its_memory_into_the_kv_cache_and_the_rest(caplog):
     assert record.getMessage() == (
         f"Resident memory of shard-0: {format_bytes(total)} (KV cache 8.0 MiB, the rest {format_bytes(total - kv)})"
     )
+
+
+def mapping(start: int, perms: str, path: str, rss_kb: int, anonymous_kb: int) -> str:
+    """One mapping as /proc/PID/smaps writes it (the fields `_library_mappings` reads, and a few it skips)."""
+    return (
+        f"{start:x}-{start + 0x10000:x} {perms} 00000000 08:01 1234                       {path}\n"
+        f"Size:                 64 kB\nRss:            {rss_kb:8d} kB\nPss:            {rss_kb:8d} kB\n"
+        f"Anonymous:      {anonymous_kb:8d} kB\nVmFlags: rd mr mw me\n"
+    )
+
+
+def test_only_clean_read_only_mappings_of_libraries_are_dropped():
+    smaps = "".join(
+        [
+            mapping(0x1000000, "r--p", "/lib/libdemo.so", 16, 0),  # headers and constants: dropped
+            mapping(0x1010000, "r-xp", "/lib/libdemo.so", 64, 0),  # code: dropped
+            mapping(0x1020000, "r--p", "/lib/libdemo.so", 8, 8),  # relocated (RELRO): its own pages stay
+            mapping(0x1030000, "rw-p", "/lib/libdemo.so", 4, 4),  # data
+            mapping(0x1040000, "r-xp", "/lib/my lib.so", 0, 0),  # nothing resident: nothing to drop
+            mapping(0x2000000, "r--p", "/models/model.gguf", 512, 0),  # weights: no code segment, stay
+            mapping(0x2010000, "r--s", "/models/model.gguf", 512, 0),
+            mapping(0x3000000, "r-xp", "/dev/zero", 4, 0),  # a device, never a library
+            mapping(0x4000000, "rw-p", "", 1024, 1024),  # the heap and anonymous memory
+            mapping(0x5000000, "r-xp", "[vdso]", 4, 0),
+        ]
+    )
+    assert _library_mappings(smaps) == [(0x1000000, 0x1010000, 16 * 1024), (0x1010000, 0x1020000, 64 * 1024)]
+
+
+def test_dropping_library_pages_shrinks_the_resident_set_and_the_code_still_runs():
+    import torch
+
+    x = torch.arange(64.0).reshape(8, 8) / 64
+    expected = torch.softmax(x @ x.T, dim=-1)
+    before = resident_bytes()
+    dropped = release_library_pages()
+    after = resident_bytes()
+    # This test process has run torch, numpy and pytest: tens of MiB of their code are resident.
+    assert dropped > 8 * 2**20
+    assert after < before - 8 * 2**20, (before, after)
+    assert torch.equal(torch.softmax(x @ x.T, dim=-1), expected)  # the code faults back in
+
+
+def test_without_proc_nothing_is_dropped(tmp_path):
+    assert release_library_pages(str(tmp_path / "absent")) == 0
+
+
+ARENAS = """
+import ctypes, sys, threading
+from kettle.process_memory import use_one_heap
+took = use_one_heap() if sys.argv[1] == "one" else None
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+thread = threading.Thread(target=lambda: [libc.malloc(1 << 16) for _ in range(64)])
+thread.start()
+thread.join()
+print(took)
+libc.malloc_stats()  # one "Arena N:" paragraph per arena, on stderr
+"""
+
+
+def arenas(mode: str, **env: str) -> tuple[str, int]:
+    """What `use_one_heap` answered in a fresh process whose second thread allocates, and glibc's arena count."""
+    done = subprocess.run(
+        [sys.executable, "-c", ARENAS, mode], capture_output=True, text=True, check=True, env=os.environ | env
+    )
+    return done.stdout.strip(), done.stderr.count("Arena ")
+
+
+def test_one_heap_serves_every_thread_unless_the_environment_says_otherwise():
+    assert arenas("default") == ("None", 2)  # glibc's default: the thread gets an arena of its own
+    assert arenas("one") == ("True", 1)
+    assert arenas("one", MALLOC_ARENA_MAX="4") == ("False", 2)  # the user's setting wins
