@@ -48,7 +48,16 @@ sys.exit(main.launch(LauncherConfig(**json.loads(sys.argv[1]))))
 def start_launcher(cache, flags: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "KETTLE_CACHE": str(cache)}
     command = [sys.executable, "-c", LAUNCHER, json.dumps(flags or {})]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT as a terminal delivers it: a suite run in the background by a non-interactive shell ignores SIGINT,
+    # and Python leaves an inherited "ignore" in place (the SIGINT case would then test nothing but that).
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def launch_facts(cache, flags: dict | None = None) -> tuple[dict, str]:
