@@ -101,11 +101,12 @@ def release_library_pages(smaps: str = "/proc/self/smaps") -> int:
     dropped (0 where there is no /proc). Start-up runs code all over the libraries once (torch's static
     initializers alone touch ~60 MiB of libtorch_cpu's text) that serving never runs again, and those pages count
     in the resident set until the kernel reclaims them under pressure. They stay in the page cache: a page used
-    again faults back from memory, not from the disk (~10 MiB of them do as the bundled model serves).
+    again faults back from memory, not from the disk (~20 MiB of them do as the bundled model serves).
 
     Only what MADV_DONTNEED cannot change is dropped: private, read-only mappings of a file that has a code
     segment mapped (a library or the interpreter, never a model's weights), holding no page of their own
-    (smaps' `Anonymous: 0`: relocated data and anything written stay)."""
+    (smaps' `Anonymous: 0`: relocated data and anything written stay). The mappings are read, then advised: safe
+    because nothing unmaps a library in between (Python never unloads an extension module or a ctypes library)."""
     libc = _libc()
     try:
         mappings = _library_mappings(Path(smaps).read_text())
