@@ -42,11 +42,13 @@ test: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
 
-# Unit and model tests, no server launches: the edit-test loop (under two minutes on 2 cores). `make test`
-# still runs everything, end-to-end servers included.
+# Unit and model tests, no server launches: the edit-test loop (under two minutes on 2 cores). Two workers
+# (pytest-xdist): many of these tests wait on a child process's start (torch's import), and two keep a 2-core machine
+# busy meanwhile; more would only crowd the cores each test's torch threads use. `make test` still runs everything,
+# end-to-end servers included, one test at a time (their timing checks assume the machine is theirs).
 .PHONY: test-fast
 test-fast: install-test
-	$(BIN)/pytest -q -m "unit or model"
+	$(BIN)/pytest -q -n 2 -m "unit or model"
 
 lint: install-test
 	$(BIN)/ruff check .
