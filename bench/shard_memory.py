@@ -35,6 +35,7 @@ from kettle.hub.resolve import bundled_gguf
 MiB = 2**20
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
 SENTENCE = "the kettle boils water for tea while the rain falls on the quiet town by the sea"
+WORDS = SENTENCE.split()
 
 
 def shard_rest(server: KettleServer) -> float:
@@ -45,8 +46,7 @@ def shard_rest(server: KettleServer) -> float:
 
 
 def request(i: int, rng: random.Random, grammar: bool) -> dict:
-    words = SENTENCE.split()
-    prompt = " ".join(rng.choice(words) for _ in range(rng.randint(10, 200)))
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 200)))
     parameters = {"max_new_tokens": 32, "details": True, "do_sample": i % 2 == 0, "seed": i}
     parameters |= {"repetition_penalty": 1.1} if i % 3 == 0 else {}
     parameters |= {"top_n_tokens": 3, "top_p": 0.9} if i % 4 == 0 else {}
@@ -71,13 +71,10 @@ def kettle_run(release: bool, bursts: int, flags: list[str]) -> list[float]:
     try:
         server.wait_for_log("Resident memory of shard-0")
         readings = [shard_rest(server)]
-        for seed in range(bursts):
-            asyncio.run(burst(server.url, seed))
-            time.sleep(2)
+        for seed, grammar, n in [*((seed, False, 64) for seed in range(bursts)), (99, True, 16)]:
+            asyncio.run(burst(server.url, seed, grammar, n))
+            time.sleep(2)  # the idle shard hands freed memory back after a second
             readings.append(shard_rest(server))
-        asyncio.run(burst(server.url, 99, grammar=True, n=16))
-        time.sleep(2)
-        readings.append(shard_rest(server))
     finally:
         server.stop()
     return readings

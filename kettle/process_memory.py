@@ -108,11 +108,11 @@ def release_library_pages(smaps: str = "/proc/self/smaps") -> int:
     (smaps' `Anonymous: 0`: relocated data and anything written stay). The mappings are read, then advised: safe
     because nothing unmaps a library in between (Python never unloads an extension module or a ctypes library)."""
     libc = _libc()
+    if libc is None:
+        return 0
     try:
         mappings = _library_mappings(Path(smaps).read_text())
     except OSError:
-        return 0
-    if libc is None:
         return 0
     dropped = 0
     for start, end, resident in mappings:
