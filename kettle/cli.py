@@ -7,7 +7,9 @@ imported inside the commands, so `kettle --help` answers at once.
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+import os
+import sys
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -91,6 +93,18 @@ def serve(
         serve_shard(config)
     finally:
         tracing.shutdown_tracing()
+    _exit_now()
+
+
+def _exit_now() -> NoReturn:
+    """Ends a shard or router that stopped cleanly without the interpreter's teardown: finalizing torch, OpenMP and
+    gRPC took 0.45 s of a shard's stop and 0.15 s of the router's (bundled model), time the drain's deadline plus one
+    second has not got to spare. Everything the process owes the world is done by then: the answers are sent, the
+    socket removed, spans flushed, and the logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @app.command()
@@ -153,6 +167,7 @@ def router(
     from kettle.router.server import run
 
     run(config)
+    _exit_now()
 
 
 @app.command("download-weights")

@@ -106,14 +106,14 @@ class Infer:
         if self._task is None:
             self._task = asyncio.create_task(self._scheduler.run(), name="kettle-scheduler")
 
-    async def stop(self) -> None:
-        """Stops the scheduler; requests still queued or running end with IncompleteGeneration."""
+    async def stop(self, error: InferError | None = None) -> None:
+        """Stops the scheduler; requests still queued or running end with `error` (IncompleteGeneration if None)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._scheduler.shutdown()
+        self._scheduler.shutdown(error)
 
     async def generate(self, request: ValidGenerateRequest) -> AsyncIterator[InferEvent]:
         """Queues `request` and yields its events until the last token.

@@ -32,7 +32,7 @@ from kettle.router.events import generation_events
 from kettle.router.liveness import Liveness
 from kettle.router.queue import Entry, NextBatch, Queue
 from kettle.router.tracing import batch_span
-from kettle.router.types import GenerationError
+from kettle.router.types import GenerationError, InferError
 
 if TYPE_CHECKING:
     from kettle.router.infer import SchedulerConfig
@@ -356,10 +356,11 @@ class Scheduler:
         metrics.BATCH_CURRENT_SIZE.set(len(self._running))
         metrics.BATCH_CURRENT_MAX_TOKENS.set(self.reserved_tokens())
 
-    def shutdown(self) -> None:
-        """Ends every queued and running request without a result (the server is stopping)."""
-        for entry in self._queue.drain():
-            entry.end_without_result()
-        for entry_id in list(self._running):
-            self._retire(entry_id).end_without_result()
+    def shutdown(self, error: InferError | None = None) -> None:
+        """Ends every queued and running request with `error`, or without a result (the server is stopping)."""
+        for entry in [*self._queue.drain(), *(self._retire(entry_id) for entry_id in list(self._running))]:
+            if error is None:
+                entry.end_without_result()
+            else:
+                entry.fail(error)
         self._batch = None

@@ -29,6 +29,7 @@ from kettle.router.infer import Infer, SchedulerConfig
 from kettle.router.metrics_server import start_metrics_server
 from kettle.router.shutdown import Drain, DrainingServer
 from kettle.router.tokenizer import TokenizerPool
+from kettle.router.types import ShuttingDown
 from kettle.router.validation import Validation, ValidationLimits
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,9 @@ _PREFILL_MARGIN = 50  # TGI's edge over max_input_tokens, for block-size alignme
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length", "n_ctx")
 _UNSET_MODEL_MAX_LENGTH = 10**9  # transformers writes ~1e30 when a tokenizer has no limit
 STANDALONE_CONNECT_SECONDS = 60.0  # a router started by hand waits this long for rank 0's socket
-_CLOSE_SECONDS = 5  # after the drain: closing connections and the lifespan shutdown
+# After the drain: closing connections and the lifespan shutdown. Every request has answered by then (drained, or
+# ended with an error at the deadline), so this is only a bound; the whole tree must exit within the deadline + 1 s.
+_CLOSE_SECONDS = 0.25
 # How often the router asks the shards for their resident memory (a Health call each: no model work).
 MEMORY_REFRESH_SECONDS = 5.0
 
@@ -142,7 +145,8 @@ async def _serve_with(config: RouterConfig, client: ShardedClient, tokenizers: T
     metrics_server = start_metrics_server(config.hostname, config.prometheus_port)
     infer.start()
     try:
-        await DrainingServer(_uvicorn_config(app, config), drain, config.graceful_termination_timeout).serve()
+        timeout = config.graceful_termination_timeout
+        await DrainingServer(_uvicorn_config(app, config), drain, timeout, lambda: infer.stop(ShuttingDown())).serve()
     finally:
         memory.cancel()
         await infer.stop()

@@ -131,3 +131,16 @@ class IncompleteGeneration(InferError):
 
     def __init__(self) -> None:
         super().__init__("Incomplete generation")
+
+
+SHUTTING_DOWN = "Server is shutting down"
+
+
+class ShuttingDown(InferError):
+    """The drain's deadline passed before the request finished (503, like the refusals while draining)."""
+
+    status = 503
+    error_type = "unavailable"
+
+    def __init__(self) -> None:
+        super().__init__(f"{SHUTTING_DOWN}: the request did not finish within the graceful termination timeout")

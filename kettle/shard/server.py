@@ -175,6 +175,8 @@ async def _serve(config: ShardConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # The KV cache's pages may still be faulting in (seconds for gigabytes); the exit need not wait for them.
+    engine.runner.kv_cache.residency.stop()
     await server.stop(grace=1)
     if os.path.exists(config.socket_path):
         os.unlink(config.socket_path)

@@ -55,6 +55,7 @@ class Residency:
         self._started = threading.Lock()
         self._work = threading.Condition()
         self._working, self._last_work = 0, 0.0
+        self._stopped = False
         if flat is None:
             self.done.set()
 
@@ -72,14 +73,24 @@ class Residency:
 
     def _wait_idle(self) -> None:
         with self._work:
-            while self._working or (wait := self._last_work + QUIET_S - time.monotonic()) > 0:
+            while not self._stopped and (self._working or (wait := self._last_work + QUIET_S - time.monotonic()) > 0):
                 self._work.wait(QUIET_S if self._working else wait)
 
     def start(self) -> None:
         """Begins faulting the pages in, if nothing has yet; returns at once."""
         if self.flat is None or not self._started.acquire(blocking=False):
             return
+        if self._stopped:  # stopped before it started: nothing will fault them in now
+            self.done.set()
+            return
         threading.Thread(target=self._fault_in, name="kv-cache-fault-in", daemon=True).start()
+
+    def stop(self) -> None:
+        """Ends the faulting after its current piece (the process is stopping): the pages left fault in on first
+        use, and `done` is set, so nothing waiting on it holds the exit back (a 2 GiB cache takes seconds)."""
+        with self._work:
+            self._stopped = True
+            self._work.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Starts the faulting if needed and waits for it; False if `timeout` passed first."""
@@ -93,6 +104,8 @@ class Residency:
         address, size = self.flat.data_ptr(), self.flat.numel()
         for offset in range(0, size, CHUNK):
             self._wait_idle()
+            if self._stopped:
+                break
             if not populate(address + offset, min(CHUNK, size - offset)):
                 log.debug("MADV_POPULATE_WRITE failed: the KV cache's pages fault in on first use")
                 break

@@ -10,7 +10,7 @@ import pytest
 from kettle.router.blocks import BlockAllocator
 from kettle.router.infer import Infer, SchedulerConfig
 from kettle.router.queue import CapacityError
-from kettle.router.types import GenerationError, IncompleteGeneration, TokenEvent
+from kettle.router.types import GenerationError, IncompleteGeneration, ShuttingDown, TokenEvent
 from tests.unit.fake_client import FakeClient, make_request
 
 CONFIG = SchedulerConfig(max_batch_prefill_tokens=64, max_batch_total_tokens=256, block_size=4, num_blocks=64)
@@ -114,6 +114,35 @@ def test_stop_ends_queued_requests():
         await infer.stop()
         with pytest.raises(IncompleteGeneration):
             await task
+
+    asyncio.run(main())
+
+
+class StuckClient(FakeClient):
+    """Decodes once, then hangs in its next decode call, as a long step would."""
+
+    async def decode(self, batches, max_steps=1):
+        if self.method_calls("decode"):
+            await asyncio.Event().wait()
+        return await super().decode(batches, max_steps)
+
+
+def test_stop_with_an_error_ends_running_and_queued_requests_with_it():
+    """The drain's deadline: every request still running or waiting gets the shutdown's error, not a silent end."""
+
+    async def main():
+        client = StuckClient()
+        infer, allocator = make_infer(client)
+        infer.start()
+        running = asyncio.create_task(collect(infer, 200))
+        await wait_for(lambda: client.method_calls("decode"))
+        queued = asyncio.create_task(collect(infer, 200))  # the two together exceed the 256-token budget: it waits
+        await wait_for(lambda: infer.queue_size == 1)
+        await infer.stop(ShuttingDown())
+        for task in (running, queued):
+            with pytest.raises(ShuttingDown, match=r"^Server is shutting down: "):
+                await task
+        assert allocator.free_blocks == 64
 
     asyncio.run(main())
 

@@ -91,3 +91,30 @@ def test_the_faulting_steps_aside_while_the_engine_works(monkeypatch):
         assert calls == [] and not residency.done.is_set()
     assert residency.wait(60)
     assert calls and min(calls) >= residency._last_work + zeroed_memory.QUIET_S  # the work's end, as it recorded it
+
+
+def test_stop_ends_the_faulting_after_its_current_piece(monkeypatch):
+    """A stopping shard must not wait for gigabytes of pages it will never use: `stop` ends the faulting after the
+    piece in progress and sets `done`, so whoever waits on it returns."""
+    monkeypatch.setattr(zeroed_memory, "CHUNK", 64 * 1024)
+    _, residency = zeroed_tensors(5, (100, 1000), torch.float32)
+    calls = []
+
+    def slow_populate(address: int, length: int) -> bool:
+        calls.append(address)
+        time.sleep(0.05)
+        return True
+
+    monkeypatch.setattr(zeroed_memory, "populate", slow_populate)
+    residency.start()
+    while not calls:
+        time.sleep(0.001)
+    residency.stop()
+    assert residency.wait(5), "stop left the waiters waiting"
+    assert 1 <= len(calls) <= 2 < -(-residency.flat.numel() // (64 * 1024))
+
+
+def test_stop_before_start_leaves_nothing_to_wait_for():
+    _, residency = zeroed_tensors(2, (100, 1000), torch.float32)
+    residency.stop()
+    assert residency.wait(5)
