@@ -95,6 +95,9 @@ class Infer:
         )
         self._scheduler = Scheduler(client, self._queue, self._allocator, config)
         self._task: asyncio.Task | None = None
+        # Set by `stop(error)`: a request that reaches `generate` afterwards (it was still being validated at the
+        # drain's deadline) gets the same error at once instead of waiting in a queue nothing serves.
+        self._stopped_with: InferError | None = None
         metrics.track_kv_blocks(self._allocator)
 
     @property
@@ -113,6 +116,7 @@ class Infer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._stopped_with = error
         self._scheduler.shutdown(error)
 
     async def generate(self, request: ValidGenerateRequest) -> AsyncIterator[InferEvent]:
@@ -122,6 +126,8 @@ class Infer:
         last token. Closing the generator early (the client went away) cancels the request: the scheduler drops
         it from the batch and frees its blocks at its next step.
         """
+        if self._stopped_with is not None:
+            raise self._stopped_with
         entry = Entry(next(_REQUEST_IDS), request)
         self._queue.append(entry)
         request_queued(entry.id)  # tracing: a no-op unless it is on

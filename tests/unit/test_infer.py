@@ -139,10 +139,11 @@ def test_stop_with_an_error_ends_running_and_queued_requests_with_it():
         queued = asyncio.create_task(collect(infer, 200))  # the two together exceed the 256-token budget: it waits
         await wait_for(lambda: infer.queue_size == 1)
         await infer.stop(ShuttingDown())
-        for task in (running, queued):
+        late = asyncio.create_task(collect(infer, 3))  # still being validated at the deadline
+        for task in (running, queued, late):
             with pytest.raises(ShuttingDown, match=r"^Server is shutting down: "):
                 await task
-        assert allocator.free_blocks == 64
+        assert allocator.free_blocks == 64 and infer.queue_size == 0
 
     asyncio.run(main())
 
