@@ -183,13 +183,13 @@ def download_weights(
     json_output: o.JsonOutput = False,
 ) -> None:
     """Download and convert a model ahead of time; prints the local folder it resolved to."""
-    from kettle.hub import ModelNotFound, resolve_model
+    from kettle.hub import PreparationError, resolve_model
     from kettle.logging_setup import setup_logging
 
     setup_logging(json_output)
     try:
         model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code, gguf_file)
-    except ModelNotFound as error:
+    except PreparationError as error:
         log.error("%s", error)
         raise typer.Exit(1) from None
     typer.echo(str(model.path))

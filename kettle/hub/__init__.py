@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from kettle.hub.resolve import BUNDLED_MODEL_ID, resolve_model
-from kettle.hub.types import ModelNotFound, ResolvedModel
+from kettle.hub.types import ModelNotFound, PreparationError, ResolvedModel
 
-__all__ = ["BUNDLED_MODEL_ID", "ModelNotFound", "ResolvedModel", "resolve_model"]
+__all__ = ["BUNDLED_MODEL_ID", "ModelNotFound", "PreparationError", "ResolvedModel", "resolve_model"]

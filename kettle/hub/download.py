@@ -12,6 +12,7 @@ import logging
 import os
 from pathlib import Path
 
+from kettle.hub.failures import advice, first_line, folder_failure
 from kettle.hub.types import ModelNotFound
 from kettle.progress import LoggedProgress, bars_shown
 
@@ -80,13 +81,14 @@ def _snapshot(model_id: str, revision: str | None, hub_cache: str | None, patter
             model_id, revision=revision, cache_dir=hub_cache_dir(hub_cache), allow_patterns=patterns, tqdm_class=bars
         )
     except Exception as error:
-        raise explain(model_id, revision, error) from error
+        raise explain(model_id, revision, error, hub_cache) from error
     return Path(path)
 
 
-def explain(model_id: str, revision: str | None, error: Exception) -> ModelNotFound:
-    """Turns a huggingface_hub error into one line that names the model and what is missing."""
-    from huggingface_hub import errors
+def explain(model_id: str, revision: str | None, error: Exception, hub_cache: str | None = None) -> ModelNotFound:
+    """Turns a huggingface_hub error into one line that names the model and what is missing, or the Hub cache
+    folder (`hub_cache`, as `hub_cache_dir` finds it) when that refused the download's writes."""
+    from huggingface_hub import constants, errors
 
     name = f"{model_id!r}" + (f" at revision {revision!r}" if revision else "")
     if isinstance(error, errors.GatedRepoError):
@@ -103,8 +105,15 @@ def explain(model_id: str, revision: str | None, error: Exception) -> ModelNotFo
         )
     if isinstance(error, errors.HFValidationError):
         return ModelNotFound(f"Model {model_id!r} is neither an existing local path nor a valid Hub model id")
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return ModelNotFound(f"Model {name} could not be downloaded: {first_line}")
+    folder = Path(hub_cache_dir(hub_cache) or constants.HF_HUB_CACHE)
+    refused = folder_failure(error, folder)
+    if refused is not None:
+        number, why = refused
+        return ModelNotFound(
+            f"Model {name} could not be downloaded into the Hugging Face cache folder {folder} "
+            f"(HUGGINGFACE_HUB_CACHE): {why}; {advice(number, 'HUGGINGFACE_HUB_CACHE')}"
+        )
+    return ModelNotFound(f"Model {name} could not be downloaded: {first_line(error)}")
 
 
 def _offline() -> bool:

@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kettle.hub import failures
+from kettle.hub.types import PreparationError
+
 # GGUF architectures whose weights Kettle's native families read straight from the file (tested in
 # tests/models/test_gguf_native.py); the others are converted to a float32 safetensors folder.
 NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "starcoder2", "falcon", "gpt2", "bloom")
@@ -35,19 +38,58 @@ UNMAPPED_METADATA = {
     "gpt2": {"context_length": "n_positions"},
 }
 
+# What to do about a GGUF file that cannot be read.
+_ANOTHER_COPY = "download it again or pass another model"
+
 # Below this, `model_max_length` is a real limit; at or above it, transformers' "no limit known" sentinel.
 _UNLIMITED = 10**18
 
 
-def architecture(gguf_path: Path) -> str:
-    """`general.architecture` from the file's header."""
+def readable_architecture(gguf_path: Path) -> str:
+    """`general.architecture` from the file's header; a `PreparationError` naming the file when it is not a GGUF
+    file, is cut short within its header, or names no architecture."""
     from kettle.hub.gguf_header import read_header
 
-    return read_header(gguf_path).fields["general.architecture"]
+    try:
+        fields = read_header(gguf_path).fields
+    except ValueError as error:  # worded by read_header: the file and what is wrong with it
+        raise PreparationError(f"Cannot prepare the model: {error}; {_ANOTHER_COPY}") from error
+    except OSError as error:
+        why = failures.cause(error.errno, error.filename) if error.errno else failures.first_line(error)
+        raise PreparationError(f"Cannot read the model file {gguf_path}: {why}") from error
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise PreparationError(
+            f"Cannot prepare the model: {gguf_path} names no architecture (general.architecture); {_ANOTHER_COPY}"
+        )
+    return arch
 
 
-def reads_natively(gguf_path: Path) -> bool:
-    return architecture(gguf_path) in NATIVE_ARCHITECTURES
+def check_complete(gguf_path: Path) -> None:
+    """Before a first preparation: a `PreparationError` naming the file when its tensors run past its end (a
+    download cut short) or are of a type gguf does not know, instead of transformers' traceback halfway through the
+    preparation (or the shard's, when it maps the weights)."""
+    import math
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from kettle.hub.gguf_header import read_header
+
+    size, end = gguf_path.stat().st_size, 0
+    for tensor in read_header(gguf_path).tensors:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.qtype)]
+        except (ValueError, KeyError):
+            raise PreparationError(
+                f"Cannot prepare the model: {gguf_path} stores tensor {tensor.name!r} in ggml type {tensor.qtype}, "
+                f"which this version of gguf does not know (a corrupt file, or a newer type); {_ANOTHER_COPY}"
+            ) from None
+        end = max(end, tensor.offset + math.prod(tensor.dims) // block * block_bytes)
+    if end > size:
+        raise PreparationError(
+            f"Cannot prepare the model: {gguf_path} is truncated (its tensors end at byte {end:,}, the file has "
+            f"{size:,}); {_ANOTHER_COPY}"
+        )
 
 
 def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
@@ -61,7 +103,17 @@ def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False
 
 def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
     """Writes config.json, generation_config.json, model.safetensors and the tokenizer files into `out_dir`."""
-    model = _save_model(gguf_path, out_dir, trust_remote_code)
+    try:
+        model = _save_model(gguf_path, out_dir, trust_remote_code)
+    except ValueError as error:
+        # transformers' own list of GGUF architectures decides (it maps several spellings); its error says only
+        # "GGUF model with architecture X is not supported yet", naming no file.
+        if "architecture" not in str(error) or "not supported" not in str(error):
+            raise
+        raise PreparationError(
+            f"Cannot prepare the model: {gguf_path} holds a {readable_architecture(gguf_path)!r} model, which neither "
+            f"Kettle ({', '.join(NATIVE_ARCHITECTURES)}) nor transformers reads from GGUF; pass another model"
+        ) from error
     _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(model.config))
     _add_legacy_config_keys(out_dir / "config.json")
 

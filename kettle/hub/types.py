@@ -1,4 +1,4 @@
-"""What model resolution returns, and the one error it raises."""
+"""What model resolution returns, and the errors it raises."""
 
 from __future__ import annotations
 
@@ -18,5 +18,10 @@ class ResolvedModel:
     sha: str | None = None
 
 
-class ModelNotFound(Exception):
-    """The model cannot be found or fetched. The message is one line, fit to print without a traceback."""
+class PreparationError(Exception):
+    """The model cannot be found, fetched or prepared. The message is one line, fit to print without a traceback:
+    what failed, the file or folder involved, the cause and what to do."""
+
+
+class ModelNotFound(PreparationError):
+    """The model cannot be found or fetched (a missing path, an unknown Hub id, offline without a cached copy)."""

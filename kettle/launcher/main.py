@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 
-from kettle.hub import ModelNotFound, ResolvedModel
+from kettle.hub import PreparationError, ResolvedModel
 from kettle.launcher import tgi_environment
 from kettle.launcher.child import Child, stop_children
 from kettle.launcher.config import LauncherConfig
@@ -36,7 +36,9 @@ def launch(config: LauncherConfig) -> int:
     model = _prepared_model(config, early)
     if not isinstance(model, ResolvedModel):
         stop_children(early, config.graceful_termination_timeout)
-        return model
+        code, reason = model
+        log.error("%s", reason)  # after the shards' "Stopping" lines: the reason is the output's last line
+        return code
     log.info("Model %s ready in %s", model.display_id, model.path)
     for child in early:
         child.tell(str(model.path))
@@ -53,18 +55,16 @@ def launch(config: LauncherConfig) -> int:
     return supervisor.run()
 
 
-def _prepared_model(config: LauncherConfig, early: list[Child]) -> ResolvedModel | int:
+def _prepared_model(config: LauncherConfig, early: list[Child]) -> ResolvedModel | tuple[int, str]:
     """The model, resolved and prepared (in a child process: what that imports, transformers and torch, never enters
-    the launcher) and checked; or the exit code to stop with, its reason logged. A preparation that takes a while
-    starts the shards beside it, into `early`."""
+    the launcher) and checked; or the exit code to stop with and its reason, one line. A preparation that takes a
+    while starts the shards beside it, into `early`."""
     try:
         model = prepare_model(config, meanwhile=lambda: _start_shards_early(config, early))
-    except (ModelNotFound, PreparationFailed, SocketInUse) as error:
-        log.error("%s", error)
-        return 1
+    except (PreparationError, PreparationFailed, SocketInUse) as error:
+        return 1, str(error)
     except KeyboardInterrupt:
-        log.error("Stopped while preparing the model")
-        return 130
+        return 130, "Stopped while preparing the model"
     try:
         # Custom code without --trust-remote-code, or a type nobody knows: one line here, not a shard traceback.
         from kettle.catalog import check_loadable
@@ -75,8 +75,7 @@ def _prepared_model(config: LauncherConfig, early: list[Child]) -> ResolvedModel
 
             check_tensor_parallel_folder(str(model.path), config.world_size)
     except ValueError as error:
-        log.error("%s", error)
-        return 1
+        return 1, str(error)
     return model
 
 

@@ -9,7 +9,9 @@ model. So the launcher runs `python -m kettle.launcher.prepare` and reads back o
 
 The child is started as the shards are (kettle/launcher/child.py): in its own process group and dying with the
 launcher. It inherits stdout and stderr, so download bars and log lines reach the user as before, in the same
-format (`--json-output` is passed on). Ctrl-C or SIGTERM to the launcher is forwarded as SIGTERM, which the child
+format (`--json-output` is passed on). A failure comes back in the JSON file too, as one line (what failed, the
+file or folder, the cause, what to do: kettle/hub/failures.py) that the launcher logs last; the child writes the
+traceback only at `LOG_LEVEL=debug`. Ctrl-C or SIGTERM to the launcher is forwarded as SIGTERM, which the child
 turns into KeyboardInterrupt so a conversion in progress removes its temporary folder (kettle/hub/cache.py).
 """
 
@@ -29,11 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kettle.hub import ModelNotFound, ResolvedModel, resolve_model
+from kettle.hub import ModelNotFound, PreparationError, ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
     from kettle.launcher.child import Child
     from kettle.launcher.config import LauncherConfig
+
+log = logging.getLogger(__name__)
 
 # What the child exits with when it was stopped (by the launcher's forwarded SIGTERM), as a shell reports Ctrl-C.
 STOPPED_EXIT_CODE = 130
@@ -43,8 +47,8 @@ SLOW_SECONDS = 0.5
 
 
 class PreparationFailed(Exception):
-    """The child ended without a result: an unexpected error (its traceback is above, on the same stderr) or a
-    signal from outside. The message is one line."""
+    """The child ended without a result: killed by a signal from outside (the kernel's out-of-memory killer, say),
+    or crashed in the interpreter itself. The message is one line."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def prepare_model(config: LauncherConfig, meanwhile: Callable[[], None] | None =
     once if the child is still at work after `SLOW_SECONDS` (a download or a first start's conversion, not a cached
     model's look-up).
 
-    Raises `ModelNotFound` with the child's one-line reason, `PreparationFailed` when it ended without a result,
+    Raises `PreparationError` with the child's one-line reason, `PreparationFailed` when it ended without a result,
     and KeyboardInterrupt (Ctrl-C, or SIGTERM as the launcher maps it) or what `meanwhile` raised once the child
     has stopped and cleaned up.
     """
@@ -143,17 +147,18 @@ def _read_result(result: Path, code: int) -> ResolvedModel:
     except (OSError, ValueError):
         answer = {}  # it ended before writing one
     if "error" in answer:
-        raise ModelNotFound(answer["error"])
+        raise PreparationError(answer["error"])
     if code == 0 and "path" in answer:
         return ResolvedModel(Path(answer["path"]), answer["display_id"], answer["sha"])
     if code == STOPPED_EXIT_CODE:
         raise KeyboardInterrupt  # stopped from outside, not by the launcher: the same end as Ctrl-C here
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    raise PreparationFailed(f"Preparing the model failed: the child process {how} (its error, if any, is above)")
+    raise PreparationFailed(f"Preparing the model failed: the child process {how} (its output, if any, is above)")
 
 
 def main(argv: list[str]) -> int:
     """The child: `python -m kettle.launcher.prepare RESULT_FILE REQUEST_JSON [--json-output]`."""
+    from kettle.hub.failures import unexpected_failure
     from kettle.logging_setup import setup_logging
 
     result, request = Path(argv[0]), ModelRequest(**json.loads(argv[1]))
@@ -163,11 +168,15 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         model = resolve(request)
-    except ModelNotFound as error:
-        result.write_text(json.dumps({"error": str(error)}))
-        return 1
     except KeyboardInterrupt:
         return STOPPED_EXIT_CODE
+    except Exception as error:  # every failure reaches the user as one line, the launcher's last
+        log.debug("Preparing the model failed", exc_info=True)
+        given = request.weights_cache_override or request.model_id
+        what = f"the model {given!r}" if given else "the bundled model"
+        line = str(error) if isinstance(error, PreparationError) else unexpected_failure(error, what)
+        result.write_text(json.dumps({"error": line.replace("\n", " ")}))
+        return 1
     result.write_text(json.dumps({"path": str(model.path), "display_id": model.display_id, "sha": model.sha}))
     return 0
 
