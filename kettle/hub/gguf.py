@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kettle.hub import failures
+from kettle.hub.failures import cause, first_line
 from kettle.hub.types import PreparationError
 
 # GGUF architectures whose weights Kettle's native families read straight from the file (tested in
@@ -55,7 +55,7 @@ def readable_architecture(gguf_path: Path) -> str:
     except ValueError as error:  # worded by read_header: the file and what is wrong with it
         raise PreparationError(f"Cannot prepare the model: {error}; {_ANOTHER_COPY}") from error
     except OSError as error:
-        why = failures.cause(error.errno, error.filename) if error.errno else failures.first_line(error)
+        why = cause(error.errno, error.filename) if error.errno else first_line(error)
         raise PreparationError(f"Cannot read the model file {gguf_path}: {why}") from error
     arch = fields.get("general.architecture")
     if not isinstance(arch, str):
