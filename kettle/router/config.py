@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kettle import settings
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,39 @@ class RouterConfig:
             raise ValueError("--prometheus-port must be a TCP port (1-65535) or 0 (off)")
         if not self.waiting_served_ratio >= 0.0:
             raise ValueError("--waiting-served-ratio must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Batching limits, final once warmup has chosen the token limits and the KV cache size."""
+
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes (`--disable-prefix-caching`)
+    # Split long prompts under max_batch_prefill_tokens and run the chunks with the decodes in one forward
+    # (`--disable-chunked-prefill` returns to TGI's v2 rule: whole prefills in their own forward).
+    chunked_prefill: bool = True
+    # Size the chunks that run beside decodes from measured step times (kettle/router/chunk_budget.py);
+    # KETTLE_ADAPTIVE_CHUNKS=0: every step may compute max_batch_prefill_tokens prompt tokens.
+    adaptive_chunks: bool = field(default_factory=lambda: settings.current().adaptive_chunks)
+    # Several decode steps per shard call while the batch is settled, within this window (kettle/router/
+    # decode_steps.py); KETTLE_DECODE_WINDOW_MS=0: one step per call.
+    decode_window_ms: float = field(default_factory=lambda: settings.current().decode_window_ms)
+    # /health turns 503 when work waits and the loop has not moved for this long (or 4x its slowest step).
+    stall_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch_prefill_tokens > self.max_batch_total_tokens:
+            raise ValueError("max_batch_prefill_tokens must be <= max_batch_total_tokens")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
+            raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")

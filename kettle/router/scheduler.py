@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kettle.proto import generate_pb2 as pb
 from kettle.router import metrics
@@ -27,15 +27,13 @@ from kettle.router.block_ledger import BlockLedger
 from kettle.router.blocks import Allocator
 from kettle.router.chunk_budget import ChunkBudget
 from kettle.router.client import StepResult
+from kettle.router.config import SchedulerConfig
 from kettle.router.decode_steps import DecodeSteps
 from kettle.router.events import generation_events
 from kettle.router.liveness import Liveness
 from kettle.router.queue import Entry, NextBatch, Queue
 from kettle.router.tracing import batch_span
 from kettle.router.types import GenerationError, InferError
-
-if TYPE_CHECKING:
-    from kettle.router.infer import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from kettle.proto import generate_pb2
 from kettle.router import metrics
 from kettle.router.app import create_app
 from kettle.router.client import ShardedClient, ShardError
-from kettle.router.config import RouterConfig
-from kettle.router.infer import Infer, SchedulerConfig
+from kettle.router.config import RouterConfig, SchedulerConfig
+from kettle.router.infer import Infer
 from kettle.router.metrics_server import start_metrics_server
 from kettle.router.shutdown import Drain, DrainingServer
 from kettle.router.tokenizer import TokenizerPool

@@ -14,7 +14,7 @@ import pytest
 
 from kettle.router.blocks import BlockAllocator
 from kettle.router.chunk_budget import ChunkBudget
-from kettle.router.infer import SchedulerConfig
+from kettle.router.config import SchedulerConfig
 from kettle.router.prefix_cache import PrefixCachingAllocator
 from kettle.router.queue import CapacityError, Entry, Queue
 from kettle.router.scheduler import Scheduler

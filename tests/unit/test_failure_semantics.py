@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from kettle.router.blocks import BlockAllocator
-from kettle.router.infer import Infer, SchedulerConfig
+from kettle.router.config import SchedulerConfig
+from kettle.router.infer import Infer
 from kettle.router.liveness import Liveness
 from kettle.router.prefix_cache import PrefixCachingAllocator
 from kettle.router.queue import Entry, Queue, UnplaceableRequest

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from kettle.router.blocks import BlockAllocator
-from kettle.router.infer import Infer, SchedulerConfig
+from kettle.router.config import SchedulerConfig
+from kettle.router.infer import Infer
 from kettle.router.queue import CapacityError
 from kettle.router.types import GenerationError, IncompleteGeneration, ShuttingDown, TokenEvent
 from tests.unit.fake_client import FakeClient, make_request

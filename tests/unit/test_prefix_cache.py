@@ -8,7 +8,8 @@ import random
 import pytest
 
 from kettle.router.blocks import Allocator, BlockAllocator
-from kettle.router.infer import SchedulerConfig, make_allocator
+from kettle.router.config import SchedulerConfig
+from kettle.router.infer import make_allocator
 from kettle.router.prefix_cache import PrefixCachingAllocator, block_hashes
 from kettle.router.queue import Queue
 from kettle.router.scheduler import Scheduler

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kettle.router.blocks import BlockAllocator
-from kettle.router.infer import SchedulerConfig
+from kettle.router.config import SchedulerConfig
 from kettle.router.queue import Entry, Queue
 from kettle.router.scheduler import Scheduler
 from kettle.router.types import FinishReason, GeneratedText, GenerationError, PrefillEvent, TokenEvent

@@ -10,7 +10,7 @@ import random
 from kettle.proto import generate_pb2 as pb
 from kettle.router import metrics
 from kettle.router.blocks import BlockAllocator
-from kettle.router.infer import SchedulerConfig
+from kettle.router.config import SchedulerConfig
 from kettle.router.queue import Queue
 from kettle.router.scheduler import Scheduler
 from kettle.router.types import TokenEvent

@@ -12,7 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kettle import tracing
-from kettle.router.infer import Infer, SchedulerConfig
+from kettle.router.config import SchedulerConfig
+from kettle.router.infer import Infer
 from kettle.router.tracing import TracingMiddleware, batch_span
 from kettle.router.types import TokenEvent
 from kettle.shard.tracing import shard_span
