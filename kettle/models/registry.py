@@ -58,7 +58,6 @@ def load_model(
     asks for dense weights (kettle/quantization/gguf_scheme.py)."""
     from kettle.models.hf_config import load_config
     from kettle.models.rope_override import apply_rope_override
-    from kettle.models.transformers_fallback import load_transformers_model
     from kettle.quantization.loading import default_gguf_scheme, finish, resolve_scheme
 
     check_loadable(path, trust_remote_code)  # clear errors for custom code / unknown types, before transformers'
@@ -85,3 +84,16 @@ def load_model(
 
         quantize_fp8(model)
     return model
+
+
+def load_transformers_model(
+    path: str, config, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+) -> CausalLM:
+    """The fallback for `config`: the seq2seq path for encoder-decoder models, the causal one otherwise."""
+    if getattr(config, "is_encoder_decoder", False):
+        from kettle.models.seq2seq import TransformersSeq2SeqLM
+
+        return TransformersSeq2SeqLM.from_pretrained(path, dtype, device, trust_remote_code)
+    from kettle.models.transformers_fallback import TransformersCausalLM
+
+    return TransformersCausalLM.from_pretrained(path, dtype, device, trust_remote_code)

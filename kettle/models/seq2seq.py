@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from kettle.models.transformers_fallback import _pad_id, spec_from_config
+from kettle.models.transformers_fallback import pad_id, spec_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class TransformersSeq2SeqLM:
         # Self- and cross-attention K/V per decoder layer: twice the layers for the KV budget.
         self.spec = spec_from_config(model.config, dtype, decoder_layers_factor=2)
         self.decoder_start_token_id = decoder_start_id(model)
-        self.pad_token_id = _pad_id(model.config)
+        self.pad_token_id = pad_id(model.config)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
@@ -52,4 +52,4 @@ def decoder_start_id(model) -> int:
         value = getattr(config, "decoder_start_token_id", None) if config is not None else None
         if isinstance(value, int):
             return value
-    return _pad_id(model.config)
+    return pad_id(model.config)

@@ -69,7 +69,7 @@ class TransformersCausalLM:
         self.spec = spec_from_config(model.config, dtype)
         self.takes_positions = accepts(model, "position_ids")
         self.takes_logits_to_keep = accepts(model, "logits_to_keep")
-        self.pad_token_id = _pad_id(model.config)
+        self.pad_token_id = pad_id(model.config)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
@@ -84,7 +84,7 @@ class TransformersCausalLM:
         return logits.float()
 
 
-def _pad_id(config) -> int:
+def pad_id(config) -> int:
     """The id fed at padded positions (masked out, so any valid id works): pad, else EOS, else BOS, else 0.
 
     Only ids inside the embedding count: configs carry defaults of their family's full vocabulary."""
@@ -96,14 +96,3 @@ def _pad_id(config) -> int:
         if isinstance(value, int) and 0 <= value < vocab_size:
             return value
     return 0
-
-
-def load_transformers_model(
-    path: str, config, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
-):
-    """The fallback for `config`: the seq2seq path for encoder-decoder models, the causal one otherwise."""
-    if getattr(config, "is_encoder_decoder", False):
-        from kettle.models.seq2seq import TransformersSeq2SeqLM
-
-        return TransformersSeq2SeqLM.from_pretrained(path, dtype, device, trust_remote_code)
-    return TransformersCausalLM.from_pretrained(path, dtype, device, trust_remote_code)
