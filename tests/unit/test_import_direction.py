@@ -106,6 +106,64 @@ def test_an_upward_import_is_caught(module, source):
     assert violations({module: source}) != []
 
 
+def import_cycles(files: dict[str, str]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or around a circle (lazy imports count too); an import
+    of a package counts as an import of its `__init__`."""
+    graph = {
+        module: {t for t in imported_modules(source) if t in files and t != module} for module, source in files.items()
+    }
+    # Tarjan's strongly connected components, iteratively (a deep package would exhaust the recursion limit).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        cycles.append(sorted(group))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                on_stack.add(target)
+                work.append((target, iter(sorted(graph[target]))))
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+    return cycles
+
+
+def test_no_module_imports_itself_around_a_circle():
+    assert import_cycles(kettle_sources()) == []
+
+
+def test_an_import_circle_is_caught():
+    files = {
+        "kettle.router.a": "from kettle.router.b import f",
+        "kettle.router.b": "def f():\n    import kettle.router.a",
+    }
+    assert import_cycles(files) == [["kettle.router.a", "kettle.router.b"]]
+
+
 def test_a_downward_import_passes():
     source = "from kettle.layers.norm import RMSNorm\nfrom kettle import catalog"
     assert violations({"kettle.models.llama": source}) == []
