@@ -7,14 +7,13 @@ imported inside the commands, so `kettle --help` answers at once.
 from __future__ import annotations
 
 import logging
-import os
-import sys
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
 from kettle.launcher import options as o
 from kettle.launcher.command import launch
+from kettle.router.config import SERVING_DEFAULTS as D  # every shared flag's default, written once
 
 app = typer.Typer(
     name="kettle",
@@ -93,18 +92,6 @@ def serve(
         serve_shard(config)
     finally:
         tracing.shutdown_tracing()
-    _exit_now()
-
-
-def _exit_now() -> NoReturn:
-    """Ends a shard or router that stopped cleanly without the interpreter's teardown: finalizing torch, OpenMP and
-    gRPC took 0.45 s of a shard's stop and 0.15 s of the router's (bundled model), time the drain's deadline plus one
-    second has not got to spare. Everything the process owes the world is done by then: the answers are sent, the
-    socket removed, spans flushed, and the logs are flushed here."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @app.command()
@@ -116,34 +103,34 @@ def router(
     ] = None,
     model_sha: Annotated[str | None, typer.Option(help="Model revision shown in /info.")] = None,
     model_pipeline_tag: Annotated[str, typer.Option(help="Pipeline tag shown in /info.")] = "text-generation",
-    max_concurrent_requests: o.MaxConcurrentRequests = 128,
-    max_best_of: o.MaxBestOf = 2,
-    max_stop_sequences: o.MaxStopSequences = 4,
-    max_top_n_tokens: o.MaxTopNTokens = 5,
-    max_input_tokens: o.MaxInputTokens = None,
-    max_total_tokens: o.MaxTotalTokens = None,
-    waiting_served_ratio: o.WaitingServedRatio = 0.3,
-    max_batch_prefill_tokens: o.MaxBatchPrefillTokens = None,
-    max_batch_total_tokens: o.MaxBatchTotalTokens = None,
-    max_waiting_tokens: o.MaxWaitingTokens = 20,
-    max_batch_size: o.MaxBatchSize = None,
-    validation_workers: o.ValidationWorkers = 2,
-    max_client_batch_size: o.MaxClientBatchSize = 4,
-    payload_limit: o.PayloadLimit = 2_000_000,
-    hostname: o.Hostname = "0.0.0.0",
-    port: o.Port = 3000,
-    api_key: o.ApiKey = None,
+    max_concurrent_requests: o.MaxConcurrentRequests = D.max_concurrent_requests,
+    max_best_of: o.MaxBestOf = D.max_best_of,
+    max_stop_sequences: o.MaxStopSequences = D.max_stop_sequences,
+    max_top_n_tokens: o.MaxTopNTokens = D.max_top_n_tokens,
+    max_input_tokens: o.MaxInputTokens = D.max_input_tokens,
+    max_total_tokens: o.MaxTotalTokens = D.max_total_tokens,
+    waiting_served_ratio: o.WaitingServedRatio = D.waiting_served_ratio,
+    max_batch_prefill_tokens: o.MaxBatchPrefillTokens = D.max_batch_prefill_tokens,
+    max_batch_total_tokens: o.MaxBatchTotalTokens = D.max_batch_total_tokens,
+    max_waiting_tokens: o.MaxWaitingTokens = D.max_waiting_tokens,
+    max_batch_size: o.MaxBatchSize = D.max_batch_size,
+    validation_workers: o.ValidationWorkers = D.validation_workers,
+    max_client_batch_size: o.MaxClientBatchSize = D.max_client_batch_size,
+    payload_limit: o.PayloadLimit = D.payload_limit,
+    hostname: o.Hostname = D.hostname,
+    port: o.Port = D.port,
+    api_key: o.ApiKey = D.api_key,
     cors_allow_origin: o.CorsAllowOrigin = None,
-    json_output: o.JsonOutput = False,
-    otlp_endpoint: o.OtlpEndpoint = None,
-    otlp_service_name: o.OtlpServiceName = "kettle",
-    prometheus_port: o.PrometheusPort = 9000,
-    tokenizer_config_path: o.TokenizerConfigPath = None,
-    disable_grammar_support: o.DisableGrammarSupport = False,
-    enable_prefill_logprobs: o.EnablePrefillLogprobs = False,
-    disable_prefix_caching: o.DisablePrefixCaching = False,
-    disable_chunked_prefill: o.DisableChunkedPrefill = False,
-    graceful_termination_timeout: o.GracefulTerminationTimeout = 90.0,
+    json_output: o.JsonOutput = D.json_output,
+    otlp_endpoint: o.OtlpEndpoint = D.otlp_endpoint,
+    otlp_service_name: o.OtlpServiceName = D.otlp_service_name,
+    prometheus_port: o.PrometheusPort = D.prometheus_port,
+    tokenizer_config_path: o.TokenizerConfigPath = D.tokenizer_config_path,
+    disable_grammar_support: o.DisableGrammarSupport = D.disable_grammar_support,
+    enable_prefill_logprobs: o.EnablePrefillLogprobs = D.enable_prefill_logprobs,
+    disable_prefix_caching: o.DisablePrefixCaching = D.disable_prefix_caching,
+    disable_chunked_prefill: o.DisableChunkedPrefill = D.disable_chunked_prefill,
+    graceful_termination_timeout: o.GracefulTerminationTimeout = D.graceful_termination_timeout,
     adapters: Annotated[
         list[str] | None, typer.Option(help="A LoRA adapter the shards loaded (repeat for each).")
     ] = None,
@@ -167,7 +154,6 @@ def router(
     from kettle.router.server import run
 
     run(config)
-    _exit_now()
 
 
 @app.command("download-weights")

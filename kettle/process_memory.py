@@ -13,7 +13,9 @@ import ctypes.util
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 
@@ -143,3 +145,14 @@ def _library_mappings(smaps: str) -> list[tuple[int, int, int]]:
         and entry.get("Anonymous:", 1) == 0
         and entry.get("Rss:", 0) > 0
     ]
+
+
+def exit_without_teardown() -> NoReturn:
+    """Ends a shard or router that stopped cleanly without the interpreter's teardown: finalizing torch, OpenMP and
+    gRPC took 0.45 s of a shard's stop and 0.15 s of the router's (bundled model), time the drain's deadline plus one
+    second has not got to spare. Call it only when everything the process owes the world is done: the answers
+    sent, the socket removed, spans flushed; the logs and standard streams are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

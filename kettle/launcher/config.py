@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass
 
 from kettle.hub.adapters import AdapterSource
-from kettle.router.config import RouterConfig
+from kettle.router.config import RouterConfig, ServingFlags
 from kettle.shard.config import DTYPES, FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
@@ -50,9 +50,10 @@ def pick_max_input_tokens(max_input_tokens: int | None, max_input_length: int | 
     return max_input_tokens if max_input_tokens is not None else max_input_length
 
 
-@dataclass(frozen=True)
-class LauncherConfig:
-    """Everything `kettle launch` was told, split into the shard and router configs it starts."""
+@dataclass(frozen=True, kw_only=True)
+class LauncherConfig(ServingFlags):
+    """Everything `kettle launch` was told (the serving flags it shares with the router, and its own), split into
+    the shard and router configs it starts."""
 
     model_id: str | None = None
     revision: str | None = None
@@ -69,34 +70,6 @@ class LauncherConfig:
     rope_factor: float | None = None
     speculate: int | None = None
     kv_cache_dtype: str | None = None
-    max_concurrent_requests: int = 128
-    max_best_of: int = 2
-    max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
-    max_input_tokens: int | None = None
-    max_total_tokens: int | None = None
-    waiting_served_ratio: float = 0.3
-    max_batch_prefill_tokens: int | None = None
-    max_batch_total_tokens: int | None = None
-    max_waiting_tokens: int = 20
-    max_batch_size: int | None = None
-    validation_workers: int = 2
-    max_client_batch_size: int = 4
-    payload_limit: int = 2_000_000
-    hostname: str = "0.0.0.0"
-    port: int = 3000
-    api_key: str | None = None
-    cors_allow_origin: tuple[str, ...] = ()
-    json_output: bool = False
-    otlp_endpoint: str | None = None
-    otlp_service_name: str = "kettle"
-    prometheus_port: int = 9000
-    tokenizer_config_path: str | None = None
-    disable_grammar_support: bool = False
-    enable_prefill_logprobs: bool = False
-    disable_prefix_caching: bool = False
-    disable_chunked_prefill: bool = False
-    graceful_termination_timeout: float = 90.0
     shard_uds_path: str | None = None  # None: derived from --port (`uds_prefix`)
     master_addr: str = "localhost"
     master_port: int = 29500
@@ -117,6 +90,7 @@ class LauncherConfig:
     shard_start_timeout: float = DEFAULT_SHARD_START_TIMEOUT
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._check_sharding()
         self._check_quantize()
         AdapterSource.parse_list(self.lora_adapters)  # a malformed list fails here, before any process starts
@@ -126,8 +100,6 @@ class LauncherConfig:
         for name in ("port", "master_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be a TCP port (1-65535)")
-        if self.graceful_termination_timeout < 0:
-            raise ValueError("--graceful-termination-timeout must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("--num-threads must be >= 1")
         if self.rope_factor is not None and not self.rope_factor > 0:

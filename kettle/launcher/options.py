@@ -2,7 +2,8 @@
 
 Each is an `Annotated` type used as a parameter annotation; every option also reads the environment
 variable of the same name in UPPER_SNAKE case (`--max-total-tokens` ← `MAX_TOTAL_TOKENS`), as TGI's
-launcher and router do. Defaults live in the command signatures, next to the parameter.
+launcher and router do. Their defaults are written once, in `kettle.router.config.ServingFlags`; the command
+signatures read them from there.
 """
 
 from __future__ import annotations

@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 from kettle import settings
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    """Settings of the HTTP router. Token limits left as None are chosen at warmup (server.py)."""
+@dataclass(frozen=True, kw_only=True)
+class ServingFlags:
+    """The flags `kettle launch` and `kettle router` share, with their defaults: the one place each default is
+    written. Both commands' signatures take their defaults from `SERVING_DEFAULTS`, and `RouterConfig` and the
+    launcher's config inherit these fields and their checks."""
 
-    master_shard_uds_path: str
-    tokenizer_name: str  # local folder holding the tokenizer (the resolved model folder)
-    model_id: str  # the name /info and /v1/models report
     hostname: str = "0.0.0.0"
     port: int = 3000
     max_concurrent_requests: int = 128
@@ -42,10 +41,6 @@ class RouterConfig:
     disable_prefix_caching: bool = False
     disable_chunked_prefill: bool = False
     graceful_termination_timeout: float = 90.0
-    model_sha: str | None = None
-    model_pipeline_tag: str = "text-generation"
-    adapters: tuple[str, ...] = ()  # the LoRA adapters the shards loaded, by the names requests use
-    launcher_pid: int | None = None  # the `kettle launch` that started this router: its memory is a gauge here
 
     def __post_init__(self) -> None:
         positive = ("max_concurrent_requests", "max_best_of", "validation_workers", "max_client_batch_size")
@@ -59,6 +54,25 @@ class RouterConfig:
             raise ValueError("--prometheus-port must be a TCP port (1-65535) or 0 (off)")
         if not self.waiting_served_ratio >= 0.0:
             raise ValueError("--waiting-served-ratio must be >= 0")
+        if self.graceful_termination_timeout < 0:
+            raise ValueError("--graceful-termination-timeout must be >= 0")
+
+
+SERVING_DEFAULTS = ServingFlags()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig(ServingFlags):
+    """Settings of the HTTP router: the serving flags, and where the shards and the model are. Token limits left
+    as None are chosen at warmup (server.py)."""
+
+    master_shard_uds_path: str
+    tokenizer_name: str  # local folder holding the tokenizer (the resolved model folder)
+    model_id: str  # the name /info and /v1/models report
+    model_sha: str | None = None
+    model_pipeline_tag: str = "text-generation"
+    adapters: tuple[str, ...] = ()  # the LoRA adapters the shards loaded, by the names requests use
+    launcher_pid: int | None = None  # the `kettle launch` that started this router: its memory is a gauge here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +82,8 @@ class SchedulerConfig:
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int
     max_batch_size: int | None = None
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = SERVING_DEFAULTS.waiting_served_ratio
+    max_waiting_tokens: int = SERVING_DEFAULTS.max_waiting_tokens
     block_size: int
     num_blocks: int
     prefix_caching: bool = True  # reuse the KV blocks of shared prompt prefixes (`--disable-prefix-caching`)

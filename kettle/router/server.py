@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from kettle import settings, tracing
-from kettle.process_memory import log_resident_memory
+from kettle.process_memory import exit_without_teardown, log_resident_memory
 from kettle.proto import generate_pb2
 from kettle.router import metrics
 from kettle.router.app import create_app
@@ -72,6 +72,7 @@ def run(config: RouterConfig) -> None:
         raise SystemExit(1) from None
     finally:
         tracing.shutdown_tracing()
+    exit_without_teardown()
 
 
 def yield_cpu(niceness: int) -> None:

@@ -13,8 +13,8 @@ import grpc
 import psutil
 import torch
 
-from kettle import settings
-from kettle.process_memory import release_free_memory
+from kettle import settings, tracing
+from kettle.process_memory import exit_without_teardown, release_free_memory
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import MODEL_FROM_LAUNCHER, ShardConfig
@@ -191,3 +191,5 @@ def serve(config: ShardConfig) -> None:
         asyncio.run(_serve(config))
     finally:
         shutdown()
+    tracing.shutdown_tracing()  # the spans go out before the process ends without its teardown
+    exit_without_teardown()
