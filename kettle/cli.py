@@ -14,6 +14,7 @@ import typer
 from kettle.launcher import options as o
 from kettle.launcher.command import launch
 from kettle.router.config import SERVING_DEFAULTS as D  # every shared flag's default, written once
+from kettle.shard.config import SHARD_DEFAULTS as S  # and the shard's
 
 app = typer.Typer(
     name="kettle",
@@ -51,16 +52,18 @@ def serve(
     num_threads: Annotated[int | None, typer.Option(envvar="KETTLE_NUM_THREADS", help="Torch threads.")] = None,
     cpu_kv_cache_fraction: Annotated[
         float, typer.Option(envvar="KETTLE_CPU_KV_CACHE_FRACTION", help="Share of RAM for the KV cache on CPU.")
-    ] = 0.1,
+    ] = S.cpu_kv_cache_fraction,
     cuda_memory_fraction: Annotated[
         float, typer.Option(envvar="CUDA_MEMORY_FRACTION", help="Share of free GPU memory for the KV cache.")
-    ] = 0.9,
+    ] = S.cuda_memory_fraction,
     cuda_graphs: Annotated[
         str | None,
         typer.Option(envvar=["CUDA_GRAPHS", "KETTLE_CUDA_GRAPHS"], help="Decode CUDA graph batch sizes; 0 disables."),
     ] = None,
-    watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = 0.5,
-    watermark_delta: Annotated[float, typer.Option(help="Logit bias of the watermark's green list.")] = 2.0,
+    watermark_gamma: Annotated[float, typer.Option(help="Green-list share of the watermark.")] = S.watermark_gamma,
+    watermark_delta: Annotated[
+        float, typer.Option(help="Logit bias of the watermark's green list.")
+    ] = S.watermark_delta,
     lora_adapters: Annotated[
         str | None, typer.Option(help="LoRA adapters to attach: `name=path` or Hub ids, comma-separated.")
     ] = None,

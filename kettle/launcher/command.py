@@ -10,6 +10,7 @@ import typer
 from kettle.launcher import options as o
 from kettle.launcher.options import COMPATIBILITY, MODEL, SHARDS, option
 from kettle.router.config import SERVING_DEFAULTS as D  # every shared flag's default, written once
+from kettle.shard.config import SHARD_DEFAULTS as S  # and the shard's
 
 TRUE_WORDS = {"true", "1", "yes", "on"}
 FALSE_WORDS = {"false", "0", "no", "off"}
@@ -264,10 +265,10 @@ def launch(
     master_port: MasterPort = 29500,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
-    watermark_gamma: WatermarkGamma = 0.5,
-    watermark_delta: WatermarkDelta = 2.0,
-    cpu_kv_cache_fraction: CpuKvCacheFraction = 0.1,
-    cuda_memory_fraction: CudaMemoryFraction = 0.9,
+    watermark_gamma: WatermarkGamma = S.watermark_gamma,
+    watermark_delta: WatermarkDelta = S.watermark_delta,
+    cpu_kv_cache_fraction: CpuKvCacheFraction = S.cpu_kv_cache_fraction,
+    cuda_memory_fraction: CudaMemoryFraction = S.cuda_memory_fraction,
     cuda_graphs: CudaGraphs = None,
     num_threads: NumThreads = None,
     disable_custom_kernels: DisableCustomKernels = False,

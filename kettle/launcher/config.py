@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kettle.hub.adapters import AdapterSource
 from kettle.router.config import RouterConfig, ServingFlags
-from kettle.shard.config import DTYPES, FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ShardConfig
+from kettle.shard.config import DTYPES, FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, SHARD_DEFAULTS, ShardConfig
 
 # Flags that parse (so TGI command lines keep working) but change nothing yet, with their inert values.
 INACTIVE_FLAGS: dict[str, object] = {}
@@ -76,10 +76,10 @@ class LauncherConfig(ServingFlags):
     # Multi-node tensor parallelism: this host runs ranks node_rank*shards .. +shards of nnodes*shards.
     nnodes: int = 1
     node_rank: int = 0
-    watermark_gamma: float = 0.5
-    watermark_delta: float = 2.0
-    cpu_kv_cache_fraction: float = 0.1
-    cuda_memory_fraction: float = 0.9
+    watermark_gamma: float = SHARD_DEFAULTS.watermark_gamma
+    watermark_delta: float = SHARD_DEFAULTS.watermark_delta
+    cpu_kv_cache_fraction: float = SHARD_DEFAULTS.cpu_kv_cache_fraction
+    cuda_memory_fraction: float = SHARD_DEFAULTS.cuda_memory_fraction
     cuda_graphs: str | None = None
     num_threads: int | None = None
     disable_custom_kernels: bool = False

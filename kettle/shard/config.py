@@ -85,3 +85,8 @@ class ShardConfig:
     @property
     def socket_path(self) -> str:
         return f"{self.uds_path}-{self.rank}"
+
+
+# Every `kettle serve` flag's default, written once (above): the `serve` and `launch` commands and the launcher's
+# config read the shard flags' defaults from here.
+SHARD_DEFAULTS = ShardConfig(model_path=MODEL_FROM_LAUNCHER)
