@@ -22,9 +22,11 @@ from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import Batch, RequestState
 from kettle.shard.detokenize import IncrementalDetokenizer
 from kettle.shard.lookahead import Lookahead
-from kettle.shard.runner import Computed, ModelRunner, StepResult
+from kettle.shard.runner import Computed
+from kettle.shard.runner_protocol import Runner
 from kettle.shard.sampling import SamplingParams
 from kettle.shard.speculation import drafter_for
+from kettle.shard.step_outputs import StepResult
 from kettle.shard.stopping import StoppingCriteria
 from kettle.shard.warmup import KVPlan, plan_kv_cache
 from kettle.tensors import distributed
@@ -37,7 +39,7 @@ class ShardEngine:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         kv_memory_fraction: float,
         rank: int = 0,
         world_size: int = 1,
@@ -51,7 +53,8 @@ class ShardEngine:
         self.world_size = world_size
         self.batches: dict[int, Batch] = {}
         self.adapters: tuple[str, ...] = ()  # the LoRA adapters attached to the model, by index
-        self.overlap = overlap  # compute the next decode step while the router handles the last one
+        # Compute the next decode step while the router handles the last one: only a runner that can drop a step.
+        self.overlap = overlap and runner.capabilities.overlap
         self._ahead: Lookahead | None = None
 
     # --- protocol calls -------------------------------------------------------------------------------
@@ -285,7 +288,7 @@ class ShardEngine:
             detokenizer=IncrementalDetokenizer(self.runner.vocab.tokenizer, prompt),
             top_n_tokens=request.top_n_tokens,
             prefill_logprobs=request.prefill_logprobs,
-            grammar=self.runner.grammars.matcher(request.parameters),
+            grammar=self.runner.outputs.grammars.matcher(request.parameters),
             adapter=self._adapter_index(request.adapter_id),
             drafter=drafter_for(params, request, self.runner.speculate),
         )

@@ -96,8 +96,7 @@ class FallbackRunner(TransformersRunner):
         result = StepLogits({r.id: row[-1] for r, row in zip(requests, rows, strict=True)}, {})
         for request, row, wanted in zip(requests, rows, prompt, strict=True):
             if wanted:
-                request.prompt_logprobs = self._chosen_logprobs(row[:-1], request.all_ids[1 : request.prompt_len])
-                result.prefill[request.id] = self._prompt_tokens(request)
+                result.prefill[request.id] = self._prompt_logprobs(request, row[:-1])
         return result
 
     def _grouped_forward(self, requests, pasts: list[int], tokens: list[list[int]], keep_all: bool) -> list:

@@ -2,7 +2,7 @@
 
 Between two steps the router receives the tokens, hands them to the streams, drops what stopped and sends the
 next call; on a small machine that round trip costs about a third of a decode step. So as soon as a call has
-answered, the shard computes the next step of the batch it kept (forward and token choice, `ModelRunner.compute`)
+answered, the shard computes the next step of the batch it kept (forward and token choice, `PagedRunner.compute`)
 and holds the result. When the router's next call is exactly that step (a Decode of the same batch, with the
 same requests), the held result is applied and answered at once; any other call (new requests joining, a
 request filtered out, a cleared cache) drops it first and the call runs as it always did.
@@ -23,7 +23,7 @@ import torch
 
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import Batch
-from kettle.shard.runner import Computed, ModelRunner
+from kettle.shard.runner import Computed, PagedRunner
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Lookahead:
     generators: list[tuple[torch.Generator, torch.Tensor]]  # each sampling generator with its state before
 
     @classmethod
-    def start(cls, runner: ModelRunner, batch: Batch) -> Lookahead | None:
+    def start(cls, runner: PagedRunner, batch: Batch) -> Lookahead | None:
         """Computes `batch`'s next step; None when it cannot be computed ahead (a prompt still in prefill needs
         the router's next chunk) or computing it failed (the real call will meet the failure and report it)."""
         if any(r.in_prefill for r in batch.requests):

@@ -1,5 +1,6 @@
-"""One forward step over a list of requests: build tensors → forward → sample → stop → detokenize.
+"""The paged runner: one forward step of Kettle's own models over the paged KV cache, for a list of requests.
 
+Build tensors → forward → choose tokens (`StepOutputs` samples, stops and detokenizes, as for every runner).
 Prefill chunks and decodes share one flat token layout, so a step may mix them (chunked prefill) and a
 prompt may start after a cached prefix (prefix caching): both only change `cache_len` / `chunk_len`.
 """
@@ -20,29 +21,19 @@ from kettle.proto import generate_pb2 as pb
 from kettle.quantization.loading import in_lanes
 from kettle.shard.batch import RequestState
 from kettle.shard.cuda_graphs import DecodeGraphs, graphs_enabled
-from kettle.shard.grammar import Grammars, advance
 from kettle.shard.greedy_window import window_steps
 from kettle.shard.logits_process import device_tensor
-from kettle.shard.sampling import BatchSampler, SampleOutput, top_token_table, top_tokens_from_rows
+from kettle.shard.runner_protocol import Capabilities
+from kettle.shard.sampling import SampleOutput
 from kettle.shard.speculation import accepted_tokens, drafts_for, step_rows, verify_drafts
+from kettle.shard.step_outputs import StepOutputs, StepResult
 from kettle.shard.vocab import Vocab
 from kettle.tensors.kv_cache import KVCache
 
 
 @dataclass
-class StepResult:
-    """What one step produced: a generation per request that made progress, and the ids that finished."""
-
-    generations: list[pb.Generation]
-    finished: set[int]
-    forward_ns: int
-    decode_ns: int
-    steps: int = 1  # decode steps run (a greedy window runs several)
-
-
-@dataclass
 class Computed:
-    """A step's forward and token choice, not yet applied to its requests (`ModelRunner.finish` does that)."""
+    """A step's forward and token choice, not yet applied to its requests (`PagedRunner.finish` does that)."""
 
     query_lens: list[int]  # tokens each request feeds to the forward, its draft not counted
     ready: list[int]  # indices of the requests sampled one token
@@ -53,8 +44,10 @@ class Computed:
     verified: torch.Tensor | None = None  # `speculation.verify_drafts` of the requests with a draft
 
 
-class ModelRunner:
-    """Runs steps of the model over the paged KV cache for the shard's service."""
+class PagedRunner:
+    """Runs steps of Kettle's own models over the paged KV cache for the shard's engine (`runner_protocol.Runner`)."""
+
+    capabilities = Capabilities(paged=True, speculation=True, overlap=True, kv_dtypes=True, decode_window=True)
 
     def __init__(
         self,
@@ -68,18 +61,15 @@ class ModelRunner:
         self.graph_buckets = graph_buckets  # decode CUDA graph sizes; None: KETTLE_CUDA_GRAPHS decides
         self.vocab = vocab
         self.device = device
-        self.watermark_gamma, self.watermark_delta = watermark
         self.kv_cache: KVCache | None = None
-        self._sampler_requests: tuple[RequestState, ...] = ()
-        self._sampler: BatchSampler | None = None
-        self.grammars = Grammars(vocab.tokenizer, vocab.eos_token_ids)
+        self.outputs = StepOutputs(vocab, device, watermark)
         self.speculate = 0  # draft tokens per step and request (--speculate); 0: off
         self.lanes = in_lanes(model)  # its kernels' passes take 8 rows: a verifying step's limit (speculation.py)
         self.kv_dtype: torch.dtype | None = None  # the paged KV cache's (--kv-cache-dtype); None: the model's
 
     def release(self, request_ids: Iterable[int] | None) -> None:
-        """Forgets per-request state kept between steps (None: all). The paged runner keeps none: its K/V
-        lives in router-owned blocks; runners over transformers caches (fallback, seq2seq) override this."""
+        """Forgets per-request state kept between steps (None: all): none here, the K/V lives in the router's
+        blocks."""
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -143,7 +133,7 @@ class ModelRunner:
         result = StepResult([], set(), forward_ns, 0, steps=chosen[0].shape[0])
         for request, ids, logprobs in zip(requests, chosen[0].T.tolist(), chosen[1].T.tolist(), strict=True):
             request.cache_len += len(ids)
-            generation = self._advance(request, ids, logprobs, [])
+            generation = self.outputs.advance(request, ids, logprobs, [])
             if generation.HasField("generated_text"):
                 result.finished.add(request.id)
             result.generations.append(generation)
@@ -187,7 +177,7 @@ class ModelRunner:
         sampled = verified = None
         if plain:
             logits = self._last_logits(hidden, meta, [seq_ends[i] - 1 for i in plain])
-            sampled = self._sample([requests[i] for i in plain], logits)
+            sampled = self.outputs.sample([requests[i] for i in plain], logits)
         if drafting:
             seqs = [j for i in drafting for j in range(seq_ends[i] - len(drafts[i]) - 1, seq_ends[i])]
             chosen = [requests[i] for i in drafting]
@@ -203,7 +193,7 @@ class ModelRunner:
         result = StepResult([], set(), computed.forward_ns, 0)
         if computed.sampled is not None:
             ready = [requests[i] for i in computed.ready]
-            result = self._update(ready, computed.sampled, computed.prefill_logprobs)
+            result = self.outputs.apply(ready, computed.sampled, computed.prefill_logprobs)
         if computed.verified is not None:
             self._update_drafts(requests, computed, result)
         result.forward_ns, result.decode_ns = computed.forward_ns, time.perf_counter_ns() - start
@@ -236,48 +226,6 @@ class ModelRunner:
             rows = rows.index_select(0, device_tensor(seqs, torch.long, rows.device))
         return self.model.compute_logits(hidden[rows])
 
-    def _sample(self, requests: list[RequestState], logits: torch.Tensor) -> SampleOutput:
-        sampler = self._batch_sampler(requests, logits.shape[-1])
-        # Built without a host sync (device_tensor): the forward is queued, the sampler's kernels queue behind it.
-        last = device_tensor([r.all_ids[-1] for r in requests], torch.long, self.device)
-        history = lens = None
-        if sampler.needs_history:
-            history, lens = self._history(requests)
-        # Grammar masks are built for the whole batch in one go, only when some request has a grammar.
-        grammars = [r.grammar for r in requests]
-        mask = None
-        if any(g is not None for g in grammars):
-            mask = self.grammars.mask(grammars, logits.shape[-1], logits.device)
-        return sampler(logits, history, lens, last, mask)
-
-    def _batch_sampler(self, requests: list[RequestState], vocab_size: int) -> BatchSampler:
-        # Rebuilt only when the batch composition changes: parameter tensors are built once per batch. The same
-        # request objects, not the same ids: ids restart from 0 after warmup, and a new request reusing an old
-        # id must not inherit the old one's parameters and generator.
-        same = len(requests) == len(self._sampler_requests) and all(
-            new is old for new, old in zip(requests, self._sampler_requests, strict=True)
-        )
-        if not same or self._sampler is None:
-            self._sampler = BatchSampler(
-                [r.params for r in requests],
-                [r.generator for r in requests],
-                vocab_size,
-                self.device,
-                watermark_gamma=self.watermark_gamma,
-                watermark_delta=self.watermark_delta,
-                prompt_lens=[r.prompt_len for r in requests],
-            )
-            self._sampler_requests = tuple(requests)
-        return self._sampler
-
-    def _history(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt + output ids padded with -1, for the repetition and frequency penalties."""
-        width = max(len(r.all_ids) for r in requests)
-        rows = [r.all_ids + [-1] * (width - len(r.all_ids)) for r in requests]
-        history = device_tensor(rows, torch.long, self.device)
-        lens = device_tensor([len(r.all_ids) for r in requests], torch.long, self.device)
-        return history, lens
-
     def _prefill_logprobs(self, requests, queries, meta, hidden) -> dict[int, pb.Tokens]:
         """Logprobs of the prompt tokens for the requests that asked (decoder_input_details).
 
@@ -294,7 +242,7 @@ class ModelRunner:
             targets = request.all_ids[start + 1 : start + len(query) + 1]  # all_ids is the prompt during prefill
             request.prompt_logprobs += self._chosen_logprobs(hidden[offset : offset + len(targets)], targets)
             if start + len(query) == request.prompt_len:
-                out[request.id] = self._prompt_tokens(request)
+                out[request.id] = self.outputs.prompt_tokens(request, request.prompt_logprobs)
         return out
 
     def _chosen_logprobs(self, hidden: torch.Tensor, targets: list[int]) -> list[float]:
@@ -302,32 +250,6 @@ class ModelRunner:
             return []
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         return logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
-
-    def _prompt_tokens(self, request: RequestState) -> pb.Tokens:
-        ids = request.all_ids[: request.prompt_len]
-        values = [float("nan"), *request.prompt_logprobs]
-        texts = [self.vocab.token_text(i) for i in ids]
-        return pb.Tokens(ids=ids, logprobs=values, texts=texts, is_special=[self.vocab.is_special(i) for i in ids])
-
-    def _update(self, requests: list[RequestState], sampled: SampleOutput, prefill: dict) -> StepResult:
-        """Appends the chosen tokens, applies stopping and detokenizes: the only per-request Python loop."""
-        # One host transfer for the chosen ids, their logprobs (float64 holds every id exactly) and the top
-        # tokens the requests asked for: the step's only device→host sync.
-        counts = [r.top_n_tokens for r in requests]
-        table = top_token_table(sampled.logprobs, counts) if any(counts) else None
-        columns = [sampled.next_ids.double().unsqueeze(1), sampled.chosen_logprobs.double().unsqueeze(1)]
-        host = torch.cat(columns if table is None else [*columns, table], dim=1).tolist()
-        ids, logprobs = [int(row[0]) for row in host], [row[1] for row in host]
-        tops = self._top_tokens(counts, [row[2:] for row in host] if table is not None else [])
-        generations, finished = [], set()
-        for i, request in enumerate(requests):
-            generation = self._advance(request, [ids[i]], [logprobs[i]], tops[i])
-            if request.id in prefill:
-                generation.prefill_tokens.CopyFrom(prefill[request.id])
-            if generation.HasField("generated_text"):
-                finished.add(request.id)
-            generations.append(generation)
-        return StepResult(generations, finished, 0, 0)
 
     def _update_drafts(self, requests: list[RequestState], computed: Computed, result: StepResult) -> None:
         """Applies the verified drafts: each request takes its accepted drafts and the model's token, and its
@@ -342,53 +264,11 @@ class ModelRunner:
             # Recorded here, with the step applied, not when drafted: a step computed ahead may be dropped.
             request.drafter.record(len(request.all_ids), len(draft), len(tokens) - 1)
             request.cache_len += len(tokens) - 1
-            generation = self._advance(request, tokens, logprobs, [])
+            generation = self.outputs.advance(request, tokens, logprobs, [])
             generation.draft_tokens, generation.accepted_tokens = len(draft), len(tokens) - 1
             if generation.HasField("generated_text"):
                 result.finished.add(request.id)
             result.generations.append(generation)
-
-    def _top_tokens(self, counts: list[int], rows: list[list[float]]) -> list[list[pb.Tokens]]:
-        """Each request's top tokens from its row of `top_token_table` (no rows: nobody asked)."""
-        if not rows:
-            return [[] for _ in counts]
-        tops = top_tokens_from_rows(rows, counts)
-        return [[self._tokens(ids, values)] if ids else [] for ids, values in tops]
-
-    def _tokens(self, ids: list[int], logprobs: list[float], texts: list[str] | None = None) -> pb.Tokens:
-        texts = [self.vocab.token_text(i) for i in ids] if texts is None else texts
-        special = [self.vocab.is_special(i) for i in ids]
-        return pb.Tokens(ids=ids, logprobs=logprobs, texts=texts, is_special=special)
-
-    def _advance(
-        self, request: RequestState, tokens: list[int], logprobs: list[float], top: list[pb.Tokens]
-    ) -> pb.Generation:
-        """Appends the step's tokens one by one (several when drafts were accepted) until one ends the request."""
-        texts, reason = [], None
-        for token in tokens:
-            request.all_ids.append(token)
-            texts.append(request.detokenizer.step(token))
-            reason = request.stopping(token, texts[-1])
-            if request.grammar is not None and advance(request.grammar, token) and reason is None:
-                reason = pb.FINISH_REASON_EOS_TOKEN  # the grammar is complete: nothing more may be generated
-            if reason is not None:
-                break
-        n = len(texts)
-        generation = pb.Generation(
-            request_id=request.id, tokens=self._tokens(tokens[:n], logprobs[:n], texts), top_tokens=top
-        )
-        if reason is not None:
-            # The stream's last piece also takes the whole characters held back with an incomplete one.
-            generation.tokens.texts[-1] += request.detokenizer.flush()
-            generation.generated_text.CopyFrom(
-                pb.GeneratedText(
-                    text=request.detokenizer.text(skip_special_tokens=True),
-                    generated_tokens=len(request.detokenizer.generated),
-                    finish_reason=reason,
-                    seed=request.seed,
-                )
-            )
-        return generation
 
 
 def _layout(

@@ -138,13 +138,7 @@ class Seq2SeqRunner(TransformersRunner):
 
     def _start_tokens(self) -> pb.Tokens:
         """decoder_input_details of a seq2seq request: its decoder prompt is the start token alone (as TGI)."""
-        start = self.model.decoder_start_token_id
-        return pb.Tokens(
-            ids=[start],
-            logprobs=[float("nan")],
-            texts=[self.vocab.token_text(start)],
-            is_special=[self.vocab.is_special(start)],
-        )
+        return self.outputs.tokens([self.model.decoder_start_token_id], [float("nan")])
 
 
 def _stack(pairs: Layers, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,8 @@ from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import MODEL_FROM_LAUNCHER, ShardConfig
 from kettle.shard.dtype import choose_dtype, choose_kv_dtype
 from kettle.shard.engine import ShardEngine
-from kettle.shard.runner import ModelRunner
+from kettle.shard.runner import PagedRunner
+from kettle.shard.runner_protocol import Capabilities, Runner
 from kettle.shard.service import ShardService, on_engine_thread
 from kettle.shard.vocab import Vocab
 from kettle.tensors.distributed import init_distributed, shutdown
@@ -31,17 +32,17 @@ logger = logging.getLogger(__name__)
 _MAX_MESSAGE = 256 * 1024 * 1024
 
 
-def _native_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> ModelRunner:
-    return ModelRunner(model, vocab, device, watermark, graph_buckets)
+def _native_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
+    return PagedRunner(model, vocab, device, watermark, graph_buckets)
 
 
-def _fallback_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets):
+def _fallback_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
     from kettle.shard.fallback_runner import FallbackRunner
 
     return FallbackRunner(model, vocab, device, watermark)  # padded batches: no decode graphs
 
 
-def _seq2seq_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets):
+def _seq2seq_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
     from kettle.shard.seq2seq_runner import Seq2SeqRunner
 
     return Seq2SeqRunner(model, vocab, device, watermark)
@@ -52,14 +53,14 @@ def _seq2seq_runner(model, vocab: Vocab, device: torch.device, watermark, graph_
 RUNNERS = {"native": _native_runner, "transformers": _fallback_runner, "seq2seq": _seq2seq_runner}
 
 
-def describe_decode_path(model, execution_path: str, device: torch.device) -> str:
+def describe_decode_path(model, capabilities: Capabilities, device: torch.device) -> str:
     """How decode steps run, for the start-up log and /info: the fused CPU call, or layer by layer and, on the
     CPU, what keeps the model off the fused call."""
     from kettle.models.decoder_step import DecoderStep
 
     if getattr(model, "cpu_decoder_step", None) is not None:
         return "as one fused CPU call"
-    if execution_path != "native" or device.type != "cpu":
+    if not capabilities.paged or device.type != "cpu":
         return "layer by layer"
     return f"layer by layer (the fused CPU step does not take {DecoderStep.why_not})"
 
@@ -102,27 +103,28 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")
     runner = RUNNERS[execution_path](model, vocab, device, watermark, config.graph_buckets)
+    can = runner.capabilities
     # Built here (after quantization) rather than on the first decode, so the log says which path serves.
-    decode_path = describe_decode_path(model, execution_path, device)
+    decode_path = describe_decode_path(model, can, device)
     logger.info("Decode steps run %s", decode_path)
-    # Drafts are verified over the paged KV cache only (the transformers runners decode one token per step).
-    runner.speculate = config.speculate if execution_path == "native" else 0
-    # The paged cache only: the transformers runners keep transformers' own caches, in the model's dtype.
-    if execution_path == "native":
+    if can.speculation:
+        runner.speculate = config.speculate
+    elif config.speculate:
+        logger.warning("--speculate needs the paged KV cache: this model decodes one token a step")
+    if can.kv_dtypes:
         runner.kv_dtype = kv_dtype
     elif kv_dtype != dtype:
         logger.warning("--kv-cache-dtype applies to the paged KV cache only: this model's stays in %s", dtype)
-    # Steps are computed ahead only over the paged runner: the transformers runners keep caches a dropped step
-    # could not roll back. Opt-in (KETTLE_OVERLAP=1): on a 2-core machine the step computed ahead competes for
-    # the cores with the router and measured slower than waiting (docs/performance.md).
-    overlap = execution_path == "native" and settings.current().overlap
+    # Opt-in (KETTLE_OVERLAP=1): on a 2-core machine the step computed ahead competes for the cores with the
+    # router and measured slower than waiting (docs/performance.md).
+    overlap = can.overlap and settings.current().overlap
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction, overlap
     )
     engine.adapters = load_adapters(config.lora_adapters, model, config.world_size)
     spec = model.spec
     info = pb.InfoResponse(
-        requires_padding=execution_path != "native",
+        requires_padding=not can.paged,
         dtype=str(dtype).removeprefix("torch."),
         device_type=device.type,
         window_size=spec.sliding_window,

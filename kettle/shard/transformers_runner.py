@@ -1,8 +1,9 @@
 """The step skeleton shared by the runners that drive transformers models (causal fallback, seq2seq).
 
-They keep each request's KV in transformers' own cache objects instead of the paged cache, so only the forward
-differs from `ModelRunner`: a subclass computes the last-token logits of every request of the step (and the
-prompt logprobs asked for); sampling, stopping, detokenization and the `Generation` messages are the parent's.
+They keep each request's KV in transformers' own cache objects instead of the paged cache; beside the paged runner
+(`runner.py`) they implement the same contract (`runner_protocol.Runner`). A subclass computes the last-token
+logits of every request of the step (and the prompt logprobs asked for); sampling, stopping, detokenization and
+the `Generation` messages are `StepOutputs`', as for the paged runner.
 
 Per-request state is keyed by request id and dropped through `release` (the engine calls it for finished,
 filtered and cleared requests). The router's `cache_len` is only trusted as "where this request must be after
@@ -20,7 +21,9 @@ import torch
 
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.batch import RequestState
-from kettle.shard.runner import ModelRunner, StepResult
+from kettle.shard.runner_protocol import Capabilities
+from kettle.shard.step_outputs import StepOutputs, StepResult, prompt_and_output
+from kettle.shard.vocab import Vocab
 from kettle.tensors.zeroed_memory import Residency
 
 
@@ -48,12 +51,24 @@ class StepLogits:
     prefill: dict[int, pb.Tokens]
 
 
-class TransformersRunner(ModelRunner):
-    """A `ModelRunner` whose forward is a transformers model's; subclasses implement `_logits` and `_drop`."""
+class TransformersRunner:
+    """A runner whose forward is a transformers model's; subclasses implement `_logits` and `_drop`."""
 
-    def __init__(self, model, vocab, device: torch.device, watermark: tuple[float, float]) -> None:
-        super().__init__(model, vocab, device, watermark, graph_buckets=())
-        self.graphs = None
+    # Transformers' caches: padded batches, one token a step, in the model's dtype; a step cannot be computed
+    # ahead, since a dropped one could not be rolled back out of them.
+    capabilities = Capabilities(paged=False, speculation=False, overlap=False, kv_dtypes=False, decode_window=False)
+    speculate = 0
+
+    def __init__(self, model, vocab: Vocab, device: torch.device, watermark: tuple[float, float]) -> None:
+        self.model = model
+        self.vocab = vocab
+        self.device = device
+        self.kv_cache: CacheBudget | None = None
+        self.outputs = StepOutputs(vocab, device, watermark, self._history)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.model.spec.dtype
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Records the budget the router plans with; transformers allocates K/V as requests grow."""
@@ -77,9 +92,9 @@ class TransformersRunner(ModelRunner):
         if not ready:
             return StepResult([], set(), time.perf_counter_ns() - start, 0)
         logits = torch.stack([computed.last[r.id] for r in ready]).float()
-        sampled = self._sample(ready, logits)
+        sampled = self.outputs.sample(ready, logits)
         forward_ns = time.perf_counter_ns() - start
-        result = self._update(ready, sampled, computed.prefill)
+        result = self.outputs.apply(ready, sampled, computed.prefill)
         result.forward_ns, result.decode_ns = forward_ns, time.perf_counter_ns() - start - forward_ns
         return result
 
@@ -88,6 +103,18 @@ class TransformersRunner(ModelRunner):
 
     def _drop(self, request_ids: set[int] | None) -> None:
         raise NotImplementedError
+
+    def _history(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The penalties' token history: the requests' prompt and output (a seq2seq runner overrides it)."""
+        return prompt_and_output(requests, self.device)
+
+    def _prompt_logprobs(self, request: RequestState, logits: torch.Tensor) -> pb.Tokens:
+        """decoder_input_details from the logits at the prompt's positions but the last: each scores the next."""
+        targets = request.all_ids[1 : request.prompt_len]
+        logprobs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
+        request.prompt_logprobs = chosen.tolist()
+        return self.outputs.prompt_tokens(request, request.prompt_logprobs)
 
     def _wants_prompt_logprobs(self, request: RequestState, past: int, end: int) -> bool:
         # Only when the whole prompt is computed in this step (as the paged runner: first chunk only).

@@ -84,7 +84,7 @@ if os.environ.get("KETTLE_TEST_FAULTS") == "1":
         scheduler.generation_events = faulty_events
 
     def _patch_shard() -> None:
-        from kettle.shard import detokenize, engine, runner, stopping
+        from kettle.shard import detokenize, engine, runner, step_outputs, stopping
 
         state = engine.ShardEngine._state
 
@@ -101,23 +101,23 @@ if os.environ.get("KETTLE_TEST_FAULTS") == "1":
         engine.ShardEngine._state = faulty_state
 
         # `compute` is the forward of every step, including the one the shard computes ahead (overlap scheduling).
-        compute = runner.ModelRunner.compute
+        compute = runner.PagedRunner.compute
 
         def faulty_compute(self, requests, drafts=None):
             for r in requests:
                 _raise_if(_by_request.get(r.id), "prefill" if len(r.all_ids) == r.prompt_len else "decode")
             return compute(self, requests, drafts)
 
-        runner.ModelRunner.compute = faulty_compute
+        runner.PagedRunner.compute = faulty_compute
 
-        sample = runner.ModelRunner._sample
+        sample = step_outputs.StepOutputs.sample
 
         def faulty_sample(self, requests, logits):
             for r in requests:
                 _raise_if(_by_request.get(r.id), "sampling")
             return sample(self, requests, logits)
 
-        runner.ModelRunner._sample = faulty_sample
+        step_outputs.StepOutputs.sample = faulty_sample
 
         detokenize_step = detokenize.IncrementalDetokenizer.step
 

@@ -195,7 +195,7 @@ def test_runner_replays_graphs_with_eager_tokens(tiny_llama_path, monkeypatch):
     from kettle.proto import generate_pb2 as pb
     from kettle.shard.config import ShardConfig
     from kettle.shard.engine import ShardEngine
-    from kettle.shard.runner import ModelRunner
+    from kettle.shard.runner import PagedRunner
     from kettle.shard.vocab import Vocab
 
     config = ShardConfig(model_path=str(tiny_llama_path))
@@ -204,7 +204,7 @@ def test_runner_replays_graphs_with_eager_tokens(tiny_llama_path, monkeypatch):
     results = []
     for setting in ("0", "1,2,4,8"):
         monkeypatch.setenv("KETTLE_CUDA_GRAPHS", setting)
-        runner = ModelRunner(model, vocab, torch.device("cuda"), (config.watermark_gamma, config.watermark_delta))
+        runner = PagedRunner(model, vocab, torch.device("cuda"), (config.watermark_gamma, config.watermark_delta))
         engine = ShardEngine(runner, config.cpu_kv_cache_fraction)
         warm = pb.WarmupRequest(max_input_tokens=200, max_prefill_tokens=256, max_total_tokens=256)
         warm.batch.requests.add(id=0, input_ids=[1, 2, 3]).stopping_parameters.max_new_tokens = 1
