@@ -8,6 +8,10 @@ router does: transformers' AutoTokenizer would import torch into the router (mea
 ~370 MB resident and ~3.4 s to load, against ~50 MB and 0.1 s). transformers still serves folders without a
 tokenizer.json (slow, SentencePiece-only tokenizers), and those whose tokenizer_config.json asks for a BOS or EOS
 the file's post-processor does not add (transformers rebuilds the post-processor from those flags).
+
+Long texts (over `LONG_TEXT_CHARS`) cost memory: a `truncate`d one is tokenized from its tail where the tokenizer
+allows it (char_bound.py), and after any of them the worker hands the C heap's free pages back (`malloc_trim`):
+the tokenizer's buffers are freed, but glibc kept them resident (~450 MiB after 20 prompts of 1.9 MB).
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kettle.process_memory import release_free_memory
+from kettle.router.char_bound import NO_BOUND, CharBound, char_bound
 from kettle.router.schemas import SimpleToken
 
 TokenizerFactory = Callable[[], Any]
+# From this length on a text's tokenizing takes tens of MB (~250 bytes a character): worth a trim afterwards, and
+# under `truncate` worth tokenizing only the tail. Below it, the freed memory is simply reused by the next ones.
+LONG_TEXT_CHARS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,8 @@ class TokenizerPool:
         self._workers = workers
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kettle-tokenizer")
+        self._bound: CharBound | None = None
+        self._bound_lock = threading.Lock()
 
     @classmethod
     def from_path(cls, path: str, workers: int) -> TokenizerPool:
@@ -52,28 +63,52 @@ class TokenizerPool:
         """Loads the tokenizer in every worker now, so the first requests do not pay for it."""
         # The barrier holds each worker until all have one task: no thread can take a second and leave one cold.
         barrier = threading.Barrier(self._workers)
-        await asyncio.gather(*(self._run(_wait_at, barrier) for _ in range(self._workers)))
+        await asyncio.gather(*(self._run(lambda _tokenizer: barrier.wait(timeout=60)) for _ in range(self._workers)))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def bound(self) -> CharBound:
+        """What the tokenizer's pipeline guarantees about a text's tokens from its length (char_bound.py); known
+        once a worker has loaded its tokenizer (`warm`), no bound before."""
+        return self._bound or NO_BOUND
+
     async def encode(self, text: str, truncate: int | None, add_special_tokens: bool = True) -> Encoded:
         """Token ids (special tokens added unless told not to); with `truncate`, only the last `truncate` kept."""
-        return await self._run(_encode, text, truncate, add_special_tokens)
+
+        def work(tokenizer: Any) -> Encoded:
+            return _encode(tokenizer, text, truncate, add_special_tokens, self.bound)
+
+        return await self._run(work, long=len(text) > LONG_TEXT_CHARS)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[SimpleToken]:
         """Tokens with their text and byte offsets into `text` (special tokens added by default, no truncation)."""
-        return await self._run(_tokenize, text, add_special_tokens)
+        return await self._run(
+            lambda tokenizer: _tokenize(tokenizer, text, add_special_tokens), long=len(text) > LONG_TEXT_CHARS
+        )
 
-    async def _run(self, work: Callable[..., Any], *args: Any) -> Any:
+    async def _run(self, work: Callable[[Any], Any], long: bool = False) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, work, args)
+        return await loop.run_in_executor(self._executor, self._call, work, long)
 
-    def _call(self, work: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def _call(self, work: Callable[[Any], Any], long: bool) -> Any:
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = self._factory()
-        return work(tokenizer, *args)
+            self._learn_bound(tokenizer)
+        try:
+            return work(tokenizer)
+        finally:
+            if long:
+                release_free_memory()
+
+    def _learn_bound(self, tokenizer: Any) -> None:
+        """Reads the bound from the first tokenizer loaded (every worker's is the same); only a `RustTokenizer`
+        has one: transformers may rebuild the pipeline its own way, or run Python code before it."""
+        with self._bound_lock:
+            if self._bound is None:
+                self._bound = tokenizer.char_bound() if isinstance(tokenizer, RustTokenizer) else NO_BOUND
 
 
 class RustTokenizer:
@@ -93,6 +128,9 @@ class RustTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self._clean_up_spaces else text
+
+    def char_bound(self) -> CharBound:
+        return char_bound(self._tokenizer)
 
 
 def _clean_up_spaces(text: str) -> str:
@@ -137,17 +175,38 @@ def _adds_what_the_config_asks(tokenizer: Any, config: dict) -> bool:
     return True
 
 
-def _wait_at(_tokenizer: Any, barrier: threading.Barrier) -> None:
-    barrier.wait(timeout=60)
-
-
-def _encode(tokenizer: Any, text: str, truncate: int | None, add_special_tokens: bool) -> Encoded:
+def _encode(
+    tokenizer: Any, text: str, truncate: int | None, add_special_tokens: bool, bound: CharBound = NO_BOUND
+) -> Encoded:
+    if truncate is not None and len(text) > LONG_TEXT_CHARS:
+        cut = bound.tail_start(text, truncate)
+        suffix = _special_suffix(tokenizer) if cut else None
+        if suffix is not None:
+            # The tail's own tokens are the whole text's last ones (CharBound.tail_start), then what the
+            # post-processor adds after a text; what it adds before is beyond the last `truncate` anyway.
+            ids = tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+            if len(ids) > truncate:  # else characters that make no token left it short: the whole text then
+                kept = [*ids, *(suffix if add_special_tokens else ())][-truncate:]
+                return Encoded(tuple(kept), tokenizer.decode(kept, skip_special_tokens=False))
     ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     if truncate is None or len(ids) <= truncate:
         return Encoded(tuple(ids), text)
     kept = ids[-truncate:]
     # Special tokens stay in the text: it is what the shard's prompt really is.
     return Encoded(tuple(kept), tokenizer.decode(kept, skip_special_tokens=False))
+
+
+def _special_suffix(tokenizer: Any) -> list[int] | None:
+    """The special tokens the tokenizer adds after a text; None if its text's tokens are not kept whole between
+    what it adds before and after."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    marked = tokenizer("a", add_special_tokens=True)["input_ids"]
+    if not plain:
+        return None
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start : start + len(plain)] == plain:
+            return marked[start + len(plain) :]
+    return None
 
 
 def _tokenize(tokenizer: Any, text: str, add_special_tokens: bool) -> list[SimpleToken]:

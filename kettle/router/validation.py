@@ -16,7 +16,7 @@ from kettle.router.config import RouterConfig
 from kettle.router.errors import ValidationError
 from kettle.router.grammar import check_grammar
 from kettle.router.schemas import GenerateParameters, GenerateRequest, Grammar
-from kettle.router.tokenizer import TokenizerPool
+from kettle.router.tokenizer import LONG_TEXT_CHARS, TokenizerPool
 from kettle.router.types import SamplingParameters, StoppingParameters, ValidGenerateRequest
 
 __all__ = ["Validation", "ValidationError", "ValidationLimits", "is_sampling"]
@@ -78,6 +78,8 @@ class Validation:
         self._check_inputs(request.inputs, p.truncate)
         grammar, grammar_type = self._grammar(p.grammar)
         await check_grammar(grammar, grammar_type)  # compiled off the event loop; cached
+        if p.truncate is None and len(request.inputs) > LONG_TEXT_CHARS:
+            self._check_fewest_tokens(request.inputs, p.max_new_tokens)
         encoded = await self.tokenizers.encode(request.inputs, p.truncate, add_special_tokens)
         max_new_tokens = self._check_lengths(len(encoded.ids), p.max_new_tokens)
         if stream:
@@ -147,7 +149,16 @@ class Validation:
                 f"`truncate` must be strictly positive and less than {self.limits.max_input_tokens}. Given: {truncate}"
             )
 
-    def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
+    def _check_fewest_tokens(self, inputs: str, max_new_tokens: int | None) -> None:
+        """Rules 14 and 15 on the fewest tokens a long `inputs` can have (char_bound.py), before tokenizing: a prompt
+        over the limits by its length alone is refused without the tokenizer's time and memory. The count is a
+        lower bound, so the message says "at least"; shorter prompts, and long ones within the bound, are tokenized
+        and get TGI's exact count. Not under `truncate`: the prompt is cut to its last tokens, whatever its length."""
+        fewest = self.tokenizers.bound.fewest_tokens(inputs)
+        if fewest:  # 0: the tokenizer has no bound
+            self._check_lengths(fewest, max_new_tokens, given="at least ")
+
+    def _check_lengths(self, input_length: int, max_new_tokens: int | None, given: str = "") -> int:
         """Rules 14 and 15; returns max_new_tokens, defaulting to what is left of max_total_tokens."""
         total = self.limits.max_total_tokens
         if max_new_tokens is None:
@@ -155,11 +166,11 @@ class Validation:
         if input_length + max_new_tokens > total:
             raise ValidationError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {total}. "
-                f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+                f"Given: {given}{input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
             )
         if input_length > self.limits.max_input_tokens:
             raise ValidationError(
-                f"`inputs` must have less than {self.limits.max_input_tokens} tokens. Given: {input_length}"
+                f"`inputs` must have less than {self.limits.max_input_tokens} tokens. Given: {given}{input_length}"
             )
         return max_new_tokens
 
