@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from kettle import settings, tracing
 from kettle.process_memory import exit_without_teardown, log_resident_memory
@@ -28,6 +29,7 @@ from kettle.router.config import RouterConfig, SchedulerConfig
 from kettle.router.infer import Infer
 from kettle.router.metrics_server import start_metrics_server
 from kettle.router.shutdown import Drain, DrainingServer
+from kettle.router.slow_clients import BodyDeadline, SlowClientProtocol
 from kettle.router.tokenizer import TokenizerPool
 from kettle.router.types import ShuttingDown
 from kettle.router.validation import Validation, ValidationLimits
@@ -189,9 +191,10 @@ def _scheduler_config(config: RouterConfig, limits: TokenLimits, num_blocks: int
     )
 
 
-def _uvicorn_config(app: object, config: RouterConfig) -> uvicorn.Config:
+def _uvicorn_config(app: ASGIApp, config: RouterConfig) -> uvicorn.Config:
     return uvicorn.Config(
-        app,
+        BodyDeadline(app),
+        http=SlowClientProtocol,  # deadlines on the headers and on a body left unread (slow_clients.py)
         host=config.hostname,
         port=config.port,
         log_level=logging.getLogger().level,  # LOG_LEVEL, as set up for the whole process
