@@ -68,11 +68,14 @@ class Collected:
     tokens: list[Token] = field(default_factory=list)
     top_tokens: list[tuple[Token, ...]] = field(default_factory=list)
     last: TokenEvent | None = None
+    first_token_at: float | None = None  # monotonic, when the first token reached the router
 
     def add(self, event: InferEvent) -> None:
         if isinstance(event, PrefillEvent):
             self.prefill = event.tokens
             return
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self.tokens.append(event.token)
         self.top_tokens.append(event.top_tokens)
         self.last = event
@@ -193,6 +196,8 @@ def record_success(valid: ValidGenerateRequest, result: Collected) -> None:
     metrics.REQUEST_DURATION.observe(times.total)
     metrics.REQUEST_VALIDATION_DURATION.observe(valid.validation_time)
     metrics.REQUEST_QUEUE_DURATION.observe(times.queue)
+    if result.first_token_at is not None:
+        metrics.REQUEST_FIRST_TOKEN_DURATION.observe(result.first_token_at - valid.received_at)
     metrics.REQUEST_INFERENCE_DURATION.observe(times.inference)
     metrics.REQUEST_MEAN_TIME_PER_TOKEN.observe(times.per_token)
     metrics.REQUEST_INPUT_LENGTH.observe(valid.input_length)

@@ -42,6 +42,11 @@ REQUEST_INPUT_LENGTH = Histogram("tgi_request_input_length", "Prompt tokens per 
 REQUEST_GENERATED_TOKENS = Histogram(
     "tgi_request_generated_tokens", "Generated tokens per request", buckets=_TOKEN_BUCKETS
 )
+# Kettle's own: time from a request's arrival to its first generated token, as the router hands it out (not a TGI
+# metric; TGI's dashboards approximate it from queue and prefill times). Recorded for finished requests.
+REQUEST_FIRST_TOKEN_DURATION = Histogram(
+    "kettle_request_time_to_first_token", "Time to first token (s)", buckets=_DURATION_BUCKETS
+)
 
 BATCH_INFERENCE_COUNT = Counter("tgi_batch_inference_count", "Shard calls, by method", ["method"])
 BATCH_INFERENCE_SUCCESS = Counter("tgi_batch_inference_success", "Successful shard calls, by method", ["method"])
