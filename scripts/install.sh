@@ -3,8 +3,9 @@
 # container image, so they cannot drift apart.
 #
 #   scripts/install.sh runtime    the server only
-#   scripts/install.sh test       the server, the test tools (pytest, ruff, the clients the tests drive) and the
-#                                 `scale` extra (vllm-router), which the replica tests start
+#   scripts/install.sh test       the server, the test tools (pytest, ruff, the clients the tests drive, headless
+#                                 Chromium for the browser pages' tests) and the `scale` extra (vllm-router),
+#                                 which the replica tests start
 #
 # PYTHON          interpreter whose environment gets Kettle (default: python3)
 # EDITABLE        1 (default): `pip install -e .`, for a checkout; 0: a regular install (the image)
@@ -55,6 +56,18 @@ if [ "$extras" = test ]; then
     # text-generation (the TGI client the tests drive) pins an old huggingface_hub; its one runtime need,
     # aiohttp, is in the test extra.
     pip_install --no-deps text-generation
+    # The browser pages' tests drive a headless Chromium with its matching driver, Debian's packages (a fresh
+    # CI machine has neither). Only when missing, and only through apt as root; elsewhere the tests say what is
+    # missing.
+    if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+        if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+            apt-get update -q
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+        else
+            echo "install.sh: chromium and chromedriver are missing (the browser tests need them):" \
+                "apt-get install chromium chromium-driver, as root" >&2
+        fi
+    fi
 fi
 # Importing kettle.proto generates the gRPC stubs from generate.proto (run outside the checkout, so that a
 # regular install generates them in site-packages, beside the installed proto file).

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kettle
 from kettle import tracing
 from kettle.proto import generate_pb2
-from kettle.router import generate, openai
+from kettle.router import generate, openai, pages
 from kettle.router import info as info_routes
 from kettle.router.chat_template import ChatTemplate
 from kettle.router.config import RouterConfig
@@ -73,6 +73,7 @@ def create_app(
     template = ChatTemplate.load(Path(config.tokenizer_name), config.tokenizer_config_path)
     routes = openai.OpenAIRoutes(service, template, config.model_id, config.max_client_batch_size)
     app.include_router(openai.build_router(routes, generation_dependencies(config)))
+    pages.install(app, api_key_required=bool(config.api_key))  # /chat, /dashboard: browser pages over the public API
     app.add_middleware(InternalErrors)
     app.add_middleware(PayloadLimit, limit=config.payload_limit)
     if config.api_key:  # outside the payload limit: a client without the key gets 401 before any byte is read

@@ -77,15 +77,17 @@ def test_serve_installs_the_runtime_and_test_adds_the_test_tools(tmp_path):
     assert f"PYTHON={venv}/bin/python scripts/install.sh test" in test.stdout
 
 
-def run_install(tmp_path: Path, extras: str, fails: str = "", **env: str) -> list[list[str]]:
+def run_install(tmp_path: Path, extras: str, fails: str = "", path: str | None = None, **env: str) -> list[list[str]]:
     """Runs scripts/install.sh with a fake interpreter, named by a relative path as make does; returns the
-    argument lists it was called with. `fails`: a call whose arguments contain it exits 1."""
+    argument lists it was called with. `fails`: a call whose arguments contain it exits 1. `path` replaces PATH;
+    by default PATH starts with stand-ins for chromium and chromedriver, so the test install never reaches apt."""
     log = tmp_path / "calls"
     fail = f'case "$*" in *"{fails}"*) exit 1;; esac; ' if fails else ""
     fake_bin(tmp_path / "bin", {"python": f'printf "%s\\t" "$@" >> {log}; echo >> {log}; {fail}'})
+    browser = fake_bin(tmp_path / "browser", {"chromium": "exit 0", "chromedriver": "exit 0"})
     result = subprocess.run(
         [str(ROOT / "scripts/install.sh"), extras],
-        env={"PATH": os.environ["PATH"], "PYTHON": "bin/python", **env},
+        env={"PATH": path or f"{browser}:{os.environ['PATH']}", "PYTHON": "bin/python", **env},
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -116,6 +118,40 @@ def test_install_script_test_extras_and_the_image_variant(tmp_path):
     assert calls[0] == ["-m", "pip", "install", "--index-url", "https://example.invalid/cpu", "torch==2.13.0"]
     assert calls[1] == ["-m", "pip", "install", ".[test,scale]"]
     assert ["-m", "pip", "install", "--no-deps", "text-generation"] in calls
+
+
+def bare_path(tmp_path: Path, uid: int) -> tuple[str, Path]:
+    """A PATH with no chromium: only what install.sh calls besides the interpreter, and an apt-get that records
+    its calls (the log's name says which user ran it)."""
+    apt_log = tmp_path / f"apt-{uid}"
+    dirname = shutil.which("dirname")
+    assert dirname is not None
+    programs = {"dirname": dirname, "id": f"echo {uid}", "apt-get": f'echo "$*" >> {apt_log}'}
+    return str(fake_bin(tmp_path / f"system-{uid}", programs)), apt_log
+
+
+def test_the_test_install_brings_chromium_and_its_driver_when_missing(tmp_path):
+    """A fresh CI machine (root, Debian) has no browser: the test install gets Debian's chromium and driver."""
+    path, apt_log = bare_path(tmp_path, uid=0)
+    run_install(tmp_path, "test", path=path)
+    assert apt_log.read_text().splitlines() == ["update -q", "install -y -q chromium chromium-driver"]
+
+
+def test_the_browser_is_never_installed_for_the_runtime_nor_without_root(tmp_path):
+    path, apt_log = bare_path(tmp_path, uid=0)
+    run_install(tmp_path, "runtime", path=path)  # `make serve` stays free of test-only packages
+    assert not apt_log.exists()
+    path, apt_log = bare_path(tmp_path, uid=1000)
+    run_install(tmp_path, "test", path=path)
+    assert not apt_log.exists()
+
+
+def test_the_test_install_leaves_an_installed_browser_alone(tmp_path):
+    apt_log = tmp_path / "apt"
+    apt = fake_bin(tmp_path / "apt-bin", {"apt-get": f'echo "$*" >> {apt_log}'})
+    browser = fake_bin(tmp_path / "browser", {"chromium": "exit 0", "chromedriver": "exit 0"})
+    run_install(tmp_path, "test", path=f"{browser}:{apt}:{os.environ['PATH']}")
+    assert not apt_log.exists()
 
 
 def test_the_package_has_a_torch_floor_not_a_pin():
