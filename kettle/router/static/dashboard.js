@@ -52,9 +52,9 @@ const PANELS = [
     headline: ([used], now) => {
       const total = sum(now, "kettle_kv_blocks_total");
       const free = sum(now, "kettle_kv_blocks_free");
-      return [fixed(used, 1), "%", total ? `${total - free} of ${total} blocks` : ""];
+      return [fixed(used, used < 1 ? 2 : 1), "%", total ? `${total - free} of ${total} blocks` : ""];
     },
-    floor: 100,
+    floor: 1, // the axis reaches at least 1%: small requests in a large cache still show
   },
   {
     id: "ttft",
@@ -62,7 +62,6 @@ const PANELS = [
     series: QUANTILES.map(label),
     point: ({ now, base }) => QUANTILES.map((q) => windowQuantile(q, now, base, "kettle_request_time_to_first_token")),
     headline: (values) => percentileHeadline(values, "s", (v) => fixed(v, 3)),
-    unit: "s",
   },
   {
     id: "itl",
@@ -72,7 +71,6 @@ const PANELS = [
       QUANTILES.map((q) => milliseconds(windowQuantile(q, now, base, "tgi_request_mean_time_per_token_duration"))),
     headline: (values) => percentileHeadline(values, "ms", (v) => fixed(v, 1)),
     hint: "Each finished request's mean time per generated token.",
-    unit: "ms",
   },
   {
     id: "memory",
@@ -83,7 +81,6 @@ const PANELS = [
       const known = values.filter((v) => v !== null);
       return [known.length ? fixed(known.reduce((a, b) => a + b, 0), 0) : "–", "MiB in all", ""];
     },
-    unit: "MiB",
   },
 ];
 
@@ -107,7 +104,7 @@ function layout(panel) {
   section.className = "panel";
   section.id = `panel-${panel.id}`;
   section.setAttribute("aria-labelledby", `title-${panel.id}`);
-  section.innerHTML = `<h2 id="title-${panel.id}"></h2><output class="value" aria-live="off"></output><div class="plot"></div>`;
+  section.innerHTML = `<h2 id="title-${panel.id}"></h2><output class="value"></output><p class="detail"></p><div class="plot"></div>`;
   section.querySelector("h2").textContent = panel.title;
   if (panel.hint) {
     const hint = document.createElement("p");
@@ -137,8 +134,10 @@ function build(panel) {
       {},
       ...panel.series.map((name, i) => ({ label: name, stroke: COLORS[i % COLORS.length], width: 1.5, points: { show: false } })),
     ],
-    axes: [{ ...axis }, { ...axis, size: 48, label: panel.unit || undefined, labelSize: panel.unit ? 14 : 0 }],
-    scales: { y: { range: (u, min, max) => [0, Math.max(max ?? 0, panel.floor ?? 0, 1e-9) * (panel.floor ? 1 : 1.1)] } },
+    // Clock times only (uPlot's default adds the date below, which a 5-minute window does not need); units are in
+    // each panel's headline.
+    axes: [{ ...axis, space: 70, size: 30, values: (u, splits) => splits.map(clock) }, { ...axis, size: 48 }],
+    scales: { y: { range: (u, min, max) => [0, Math.max((max ?? 0) * 1.1, panel.floor ?? 0) || 1] } },
     legend: { show: true, live: false },
     cursor: { drag: { x: false, y: false } },
   };
@@ -216,8 +215,9 @@ function headline(panel, values, metrics) {
   const output = panel.element.querySelector(".value");
   output.textContent = `${value} `;
   const small = document.createElement("small");
-  small.textContent = detail ? `${unit} · ${detail}` : unit;
+  small.textContent = unit;
   output.append(small);
+  panel.element.querySelector(".detail").textContent = detail;
 }
 
 // Prometheus text format → Map(name → [{labels, value}]).
@@ -291,6 +291,11 @@ function percentileHeadline(values, unit, format) {
   const [p50, p90, p99] = values;
   if (p50 === null) return ["–", unit, "no finished requests in the last 30 s"];
   return [format(p50), `${unit} p50`, `p90 ${format(p90)} · p99 ${format(p99)}`];
+}
+
+function clock(seconds) {
+  const time = new Date(seconds * 1000);
+  return [time.getHours(), time.getMinutes(), time.getSeconds()].map((n) => String(n).padStart(2, "0")).join(":");
 }
 
 function label(q) {
