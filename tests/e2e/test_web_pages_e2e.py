@@ -194,6 +194,13 @@ def test_the_page_asks_for_the_key_then_streams_answers_with_their_speed(server,
     assert second["messages"][0]["content"] == "You are a helpful assistant."
     assert "def " in second["messages"][2]["content"]  # the answer as the model wrote it (Markdown source)
     screenshot(browser, "chat-follow-up.png")
+    copy = follow_up.find_element(By.CLASS_NAME, "copy")
+    copy.click()
+    WebDriverWait(browser, 5).until(lambda d: copy.text == "Copied")
+    browser.find_element(By.ID, "clear").click()
+    assert (
+        not browser.find_elements(By.CSS_SELECTOR, ".message") and browser.find_element(By.ID, "empty").is_displayed()
+    )
 
 
 def test_the_lora_adapter_is_chosen_from_the_servers_list(server, browser):
