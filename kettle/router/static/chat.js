@@ -108,6 +108,7 @@ async function generate() {
   } catch (error) {
     const turn = addTurn({ role: "assistant", text: "" });
     fail(turn, error.message);
+    updateButtons();
     return;
   }
   const turn = addTurn({ role: "assistant", text: "" });
