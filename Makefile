@@ -58,14 +58,16 @@ format: install-test
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The benchmarks: `python -m bench` lists them (bench/__main__.py). `make bench`: Kettle over HTTP at 1, 4, 8 and 16
+# streams against transformers `generate` on the same prompts, each with its default threads, in one run.
 bench: install-test
-	$(BIN)/python bench/compare.py $(ARGS)
+	$(BIN)/python -m bench peers --engines transformers,kettle --streams 1,4,8,16 --threads default $(ARGS)
 
 # The engines a user would pick instead of Kettle, benchmark-only (not in pyproject.toml): neither pulls torch.
 # llama-cpp-python builds llama.cpp from source the first time (~5 min).
 bench-peers: install-test
 	$(BIN)/python -m pip install ctranslate2 llama-cpp-python
-	$(BIN)/python bench/peers.py $(ARGS)
+	$(BIN)/python -m bench peers $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

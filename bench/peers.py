@@ -1,21 +1,34 @@
-"""Kettle vs the engines a user would pick instead, on the same model, prompts and greedy settings, in one run.
+"""Kettle against the engines a user would pick instead, on the same model, prompts and greedy settings, in one run.
 
-    make bench-peers                                  # installs ctranslate2 + llama-cpp-python into .venv, runs this
-    .venv/bin/python bench/peers.py                   # 128 new tokens, 1 and 16 streams, 1 and 2 threads
-    .venv/bin/python bench/peers.py --max-new-tokens 32 --streams 1 --threads 1     # a quick check
-    .venv/bin/python bench/peers.py --threads 2 --engines ctranslate2,llama.cpp,kettle --rounds 5
+    make bench                  # Kettle and transformers at 1, 4, 8, 16 streams, each engine's default threads
+    make bench-peers            # installs ctranslate2 + llama-cpp-python into .venv, then every engine
+    .venv/bin/python -m bench peers --threads 2 --engines ctranslate2,llama.cpp,kettle --rounds 5
+    .venv/bin/python -m bench peers --max-new-tokens 32 --streams 1 --threads 1       # a quick check
 
-Engines: transformers `generate` (fp32; 16 streams = one batch of 16), CTranslate2 int8 (the bundled model
-converted once with its transformers converter), llama.cpp through llama-cpp-python on the bundled GGUF (batch 1
-only: its Python API decodes one sequence), and Kettle over HTTP (bf16/fp32 as it serves by default, and with
-`--quantize int4` and `int8`). Each peer runs in its own subprocess at each `--threads` count; the table keeps
-each engine's fastest. An engine whose package is missing is skipped with a line saying so. Prompts are
-compare.py's, rendered with the chat template; stream i gets prompt i. decode tok/s is measured the way
-kettle.bench.loadgen does: the tokens after each stream's first, over the time from the first first-token to the
-last token. With `--rounds N` every engine is measured N times, the engines' order reversed every other round
-(so drift on a shared machine hits them alike): the table shows each configuration's median, and each round's
-ratios of Kettle to the peers it is compared with (llama.cpp at one stream, CTranslate2 at 16) are printed with
-their median.
+Engines: transformers `generate` (fp32; 16 streams = one left-padded batch of 16), CTranslate2 int8 (the bundled
+model converted once with its transformers converter), llama.cpp through llama-cpp-python on the bundled GGUF
+(batch 1 only: its Python API decodes one sequence), and Kettle over HTTP as `make serve` runs it (`kettle`), and
+with `--quantize int4` and `int8`. Each peer runs in its own subprocess at each `--threads` count (`default`:
+each engine's own choice, Kettle's physical cores); the table keeps each engine's fastest. An engine whose
+package is missing is skipped with a line saying so. Prompts are kettle.bench.loadgen's, rendered with the chat
+template; stream i gets prompt i. decode tok/s is measured the way loadgen does for every engine: the tokens
+after each stream's first, over the time from the first first-token to the last token. With `--rounds N` every
+engine is measured N times, the engines' order reversed every other round (so drift on a shared machine hits
+them alike): the table shows each configuration's median, and each round's ratios of Kettle to every peer at the
+same streams are printed with their median.
+
+`--shape NAME` compares Kettle with llama.cpp on a model the size people run instead: a GGUF of a real model's
+shape with random weights (speed does not depend on the values), written once to ~/.cache/kettle/bench/ with the
+bundled tokenizer, timed in this process round by round: decode (greedy steps after a 16-token prompt) and a
+`--prompt`-token prefill, each engine on the largest `--threads`:
+
+    .venv/bin/python -m bench peers --shape tinyllama-1.1b --qtype Q4_0 --rounds 3
+    .venv/bin/python -m bench peers --shape tinyllama-1.1b --qtype Q4_K_M --rounds 5    # llama.cpp's Q4_K_M layout
+
+`--qtype Q4_K` blocks are random but well formed (gguf-py cannot quantize to Q4_K); the embedding, tied to the
+head, is Q8_0 as in llama.cpp's own Q4 files of small models. `--untied` writes the embedding in the layers' type
+and a Q8_0 head of its own; `--qtype Q4_K_M` lays the file out as llama.cpp's Q4_K_M does (untied; Q4_K layers
+and embedding, Q6_K head and Q6_K `attn_v`/`ffn_down` in the layers its rule gives more bits).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,8 +45,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from compare import chat_prompts
+from kettle.bench.loadgen import chat_prompts
+from kettle.bench.timing import ratio_summary
 
+ROOT = Path(__file__).resolve().parents[1]
 PEER_PACKAGES = {"transformers": "transformers", "ctranslate2": "ctranslate2", "llama.cpp": "llama_cpp"}
 # llama-cpp-python's high-level API decodes one sequence at a time, so it gets no batched row.
 SINGLE_STREAM_ONLY = {"llama.cpp"}
@@ -47,14 +63,64 @@ LABELS = {
 }
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
+    p.add_argument("--streams", default="1,16", help="concurrent streams (a batch for the peers)")
+    p.add_argument(
+        "--threads", default="1,2", help="thread counts tried per engine, the fastest shown; `default`: the engines'"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="measure every engine this many times; medians")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="Kettle against llama.cpp on a GGUF of this shape")
+    p.add_argument("--qtype", choices=["Q4_0", "Q4_K", "Q4_K_M"], default="Q4_0", help="with --shape")
+    p.add_argument("--untied", action="store_true", help="with --shape: an embedding in --qtype, a Q8_0 head")
+    p.add_argument("--tokens", type=int, default=64, help="with --shape: decode steps timed per round")
+    p.add_argument("--prompt", type=int, default=512, help="with --shape: prefill prompt length")
+    p.add_argument("--worker", choices=list(PEER_PACKAGES), help=argparse.SUPPRESS)
+    p.add_argument("--worker-streams", type=int, default=1, help=argparse.SUPPRESS)
+    return p
+
+
+def peers(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    threads = [None] if args.threads == "default" else [int(x) for x in args.threads.split(",")]
+    if args.worker:
+        return run_worker(args, threads[0])
+    if args.shape:
+        return larger_model(args, max(t or os.cpu_count() for t in threads))
+    engines = args.engines.split(",")
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        parser().error(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
+    for engine in [e for e in engines if not e.startswith("kettle")]:
+        if importlib.util.find_spec(PEER_PACKAGES[engine]) is None:
+            print(f"skipped {engine}: `{PEER_PACKAGES[engine]}` is not installed (`make bench-peers` installs it)")
+            engines.remove(engine)
+    streams = [int(x) for x in args.streams.split(",")]
+    rounds = []
+    for i in range(args.rounds):
+        print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
+        order = engines[:: -1 if i % 2 else 1]
+        rounds.append([row for e in order for row in measure_engine(e, threads, streams, args.max_new_tokens)])
+    print_table(fastest(medians(rounds)), args.max_new_tokens)
+    print()
+    print_ratios(rounds)
+
+
 @dataclass(frozen=True)
 class Row:
-    """One measured configuration: an engine at a thread count and a number of concurrent streams."""
+    """One measured configuration: an engine at a thread count (None: its default) and a number of streams; Kettle's
+    rows also carry the streams' median time to first token and inter-token latency (seconds)."""
 
     engine: str
-    threads: int
+    threads: int | None
     streams: int
     decode: float
+    ttft: float | None = None
+    itl: float | None = None
 
 
 def decode_rate(arrivals: list[list[float]]) -> float:
@@ -70,8 +136,10 @@ def decode_rate(arrivals: list[list[float]]) -> float:
 def transformers_worker(model_path: str, prompts: list[str], max_new_tokens: int) -> list[list[float]]:
     """One left-padded batch through fp32 greedy `generate`; a streamer timestamps every step."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
+
+    from kettle.bench.drive import transformers_model
 
     class StepClock(BaseStreamer):
         def __init__(self) -> None:
@@ -87,9 +155,7 @@ def transformers_worker(model_path: str, prompts: list[str], max_new_tokens: int
             pass
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    from kettle.hub.resolve import float_folder
-
-    model = AutoModelForCausalLM.from_pretrained(float_folder(model_path), dtype=torch.float32).eval()
+    model = transformers_model(model_path, torch.float32)
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -102,13 +168,13 @@ def transformers_worker(model_path: str, prompts: list[str], max_new_tokens: int
     return [clock.times[:n] for n in lengths]
 
 
-def ctranslate2_worker(model_path: str, prompts: list[str], max_new_tokens: int, threads: int) -> list[list[float]]:
+def ctranslate2_worker(model_path: str, prompts: list[str], max_new_tokens: int, threads: int | None) -> list[list]:
     """One int8 `generate_batch` (greedy); its per-token callback timestamps each stream's tokens."""
     import ctranslate2
     from transformers import AutoTokenizer
 
     generator = ctranslate2.Generator(
-        str(ct2_model(model_path)), device="cpu", compute_type="int8", intra_threads=threads, inter_threads=1
+        str(ct2_model(model_path)), device="cpu", compute_type="int8", intra_threads=threads or 0, inter_threads=1
     )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokens = [tokenizer.convert_ids_to_tokens(tokenizer(p).input_ids) for p in prompts]
@@ -151,7 +217,7 @@ def ct2_model(model_path: str) -> Path:
     return build_once(target, convert, "CTranslate2 int8", sources)
 
 
-def llama_cpp_worker(prompts: list[str], max_new_tokens: int, threads: int) -> list[list[float]]:
+def llama_cpp_worker(prompts: list[str], max_new_tokens: int, threads: int | None) -> list[list[float]]:
     """Greedy llama.cpp on the bundled GGUF, the one prompt of a single stream."""
     from llama_cpp import Llama
 
@@ -168,19 +234,19 @@ def llama_cpp_worker(prompts: list[str], max_new_tokens: int, threads: int) -> l
     return [arrivals]
 
 
-def run_worker(args: argparse.Namespace) -> None:
+def run_worker(args: argparse.Namespace, threads: int | None) -> None:
     """Child side: a short warm-up call, then the timed one; prints {"decode": tok/s}."""
-    if args.worker == "transformers":
+    if args.worker == "transformers" and threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     model_path = bundled_model_path()
     rendered = chat_prompts(model_path)
     prompts = [rendered[i % len(rendered)] for i in range(args.worker_streams)]  # as loadgen.run_load
     workers = {
         "transformers": lambda n: transformers_worker(model_path, prompts, n),
-        "ctranslate2": lambda n: ctranslate2_worker(model_path, prompts, n, args.threads),
-        "llama.cpp": lambda n: llama_cpp_worker(prompts, n, args.threads),
+        "ctranslate2": lambda n: ctranslate2_worker(model_path, prompts, n, threads),
+        "llama.cpp": lambda n: llama_cpp_worker(prompts, n, threads),
     }
     workers[args.worker](4)
     print(json.dumps({"decode": decode_rate(workers[args.worker](args.max_new_tokens))}))
@@ -195,25 +261,37 @@ def bundled_model_path() -> str:
     return str(resolve_model(None).path)
 
 
-def peer_rows(engine: str, threads: list[int], streams: list[int], max_new_tokens: int) -> list[Row]:
+def measure_engine(engine: str, threads: list[int | None], streams: list[int], max_new_tokens: int) -> list[Row]:
+    """One engine's rows: Kettle through its server (with `--quantize` for the kettle-int4/int8 entries), a peer
+    through its workers."""
+    if engine.startswith("kettle"):
+        flags = ["--quantize", engine.removeprefix("kettle-")] if engine != "kettle" else []
+        return kettle_rows(engine, flags, threads, streams, max_new_tokens)
+    return peer_rows(engine, threads, streams, max_new_tokens)
+
+
+def peer_rows(engine: str, threads: list[int | None], streams: list[int], max_new_tokens: int) -> list[Row]:
     """One subprocess per (threads, streams); OMP_NUM_THREADS pins the libraries' own pools too."""
     rows = []
     for t in threads:
         for s in [s for s in streams if s == 1 or engine not in SINGLE_STREAM_ONLY]:
-            argv = [sys.executable, __file__, "--worker", engine, "--threads", str(t), "--worker-streams", str(s)]
-            argv += ["--max-new-tokens", str(max_new_tokens)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(t)}
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+            argv = [sys.executable, "-m", "bench", "peers", "--worker", engine, "--worker-streams", str(s)]
+            argv += ["--threads", str(t or "default"), "--max-new-tokens", str(max_new_tokens)]
+            env = {**os.environ, **({"OMP_NUM_THREADS": str(t)} if t else {})}
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
             if done.returncode != 0:
                 print(f"{engine} threads={t} streams={s} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue
             rows.append(Row(engine, t, s, json.loads(done.stdout.strip().splitlines()[-1])["decode"]))
-            print(f"  {engine} threads={t} streams={s}: {rows[-1].decode:.1f} tok/s", file=sys.stderr)
+            print(f"  {engine} threads={t or 'default'} streams={s}: {rows[-1].decode:.1f} tok/s", file=sys.stderr)
     return rows
 
 
-def kettle_rows(name: str, flags: list[str], threads: list[int], streams: list[int], max_new_tokens: int) -> list[Row]:
-    """One launcher per thread count (`--num-threads`), measured with loadgen at each concurrency."""
+def kettle_rows(
+    name: str, flags: list[str], threads: list[int | None], streams: list[int], max_new_tokens: int
+) -> list[Row]:
+    """One launcher per thread count (`--num-threads`; none for `default`), measured with loadgen at each
+    concurrency."""
     from kettle.bench.loadgen import measure
     from kettle.bench.process import KettleServer
 
@@ -221,14 +299,16 @@ def kettle_rows(name: str, flags: list[str], threads: list[int], streams: list[i
     prompts = chat_prompts(model_path)
     rows = []
     for t in threads:
-        server = KettleServer(model_path, "--max-concurrent-requests", "256", "--num-threads", str(t), *flags)
+        count = ["--num-threads", str(t)] if t else []
+        server = KettleServer(model_path, "--max-concurrent-requests", "256", *count, *flags)
         try:
             results = measure(server.url, prompts, streams, max_new_tokens)
         finally:
             server.stop()
         for s, result in results.items():
-            rows.append(Row(name, t, s, result.decode_tokens_per_s))
-            print(f"  {name} threads={t} streams={s}: {rows[-1].decode:.1f} tok/s", file=sys.stderr)
+            summary = result.summary()
+            rows.append(Row(name, t, s, result.decode_tokens_per_s, summary["ttft p50"], summary["itl p50"]))
+            print(f"  {name} threads={t or 'default'} streams={s}: {rows[-1].decode:.1f} tok/s", file=sys.stderr)
     return rows
 
 
@@ -243,79 +323,273 @@ def fastest(rows: list[Row]) -> list[Row]:
 
 
 def medians(rounds: list[list[Row]]) -> list[Row]:
-    """Each (engine, threads, streams) at its median decode rate over the rounds, in first-seen order."""
-    runs: dict[tuple[str, int, int], list[float]] = {}
+    """Each (engine, threads, streams) at its median over the rounds, in first-seen order."""
+    runs: dict[tuple[str, int | None, int], list[Row]] = {}
     for row in (row for rows in rounds for row in rows):
-        runs.setdefault((row.engine, row.threads, row.streams), []).append(row.decode)
-    return [Row(*key, statistics.median(rates)) for key, rates in runs.items()]
-
-
-# Kettle's single stream against llama.cpp's, its 16 streams against CTranslate2's batch.
-COMPARED = ((1, "llama.cpp"), (16, "ctranslate2"))
+        runs.setdefault((row.engine, row.threads, row.streams), []).append(row)
+    out = []
+    for key, rows in runs.items():
+        ttft = [r.ttft for r in rows if r.ttft is not None]
+        itl = [r.itl for r in rows if r.itl is not None]
+        median = statistics.median
+        out.append(
+            Row(*key, median(r.decode for r in rows), median(ttft) if ttft else None, median(itl) if itl else None)
+        )
+    return out
 
 
 def print_ratios(rounds: list[list[Row]]) -> None:
-    """Per round, Kettle (default flags) over each compared peer at the same streams (fastest thread counts)."""
-    for streams, peer in COMPARED:
-        ratios = []
-        for rows in rounds:
-            best = {(r.engine, r.streams): r.decode for r in fastest(rows)}
-            if ("kettle", streams) in best and (peer, streams) in best:
-                ratios.append(best["kettle", streams] / best[peer, streams])
-        if ratios:
-            each = ", ".join(f"{r:.2f}" for r in ratios)
-            print(f"kettle / {LABELS[peer]} at {streams} stream(s): median {statistics.median(ratios):.2f}x ({each})")
+    """Per round, each Kettle configuration over each peer at the same streams (fastest thread counts), and
+    Kettle's most streams over its single stream."""
+    best = [{(r.engine, r.streams): r.decode for r in fastest(rows)} for rows in rounds]
+    keys = list(dict.fromkeys(key for b in best for key in b))
+    for engine, streams in [k for k in keys if k[0].startswith("kettle")]:
+        for peer in [e for e, s in keys if s == streams and not e.startswith("kettle")]:
+            ratios = [
+                b[engine, streams] / b[peer, streams] for b in best if (engine, streams) in b and (peer, streams) in b
+            ]
+            if ratios:
+                print(f"{LABELS[engine]} / {LABELS[peer]} at {streams} stream(s): {ratio_summary(ratios)}")
+    counts = sorted({s for e, s in keys if e == "kettle"})
+    if len(counts) > 1 and counts[0] == 1:
+        ratios = [
+            b["kettle", counts[-1]] / b["kettle", 1] for b in best if ("kettle", 1) in b and ("kettle", counts[-1]) in b
+        ]
+        print(f"kettle {counts[-1]} streams / kettle 1 stream: {ratio_summary(ratios)}")
 
 
 def print_table(rows: list[Row], max_new_tokens: int) -> None:
     baseline = next((r.decode for r in rows if r.engine == "transformers" and r.streams == 1), None)
     print(f"\nmodel: {bundled_model_path()}\nmax_new_tokens={max_new_tokens}, greedy, chat-templated prompts\n")
-    print("| engine | threads | streams | decode tok/s | vs transformers b=1 |")
-    print("|---|---|---|---|---|")
+    print("| engine | threads | streams | decode tok/s | TTFT p50 ms | ITL p50 ms | vs transformers b=1 |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r.decode / baseline:.2f}x" if baseline else "-"
-        print(f"| {LABELS[r.engine]} | {r.threads} | {r.streams} | {r.decode:.1f} | {ratio} |")
+        ttft = f"{r.ttft * 1e3:.1f}" if r.ttft is not None else "-"
+        itl = f"{r.itl * 1e3:.1f}" if r.itl is not None else "-"
+        threads = r.threads or "default"
+        print(f"| {LABELS[r.engine]} | {threads} | {r.streams} | {r.decode:.1f} | {ttft} | {itl} | {ratio} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
-    parser.add_argument("--streams", default="1,16", help="concurrent streams (a batch for the peers)")
-    parser.add_argument("--threads", default="1,2", help="thread counts tried per engine; the fastest is shown")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=1, help="measure every engine this many times; medians")
-    parser.add_argument("--worker", choices=list(PEER_PACKAGES), help=argparse.SUPPRESS)
-    parser.add_argument("--worker-streams", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        args.threads = int(args.threads)
-        return run_worker(args)
-    unknown = set(args.engines.split(",")) - set(ENGINES)
-    if unknown:
-        parser.error(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
-    engines = args.engines.split(",")
-    for engine in [e for e in engines if not e.startswith("kettle")]:
-        if importlib.util.find_spec(PEER_PACKAGES[engine]) is None:
-            print(f"skipped {engine}: `{PEER_PACKAGES[engine]}` is not installed (`make bench-peers` installs it)")
-            engines.remove(engine)
-    rounds = []
-    for i in range(args.rounds):
-        print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
-        rounds.append([row for engine in engines[:: -1 if i % 2 else 1] for row in measure_engine(engine, args)])
-    print_table(fastest(medians(rounds)), args.max_new_tokens)
-    print()
-    print_ratios(rounds)
+# ---- --shape: a model the size people run, against llama.cpp in this process ---------------------------------
+
+# hidden, layers, heads, KV heads, intermediate (the vocabulary is the bundled tokenizer's)
+SHAPES = {
+    "tinyllama-1.1b": (2048, 22, 32, 4, 5632),
+    "llama-3.2-1b": (2048, 16, 32, 8, 8192),
+    "smollm2-360m": (960, 32, 15, 5, 2560),
+}
+SETTLE_S = 1.0  # the other engine's idle threads (OpenMP's, llama.cpp's pool) spin a while after their last work
 
 
-def measure_engine(engine: str, args: argparse.Namespace) -> list[Row]:
-    """One engine's rows: Kettle through its server (with `--quantize` for the kettle-int4/int8 entries), a peer
-    through its workers."""
-    streams, threads = [int(x) for x in args.streams.split(",")], [int(x) for x in args.threads.split(",")]
-    if engine.startswith("kettle"):
-        flags = ["--quantize", engine.removeprefix("kettle-")] if engine != "kettle" else []
-        return kettle_rows(engine, flags, threads, streams, args.max_new_tokens)
-    return peer_rows(engine, threads, streams, args.max_new_tokens)
+def larger_model(args: argparse.Namespace, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    folder = write_model(args.shape, args.qtype, args.untied)
+    engines = {"kettle": KettleRunner(folder), "llama.cpp": LlamaCppRunner(folder, threads)}
+    results = {name: {"decode": [], "prefill": []} for name in engines}
+    for round_ in range(args.rounds):
+        for name in list(engines) if round_ % 2 == 0 else list(engines)[::-1]:
+            for kind, size in (("decode", args.tokens), ("prefill", args.prompt)):
+                time.sleep(SETTLE_S)
+                results[name][kind].append(getattr(engines[name], kind)(size))
+        line = (f"{n} decode {r['decode'][-1]:.1f}, prefill {r['prefill'][-1]:.1f} tok/s" for n, r in results.items())
+        print(f"round {round_ + 1}: " + ", ".join(line), flush=True)
+    sizes = {"kettle": engines["kettle"].weight_bytes(), "llama.cpp": file_step_bytes(folder / "model.gguf")}
+    print(f"\n{args.shape} {args.qtype}, {threads} threads, medians of {args.rounds} rounds")
+    print("| engine | decode tok/s | GB/s (weights a step) | prefill tok/s |\n|---|---|---|---|")
+    for name, r in results.items():
+        decode = statistics.median(r["decode"])
+        print(f"| {name} | {decode:.1f} | {decode * sizes[name] / 1e9:.1f} ({sizes[name] / 2**20:.0f} MiB) "
+              f"| {statistics.median(r['prefill']):.1f} |")  # fmt: skip
+    for kind in ("decode", "prefill"):
+        ratios = [a / b for a, b in zip(results["kettle"][kind], results["llama.cpp"][kind], strict=True)]
+        print(f"Kettle / llama.cpp, {kind}: {ratio_summary(ratios)}")
 
 
-if __name__ == "__main__":
-    main()
+class KettleRunner:
+    """The shard's step over a served cache (16-bit K/V, as a CPU shard keeps them): greedy decode after a 16-token
+    prompt, and a prefill of a whole prompt, the logits of its last position only."""
+
+    def __init__(self, folder: Path) -> None:
+        import torch
+
+        from kettle.models.registry import load_model
+
+        self.model = load_model(str(folder), torch.float32, "cpu")
+
+    def decode(self, tokens: int) -> float:
+        from kettle.bench.drive import DecodeLoop
+
+        loop = DecodeLoop(self.model, 1, 16, tokens)
+        started = time.perf_counter()
+        for _ in range(tokens):
+            loop()
+        return tokens / (time.perf_counter() - started)
+
+    def prefill(self, prompt: int) -> float:
+        import torch
+
+        from kettle.bench.drive import PrefillLoop
+
+        loop = PrefillLoop(self.model, torch.arange(100, 100 + prompt))
+        started = time.perf_counter()
+        loop()
+        return prompt / (time.perf_counter() - started)
+
+    def weight_bytes(self) -> int:
+        """The bytes a decode step reads: every tensor but an embedding table of its own (a step looks up a few
+        of its rows); a table tied to the head is read whole, as the head."""
+        import torch
+
+        model = self.model
+        tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if not t.is_mkldnn}
+        table = getattr(model.embed_rows, "__self__", None)
+        dense = getattr(model, "embed_tokens", None)
+        own = [] if table is None or table is model.lm_head else [*table.buffers()]
+        skip = {t.data_ptr() for t in own + ([dense] if isinstance(dense, torch.Tensor) else [])}
+        return sum(t.numel() * t.element_size() for p, t in tensors.items() if p not in skip)
+
+
+class LlamaCppRunner:
+    def __init__(self, folder: Path, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(str(folder / "model.gguf"), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)  # fmt: skip
+
+    def decode(self, tokens: int) -> float:
+        stamps = []
+        for _ in self.llm.generate(list(range(100, 116)), top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) > tokens:
+                break
+        return tokens / (stamps[-1] - stamps[0])
+
+    def prefill(self, prompt: int) -> float:
+        self.llm.reset()
+        started = time.perf_counter()
+        self.llm.eval(list(range(100, 100 + prompt)))
+        return prompt / (time.perf_counter() - started)
+
+
+def file_step_bytes(path: Path) -> int:
+    """The bytes a llama.cpp step reads: the file's tensors, less an untied embedding table (a tied one is the head)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    return sum(tensors.values()) - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
+
+
+def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
+    """The GGUF and its Kettle folder for `shape` in `qtype_name` (written once, ~0.6-1 GB, a minute), with a
+    config.json and the bundled model's tokenizer, so Kettle loads the folder as it loads any GGUF folder."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.hub import resolve_model
+
+    untied = untied or qtype_name == "Q4_K_M"
+    cache = Path.home() / ".cache" / "kettle" / "bench"
+    folder = cache / f"{shape}-{qtype_name}{'-untied' if untied and qtype_name != 'Q4_K_M' else ''}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    hidden, layers, heads, kv_heads, inner = SHAPES[shape]
+    source = resolve_model(None).path
+    writer = gguf.GGUFWriter(folder / "model.gguf", "llama")
+    _metadata(writer, gguf.GGUFReader(source / "model.gguf"), SHAPES[shape], qtype_name)
+    rng, qtype = np.random.default_rng(0), T[qtype_name.removesuffix("_M")]
+    head_type = T.Q6_K if qtype_name == "Q4_K_M" else T.Q8_0  # llama.cpp's Q4_K_M head; gguf-py writes Q8_0
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    embedding = rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.02
+    if untied:
+        writer.add_tensor("token_embd.weight", _random_blocks(rng, vocab, hidden, qtype), raw_dtype=qtype)
+        if head_type == T.Q6_K:
+            writer.add_tensor("output.weight", _random_blocks(rng, vocab, hidden, T.Q6_K), raw_dtype=T.Q6_K)
+        else:
+            writer.add_tensor("output.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
+    else:
+        writer.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    kv = kv_heads * (hidden // heads)
+    projections = [("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                   ("attn_output", hidden, hidden), ("ffn_gate", inner, hidden), ("ffn_up", inner, hidden),
+                   ("ffn_down", hidden, inner)]  # fmt: skip
+    for layer in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, np.float32))
+        for name, rows, cols in projections:
+            more = qtype_name == "Q4_K_M" and name in ("attn_v", "ffn_down") and _more_bits(layer, layers)
+            kind = T.Q6_K if more else qtype
+            writer.add_tensor(f"blk.{layer}.{name}.weight", _random_blocks(rng, rows, cols, kind), raw_dtype=kind)
+        print(f"wrote layer {layer + 1}/{layers}", file=sys.stderr, flush=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, head_dim=hidden // heads,
+                  num_key_value_heads=kv_heads, intermediate_size=inner, max_position_embeddings=4096,
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rope_theta=10000.0,
+                  tie_word_embeddings=not untied)  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
+    """llama's keys for `shape`, and the bundled file's tokenizer keys copied as they are."""
+    import gguf
+
+    hidden, layers, heads, kv_heads, inner = shape
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_context_length(4096)
+    writer.add_feed_forward_length(inner)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(10000.0)
+    types = {"Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M"}
+    writer.add_file_type(gguf.LlamaFileType[types[qtype_name]])
+    kinds = gguf.GGUFValueType
+    for field in source.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == kinds.ARRAY:
+            strings = field.types[-1] == kinds.STRING
+            values = [bytes(field.parts[i]).decode() if strings else field.parts[i][0].item() for i in field.data]
+            writer.add_array(field.name, values)
+        elif kind == kinds.STRING:
+            writer.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
+        else:
+            writer.add_key_value(field.name, field.parts[field.data[0]][0].item(), kind)
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the layers whose attn_v and ffn_down Q4_K_M stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _random_blocks(rng, rows: int, cols: int, qtype):
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    if qtype == T.Q4_K:  # well-formed blocks: random nibbles and 6-bit scales, small float16 super-block scales
+        blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        blocks[..., 0:2] = np.full((rows, cols // 256, 1), 1.5e-3, np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.full((rows, cols // 256, 1), 2e-3, np.float16).view(np.uint8)
+        return blocks.reshape(rows, -1)
+    if qtype == T.Q6_K:  # 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, a float16 scale
+        blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+        blocks[..., 192:208] = rng.integers(1, 64, (rows, cols // 256, 16), dtype=np.uint8)
+        blocks[..., 208:210] = np.full((rows, cols // 256, 1), 2e-4, np.float16).view(np.uint8)
+        return blocks.reshape(rows, -1)
+    return gguf.quants.quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.02, qtype)

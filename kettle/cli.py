@@ -202,7 +202,7 @@ def benchmark(
     quantize: Annotated[str | None, typer.Option(help="--quantize of the shard it starts (int8, int4, ...).")] = None,
 ) -> None:
     """Measure prefill and decode latency and throughput per batch size, talking to a shard directly."""
-    from kettle.bench.config import DEFAULT_BATCH_SIZES, BenchmarkConfig
+    from kettle.bench.benchmark import DEFAULT_BATCH_SIZES, BenchmarkConfig, run
     from kettle.logging_setup import setup_logging
 
     setup_logging()
@@ -218,8 +218,6 @@ def benchmark(
         dtype=dtype,
         quantize=quantize,
     )
-    from kettle.bench.benchmark import run
-
     run(config)
 
 

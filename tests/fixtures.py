@@ -108,6 +108,53 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def make_variant(path: Path, variant: str) -> Path:
+    """A tiny checkpoint of `variant`: llama, tied, llama3_rope, dynamic_rope, qwen2 or mistral_sliding."""
+    overrides = {
+        "llama": {},
+        "tied": {"tie_word_embeddings": True},
+        "llama3_rope": {"rope_parameters": _rope("llama3", low_freq_factor=1.0, high_freq_factor=4.0)},
+        # A short trained length, so prompts plus generations run past it and the base grows.
+        "dynamic_rope": {"max_position_embeddings": 24, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+    }
+    if variant in overrides:
+        return make_tiny_llama(path, **overrides[variant])
+    return _make_other(path, variant)
+
+
+def _rope(rope_type: str, **extra) -> dict:
+    return {
+        "rope_type": rope_type,
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+    } | extra
+
+
+def _make_other(path: Path, variant: str) -> Path:
+    """Qwen2 (q/k/v biases, tied) and Mistral (sliding window of 8) through their own transformers classes."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = make_tokenizer(path)
+    common = tiny_config(tokenizer)
+    if variant == "qwen2":
+        config, cls = Qwen2Config(tie_word_embeddings=True, **common), Qwen2ForCausalLM
+    elif variant == "mistral_sliding":
+        config, cls = MistralConfig(sliding_window=8, tie_word_embeddings=False, **common), MistralForCausalLM
+    else:
+        raise ValueError(f"unknown test variant {variant!r}")
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    # Biases are zero-initialised; random ones make sure they are actually loaded and applied.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @contextmanager
 def cpu_kernels(on: bool) -> Iterator[None]:
     """Kettle's CPU kernels on or off inside the block (`KETTLE_CPU_KERNELS`), as they were after it. Off is the

@@ -3,7 +3,9 @@
 For each batch size it sends requests of exactly `sequence_length` random prompt tokens, times one prefill
 and `decode_length` decode steps (EOS ignored), over `runs` runs after `warmups`, and prints markdown tables.
 Beside tokens/s it prints the weight bandwidth a decode step achieves (weight bytes ÷ step time): decode is
-memory-bandwidth bound, so this says how far from the machine's limit we are.
+memory-bandwidth bound, so this says how far from the machine's limit we are. Its configuration
+(`BenchmarkConfig`, every flag of the command, checked at construction) and the weight bytes a step reads
+(`weight_bytes`) live here too.
 """
 
 from __future__ import annotations
@@ -21,12 +23,85 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import safe_open
 from tqdm import tqdm
 
-from kettle.bench.config import BenchmarkConfig
-from kettle.bench.weights import weight_bytes
 from kettle.proto import generate_pb2 as pb
 from kettle.router.client import ShardedClient
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """What to measure and against which shard.
+
+    With `master_shard_uds_path` the benchmark drives an already running shard; without it, it starts its
+    own shard on `model_id` (resolved like `kettle launch --model-id`) and stops it at the end. The
+    model's tokenizer builds the prompts either way.
+    """
+
+    model_id: str | None = None  # Hub id, local folder or .gguf; None: the bundled model
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    sequence_length: int = 10  # prompt tokens per request, exactly
+    decode_length: int = 8  # decode steps timed per run, EOS ignored
+    runs: int = 10
+    warmups: int = 1
+    master_shard_uds_path: str | None = None  # a running shard's rank-0 socket
+    dtype: str | None = None  # of the shard the benchmark starts; None: the device's default
+    quantize: str | None = None  # `--quantize` of the shard the benchmark starts
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes:
+            raise ValueError("--batch-size needs at least one value")
+        if any(size < 1 for size in self.batch_sizes):
+            raise ValueError("--batch-size values must be >= 1")
+        for name in ("sequence_length", "decode_length", "runs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.warmups < 0:
+            raise ValueError("--warmups must be >= 0")
+
+
+# ---- weight bytes: the numerator of a decode step's achieved bandwidth ----------------------------------------
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes a weight occupies under `--quantize` (int4: a nibble plus a float16 scale and minimum per group of 64);
+# the LM head and tied embedding are int8 under both (KETTLE_QUANT_LM_HEAD's default).
+_QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 64, "gptq": 0.5 + 4 / 64, "awq": 0.5 + 4 / 64}
+
+
+def parameter_count(model_path: Path) -> int:
+    """Parameters in the folder's safetensors files (tied weights stored once are counted once)."""
+    total = 0
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                total += _numel(f.get_slice(name).get_shape())
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def weight_bytes(model_path: Path, dtype: str, quantize: str | None = None) -> int:
+    """Bytes of weights at the served dtype (every weight is read once per decode step); under `--quantize`
+    int8/int4/gptq/awq the 2-D projection weights count at their quantized width, the LM head at int8."""
+    if quantize not in _QUANTIZED_BYTES:
+        return parameter_count(model_path) * _BYTES.get(dtype, 4)
+    total = 0.0
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                shape = f.get_slice(name).get_shape()
+                head = "embed" in name or "lm_head" in name or "wte" in name
+                width = 1.0 if head else _QUANTIZED_BYTES[quantize] if len(shape) == 2 else _BYTES.get(dtype, 4)
+                total += _numel(shape) * width
+    return int(total)
 
 
 @dataclass

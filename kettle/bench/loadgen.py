@@ -1,9 +1,8 @@
-"""HTTP load generator: N concurrent streams against `/generate_stream`, with TTFT and inter-token latency.
+"""The benchmarks' HTTP measuring loop: N concurrent streams against `/generate_stream`, with TTFT and inter-token
+latency, as a client sees them.
 
-    .venv/bin/python -m kettle.bench.loadgen                       # bundled model, 1/4/8/16 streams, 128 tokens
-    .venv/bin/python -m kettle.bench.loadgen --url http://127.0.0.1:3000 --streams 1,4
-
-Prints `| method | streams | prefill tok/s | decode tok/s | TTFT p50/p99 | ITL p50/p99 |`, one row per
+Every served benchmark (`python -m bench ...`) measures through `run_load`; `python -m bench served --load`
+prints its table, `| method | streams | prefill tok/s | decode tok/s | TTFT p50/p99 | ITL p50/p99 |`, one row per
 concurrency. All streams of a row start at once. prefill tok/s: the prompt tokens of all streams over the time
 until the last stream's first token (what the server prefilled, queueing included); decode tok/s: the tokens
 after each stream's first, over the time from the first first-token to the last token.
@@ -11,7 +10,6 @@ after each stream's first, over the time from the first first-token to the last 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -20,18 +18,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+import httpx
 
-# Requests for long answers: an instruct model stops at once on prompts that do not ask for much.
+# Requests for long answers (an instruct model stops at once on prompts that do not ask for much); stream i of a
+# load gets prompt i, so up to 16 concurrent streams each ask something of their own.
 PROMPTS = (
     "Write a long story about a dragon who learns to cook.",
     "Explain in detail how a steam engine works.",
     "Write an essay about the history of the printing press.",
     "Describe a walk through a busy market in Marrakesh.",
+    "Explain why the sky is blue, step by step, for a child.",
     "Write a detailed recipe for bread, with every step explained.",
     "Tell me about the life of a honey bee from egg to adult.",
+    "Write a letter to a friend describing your summer holiday.",
     "Explain how computers store numbers in memory.",
+    "Describe the water cycle and why it matters for farming.",
+    "Write a short play about two robots meeting for the first time.",
+    "Explain the rules of chess to a beginner.",
+    "Describe how a city changes from morning to night.",
+    "Write a product review of an imaginary electric bicycle.",
+    "Explain how vaccines train the immune system.",
     "Write a travel guide for a small mountain village.",
 )
+# Words of the long prompts `prompt_of_tokens` writes.
+WORDS = ("kettle", "steam", "water", "leaf", "cup", "pour", "brew", "green", "black", "oolong", "milk", "sugar")
+WORDS += ("lemon", "honey", "spoon", "tray")
 
 
 @dataclass
@@ -135,13 +146,19 @@ def session() -> aiohttp.ClientSession:
 
 
 async def run_load(
-    url: str, prompts: Sequence[str], concurrency: int, max_new_tokens: int, parameters: dict | None = None
+    url: str,
+    prompts: Sequence[str],
+    concurrency: int,
+    max_new_tokens: int,
+    parameters: dict | Sequence[dict | None] | None = None,
 ) -> LoadResult:
-    """Runs `concurrency` streams at once, stream i on prompts[i % len(prompts)]."""
+    """Runs `concurrency` streams at once, stream i on prompts[i % len(prompts)] with `parameters` (the same for
+    every stream, or stream i's at index i % len(parameters))."""
+    each = [parameters] if parameters is None or isinstance(parameters, dict) else list(parameters)
     async with session() as client:
         start = time.perf_counter()
         calls = [
-            stream_tokens(client, url, prompts[i % len(prompts)], max_new_tokens, parameters=parameters)
+            stream_tokens(client, url, prompts[i % len(prompts)], max_new_tokens, parameters=each[i % len(each)])
             for i in range(concurrency)
         ]
         streams = await asyncio.gather(*calls)
@@ -177,39 +194,23 @@ def chat_prompts(model_path: str, prompts: Sequence[str] = PROMPTS) -> list[str]
 
 def measure(url: str, prompts: Sequence[str], streams: Sequence[int], max_new_tokens: int) -> dict[int, LoadResult]:
     """One warm-up run, then one run per concurrency."""
-    asyncio.run(run_load(url, prompts, 2, 8))  # the server's first-call paths
+    warm_up(url, prompts)
     return {c: asyncio.run(run_load(url, prompts, c, max_new_tokens)) for c in streams}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running server (default: start one on --model-id)")
-    parser.add_argument("--model-id", help="model to serve, and whose chat template renders the prompts")
-    parser.add_argument("--streams", default="1,4,8,16", help="concurrencies, comma-separated")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--method", default="kettle", help="the `method` column")
-    parser.add_argument("--server-args", default="", help="extra `kettle launch` flags, space-separated")
-    args = parser.parse_args(argv)
-    streams = [int(x) for x in args.streams.split(",")]
-    if args.url:
-        prompts = chat_prompts(args.model_id) if args.model_id else list(PROMPTS)
-        results = measure(args.url, prompts, streams, args.max_new_tokens)
-    else:
-        results = _measure_own_server(args, streams)
-    print(markdown_table(results, args.method))
+def warm_up(url: str, prompts: Sequence[str]) -> None:
+    """Two short streams: the server's first-call paths, kept out of what is measured."""
+    asyncio.run(run_load(url, prompts, 2, 8))
 
 
-def _measure_own_server(args: argparse.Namespace, streams: list[int]) -> dict[int, LoadResult]:
-    from kettle.bench.process import KettleServer
-    from kettle.hub import resolve_model
-
-    model_path = str(resolve_model(args.model_id).path)
-    server = KettleServer(model_path, "--max-concurrent-requests", "256", *args.server_args.split())
-    try:
-        return measure(server.url, chat_prompts(model_path), streams, args.max_new_tokens)
-    finally:
-        server.stop()
-
-
-if __name__ == "__main__":
-    main()
+def prompt_of_tokens(url: str, tokens: int, trial: int, lead: str = "Context:") -> str:
+    """About `tokens` tokens of text (counted by the server's /tokenize), its first words naming `trial`, so that
+    no two trials share a KV block (never a prefix-cache hit between them)."""
+    text, i = f"Trial {trial}. {lead}", 0
+    while True:
+        n = len(httpx.post(f"{url}/tokenize", json={"inputs": text}, timeout=60).json())
+        if n >= tokens:
+            return text
+        words = max(8, min(50, (tokens - n) // 2))
+        text += " " + " ".join(WORDS[(i * 7 + j * 3 + trial) % len(WORDS)] for j in range(words))
+        i += 1

@@ -48,9 +48,13 @@ class KettleServer:
         timeout: float = 300,
         hostname: str | None = "127.0.0.1",
         own_sockets: bool = True,
+        max_kv_tokens: int | None = 65536,
+        poll: float = 0.5,
     ) -> None:
         """`hostname=None` leaves --hostname out (the launcher's default, or HOSTNAME from `env`);
-        `own_sockets=False` leaves the shard socket path to the launcher's default instead of a private folder."""
+        `own_sockets=False` leaves the shard socket path to the launcher's default instead of a private folder;
+        `max_kv_tokens` caps the KV cache (KETTLE_MAX_KV_TOKENS; None: no cap of ours, sized as `make serve` sizes
+        it); /health is polled every `poll` seconds until it answers."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = flags
@@ -62,12 +66,13 @@ class KettleServer:
         argv += flags
         # The log outlives this call (the launcher writes to it until stopped), so no context manager here.
         self.log = tempfile.NamedTemporaryFile(prefix="kettle-e2e-", suffix=".log", delete=False)  # noqa: SIM115
-        child_env = {**os.environ, "KETTLE_MAX_KV_TOKENS": "65536", **(env or {})}
+        cap = {"KETTLE_MAX_KV_TOKENS": str(max_kv_tokens)} if max_kv_tokens is not None else {}
+        child_env = {**os.environ, **cap, **(env or {})}
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=child_env)
-        self._wait_ready(timeout)
+        self._wait_ready(timeout, poll)
 
-    def _wait_ready(self, timeout: float) -> None:
-        if wait_healthy(self.url, self.process, "launcher", self.logs, timeout):
+    def _wait_ready(self, timeout: float, poll: float = 0.5) -> None:
+        if wait_healthy(self.url, self.process, "launcher", self.logs, timeout, poll):
             return
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.logs()}")

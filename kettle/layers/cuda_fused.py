@@ -10,7 +10,7 @@ launches and removes the intermediate round trips through memory:
 - `rope_qk`: RoPE on every query and key head of the fused qkv output.
 
 They run on CUDA tensors when Triton is importable; `KETTLE_FUSED_KERNELS=0` turns them off (the eager
-PyTorch ops then run, exactly as on the CPU). Measured on an H100 (bench/gpu_decode.py, Llama-2-7B shape, bf16,
+PyTorch ops then run, exactly as on the CPU). Measured on an H100 (`python -m bench gpu`, Llama-2-7B shape, bf16,
 decode graphs): batch 1 6.54 → 5.94 ms per step (68 → 76% of copy bandwidth), batch 32 9.09 → 8.22 ms;
 tests/models/test_cuda_fused.py checks each kernel against the eager ops. Each kernel computes in float32
 and rounds once, where the eager chain rounds after every op: results differ from eager in the last bits of

@@ -7,7 +7,7 @@ import torch
 from kettle import settings
 
 DEFAULT_INT4_GROUP_SIZE = 128
-# The packed kernels' activation dtype. Measured on this AVX2 CPU (bench/quant_kernels.py): with float32
+# The packed kernels' activation dtype. Measured on this AVX2 CPU (`python -m bench decode --vs kernels`): with float32
 # activations both kernels fall back to a path 4-50x slower than float32 oneDNN; with bfloat16 they beat it
 # at 1-8 rows (int4 ~2x, int8 ~1.5x). Inputs are cast per call and outputs cast back to the model's dtype.
 KERNEL_ACT_DTYPE = torch.bfloat16

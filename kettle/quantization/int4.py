@@ -4,8 +4,8 @@ Each group of `group_size` consecutive input channels of one output channel has 
 the weight is w = (q - 8) · scale + zero with q in 0..15 (the float-zero form of PyTorch's int4 kernels).
 `torch.ops.aten._weight_int4pack_mm_for_cpu` streams the packed nibbles (half a byte a weight, an eighth of
 float32) and dequantizes them in registers. It accepts float32 activations, but on this AVX2 CPU only its
-bfloat16 path is fast (measured: bench/quant_kernels.py), so activations are cast to bfloat16 per call and
-the output back; the scales and zeros are kept in bfloat16 too (the kernel wants the activations' dtype).
+bfloat16 path is fast (measured: `python -m bench decode --vs kernels`), so activations are cast to bfloat16
+per call and the output back; the scales and zeros are kept in bfloat16 too (the kernel wants the activations' dtype).
 
 Checkpoints quantized elsewhere (GPTQ, AWQ) reach this layer through `Int4Linear.from_qparams`: their
 w = s · (q - z) is the same function with scale = s and zero = s · (8 - z).

@@ -6,7 +6,7 @@ tensor-core tile instead (`tl.dot`, 16 to 64 rows a program): each weight tile i
 its nibbles are split and interleaved in registers, scaled per group (w = (q - 8) · scale + zero, the same
 function as tinygemm's and the CPU kernel's), and multiplied in the activations' dtype with float32 accumulation.
 
-Measured on an H100 (bench/gpu_int4_kernels.py, Llama-2-7B's projections; bench/GPU_RESULTS.md): 0.82-0.90x of
+Measured on an H100 (`python -m bench gpu --int4-kernels`, Llama-2-7B's projections; bench/RESULTS.md): 0.82-0.90x of
 bf16 from 1 to 32 rows at its best tile, flat, at ~19% of the copy bandwidth, so it beats tinygemm at 32 rows
 (0.34-0.36x there), at 16 with a good tile (0.87x against 0.69x; 0.48x with the tile tuned at one row, before
 the tuning key held the row bucket) and loses below (2.1-2.4x at one row); it stays opt-in until it reads the

@@ -3,7 +3,7 @@
 Each output channel keeps one float32 scale (absmax / 127, symmetric); the kernel reads a byte per weight
 (a quarter of float32); its fast path takes bfloat16 activations (cast per call; kettle/quantization/config.py).
 Large prefills can use a dense float32 GEMM on the
-weight dequantized for that call when `dense_rows` says so (measured in bench/quant_kernels.py).
+weight dequantized for that call when `dense_rows` says so (measured by `python -m bench decode --vs kernels`).
 
 On CUDA, PyTorch's `_weight_int8pack_mm` is a naive one-thread-per-output kernel on float32 activations, so
 decode-sized calls use the Triton GEMV of `kettle.quantization.fp8` instead (it widens int8 to bf16 in

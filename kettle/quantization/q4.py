@@ -2,7 +2,7 @@
 
 The same quantization as `Int4Linear` (w = (q - 8) · scale + zero per group of input channels), stored for a
 kernel that takes float32 activations: PyTorch's packed int4 kernel is fast only with bfloat16 activations on
-AVX2, which costs two casts per call and rounds the activations (measured in bench/quant_kernels.py). Each
+AVX2, which costs two casts per call and rounds the activations (`python -m bench decode --vs kernels`). Each
 row keeps its nibbles in chunks of 64 input channels (byte j holds channels j and j + 32, so one 32-byte load
 gives 32 weights in order) and a float16 scale and minimum per group, 0.5625 bytes a weight at group size 64 (a
 symmetric weight, GGUF's Q4_0, stores no minimums: `from_groups`; a Q4_K weight in lanes keeps the file's

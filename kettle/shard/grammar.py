@@ -1,7 +1,7 @@
 """Constrained decoding on the shard (docs/api.md, Structured output and tools): per-request grammar matchers and the
 batch's token mask.
 
-The engine is llguidance (see bench/grammar_engines.py for the comparison with xgrammar and outlines-core):
+The engine is llguidance (`python -m bench decode --vs grammar-engines` compares it with xgrammar and outlines-core):
 near-zero grammar compile time (its lexer is built lazily while masking), masks of a few hundred µs per row
 on the bundled model's 49k vocabulary, JSON Schema and regular expressions with precise error messages, and
 no dependency beyond itself.

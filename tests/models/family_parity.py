@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from kettle.bench.drive import greedy, new_cache, scattered_tables, step
 from kettle.models.registry import load_model
 from tests.fixtures import cpu_kernels, make_tokenizer, tiny_config
-from tests.models.drive import greedy, new_cache, scattered_tables, step
 
 # Three prompts of different lengths (3, ~12 and ~30 tokens with the tiny tokenizer).
 PARITY_PROMPTS = [

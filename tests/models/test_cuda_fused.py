@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kettle.bench.drive import BLOCK_SIZE, scattered_tables
 from kettle.layers import cuda_fused
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.registry import load_model
 from kettle.tensors.kv_cache import KVCache
-from tests.models.drive import BLOCK_SIZE, scattered_tables
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or cuda_fused.triton is None, reason="needs a CUDA GPU and Triton"

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
+from kettle.bench.drive import BLOCK_SIZE, decode_hidden, scattered_tables
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from kettle.tensors.kv_cache import KVCache
-from tests.models.drive import BLOCK_SIZE, decode_hidden, scattered_tables
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kettle.bench.drive import BLOCK_SIZE, decode_hidden, scattered_tables
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.sdpa_attention import SdpaBackend
 from kettle.models.registry import load_model
 from kettle.tensors.kv_cache import FLOAT8, KVCache
-from tests.models.drive import BLOCK_SIZE, decode_hidden, scattered_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,13 +12,13 @@ import logging
 import pytest
 import torch
 
+from kettle.bench import drive
+from kettle.bench.drive import BLOCK_SIZE, new_cache
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models import decoder_step
 from kettle.models.registry import load_model
-from tests.fixtures import torch_threads
-from tests.models import drive
-from tests.models.drive import BLOCK_SIZE, make_variant, new_cache
+from tests.fixtures import make_variant, torch_threads
 from tests.models.family_parity import save_tiny, tiny_settings
 from tests.unit.test_cpu_kernels import CAN_BUILD
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from kettle.bench.drive import greedy, new_cache, scattered_tables, step
 from kettle.hub.gguf import NATIVE_ARCHITECTURES
 from kettle.kernels import ops
 from kettle.models.registry import load_model
@@ -26,7 +27,6 @@ from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from tests.gguf_files import FROM_METADATA, dequantized_reference, tiny_model, write_gguf
-from tests.models.drive import greedy, new_cache, scattered_tables, step
 
 PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 95, 20]]
 # Q6_K in lanes: measured 3.2-3.4e-5 on llama, qwen2 and qwen3 (the int16 activations' rounding).

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kettle.bench.drive import new_cache, scattered_tables, step
 from kettle.models.registry import ARCHITECTURES, load_model
-from tests.models.drive import new_cache, scattered_tables, step
 from tests.models.family_parity import _prompts, _reference, assert_parity, save_tiny, tiny_settings
 
 

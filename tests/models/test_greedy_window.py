@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from kettle.bench.drive import BLOCK_SIZE, new_cache, scattered_tables, step
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
@@ -27,7 +28,6 @@ from kettle.shard.sampling import SamplingParams, greedy_choice
 from kettle.shard.stopping import StoppingCriteria
 from tests.fixtures import make_tiny_llama
 from tests.gguf_files import tiny_model, write_gguf
-from tests.models.drive import BLOCK_SIZE, new_cache, scattered_tables, step
 from tests.models.engine_driver import make_batch
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the greedy window runs on Kettle's CPU kernels")

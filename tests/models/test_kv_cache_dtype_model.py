@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kettle.bench.drive import new_cache, scattered_tables, step
 from kettle.models.registry import load_model
-from tests.models.drive import make_variant, new_cache, scattered_tables, step
+from tests.fixtures import make_variant
 from tests.models.engine_driver import make_batch, run_to_end, warm_engine
 from tests.unit.test_cpu_kernels import CAN_BUILD
 

@@ -22,8 +22,8 @@ def llama_names(settings: dict, **extra) -> dict:
 
 def assert_chunked_prefill_matches(path) -> None:
     """Prefilling in two chunks (the second over the cached first) gives the one-shot prefill's logits."""
+    from kettle.bench.drive import new_cache, scattered_tables, step
     from kettle.models.registry import load_model
-    from tests.models.drive import new_cache, scattered_tables, step
 
     model, prompt = load_model(str(path), torch.float32, "cpu"), list(range(3, 43))
     tables, num_blocks = scattered_tables([len(prompt)])
@@ -46,8 +46,8 @@ def _check_fused_expert_names(path, num_experts: int) -> None:
     """The same Mixtral with transformers v5's fused 3-D expert tensors loads to the same logits."""
     from safetensors.torch import load_file, save_file
 
+    from kettle.bench.drive import new_cache, scattered_tables, step
     from kettle.models.registry import load_model
-    from tests.models.drive import new_cache, scattered_tables, step
 
     tensors = load_file(path / "model.safetensors")
     for name in [n for n in tensors if n.endswith("block_sparse_moe.gate.weight")]:

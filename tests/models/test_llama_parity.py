@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kettle.bench.drive import PROMPTS, greedy, new_cache, scattered_tables, step
 from kettle.layers.attention import AttentionMetadata
 from kettle.models.registry import load_model
 from tests.fixtures import cpu_kernels, kernels_buildable
-from tests.models.drive import PROMPTS, greedy, new_cache, scattered_tables, step
 
 VARIANTS = ["llama", "tied", "llama3_rope", "dynamic_rope", "qwen2", "mistral_sliding"]
 ATOL = 1e-4
@@ -24,7 +24,7 @@ def models(request, tmp_path_factory):
     backend when the model loads, so each setting of the kernels switch has its own load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.models.drive import make_variant
+    from tests.fixtures import make_variant
 
     path = make_variant(tmp_path_factory.mktemp(request.param), request.param)
     tokenizer = AutoTokenizer.from_pretrained(path)

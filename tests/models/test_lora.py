@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kettle.bench.drive import decode_logits, new_cache, scattered_tables, step
 from kettle.models.lora_adapters import AdapterError, AdapterSource, load_adapters, read_adapter
 from kettle.models.registry import load_model
 from tests.fixtures import kernels_buildable, make_tiny_llama
-from tests.models.drive import decode_logits, new_cache, scattered_tables, step
 from tests.models.engine_driver import make_batch, run_to_end
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kettle.bench.drive import PROMPTS, greedy, new_cache, scattered_tables, step
 from kettle.models.registry import load_model
 from kettle.quantization.awq import ORDER
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from tests.fixtures import make_tiny_llama
-from tests.models.drive import PROMPTS, greedy, new_cache, scattered_tables, step
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Logit error relative to the largest reference logit. The packed kernels take bfloat16 activations and keep

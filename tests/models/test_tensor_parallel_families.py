@@ -85,9 +85,9 @@ INT8_CASES = ["phi3", "starcoder2"]
 def _logits(path: str, quantize: str | None) -> dict:
     """Logits of a batched prefill of PROMPTS, then of one decode step of every prompt (this process's load),
     and how many of the model's projections are int8."""
+    from kettle.bench.drive import new_cache, scattered_tables, step
     from kettle.models.registry import load_model
     from kettle.quantization.int8 import Int8Linear
-    from tests.models.drive import new_cache, scattered_tables, step
 
     model = load_model(path, torch.float32, "cpu", quantize=quantize)
     tables, num_blocks = scattered_tables([len(p) + 1 for p in PROMPTS])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kettle.bench.weights import parameter_count, weight_bytes
+from kettle.bench.benchmark import parameter_count, weight_bytes
 from tests.fixtures import make_tiny_llama
 
 

@@ -1,4 +1,10 @@
-"""GPU decode benchmark: Kettle against transformers on a Llama-2-7B-shaped model with random bf16 weights.
+"""Decode on a CUDA GPU: Kettle against transformers on a Llama-2-7B-shaped model with random bf16 weights.
+
+    python3 -m bench gpu --out $OUT
+    KETTLE_FUSED_KERNELS=0 python3 -m bench gpu --batch 1 32   # the same without the fused kernels
+    python3 -m bench gpu --sampling --batch 1 32   # the shard's sampling step: host sync or none
+    python3 -m bench gpu --kv-dtypes fp8_e4m3fn --batch 1 32 --context 2048   # a float8 KV cache
+    python3 -m bench gpu --int4-kernels --batch 1 8 16 32 64 128              # int4 kernel against kernel
 
 Method. Measure the device's copy bandwidth first (a 2 GiB device-to-device copy, bytes read + written).
 Build transformers' LlamaForCausalLM with random weights on the GPU, then Kettle's own model from the same
@@ -14,10 +20,14 @@ kernel with KETTLE_CUDA_INT4_KERNEL=triton) models that `--quantize int8|int4` l
 KETTLE_QUANT_LM_HEAD's default); their %bw counts the bytes of the quantized weights (packed values +
 scales/zeros).
 
-    python3 bench/gpu_decode.py --out $OUT
-    KETTLE_FUSED_KERNELS=0 python3 bench/gpu_decode.py --batch 1 32   # the same without the fused kernels
-    python3 bench/gpu_decode.py --sampling --batch 1 32   # the shard's sampling step: host sync or none
-    python3 bench/gpu_decode.py --kv-dtypes fp8_e4m3fn --batch 1 32 --context 2048   # a float8 KV cache
+`--int4-kernels`: int4 kernel against kernel: Kettle's Triton kernel, PyTorch's tinygemm, and a dense bf16 GEMM
+over the weight dequantized for the call, on Llama-2-7B's projections, against bf16 cuBLAS. `--layers` layers'
+worth of the four projections (qkv 12288x4096, o 4096x4096, gate_up 22016x4096, down 4096x11008; random weights
+quantized with groups of `--group`), so the int4 weights (~200 MB) do not fit the L2 cache and every call streams
+them from memory. One timed call runs the projections in order; CUDA events over 30 calls after a warm-up
+(Triton's autotuning included), the median of 5 such runs. Achieved bandwidth = bytes of the weights read (int4:
+packed values + bf16 scale/zero pairs) / time, against the copy bandwidth. The relative error of each int4 path
+is taken against a float32 product with the same dequantized weights.
 """
 
 from __future__ import annotations
@@ -25,28 +35,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from gpu_measure import (  # bench/ is the script's folder
-    attention_bandwidth,
-    copy_bandwidth,
-    event_per_call,
-    relative_error,
-    wall_per_call,
-    weight_bytes,
-)
-from gpu_report import describe, summarize
+import torch.nn.functional as F
 
-from kettle.bench.hf_decode import hf_decode_step
+from kettle.bench.drive import SERVED_BLOCK_SIZE as BLOCK_SIZE
+from kettle.bench.drive import hf_decode_step, new_cache, scattered_tables
+from kettle.bench.timing import interleaved
 from kettle.layers.attention import AttentionMetadata, get_backend
 from kettle.models.llama import LlamaForCausalLM
+from kettle.quantization.int4 import Int4Linear, quantize_int4
 from kettle.shard.cuda_graphs import DecodeGraphs
 from kettle.tensors import distributed
-from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
+from kettle.tensors.kv_cache import KVCache
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 LLAMA2_7B = dict(
@@ -91,16 +96,9 @@ class KettleDecode:
 
     def __init__(self, model, batch: int, context: int, max_new: int, kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.batch = model, batch
-        spec = model.spec
-        per_seq = -(-(context + max_new) // BLOCK_SIZE)
-        self.num_blocks = batch * per_seq
-        dtype = kv_dtype or spec.dtype
-        self.cache = KVCache(
-            spec.num_layers, self.num_blocks + 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, "cuda"
-        )
-        pool = list(range(self.num_blocks))
-        random.Random(0).shuffle(pool)
-        self.tables = [pool[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+        self.tables, blocks = scattered_tables([context + max_new] * batch, block_size=BLOCK_SIZE)
+        self.num_blocks = blocks - 1  # block 0 is the padding block
+        self.cache = new_cache(model, blocks, kv_dtype, BLOCK_SIZE, "cuda")
         self.graphs: DecodeGraphs | None = None
         self.tokens, self.len = self._prefill(context), context
 
@@ -163,9 +161,8 @@ def build_models(args, dtype):
 
 def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Kettle's logits of the last prompt token, prefilling `ids` [L] into a fresh cache."""
-    spec = model.spec
     blocks = -(-ids.numel() // BLOCK_SIZE)
-    cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, spec.dtype, "cuda")
+    cache = new_cache(model, blocks, block_size=BLOCK_SIZE, device="cuda")
     meta = AttentionMetadata.build([ids.numel()], [0], [list(range(blocks))], BLOCK_SIZE, "cuda")
     with torch.inference_mode():
         return model.compute_logits(model.forward(ids, meta.positions, cache, meta)[-1:])[0]
@@ -195,25 +192,34 @@ def bench_hf(hf, batch: int, args) -> float:
     return seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--hf-steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--no-fp8", action="store_true")
-    parser.add_argument(
-        "--weight-only", nargs="*", default=["int8", "int4"], choices=["int8", "int4"], help="none: skip them"
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--profile", action="store_true", help="only: GPU time per kernel of the graphed steps")
-    parser.add_argument("--sampling", action="store_true", help="only: the sampling step, with and without sync")
-    parser.add_argument("--via-disk", action="store_true", help="save safetensors and load with load_model")
-    parser.add_argument(
-        "--kv-dtypes", nargs="+", choices=sorted(KV_DTYPES), help="only: graphed steps over a cache of each dtype"
-    )
-    parser.add_argument("--out", default=None, help="folder for the JSON results")
-    args = parser.parse_args()
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes (--int4-kernels: rows); 1 8 32 128")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--hf-steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--weight-only", nargs="*", default=["int8", "int4"], choices=["int8", "int4"], help="none: skip")
+    p.add_argument("--profile", action="store_true", help="only: GPU time per kernel of the graphed steps")
+    p.add_argument("--sampling", action="store_true", help="only: the sampling step, with and without sync")
+    p.add_argument("--via-disk", action="store_true", help="save safetensors and load with load_model")
+    p.add_argument("--kv-dtypes", nargs="+", choices=sorted(KV_DTYPES), help="only: graphed steps over each dtype")
+    p.add_argument("--int4-kernels", action="store_true", help="only: the int4 kernels against bf16 (see above)")
+    p.add_argument("--layers", type=int, default=2, help="--int4-kernels: layers of projections per call")
+    p.add_argument("--group", type=int, default=128, help="--int4-kernels: int4 group size")
+    p.add_argument("--out", default=None, help="folder for the JSON results")
+    return p
+
+
+def gpu(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    if args.int4_kernels:
+        args.batch = args.batch or [1, 8, 16, 32, 64, 128]
+        return int4_kernels(args)
+    args.batch = args.batch or [1, 8, 32, 128]
     dtype = torch.bfloat16
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
     # The fused norm/RoPE/SiLU kernels are on unless KETTLE_FUSED_KERNELS=0: record which way this run went.
@@ -459,5 +465,194 @@ def summarize_weight_only(results: dict, methods: list[str], kv_token: int, copy
             )
 
 
-if __name__ == "__main__":
-    main()
+# ---- measurement primitives: a CUDA step is timed across one synchronize, or by CUDA events ----------------
+
+
+def copy_bandwidth(gib: int = 2) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written (median of 10)."""
+    src = torch.randint(0, 255, (gib << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    assert torch.equal(dst[:1024], src[:1024])
+    return 2 * src.numel() / statistics.median(times)
+
+
+def wall_per_call(fn, steps: int, warmup: int) -> float:
+    """Seconds per call over `steps` back-to-back calls (one sync at the end: host and GPU overlap)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def event_per_call(fn, steps: int) -> float:
+    """GPU seconds per call, from CUDA events around `steps` back-to-back calls."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
+
+
+def attention_bandwidth(spec, batch: int, context: int) -> tuple[float, float]:
+    """(seconds, bytes/s) of one layer's fused decode attention alone: K and V of every context read once."""
+    from kettle.layers.cuda_attention import paged_decode
+
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    per_seq = -(-(context + 1) // BLOCK_SIZE)
+    pool = torch.randperm(batch * per_seq, device="cuda")
+    cache = [torch.randn(batch * per_seq * BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=spec.dtype) for _ in "kv"]
+    table = pool.view(batch, per_seq)
+    positions = torch.full((batch,), context, device="cuda")
+    slots = table[:, -1] * BLOCK_SIZE + context % BLOCK_SIZE
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=spec.dtype)
+    k_new, v_new = (torch.randn(batch, kv_heads, dim, device="cuda", dtype=spec.dtype) for _ in "kv")
+    scale = dim**-0.5
+
+    def call():
+        paged_decode(q, cache[0], cache[1], table, positions, BLOCK_SIZE, scale, None, (k_new, v_new, slots))
+
+    call()  # tunes and compiles; then 10 calls in one graph, so launch costs stay out of the time
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            call()
+    seconds = event_per_call(graph.replay, 20) / 10
+    return seconds, 2 * batch * (context + 1) * kv_heads * dim * cache[0].element_size() / seconds
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads from the weights: every parameter once, except the embedding table."""
+    embed = model.embed_tokens.data_ptr()
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if p.data_ptr() != embed}
+    return sum(seen.values())
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ---- the printed report ------------------------------------------------------------------------------------
+
+
+def describe(name: str, r: dict, wbytes: int, kv_per_token: int, copy_bw: float) -> list[str]:
+    lines, batch = [], r["batch"]
+    step_bytes = wbytes + batch * r["context"] * kv_per_token
+    for key, label in (("eager_s", "eager"), ("graph_s", "graph"), ("replay_s", "replay")):
+        if key in r:
+            s = r[key]
+            bw = step_bytes / s
+            lines.append(
+                f"{name:5s} {label:6s} batch {batch:3d}: {s * 1e3:8.3f} ms/step {batch / s:9.1f} tok/s "
+                f"{bw / 1e9:7.1f} GB/s ({100 * bw / copy_bw:5.1f}% of copy bw)"
+            )
+    return lines
+
+
+def summarize(results: dict, wbytes: int, kv_token: int, copy_bw: float) -> None:
+    print("\n=== summary ===")
+    print(f"device {results['device']}, torch {results['torch']}, copy bw {copy_bw / 1e9:.0f} GB/s")
+    print(
+        f"Kettle vs transformers logits (bf16, last prompt token) rel err {results['kettle_vs_hf_logits_rel_err']:.2e}"
+    )
+    by_batch = {r["batch"]: r for r in results["kettle"]}
+    print("batch | eager ms | graph ms | replay ms | graph tok/s | graph %bw | replay %bw | hf ms | x hf")
+    for batch, r in by_batch.items():
+        step_bytes = wbytes + batch * r["context"] * kv_token
+        hf = results["hf"].get(batch)
+        print(
+            f"{batch:5d} | {r['eager_s'] * 1e3:8.2f} | {r['graph_s'] * 1e3:8.2f} | {r['replay_s'] * 1e3:9.2f} | "
+            f"{batch / r['graph_s']:11.1f} | {100 * step_bytes / r['graph_s'] / copy_bw:9.1f} | "
+            f"{100 * step_bytes / r['replay_s'] / copy_bw:10.1f} | "
+            + (f"{hf * 1e3:5.1f} | {hf / r['graph_s']:5.2f}" if hf else "    - |     -")
+        )
+    if 8 in by_batch:
+        print(f"graph greedy tokens == eager (batch 8, 16 steps): {by_batch[8].get('graph_tokens_match_eager')}")
+    if "fp8" in results:
+        print(
+            f"fp8 vs bf16 rel err: one layer (qkv) {results['fp8_qkv_rel_err']:.4f}, "
+            f"logits after 32 random layers {results['fp8_logits_rel_err']:.3f}"
+        )
+        for r in results["fp8"]:
+            base = by_batch.get(r["batch"])
+            ratio = f"  bf16/fp8 graph {base['graph_s'] / r['graph_s']:.2f}x" if base else ""
+            print(
+                f"fp8 batch {r['batch']:3d}: eager {r['eager_s'] * 1e3:.2f} ms, graph {r['graph_s'] * 1e3:.2f} ms, "
+                f"replay {r['replay_s'] * 1e3:.2f} ms{ratio}"
+            )
+    for batch, (seconds, bandwidth) in results["attention"].items():
+        share = 100 * bandwidth / copy_bw
+        print(f"attention kernel alone, batch {batch:3d}: {seconds * 1e6:.1f} us/layer, {share:.1f}% of copy bw")
+
+
+# ---- --int4-kernels ---------------------------------------------------------------------------------------
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+KERNELS = ("triton", "tinygemm", "dense")
+
+
+def build(layers: int, group: int) -> tuple[list[torch.Tensor], dict[str, list[Int4Linear]]]:
+    """bf16 weights and, per int4 kernel, the same weights quantized (the dense path reads the Triton layout)."""
+    dense, quantized = [], {"triton": [], "tinygemm": []}
+    for _ in range(layers):
+        for n, k in SHAPES.values():
+            weight = torch.randn(n, k, device="cuda") * 0.02
+            dense.append(weight.bfloat16())
+            q, scale, zero = quantize_int4(weight, group)
+            for kernel, built in quantized.items():
+                built.append(Int4Linear(q, scale, zero, group, cuda_kernel=kernel))
+    return dense, quantized
+
+
+def timed(fn, calls: int = 30, runs: int = 5) -> float:
+    """Seconds per call: the median of `runs` readings of CUDA events around `calls` back-to-back calls."""
+    return interleaved([fn], runs, measure=lambda f: event_per_call(f, calls))[0].median
+
+
+def int4_error(layer: Int4Linear, y: torch.Tensor, x: torch.Tensor) -> float:
+    expected = F.linear(x.float(), layer.dequantized())
+    return float((y.float() - expected).norm() / expected.norm())
+
+
+def int4_kernels(args: argparse.Namespace) -> None:
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    dense, quantized = build(args.layers, args.group)
+    int4_bytes = sum(t.numel() * t.element_size() for m in quantized["triton"] for t in (m.packed, m.scale_zero))
+    bf16_bytes = sum(w.numel() * 2 for w in dense)
+    print(f"weights read per call: bf16 {bf16_bytes / 1e6:.0f} MB, int4 {int4_bytes / 1e6:.0f} MB")
+    print("rows | bf16 ms | triton ms | tinygemm ms | dense ms | triton %bw | bf16/triton | bf16/tinygemm | err triton")
+    with torch.inference_mode():
+        for rows in args.batch:
+            xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in {k for _, k in SHAPES.values()}}
+            ms = {"bf16": timed(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense])}
+            for kernel in KERNELS:
+                layers = quantized["tinygemm" if kernel == "tinygemm" else "triton"]
+                for layer in layers:
+                    layer.dense_rows = -1 if kernel == "dense" else 10**9
+                ms[kernel] = timed(lambda layers=layers, xs=xs: [m(xs[m.in_features]) for m in layers])
+            triton_layers = quantized["triton"]
+            for layer in triton_layers:
+                layer.dense_rows = 10**9
+            error = max(int4_error(m, m(xs[m.in_features]), xs[m.in_features]) for m in triton_layers[:4])
+            print(
+                f"{rows:4d} | {ms['bf16'] * 1e3:7.3f} | {ms['triton'] * 1e3:9.3f} | {ms['tinygemm'] * 1e3:11.3f} | "
+                f"{ms['dense'] * 1e3:8.3f} | {100 * int4_bytes / ms['triton'] / copy_bw:10.1f} | "
+                f"{ms['bf16'] / ms['triton']:11.2f} | {ms['bf16'] / ms['tinygemm']:13.2f} | {error:.2e}",
+                flush=True,
+            )

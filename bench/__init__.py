@@ -1,0 +1,1 @@
+"""Kettle's benchmarks, run from the repository root as `python -m bench NAME [options]` (bench/__main__.py)."""

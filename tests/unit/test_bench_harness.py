@@ -1,0 +1,128 @@
+"""The benchmark harness: one entry point naming every benchmark, each parsing the commands the docs quote, and
+the one timing helper (interleaved calls, median and minimum, same-round ratios)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import BENCHMARKS, benchmark, command
+from kettle.bench.timing import Timing, interleaved, ratio_summary, same_round
+
+ROOT = Path(__file__).resolve().parents[2]
+# Commands the docs and the results file quote, each as a benchmark's arguments: every one must still parse.
+QUOTED = [
+    "peers --threads 2 --engines transformers,ctranslate2,llama.cpp,kettle --rounds 5",
+    "peers --engines transformers,kettle --streams 1,4,8,16 --threads default",
+    "peers --shape tinyllama-1.1b --qtype Q4_K_M --rounds 3 --untied",
+    "decode --quantize int4 --batch 1 16 --steps 30 --threads 2",
+    "decode --family qwen3 --quantize int4 --batch 1 8 --vs layers",
+    "decode --batch 16 32 17 --steps 30 --vs float-panels",
+    "decode --batch 1 --steps 300 --switch kettle_channel_one",
+    "decode --vs schemes --threads 2 --steps 64",
+    "decode --vs gguf --steps 40",
+    "decode --vs kv-dtypes --skip-accuracy --steps 10",
+    "decode --vs gguf-types --types Q8_0 Q5_0",
+    "decode --vs compile --batch 1 16 --variants eager-kernels compiled-kernels --mode max-autotune-no-cudagraphs",
+    "decode --vs kernels --threads 1 --batch 1 4 16 --bf16 --fp32-kernels --dense",
+    "decode --vs fallback --requests 16 --steps 64 --threads 2",
+    "decode --vs grammar-engines",
+    "prefill --schemes int4 --tokens 2000 --trials 5 --sdpa --chunk 256",
+    "prefill --chunked --streams 2 --stream-tokens 48 --tokens 500 --trials 1",
+    "prefill --prefix-cache --trials 5 --tokens 1000",
+    "served --rounds 7 --engine",
+    "served --load --streams 1,4,8,16 --max-new-tokens 128",
+    "served --trees before=/tmp/kettle-base after=. --flags '' --flags '--quantize int4' --requests 8",
+    "served --shards 1,2 --streams 1,4 --max-new-tokens 48",
+    "served --grammar --streams 1,8 --rounds 3",
+    "speculation --server-args '' --configs off,speculate,rows,speculate-rows --together --rounds 3",
+    "speculation --in-process --rounds 5 --configs off,speculate-7rows,speculate --max-steps 1",
+    "lora --quantize int4 --rounds 5",
+    "lora --step --dtype-float32",
+    "memory --runs 1 -- --quantize int4",
+    "memory --schemes",
+    "memory --router --chars 100000 --truncate 1000",
+    "startup --runs 2",
+    "gpu --kv-dtypes fp8_e4m3fn fp8_e5m2 --batch 1 32 --context 2048 --steps 30 --warmup 5",
+    "gpu --int4-kernels --batch 1 8 16 32 64 128",
+    "gpu --sampling --batch 1 32 --out /tmp/out",
+]
+PARSERS = {
+    "peers": "bench.peers:parser",
+    "decode": "bench.decode:parser",
+    "prefill": "bench.prefill:parser",
+    "served": "bench.served:served_parser",
+    "speculation": "bench.served:speculation_parser",
+    "lora": "bench.served:lora_parser",
+    "memory": "bench.footprint:memory_parser",
+    "startup": "bench.footprint:startup_parser",
+    "gpu": "bench.gpu:parser",
+}
+
+
+def parser_of(name: str):
+    import importlib
+
+    module, function = PARSERS[name].split(":")
+    return getattr(importlib.import_module(module), function)()
+
+
+def test_every_benchmark_has_a_runner_and_a_parser() -> None:
+    assert set(PARSERS) == set(BENCHMARKS)
+    for name in BENCHMARKS:
+        assert callable(benchmark(name))
+        assert parser_of(name).prog == f"python -m bench {name}"
+
+
+@pytest.mark.parametrize("quoted", QUOTED)
+def test_quoted_commands_parse(quoted: str) -> None:
+    name, *argv = shlex.split(quoted)
+    parser_of(name).parse_args(argv)
+
+
+def test_an_unknown_option_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parser_of("decode").parse_args(["--vs", "nothing"])
+
+
+def test_the_entry_point_lists_the_benchmarks_and_refuses_unknown_names() -> None:
+    listed = subprocess.run([sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert all(f"  {name} " in listed.stdout for name in BENCHMARKS)
+    unknown = subprocess.run([sys.executable, "-m", "bench", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown benchmark 'nope'" in unknown.stderr
+
+
+def test_the_printed_command_carries_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KETTLE_CPU_LANES", "0")
+    line = command(["decode", "--server-args", "--quantize int4"])
+    assert line.startswith("KETTLE_CPU_LANES=0 ")
+    assert line.endswith("-m bench decode --server-args '--quantize int4'")
+
+
+def test_interleaved_calls_alternate_after_the_warm_up() -> None:
+    calls: list[str] = []
+    clock = iter(range(100))
+    timings = interleaved(
+        [lambda: calls.append("a"), lambda: calls.append("b")],
+        rounds=3,
+        warmup=1,
+        measure=lambda fn: (fn(), float(next(clock)))[1],
+    )
+    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed ones
+    assert [t.samples for t in timings] == [(0.0, 2.0, 4.0), (1.0, 3.0, 5.0)]
+
+
+def test_median_and_minimum_are_what_they_say() -> None:
+    timing = Timing((0.3, 0.1, 0.2, 0.9))
+    assert timing.median == pytest.approx(0.25)
+    assert timing.minimum == 0.1
+
+
+def test_ratios_are_taken_round_by_round() -> None:
+    ratios = same_round([2.0, 3.0, 8.0], [1.0, 2.0, 4.0])
+    assert ratios == [2.0, 1.5, 2.0]
+    assert ratio_summary(ratios) == "2.00x (2.00, 1.50, 2.00)"
