@@ -154,7 +154,7 @@ def test_root_sends_a_browser_to_the_chat_page_and_stays_a_health_check(server, 
 
 
 def test_the_page_asks_for_the_key_then_streams_answers_with_their_speed(server, browser):
-    open_page(browser, server, "/chat", key=None, system="You are a helpful assistant.", **{"max-tokens": "200"})
+    open_page(browser, server, "/chat", key=None, system="You are a helpful assistant.", **{"max-tokens": "120"})
     # The header shows the model from /info, and the key field is there before anything is sent.
     assert browser.find_element(By.ID, "model-name").text == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "int4" in browser.find_element(By.ID, "model-quantization").text
@@ -188,7 +188,7 @@ def test_the_page_asks_for_the_key_then_streams_answers_with_their_speed(server,
     follow_up = wait_answered(browser)
     assert " tok/s · " in follow_up.find_element(By.CLASS_NAME, "stats").text
     first, second = browser.execute_script("return window.sent")
-    assert first["temperature"] == 0 and first["max_tokens"] == 200 and first["stream"] is True
+    assert first["temperature"] == 0 and first["max_tokens"] == 120 and first["stream"] is True
     # The follow-up carries the conversation: the system prompt, the first question and answer, then the new one.
     assert [message["role"] for message in second["messages"]] == ["system", "user", "assistant", "user"]
     assert second["messages"][0]["content"] == "You are a helpful assistant."
