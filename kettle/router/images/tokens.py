@@ -1,0 +1,152 @@
+"""How many image tokens an image takes, and the text that stands for it in the prompt, per family.
+
+Read from the model folder's `config.json`, `processor_config.json` and `preprocessor_config.json` alone (no
+transformers processor, no torch), with the processors' own arithmetic, so the router's token ids are the ones
+transformers' processor would make. `for_model` returns None for a model that takes no images.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """A family's way of writing an image into its prompt.
+
+    `marker` is what its chat template writes for one image (replaced by `expand`); a Markdown image of
+    `/generate` becomes `markdown`. `image_token` is the token that stands for one embedding row: the shard puts
+    the image's embeddings at those positions.
+    """
+
+    model_type: str
+    marker: str
+    image_token: str
+    image_token_id: int
+    count: Callable[[int, int], int]  # (width, height) -> image tokens
+    before: str = ""  # around the run of image tokens, in `expand`
+    after: str = ""
+    markdown_before: str = ""  # around `expand`, for a Markdown image (what the chat template adds itself)
+    markdown_after: str = ""
+
+    def expand(self, width: int, height: int) -> str:
+        return self.before + self.image_token * self.count(width, height) + self.after
+
+    def markdown(self, width: int, height: int) -> str:
+        return self.markdown_before + self.expand(width, height) + self.markdown_after
+
+
+def for_model(folder: str | Path) -> ImageTokens | None:
+    """The image tokens of the model in `folder`, or None when it takes no images (or none Kettle knows)."""
+    folder = Path(folder)
+    config = _read(folder / "config.json")
+    if "vision_config" not in config:
+        return None
+    build = FAMILIES.get(config.get("model_type", ""))
+    if build is None:
+        return None
+    processor = _read(folder / "processor_config.json")
+    preprocessor = _read(folder / "preprocessor_config.json")
+    return build(config, processor, preprocessor)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _size(value: Any, default: int) -> tuple[int, int]:
+    """(height, width) of an image processor's `crop_size` / `size` ({height, width}, {shortest_edge} or an int)."""
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, dict):
+        if "height" in value:
+            return int(value["height"]), int(value["width"])
+        if "shortest_edge" in value:
+            return int(value["shortest_edge"]), int(value["shortest_edge"])
+    return default, default
+
+
+def _llava(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
+    """LlavaProcessor: (crop height / patch) x (crop width / patch) + the additional tokens (CLIP's class token),
+    less one under the `default` feature strategy (which drops it); the same for every image."""
+    vision = config["vision_config"]
+    patch = processor.get("patch_size") or vision.get("patch_size", 14)
+    height, width = _size(preprocessor.get("crop_size") or preprocessor.get("size"), vision.get("image_size", 336))
+    n = (height // patch) * (width // patch) + processor.get("num_additional_image_tokens", 0)
+    strategy = processor.get("vision_feature_select_strategy") or config.get("vision_feature_select_strategy")
+    if strategy == "default":
+        n -= 1
+    token = processor.get("image_token", "<image>")
+    token_id = config.get("image_token_id", config.get("image_token_index", 32000))
+    return ImageTokens("llava", token, token, token_id, lambda w, h: n)
+
+
+def _gemma3(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
+    """Gemma3Processor: the template's `<start_of_image>` becomes a fixed run of soft tokens between the begin and
+    end tokens, with blank lines around (pan-and-scan off, its default)."""
+    n = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+    return ImageTokens(
+        "gemma3",
+        "<start_of_image>",
+        "<image_soft_token>",
+        config.get("image_token_id", config.get("image_token_index", 262144)),
+        lambda w, h: n,
+        before="\n\n<start_of_image>",
+        after="<end_of_image>\n\n",
+    )
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize: both sides multiples of `factor`, the area within [min_pixels, max_pixels], the aspect
+    ratio kept as closely as that allows (transformers' qwen2_vl smart_resize)."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _qwen2_vl(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
+    """Qwen2VLProcessor: the image resized to multiples of patch x merge, one token per merged patch; the chat
+    template writes the begin and end tokens around the `<|image_pad|>` it expands."""
+    patch = preprocessor.get("patch_size", 14)
+    merge = preprocessor.get("merge_size", 2)
+    size = preprocessor.get("size") or {}
+    lowest = preprocessor.get("min_pixels") or size.get("shortest_edge", 56 * 56)
+    highest = preprocessor.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280)
+
+    def count(width: int, height: int) -> int:
+        h, w = smart_resize(height, width, patch * merge, lowest, highest)
+        return (h // patch) * (w // patch) // (merge * merge)
+
+    return ImageTokens(
+        config.get("model_type", "qwen2_vl"),
+        "<|image_pad|>",
+        "<|image_pad|>",
+        config.get("image_token_id", 151655),
+        count,
+        markdown_before="<|vision_start|>",
+        markdown_after="<|vision_end|>",
+    )
+
+
+FAMILIES: dict[str, Callable[[dict, dict, dict], ImageTokens]] = {
+    "llava": _llava,
+    "gemma3": _gemma3,
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_vl,
+}
