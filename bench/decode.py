@@ -7,7 +7,8 @@
 Method: load the model folder (default: the bundled model) with Kettle, prefill `batch` random prompts of
 `--context` tokens in one forward over a cache as a shard keeps it (the served block size and KV dtype), then
 time `--steps` greedy decode steps after `--warmup` untimed ones. Prints the median step time, tokens/s
-(batch / step time) and the memory bandwidth that implies (weights + KV read once per step). Every comparison
+(batch / step time) and the memory bandwidth that implies (weights + KV read once per step); a GGUF serves its
+own quantization unless `--dtype-float32` dequantizes it or `--quantize` says otherwise. Every comparison
 (`--vs`) runs its sides interleaved step by step in this process, so both see the same machine load, and prints
 the ratio:
 
@@ -96,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--switch", help="a kernels' switch (C int) at its default against --switch-off")
     p.add_argument("--switch-off", type=int, default=0, help="the --switch value compared (default 0)")
-    p.add_argument("--dtype-float32", action="store_true", help="gguf/kv-dtypes: the GGUF's weights dequantized")
+    p.add_argument("--dtype-float32", action="store_true", help="a GGUF's weights dequantized (dense float32)")
     p.add_argument("--skip-accuracy", action="store_true", help="kv-dtypes: speed only")
     p.add_argument("--skip-speed", action="store_true", help="kv-dtypes: accuracy only")
     p.add_argument("--types", nargs="+", default=["Q8_0", "Q5_0", "Q5_1"], help="gguf-types: GGUF types")
@@ -154,8 +155,10 @@ def steps(args: argparse.Namespace) -> None:
     from kettle.models.registry import load_model
 
     dtype, path = getattr(torch, args.dtype), model_path(args)
-    model = load_model(path, dtype, "cpu", quantize=args.quantize)
-    layers = layer_by_layer(load_model(path, dtype, "cpu", quantize=args.quantize)) if args.vs == "layers" else None
+    dense = args.dtype_float32
+    model = load_model(path, dtype, "cpu", quantize=args.quantize, dequantize=dense)
+    layers = load_model(path, dtype, "cpu", quantize=args.quantize, dequantize=dense) if args.vs == "layers" else None
+    layers = layer_by_layer(layers) if layers is not None else None
     scheme = f" --quantize {args.quantize}" if args.quantize else ""
     fused = "fused step" if getattr(model, "cpu_decoder_step", None) is not None else "layer by layer"
     print(f"{model.spec.model_type} {args.dtype}{scheme}, {torch.get_num_threads()} threads; decode: {fused}")
@@ -298,8 +301,8 @@ def schemes(args: argparse.Namespace) -> None:
         for context in args.context:
             labels, fns = [], []
             for label, quantize, head in SCHEMES:
-                with environment(KETTLE_QUANT_LM_HEAD=head):
-                    model = load_model(path, torch.float32, torch.device("cpu"), quantize=quantize)
+                with environment(KETTLE_QUANT_LM_HEAD=head):  # float32: dense weights, a GGUF's dequantized
+                    model = load_model(path, torch.float32, "cpu", quantize=quantize, dequantize=quantize is None)
                 labels.append(label)
                 fns.append(DecodeLoop(model, batch, context, total))
             labels.append("transformers fp32")
@@ -657,7 +660,9 @@ def compiled(args: argparse.Namespace) -> None:
                 key = (with_kernels, linear)
                 if key not in models:
                     with environment(KETTLE_CPU_LINEAR=linear), kernels_switch(with_kernels)():
-                        models[key] = load_model(path, torch.float32, torch.device("cpu"), quantize=args.quantize)
+                        models[key] = load_model(
+                            path, torch.float32, "cpu", quantize=args.quantize, dequantize=args.dtype_float32
+                        )
                 model = models[key]
                 forward = model.forward
                 if is_compiled:

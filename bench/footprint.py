@@ -241,7 +241,8 @@ def scheme_child(quantize: str | None) -> None:
     from kettle.models.registry import load_model
 
     loaded = status_mib("VmRSS")
-    model = load_model(str(resolve_model(None).path), torch.float32, torch.device("cpu"), quantize=quantize)
+    path = str(resolve_model(None).path)  # float32: dense weights (the bundled GGUF's dequantized)
+    model = load_model(path, torch.float32, torch.device("cpu"), quantize=quantize, dequantize=quantize is None)
     loop = DecodeLoop(model, 1, 32, 8)
     for _ in range(4):
         loop()
