@@ -134,6 +134,11 @@ def router(
     disable_prefix_caching: o.DisablePrefixCaching = D.disable_prefix_caching,
     disable_chunked_prefill: o.DisableChunkedPrefill = D.disable_chunked_prefill,
     graceful_termination_timeout: o.GracefulTerminationTimeout = D.graceful_termination_timeout,
+    max_images_per_request: o.MaxImagesPerRequest = D.max_images_per_request,
+    max_image_bytes: o.MaxImageBytes = D.max_image_bytes,
+    max_image_pixels: o.MaxImagePixels = D.max_image_pixels,
+    image_fetch_timeout: o.ImageFetchTimeout = D.image_fetch_timeout,
+    disable_image_fetch: o.DisableImageFetch = D.disable_image_fetch,
     adapters: Annotated[
         list[str] | None, typer.Option(help="A LoRA adapter the shards loaded (repeat for each).")
     ] = None,

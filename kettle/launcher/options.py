@@ -18,6 +18,7 @@ LIMITS = "Limits and batching"
 SERVER = "HTTP server"
 SHARDS = "Shards"
 COMPATIBILITY = "Accepted for TGI compatibility"
+IMAGES = "Images (models that take them)"
 
 
 def option(
@@ -117,6 +118,17 @@ EnablePrefillLogprobs = Annotated[
 DisablePrefixCaching = Annotated[
     bool,
     option("--disable-prefix-caching", "Do not reuse the KV cache of prompt prefixes shared across requests.", LIMITS),
+]
+MaxImagesPerRequest = Annotated[
+    int, option("--max-images-per-request", "Most images one request may carry (422 beyond).", IMAGES)
+]
+MaxImageBytes = Annotated[int, option("--max-image-bytes", "Largest image file accepted, in bytes.", IMAGES)]
+MaxImagePixels = Annotated[int, option("--max-image-pixels", "Most pixels (width x height) of an image.", IMAGES)]
+ImageFetchTimeout = Annotated[
+    float, option("--image-fetch-timeout", "Seconds an http(s) image URL's whole fetch may take.", IMAGES)
+]
+DisableImageFetch = Annotated[
+    bool, option("--disable-image-fetch", "Read only data: image URLs; never fetch http(s) ones.", IMAGES)
 ]
 DisableChunkedPrefill = Annotated[
     bool,

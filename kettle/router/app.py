@@ -68,7 +68,9 @@ def create_app(
     permits = Permits(config.max_concurrent_requests)
     service = GenerationService(infer, validation, permits, info_routes.compute_type(info), config.adapters)
     app.state.generation = service
-    app.include_router(info_routes.build_router(infer, info_routes.server_info(config, info, limits)))
+    app.include_router(
+        info_routes.build_router(infer, info_routes.server_info(config, info, limits, validation.images is not None))
+    )
     app.include_router(generate.build_router(service, generation_dependencies(config)))
     template = ChatTemplate.load(Path(config.tokenizer_name), config.tokenizer_config_path)
     routes = openai.OpenAIRoutes(service, template, config.model_id, config.max_client_batch_size)

@@ -38,9 +38,15 @@ class Allocator(Protocol):
         ...
 
     def allocate(
-        self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True, namespace: str = ""
+        self,
+        n_tokens: int,
+        prompt_ids: Sequence[int] = (),
+        reuse: bool = True,
+        namespace: str = "",
+        images: Sequence[tuple[int, bytes]] = (),
     ) -> Allocation | None:
-        """`namespace`: K/V computed under it (a LoRA adapter) is shared only with prompts of the same one."""
+        """`namespace`: K/V computed under it (a LoRA adapter) is shared only with prompts of the same one.
+        `images`: (first token, digest) of each image of the prompt, whose tokens are all the same id."""
         ...
 
     def commit(self, allocation: Allocation) -> None:
@@ -89,7 +95,12 @@ class BlockAllocator:
         return self.num_blocks * self.block_size
 
     def allocate(
-        self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True, namespace: str = ""
+        self,
+        n_tokens: int,
+        prompt_ids: Sequence[int] = (),
+        reuse: bool = True,
+        namespace: str = "",
+        images: Sequence[tuple[int, bytes]] = (),
     ) -> Allocation | None:
         """Blocks for `n_tokens` tokens, or None when too few are free (the caller waits and retries).
 

@@ -41,9 +41,16 @@ class ServingFlags:
     disable_prefix_caching: bool = False
     disable_chunked_prefill: bool = False
     graceful_termination_timeout: float = 90.0
+    # Images in prompts (a model that takes them): per request, per image, and the URL fetch.
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20_000_000
+    max_image_pixels: int = 4096 * 4096
+    image_fetch_timeout: float = 10.0
+    disable_image_fetch: bool = False
 
     def __post_init__(self) -> None:
         positive = ("max_concurrent_requests", "max_best_of", "validation_workers", "max_client_batch_size")
+        positive += ("max_images_per_request", "max_image_bytes", "max_image_pixels")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -56,6 +63,8 @@ class ServingFlags:
             raise ValueError("--waiting-served-ratio must be >= 0")
         if self.graceful_termination_timeout < 0:
             raise ValueError("--graceful-termination-timeout must be >= 0")
+        if not self.image_fetch_timeout > 0:
+            raise ValueError("--image-fetch-timeout must be > 0")
 
 
 SERVING_DEFAULTS = ServingFlags()

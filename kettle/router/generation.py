@@ -11,7 +11,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
@@ -22,6 +22,7 @@ from kettle import tracing
 from kettle.router import metrics, request_log
 from kettle.router.adapters import check_adapter
 from kettle.router.errors import ApiError, Overloaded
+from kettle.router.images.sources import ImageRef
 from kettle.router.schemas import GenerateRequest
 from kettle.router.types import IncompleteGeneration, InferEvent, PrefillEvent, Token, TokenEvent, ValidGenerateRequest
 from kettle.router.validation import Validation
@@ -126,7 +127,12 @@ class GenerationService:
         self.adapters = adapters  # the LoRA adapters a request may name in `adapter_id`
 
     async def admit(
-        self, body: GenerateRequest, *, stream: bool, add_special_tokens: bool = True
+        self,
+        body: GenerateRequest,
+        *,
+        stream: bool,
+        add_special_tokens: bool = True,
+        images: Sequence[ImageRef] | None = None,
     ) -> ValidGenerateRequest:
         """Counts the request, takes a permit, validates. On failure the permit is back and the failure counted."""
         received = time.monotonic()
@@ -139,7 +145,9 @@ class GenerationService:
         try:
             with tracing.span("validation"):  # a no-op unless tracing is on
                 check_adapter(body.parameters, self.adapters)
-                valid = await self.validation.validate(body, stream=stream, add_special_tokens=add_special_tokens)
+                valid = await self.validation.validate(
+                    body, stream=stream, add_special_tokens=add_special_tokens, images=images
+                )
         except BaseException as exc:
             self.permits.release()
             record_failure(exc)

@@ -33,12 +33,14 @@ def compute_type(info: generate_pb2.InfoResponse) -> str:
     return "cpu" if info.device_type == "cpu" else "gpu"
 
 
-def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: ValidationLimits) -> Info:
+def server_info(
+    config: RouterConfig, info: generate_pb2.InfoResponse, limits: ValidationLimits, takes_images: bool = False
+) -> Info:
     """/info's answer: model facts from the shard, limits as chosen at warmup."""
     return Info(
         model_id=config.model_id,
         model_sha=config.model_sha,
-        model_pipeline_tag=_pipeline_tag(config.model_pipeline_tag, info.execution_path),
+        model_pipeline_tag=_pipeline_tag(config.model_pipeline_tag, info.execution_path, takes_images),
         model_dtype=info.dtype,
         model_device_type=info.device_type,
         max_concurrent_requests=config.max_concurrent_requests,
@@ -61,10 +63,13 @@ def server_info(config: RouterConfig, info: generate_pb2.InfoResponse, limits: V
     )
 
 
-def _pipeline_tag(configured: str | None, execution_path: str) -> str | None:
+def _pipeline_tag(configured: str | None, execution_path: str, takes_images: bool = False) -> str | None:
     # An encoder-decoder model is a text2text-generation model on the Hub (FLAN-T5's tag), as TGI reports it.
     if execution_path == "seq2seq" and configured == "text-generation":
         return "text2text-generation"
+    # A model that reads images is tagged as the Hub tags LLaVA, Idefics3 or Qwen2-VL.
+    if takes_images and configured == "text-generation":
+        return "image-text-to-text"
     return configured
 
 

@@ -59,12 +59,16 @@ class OpenAIRoutes:
 
     async def chat(self, body: oai.ChatRequest, request: Request) -> Response:
         """A chat completion, JSON or streamed."""
-        mapping.check_chat_supported(body)
+        takes_images = self.service.validation.images is not None
+        mapping.check_chat_supported(body, takes_images)
         await asyncio.to_thread(check_tool_schemas, body.tools)  # compiling a large schema must not stall the loop
         tools = plan_tools(body.tools, body.tool_choice)
-        prompt, add_special_tokens = mapping.chat_prompt(self.template, body, tools)
+        prompt, add_special_tokens = mapping.chat_prompt(self.template, body, tools, takes_images)
         generate_body = self._on_adapter(mapping.chat_request(body, prompt, tools), body.model)
-        valid = await self.service.admit(generate_body, stream=body.stream, add_special_tokens=add_special_tokens)
+        images = mapping.chat_image_refs(body) if takes_images else None
+        valid = await self.service.admit(
+            generate_body, stream=body.stream, add_special_tokens=add_special_tokens, images=images
+        )
         meta, logprobs = self.meta("chatcmpl"), bool(body.logprobs)
         if body.stream:
             chunks = chat_chunks(self.service, valid, meta, _include_usage(body), logprobs, tools is not None)
@@ -96,8 +100,10 @@ class OpenAIRoutes:
         return JSONResponse(answer.model_dump(mode="json"), headers={"x-compute-type": self.service.compute_type})
 
     async def chat_tokenize(self, body: oai.ChatRequest) -> oai.ChatTokenizeResponse:
-        mapping.check_content(body.messages)
-        prompt, add_special_tokens = mapping.chat_prompt(self.template, body, plan_tools(body.tools, body.tool_choice))
+        takes_images = self.service.validation.images is not None
+        mapping.check_content(body.messages, takes_images)
+        tools = plan_tools(body.tools, body.tool_choice)
+        prompt, add_special_tokens = mapping.chat_prompt(self.template, body, tools, takes_images)
         tokens = await self.service.validation.tokenizers.tokenize(prompt, add_special_tokens)
         return oai.ChatTokenizeResponse(tokenize_response=tokens, templated_text=prompt)
 

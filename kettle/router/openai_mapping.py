@@ -17,12 +17,14 @@ from kettle.router.chat_template import ChatTemplate
 from kettle.router.errors import ApiError, TemplateError, ValidationError
 from kettle.router.generation import Collected
 from kettle.router.grammar import response_format_grammar
+from kettle.router.images.sources import ImageRef, chat_images
 from kettle.router.openai_schemas import (
     ChatMessage,
     ChatRequest,
     ChoiceLogprobs,
     CompletionLogprobs,
     CompletionRequest,
+    ContentPart,
     SamplingFields,
     TokenLogprob,
     TopLogprob,
@@ -57,29 +59,51 @@ class BatchSizeExceeded(ApiError):
         super().__init__(f"Number of prompts exceeds the maximum allowed batch size of {limit}")
 
 
-def chat_prompt(template: ChatTemplate | None, body: ChatRequest, tools: ToolPlan | None = None) -> tuple[str, bool]:
+def chat_prompt(
+    template: ChatTemplate | None, body: ChatRequest, tools: ToolPlan | None = None, images: bool = False
+) -> tuple[str, bool]:
     """The rendered prompt, and whether the tokenizer should still add its special tokens.
 
     A template that writes the BOS token itself must not get a second one from the tokenizer. Offered tools go
     to the template as `tools` when it renders them, otherwise (as TGI does) after the last message's content.
+    With `images` (a model that takes them), content given as parts reaches the template as parts, an image as
+    `{"type": "image"}`: the template writes the model's marker for each, in order.
     """
     if template is None:
         raise TemplateError("this model has no chat template")
     messages = []
     for message in body.messages:
         fields = message.model_dump(exclude_none=True)
-        fields["content"] = message.text() or ""  # templates expect a string, even for tool-call turns
+        if images and isinstance(message.content, list):
+            fields["content"] = [_template_part(part) for part in message.content]
+        else:
+            fields["content"] = message.text() or ""  # templates expect a string, even for tool-call turns
         messages.append(fields)
     extra = {}
     if tools is not None:
         offered = [{"type": "function", "function": f} for f in tools.functions]
         if "tools" in template.source:
             extra["tools"] = offered
+        elif messages and isinstance(messages[-1]["content"], list):
+            messages[-1]["content"].append({"type": "text", "text": tools_prompt(offered, body.tool_prompt)})
         elif messages:
             messages[-1]["content"] += tools_prompt(offered, body.tool_prompt)
     text = template.render(messages, **extra)
     adds_bos_itself = bool(template.bos_token) and text.startswith(template.bos_token)
     return text, not adds_bos_itself
+
+
+def _template_part(part: ContentPart) -> dict[str, Any]:
+    if part.type == "image_url":
+        return {"type": "image"}
+    return {"type": "text", "text": part.text or ""}
+
+
+def chat_image_refs(body: ChatRequest) -> list[ImageRef]:
+    """The image parts of a chat body, in the order the template writes their markers."""
+    return chat_images(
+        [part.model_dump() for part in m.content] if isinstance(m.content, list) else m.content for m in body.messages
+    )
 
 
 def chat_request(body: ChatRequest, prompt: str, tools: ToolPlan | None = None) -> GenerateRequest:
@@ -118,23 +142,26 @@ def _parameters(body: SamplingFields, max_tokens: int | None) -> GenerateParamet
     )
 
 
-def check_chat_supported(body: ChatRequest) -> None:
+def check_chat_supported(body: ChatRequest, images: bool = False) -> None:
     """422 for chat features not implemented; tools with a response format are TGI's `tool_error`."""
     _check_common(body)
-    check_content(body.messages)
+    check_content(body.messages, images)
     if body.functions or body.function_call is not None:
         raise ValidationError("`functions` and `function_call` are not supported: use `tools` and `tool_choice`")
     if body.tools and response_format_grammar(body.response_format) is not None:
         raise ToolError("Grammar and tools are mutually exclusive")
 
 
-def check_content(messages: Sequence[ChatMessage]) -> None:
-    """422 naming the content parts other than text (an image for a text model is refused, not dropped)."""
+def check_content(messages: Sequence[ChatMessage], images: bool = False) -> None:
+    """422 naming the content parts the model cannot read (an image for a text model is refused, not dropped);
+    `images`: the model takes `image_url` parts."""
     parts = [part for message in messages if isinstance(message.content, list) for part in message.content]
-    if unserved := sorted({part.type for part in parts if part.type != "text"}):
+    served = {"text", "image_url"} if images else {"text"}
+    if unserved := sorted({part.type for part in parts if part.type not in served}):
         kinds = ", ".join(f"`{kind}`" for kind in unserved)
-        raise ValidationError(f"content parts of type {kinds} are not supported: this server reads text parts only")
-    if any(part.text is None for part in parts):
+        reads = "text and image parts" if images else "text parts"
+        raise ValidationError(f"content parts of type {kinds} are not supported: this server reads {reads} only")
+    if any(part.text is None for part in parts if part.type == "text"):
         raise ValidationError("a `text` content part needs its `text`")
 
 

@@ -23,17 +23,22 @@ from kettle.router.blocks import Allocation, blocks_for, slots_for
 BlockHash = bytes
 
 
-def block_hashes(prompt_ids: Sequence[int], block_size: int, namespace: str = "") -> list[BlockHash]:
+def block_hashes(
+    prompt_ids: Sequence[int], block_size: int, namespace: str = "", images: Sequence[tuple[int, bytes]] = ()
+) -> list[BlockHash]:
     """Chained hashes of the full blocks of `prompt_ids` (a trailing partial block has none).
 
     BLAKE2b rather than Python's `hash`: a collision would hand a request another prompt's K/V, silently. The
     chain starts from the namespace (a LoRA adapter's name): the same prompt under another adapter has other K/V.
+    An image's tokens are one id repeated, whatever the image: its digest (`images`: first token, digest) joins
+    the hash of the block that holds its first token, and the chain carries it to every later block.
     """
     hashes: list[BlockHash] = []
     previous = namespace.encode("utf-8", "surrogatepass")
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
         tokens = array("q", prompt_ids[start : start + block_size]).tobytes()
-        previous = hashlib.blake2b(previous + tokens, digest_size=16).digest()
+        digests = b"".join(digest for first, digest in images if start <= first < start + block_size)
+        previous = hashlib.blake2b(previous + tokens + digests, digest_size=16).digest()
         hashes.append(previous)
     return hashes
 
@@ -74,7 +79,12 @@ class PrefixCachingAllocator:
         return len(self._cached)
 
     def allocate(
-        self, n_tokens: int, prompt_ids: Sequence[int] = (), reuse: bool = True, namespace: str = ""
+        self,
+        n_tokens: int,
+        prompt_ids: Sequence[int] = (),
+        reuse: bool = True,
+        namespace: str = "",
+        images: Sequence[tuple[int, bytes]] = (),
     ) -> Allocation | None:
         """Blocks for `n_tokens` tokens, starting with the cached blocks of the longest matching prompt prefix.
 
@@ -84,7 +94,7 @@ class PrefixCachingAllocator:
         """
         if n_tokens < 1:
             raise ValueError(f"cannot allocate {n_tokens} tokens")
-        hashes = block_hashes(prompt_ids, self.block_size, namespace)
+        hashes = block_hashes(prompt_ids, self.block_size, namespace, images)
         hits = self._lookup(hashes, len(prompt_ids)) if reuse else []
         fresh = blocks_for(n_tokens, self.block_size) - len(hits)
         reclaimable = len(self._free) + len(self._evictable) - sum(b in self._evictable for b in hits)

@@ -129,6 +129,9 @@ class Entry:
             cache_len=self.prefilled_len,
             chunk_len=self.chunk_len,
             adapter_id=request.adapter_id or "",
+            images=[
+                generate_pb2.Image(data=i.data, digest=i.digest, start=i.start, length=i.length) for i in request.images
+            ],
         )
 
 
@@ -265,8 +268,10 @@ class Queue:
             # Prompt logprobs need every prompt token computed, so such a request may not reuse a prefix.
             reuse = not entry.request.decoder_input_details
             try:
+                request = entry.request
+                images = [(image.start, image.digest) for image in request.images]
                 allocation = self._allocator.allocate(
-                    entry.total_tokens, entry.request.input_ids, reuse, entry.request.adapter_id or ""
+                    entry.total_tokens, request.input_ids, reuse, request.adapter_id or "", images
                 )
             except Exception as error:  # left at the head it would fail every later step: it leaves the line
                 self._entries.popleft()

@@ -26,6 +26,10 @@ from kettle.router import metrics
 from kettle.router.app import create_app
 from kettle.router.client import ShardedClient, ShardError
 from kettle.router.config import RouterConfig, SchedulerConfig
+from kettle.router.images import tokens as image_tokens
+from kettle.router.images.check import ImageLimits
+from kettle.router.images.fetch import FetchPolicy
+from kettle.router.images.prompt import ImageReader
 from kettle.router.infer import Infer
 from kettle.router.metrics_server import start_metrics_server
 from kettle.router.shutdown import Drain, DrainingServer
@@ -136,7 +140,12 @@ async def _serve_with(config: RouterConfig, client: ShardedClient, tokenizers: T
     )
     infer = Infer(client, _scheduler_config(config, limits, warmup.num_blocks, block_size))
     validation_limits = ValidationLimits.from_config(config, limits.max_input_tokens, limits.max_total_tokens)
-    validation = Validation(validation_limits, tokenizers, grammar_support=not config.disable_grammar_support)
+    validation = Validation(
+        validation_limits,
+        tokenizers,
+        grammar_support=not config.disable_grammar_support,
+        images=image_reader(config, info.takes_images),
+    )
     drain = Drain()
     app = create_app(config, infer, validation, info, validation_limits, drain)
     _log_serving(config, info, validation_limits)
@@ -155,6 +164,21 @@ async def _serve_with(config: RouterConfig, client: ShardedClient, tokenizers: T
         await infer.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def image_reader(config: RouterConfig, shard_takes_images: bool = True) -> ImageReader | None:
+    """How this model's prompts take images, under the image flags; None for a model that takes none, or whose
+    shard does not run its vision tower (then images are refused rather than read as text)."""
+    tokens = image_tokens.for_model(config.tokenizer_name)
+    if tokens is None:
+        return None
+    if not shard_takes_images:
+        logger.warning("The model has a vision tower the shard does not run: requests with images are refused")
+        return None
+    limits = ImageLimits(config.max_images_per_request, config.max_image_bytes, config.max_image_pixels)
+    policy = FetchPolicy(not config.disable_image_fetch, config.max_image_bytes, config.image_fetch_timeout)
+    logger.info("The model takes images (%s): %s image tokens", tokens.model_type, tokens.image_token)
+    return ImageReader(tokens, limits, policy)
 
 
 async def _refresh_shard_memory(client: ShardedClient) -> None:

@@ -47,6 +47,16 @@ class StoppingParameters:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """One image of a validated prompt: its bytes and digest, and its run of image tokens in `input_ids`."""
+
+    data: bytes
+    digest: bytes
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class ValidGenerateRequest:
     """A request that passed validation: tokenized, truncated, every default filled in."""
 
@@ -58,6 +68,7 @@ class ValidGenerateRequest:
     parameters: SamplingParameters
     stopping: StoppingParameters
     adapter_id: str | None = None  # the LoRA adapter it runs with; None: the base model
+    images: tuple[PromptImage, ...] = ()  # a prompt's images and their runs of image tokens in input_ids
     # Filled by the route handler for headers, logs and metrics.
     validation_time: float = 0.0
     received_at: float = field(default_factory=time.monotonic)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from kettle.proto import generate_pb2
 from kettle.router.config import RouterConfig
 from kettle.router.errors import ValidationError
 from kettle.router.grammar import check_grammar
+from kettle.router.images.prompt import ImagePrompt, ImageReader
+from kettle.router.images.sources import MARKDOWN_IMAGE, ImageRef
 from kettle.router.schemas import GenerateParameters, GenerateRequest, Grammar
 from kettle.router.tokenizer import LONG_TEXT_CHARS, TokenizerPool
 from kettle.router.types import SamplingParameters, StoppingParameters, ValidGenerateRequest
@@ -60,16 +63,31 @@ def is_sampling(request: GenerateRequest) -> bool:
 class Validation:
     """Checks generate requests and turns them into `ValidGenerateRequest`s (tokenized, defaults filled)."""
 
-    def __init__(self, limits: ValidationLimits, tokenizers: TokenizerPool, *, grammar_support: bool = True) -> None:
+    def __init__(
+        self,
+        limits: ValidationLimits,
+        tokenizers: TokenizerPool,
+        *,
+        grammar_support: bool = True,
+        images: ImageReader | None = None,
+    ) -> None:
         self.limits = limits
         self.tokenizers = tokenizers
         self.grammar_support = grammar_support
+        self.images = images  # None: the model takes no images (Markdown images in `inputs` stay text)
 
     async def validate(
-        self, request: GenerateRequest, *, stream: bool = False, add_special_tokens: bool = True
+        self,
+        request: GenerateRequest,
+        *,
+        stream: bool = False,
+        add_special_tokens: bool = True,
+        images: Sequence[ImageRef] | None = None,
     ) -> ValidGenerateRequest:
         """Applies the validation rules in order; `stream` adds the streaming-only rules (16). Chat prompts whose
-        template already wrote the BOS token pass `add_special_tokens=False`, so it is not doubled."""
+        template already wrote the BOS token pass `add_special_tokens=False`, so it is not doubled. A chat
+        prompt's `images` are the image parts its template wrote a marker for; a `/generate` prompt's images are
+        its Markdown images."""
         p = request.parameters or GenerateParameters()
         sampling = is_sampling(request)
         best_of = self._check_best_of(p.best_of, sampling)
@@ -78,9 +96,12 @@ class Validation:
         self._check_inputs(request.inputs, p.truncate)
         grammar, grammar_type = self._grammar(p.grammar)
         await check_grammar(grammar, grammar_type)  # compiled off the event loop; cached
-        if p.truncate is None and len(request.inputs) > LONG_TEXT_CHARS:
-            self._check_fewest_tokens(request.inputs, p.max_new_tokens)
-        encoded = await self.tokenizers.encode(request.inputs, p.truncate, add_special_tokens)
+        prompt = await self._image_prompt(request.inputs, images)
+        inputs = request.inputs if prompt is None else prompt.text
+        if p.truncate is None and len(inputs) > LONG_TEXT_CHARS:
+            self._check_fewest_tokens(inputs, p.max_new_tokens)
+        encoded = await self.tokenizers.encode(inputs, p.truncate, add_special_tokens)
+        located = () if prompt is None or self.images is None else self.images.locate(encoded.ids, prompt.images)
         max_new_tokens = self._check_lengths(len(encoded.ids), p.max_new_tokens)
         if stream:
             _check_streamable(best_of, p.decoder_input_details)
@@ -93,7 +114,19 @@ class Validation:
             parameters=_sampling_parameters(p, sampling, grammar, grammar_type),
             stopping=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=tuple(p.stop)),
             adapter_id=p.adapter_id or None,
+            images=located,
         )
+
+    async def _image_prompt(self, inputs: str, chat: Sequence[ImageRef] | None) -> ImagePrompt | None:
+        """The prompt with its images read and expanded into image tokens; None when it has none (or the model
+        takes none)."""
+        if self.images is None:
+            if chat:
+                raise ValidationError("this model does not take images")
+            return None
+        if chat is not None:
+            return await self.images.chat(inputs, chat) if chat else None
+        return await self.images.markdown(inputs) if MARKDOWN_IMAGE.search(inputs) else None
 
     def _check_best_of(self, best_of: int | None, sampling: bool) -> int:
         """Rule 1."""

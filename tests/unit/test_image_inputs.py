@@ -22,6 +22,7 @@ from kettle.router.images.check import ImageLimits, check_count, check_image
 from kettle.router.images.fetch import FetchPolicy, decode_data_url, is_public, read_image_bytes
 from kettle.router.images.prompt import ImageReader
 from kettle.router.images.sources import ImageRef, chat_images, split_markdown
+from tests.vision_fixtures import make_llava_folder
 
 
 def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (8, 6), frames: int = 1) -> bytes:
@@ -196,28 +197,10 @@ def test_public_addresses():
 
 @pytest.fixture(scope="module")
 def llava_folder(tmp_path_factory):
-    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
+    from transformers import AutoProcessor
 
-    from tests.fixtures import make_tokenizer
-
-    folder = tmp_path_factory.mktemp("llava")
-    tokenizer = make_tokenizer(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tokenizer.save_pretrained(folder)
-    size = {"height": 32, "width": 32}
-    processor = LlavaProcessor(
-        CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size=size),
-        tokenizer,
-        patch_size=8,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-    )
-    processor.save_pretrained(folder)
-    vision = {"model_type": "clip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 16}
-    vision |= {"num_attention_heads": 2, "intermediate_size": 32, "num_hidden_layers": 1}
-    config = LlavaConfig(vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
-    (folder / "config.json").write_text(json.dumps(config.to_dict()))
-    return folder, processor
+    folder = make_llava_folder(tmp_path_factory.mktemp("llava"))
+    return folder, AutoProcessor.from_pretrained(folder)
 
 
 def test_llava_tokens_match_its_processor(llava_folder):

@@ -13,16 +13,7 @@ from kettle.router.images.check import CheckedImage, ImageLimits, check_count, c
 from kettle.router.images.fetch import FetchPolicy, read_image_bytes
 from kettle.router.images.sources import ImageRef, split_markdown
 from kettle.router.images.tokens import ImageTokens
-
-
-@dataclass(frozen=True)
-class PromptImage:
-    """One image of a validated prompt: its bytes and digest, and its run of image tokens in `input_ids`."""
-
-    data: bytes
-    digest: bytes
-    start: int
-    length: int
+from kettle.router.types import PromptImage
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""Tiny vision-language models and their processors, built at test time (no downloads): a LLaVA whose tokenizer
+is the tiny BPE of tests/fixtures.py with an `<image>` token, a CLIP vision tower of 32x32 images in 8x8 patches
+(16 image tokens an image), and a ChatML template that writes `<image>` for an image part."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+from tests.fixtures import make_tokenizer, tiny_config
+
+IMAGE_CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_IMAGE_TOKENS = 16
+
+
+def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (8, 6), frames: int = 1, seed: int = 0) -> bytes:
+    """A small image file whose pixels follow `seed`."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    images = [Image.new("RGB", size, ((40 * i + 70 * seed) % 256, 100, (200 + 31 * seed) % 256)) for i in range(frames)]
+    for image in images:  # a gradient, so resizing and cropping matter
+        for x in range(size[0]):
+            image.putpixel((x, x * size[1] // size[0]), (255, (x * 37 + seed * 11) % 256, 0))
+    images[0].save(out, format=fmt, save_all=frames > 1, append_images=images[1:])
+    return out.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def make_llava_folder(path: Path, *, weights: bool = False, seed: int = 0) -> Path:
+    """A tiny LLaVA in `path`: tokenizer, processor files and config (and random weights with `weights`)."""
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
+
+    tokenizer = make_tokenizer(path, chat_template=IMAGE_CHATML_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.save_pretrained(path)
+    processor = LlavaProcessor(
+        CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, which the `default` strategy drops
+        chat_template=IMAGE_CHATML_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    vision = dict(
+        model_type="clip_vision_model",
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        projection_dim=32,
+    )
+    text = tiny_config(tokenizer) | dict(
+        model_type="llama",
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+    )
+    if weights:
+        import torch
+        from transformers import LlavaForConditionalGeneration
+
+        torch.manual_seed(seed)
+        config.text_config.initializer_range = 0.2
+        model = LlavaForConditionalGeneration(config).eval()
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        (path / "config.json").write_text(json.dumps(config.to_dict()))
+    return path
