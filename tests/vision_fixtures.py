@@ -83,8 +83,11 @@ def make_llava_folder(path: Path, *, weights: bool = False, seed: int = 0) -> Pa
         from transformers import LlavaForConditionalGeneration
 
         torch.manual_seed(seed)
-        config.text_config.initializer_range = 0.2
         model = LlavaForConditionalGeneration(config).eval()
+        with torch.no_grad():  # biases and norm weights start at 0 and 1: perturbed, they must really be read
+            for param in model.parameters():
+                if param.ndim == 1:
+                    param.add_(torch.randn_like(param) * 0.2)
         model.save_pretrained(path, safe_serialization=True)
     else:
         (path / "config.json").write_text(json.dumps(config.to_dict()))

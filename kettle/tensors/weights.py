@@ -15,6 +15,7 @@ tenth otherwise), on the first rank only, so tensor-parallel shards do not draw 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Protocol
@@ -126,6 +127,7 @@ class Weights:
         # A GGUF model folder: its tensors come from the (memory-mapped) file, by Hugging Face name.
         self.gguf = None if gguf is None else GgufTensors(gguf)
         self._files = {} if self.gguf is not None else checkpoint_files(self.folder)
+        self._stored: dict[str, str] = {}  # another name a tensor answers to → its name in the file (`alias`)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
         # This shard's tensor-parallel rank and group: loaders that support tensor parallelism read only their
@@ -151,6 +153,16 @@ class Weights:
     @property
     def names(self) -> list[str]:
         return self.gguf.names if self.gguf is not None else sorted(self._files)
+
+    def alias(self, rename: Callable[[str], str | None]) -> None:
+        """Lets each stored tensor also answer to `rename(name)` (None: no other name), so a loader written for
+        one layout reads another: a vision-language checkpoint's text model (`language_model.model.layers.0...`)
+        under the names of the text family (`model.layers.0...`). Safetensors checkpoints only."""
+        for name, file in list(self._files.items()):
+            other = rename(name)
+            if other is not None and other not in self._files:
+                self._files[other] = file
+                self._stored[other] = name
 
     def has(self, name: str) -> bool:
         return self.gguf.has(name) if self.gguf is not None else name in self._files
@@ -184,7 +196,7 @@ class Weights:
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         self.progress.read(name)
-        tensor = self._handle(self._files[name]).get_tensor(name)
+        tensor = self._handle(self._files[name]).get_tensor(self._stored.get(name, name))
         dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=self.device, dtype=dtype)
 
@@ -194,7 +206,7 @@ class Weights:
             return self.gguf.shape(name)
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
-        return list(self._handle(self._files[name]).get_slice(name).get_shape())
+        return list(self._handle(self._files[name]).get_slice(self._stored.get(name, name)).get_shape())
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `start:stop` of a tensor, reading only that part of the file."""
@@ -204,7 +216,7 @@ class Weights:
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
         self.progress.read(name)
-        view = self._handle(self._files[name]).get_slice(name)
+        view = self._handle(self._files[name]).get_slice(self._stored.get(name, name))
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=self.device, dtype=dtype)
