@@ -58,6 +58,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.drop_class_token = config.vision_feature_select_strategy == "default"
         self.image_token_id = config.image_token_id
         self.image_rows = ImageRows()
+        self.folder = str(weights.folder)  # where the shard finds the image processor's settings
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

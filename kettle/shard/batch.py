@@ -42,6 +42,10 @@ class RequestState:
     adapter: int = -1  # index of its LoRA adapter in the shard's --lora-adapters; -1: the base model
     # Its n-gram drafter (`ngram.NgramDrafter`) when it speculates (--speculate); None: one token per step.
     drafter: Any = None
+    # The prompt's images (pb.Image: bytes and token run), and the encoded rows of those a chunk has reached and
+    # not yet placed entirely, by index (`image_inputs.py`).
+    images: Sequence[pb.Image] = ()
+    image_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def in_prefill(self) -> bool:

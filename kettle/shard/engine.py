@@ -291,6 +291,7 @@ class ShardEngine:
             grammar=self.runner.outputs.grammars.matcher(request.parameters),
             adapter=self._adapter_index(request.adapter_id),
             drafter=drafter_for(params, request, self.runner.speculate),
+            images=list(request.images),
         )
 
     def _adapter_index(self, adapter_id: str) -> int:

@@ -239,3 +239,16 @@ def test_chat_markers_must_match_the_images(llava_folder):
 def test_a_text_model_takes_no_images(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert image_tokens.for_model(tmp_path) is None
+
+
+def test_llava_crop_size_is_read_from_either_processor_file(tmp_path):
+    """transformers 5 nests the image processor in processor_config.json; older folders have it beside."""
+    vision = {"image_size": 32, "patch_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": vision}))
+    processor = {"patch_size": 8, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}
+    crop = {"crop_size": {"height": 48, "width": 48}}
+    (tmp_path / "processor_config.json").write_text(json.dumps(processor | {"image_processor": crop}))
+    assert image_tokens.for_model(tmp_path).count(10, 10) == 36
+    (tmp_path / "processor_config.json").write_text(json.dumps(processor))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"crop_size": {"height": 40, "width": 40}}))
+    assert image_tokens.for_model(tmp_path).count(10, 10) == 25

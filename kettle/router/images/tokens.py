@@ -51,7 +51,8 @@ def for_model(folder: str | Path) -> ImageTokens | None:
     if build is None:
         return None
     processor = _read(folder / "processor_config.json")
-    preprocessor = _read(folder / "preprocessor_config.json")
+    # transformers 5 writes the image processor's settings inside processor_config.json; older folders beside it.
+    preprocessor = _read(folder / "preprocessor_config.json") or processor.get("image_processor", {})
     return build(config, processor, preprocessor)
 
 

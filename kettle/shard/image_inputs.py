@@ -1,0 +1,84 @@
+"""The images of a step's prompts, on the shard: decoded and preprocessed with the model's own image processor
+(transformers' PIL backend), encoded by the model's vision tower in one batch per step, and handed to the model
+as the embedding rows of the step's image tokens (`ImageRows`).
+
+An image is encoded by the first step whose prompt chunk reaches its tokens, and its rows are kept with the
+request (`RequestState.image_rows`) until a chunk has taken the last of them: a prefill chunked inside an image
+encodes it once. A prefix read from the cache that ends inside an image leaves only the rows after it to place.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import torch
+
+from kettle.shard.batch import RequestState
+
+
+def load_image_processor(folder: str):
+    """The model's image processor; transformers picks its PIL backend where torchvision is absent."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(folder)
+
+
+class ImageInputs:
+    """Places the image rows of each step for a model with `encode_images` and `image_rows`."""
+
+    def __init__(self, model, processor) -> None:
+        self.model = model
+        self.processor = processor
+
+    def pixel_values(self, files: Sequence[bytes]) -> torch.Tensor:
+        from PIL import Image
+
+        images = []
+        for data in files:
+            with Image.open(io.BytesIO(data)) as image:
+                image.seek(0)  # a GIF's first frame
+                images.append(image.convert("RGB"))
+        return self.processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def place(self, requests: Sequence[RequestState], queries: Sequence[Sequence[int]]) -> None:
+        """Sets the model's image rows for a step of `queries` (each request's tokens, in the step's order)."""
+        spans = [
+            (request, request.cache_len, request.cache_len + len(query) if request.in_prefill else 0)
+            for request, query in zip(requests, queries, strict=True)
+        ]
+        self._encode(spans)
+        rows, values, offset = [], [], 0
+        for (request, low, high), query in zip(spans, queries, strict=True):
+            for index, image in enumerate(request.images):
+                start, end = image.start, image.start + image.length
+                if start >= high or end <= low:
+                    continue
+                first, last = max(low, start), min(high, end)
+                rows.extend(range(offset + first - low, offset + last - low))
+                values.append(request.image_rows[index][first - start : last - start])
+                if last == end:  # its last rows are placed: nothing later reads them
+                    del request.image_rows[index]
+            offset += len(query)
+        if rows:
+            self.model.image_rows.set(torch.tensor(rows, dtype=torch.long), torch.cat(values))
+
+    def _encode(self, spans: list[tuple[RequestState, int, int]]) -> None:
+        """Encodes, in one batch, every image the step reaches that its request does not hold rows for."""
+        wanted = [
+            (request, index)
+            for request, low, high in spans
+            for index, image in enumerate(request.images)
+            if image.start < high and image.start + image.length > low and index not in request.image_rows
+        ]
+        if not wanted:
+            return
+        pixels = self.pixel_values([request.images[index].data for request, index in wanted])
+        encoded = self.model.encode_images(pixels)
+        for (request, index), rows in zip(wanted, encoded, strict=True):
+            if rows.shape[0] != request.images[index].length:
+                raise ValueError(
+                    f"image {index} of request {request.id} encodes to {rows.shape[0]} rows, but the prompt has "
+                    f"{request.images[index].length} image tokens for it"
+                )
+            request.image_rows[index] = rows
