@@ -1,0 +1,132 @@
+"""Images through the real server (launcher, shard, router) on a tiny LLaVA: the `openai` client's image_url
+parts (a data URL, and an http URL the router fetches from a server on 127.0.0.1) and the `text-generation`
+client's Markdown images, each answer token for token transformers' greedy one; usage counting the image tokens;
+a repeated image served from the prefix cache; a refused image as the clients see it."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import re
+import threading
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI, UnprocessableEntityError
+from PIL import Image
+
+from kettle.bench.process import KettleServer
+from tests.e2e.kv_pool import assert_pool_whole
+from tests.vision_fixtures import LLAVA_IMAGE_TOKENS, data_url, image_bytes, make_llava_folder
+
+NEW_TOKENS = 6
+PNG = image_bytes("PNG", (40, 30), seed=3)
+_HIT_TOKENS = re.compile(r"^kettle_prefix_cache_hit_tokens_total (\S+)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_llava_folder(tmp_path_factory.mktemp("llava"), weights=True)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    flags = ("--max-input-tokens", "200", "--max-total-tokens", "256", "--kv-cache-dtype", "float32")
+    server = KettleServer(str(folder), *flags)
+    yield server
+    try:
+        assert_pool_whole(server.url)  # no KV block left referenced once every request is done
+    finally:
+        code = server.stop()
+    assert code == 0, server.logs()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def image_site():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_header("Content-Length", str(len(PNG) if self.path == "/cat.png" else 0))
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(PNG)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def expected(reference, text: str) -> tuple[list[int], str]:
+    """transformers' greedy tokens (and their text) for `text` with PNG at its one <image>; and the prompt length."""
+    model, processor = reference
+    inputs = processor(text=text, images=[Image.open(io.BytesIO(PNG))], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, processor.tokenizer.decode(tokens, skip_special_tokens=True), inputs["input_ids"].shape[1]
+
+
+def chat(client: OpenAI, url: str, **extra):
+    content = [{"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": url}}]
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model="tgi", messages=messages, max_tokens=NEW_TOKENS, temperature=0, **extra)
+
+
+def hit_tokens(server) -> float:
+    return float(_HIT_TOKENS.search(httpx.get(f"{server.url}/metrics").text).group(1))
+
+
+def test_openai_client_sends_an_image(server, reference):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    rendered = "<|im_start|>user\nWhat is in<image><|im_end|>\n<|im_start|>assistant\n"
+    _, text, prompt_length = expected(reference, rendered)
+    answer = chat(client, data_url(PNG))
+    assert answer.choices[0].message.content == text
+    assert answer.usage.prompt_tokens == prompt_length > LLAVA_IMAGE_TOKENS
+    # The same image and text again: its blocks come from the prefix cache, image tokens included.
+    before = hit_tokens(server)
+    assert chat(client, data_url(PNG)).choices[0].message.content == text
+    assert hit_tokens(server) - before >= 16
+
+
+def test_an_image_url_fetched_by_the_router(server, reference, image_site):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert (
+        chat(client, f"{image_site}/cat.png").choices[0].message.content
+        == chat(client, data_url(PNG)).choices[0].message.content
+    )
+    with pytest.raises(UnprocessableEntityError) as error:
+        chat(client, f"{image_site}/missing.png")
+    message = error.value.response.json()["error"]
+    assert message == f"Input validation error: image 0: fetching {image_site}/missing.png answered HTTP 404"
+
+
+def test_text_generation_client_sends_a_markdown_image(server, reference):
+    from text_generation import Client
+
+    tokens, _, _ = expected(reference, "Describe <image> briefly.")
+    response = Client(server.url, timeout=60).generate(
+        f"Describe ![]({data_url(PNG)}) briefly.", max_new_tokens=NEW_TOKENS
+    )
+    assert [t.id for t in response.details.tokens] == tokens
+
+
+def test_a_refused_image_reaches_the_client_as_a_422(server):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    with pytest.raises(UnprocessableEntityError) as error:
+        chat(client, data_url(image_bytes("BMP"), "image/bmp"))
+    message = error.value.response.json()["error"]
+    assert message == "Input validation error: image 0 is BMP, not a format this server reads (PNG, JPEG, WebP, GIF)"
