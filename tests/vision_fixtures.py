@@ -38,24 +38,32 @@ def data_url(data: bytes, media: str = "image/png") -> str:
     return f"data:{media};base64,{base64.b64encode(data).decode()}"
 
 
-def make_llava_folder(path: Path, *, weights: bool = False, seed: int = 0) -> Path:
-    """A tiny LLaVA in `path`: tokenizer, processor files and config (and random weights with `weights`)."""
-    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
+def make_llava_folder(path: Path, *, weights: bool = False, seed: int = 0, tower: str = "clip") -> Path:
+    """A tiny LLaVA in `path`: tokenizer, processor files and config (and random weights with `weights`); `tower`
+    "clip" (a class token the `default` strategy drops, the second-to-last layer) or "siglip" (no class token,
+    every patch: the `full` strategy, the last layer)."""
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor, SiglipImageProcessorPil
+
+    clip = tower == "clip"
 
     tokenizer = make_tokenizer(path, chat_template=IMAGE_CHATML_TEMPLATE)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.save_pretrained(path)
+    if clip:
+        images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    else:
+        images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
     processor = LlavaProcessor(
-        CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        images,
         tokenizer,
         patch_size=8,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,  # CLIP's class token, which the `default` strategy drops
+        vision_feature_select_strategy="default" if clip else "full",
+        num_additional_image_tokens=1 if clip else 0,  # CLIP's class token, which the `default` strategy drops
         chat_template=IMAGE_CHATML_TEMPLATE,
     )
     processor.save_pretrained(path)
     vision = dict(
-        model_type="clip_vision_model",
+        model_type="clip_vision_model" if clip else "siglip_vision_model",
         image_size=32,
         patch_size=8,
         hidden_size=32,
@@ -74,8 +82,8 @@ def make_llava_folder(path: Path, *, weights: bool = False, seed: int = 0) -> Pa
         vision_config=vision,
         text_config=text,
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
+        vision_feature_select_strategy="default" if clip else "full",
+        vision_feature_layer=-2 if clip else -1,
         projector_hidden_act="gelu",
     )
     if weights:

@@ -19,6 +19,8 @@ from kettle.tensors.weights import Weights
 
 # Checkpoint prefixes → the names the loaders read, for both layouts.
 _RENAMES = (
+    ("vision_tower.vision_model.", "vision_tower."),  # the tower's own prefix, as llava-hf checkpoints keep it
+    ("model.vision_tower.vision_model.", "vision_tower."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),

@@ -22,11 +22,11 @@ PROMPTS = [  # (text, images): the processor expands each <image> into its image
 ]
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def llava(request, tmp_path_factory):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    folder = make_llava_folder(tmp_path_factory.mktemp("llava"), weights=True)
+    folder = make_llava_folder(tmp_path_factory.mktemp("llava"), weights=True, tower=request.param)
     processor = AutoProcessor.from_pretrained(folder)
     reference = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     return load_model(str(folder), torch.float32, "cpu"), reference, processor
