@@ -130,3 +130,25 @@ def test_a_refused_image_reaches_the_client_as_a_422(server):
         chat(client, data_url(image_bytes("BMP"), "image/bmp"))
     message = error.value.response.json()["error"]
     assert message == "Input validation error: image 0 is BMP, not a format this server reads (PNG, JPEG, WebP, GIF)"
+
+
+def test_a_streamed_answer_with_an_image_is_the_whole_one(server):
+    """The same tokens streamed as answered whole (compared by token: the tiny model's byte tokens may end the
+    text inside a UTF-8 character, which the two paths render differently)."""
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    whole = chat(client, data_url(PNG), logprobs=True).choices[0].logprobs.content
+    chunks = chat(client, data_url(PNG), logprobs=True, stream=True, stream_options={"include_usage": True})
+    streamed, usage = [], None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed.extend(choice.logprobs.content if choice.logprobs else [])
+        usage = chunk.usage or usage
+    assert [t.token for t in streamed] == [t.token for t in whole]
+    assert usage.prompt_tokens > LLAVA_IMAGE_TOKENS
+
+
+def test_a_grammar_applies_to_an_answer_about_an_image(server):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    response_format = {"type": "regex", "value": "[ab]{4}"}
+    answer = chat(client, data_url(PNG), extra_body={"response_format": response_format})
+    assert re.fullmatch("[ab]{4}", answer.choices[0].message.content)
