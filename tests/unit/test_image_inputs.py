@@ -252,3 +252,41 @@ def test_llava_crop_size_is_read_from_either_processor_file(tmp_path):
     (tmp_path / "processor_config.json").write_text(json.dumps(processor))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"crop_size": {"height": 40, "width": 40}}))
     assert image_tokens.for_model(tmp_path).count(10, 10) == 25
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    from tests.fixtures import make_tokenizer
+
+    folder = tmp_path_factory.mktemp("idefics3")
+    tokenizer = make_tokenizer(folder)
+    tags = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    special = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>", *tags]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(images, tokenizer, image_seq_len=4)
+    processor.save_pretrained(folder)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    config = {
+        "model_type": "idefics3",
+        "vision_config": {"image_size": 32, "patch_size": 8},
+        "image_token_id": image_id,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, processor
+
+
+@pytest.mark.parametrize("size", [(40, 30), (30, 40), (64, 64), (20, 20), (100, 17), (33, 90), (1000, 999)])
+def test_idefics3_tiles_match_its_processor(idefics3, size):
+    folder, processor = idefics3
+    tokens = image_tokens.for_model(folder)
+    png = image_bytes("PNG", size)
+    expected = processor(text="A <image> B", images=[Image.open(io.BytesIO(png))])["input_ids"][0]
+    prompt = asyncio.run(
+        ImageReader(tokens, ImageLimits(), FetchPolicy()).chat("A <image> B", [ImageRef(data_url(png))])
+    )
+    ids = processor.tokenizer(prompt.text)["input_ids"]
+    assert ids == list(expected)
+    assert ids.count(tokens.image_token_id) == tokens.count(*size)

@@ -33,8 +33,13 @@ class ImageTokens:
     after: str = ""
     markdown_before: str = ""  # around `expand`, for a Markdown image (what the chat template adds itself)
     markdown_after: str = ""
+    # The whole text of an image, for families whose image tokens are not one run (Idefics3's tiles); None: the
+    # run of `count` image tokens between `before` and `after`.
+    layout: Callable[[int, int], str] | None = None
 
     def expand(self, width: int, height: int) -> str:
+        if self.layout is not None:
+            return self.layout(width, height)
         return self.before + self.image_token * self.count(width, height) + self.after
 
     def markdown(self, width: int, height: int) -> str:
@@ -145,7 +150,72 @@ def _qwen2_vl(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
     )
 
 
+# Idefics3's absolute bound on a resized image's side (transformers' MAX_IMAGE_SIZE).
+_IDEFICS3_MAX_SIDE = 4096
+
+
+def idefics3_grid(width: int, height: int, longest_edge: int, tile: int) -> tuple[int, int]:
+    """(rows, columns) of tiles Idefics3's image processor cuts an image into ((0, 0): the image is one tile):
+    the longest side resized to `longest_edge` (even shorter side), kept under 4096, then both sides rounded up
+    to multiples of `tile` (transformers' idefics3 resize, resize_for_vision_encoder and split_images)."""
+    ratio = width / height
+    if width >= height:
+        width, height = longest_edge, int(longest_edge / ratio)
+        height += height % 2
+    else:
+        height, width = longest_edge, int(longest_edge * ratio)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    ratio = width / height
+    if width >= height and width > _IDEFICS3_MAX_SIDE:
+        width, height = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE / ratio)
+    elif height > width and height > _IDEFICS3_MAX_SIDE:
+        height, width = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE * ratio)
+    height, width = max(height, 1), max(width, 1)
+    ratio = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / ratio) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * ratio) / tile) * tile
+    if height > tile or width > tile:
+        return (height - tile) // tile + 1, (width - tile) // tile + 1
+    return 0, 0
+
+
+def _idefics3(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
+    """Idefics3Processor (SmolVLM): a tile grid, each tile `image_seq_len` image tokens after a fake token and its
+    `<row_r_col_c>` tag, a newline after each row, then the whole image resized to one tile (`<global-img>`)."""
+    seq = processor.get("image_seq_len", 169)
+    splitting = preprocessor.get("do_image_splitting", True)
+    longest = (preprocessor.get("size") or {}).get("longest_edge", 4 * 364)
+    tile = (preprocessor.get("max_image_size") or {}).get("longest_edge", 364)
+    fake, image, run = "<fake_token_around_image>", "<image>", "<image>" * seq
+
+    def grid(width: int, height: int) -> tuple[int, int]:
+        return idefics3_grid(width, height, longest, tile) if splitting else (0, 0)
+
+    def count(width: int, height: int) -> int:
+        rows, cols = grid(width, height)
+        return (rows * cols + 1) * seq
+
+    def layout(width: int, height: int) -> str:
+        rows, cols = grid(width, height)
+        whole = f"{fake}<global-img>{run}{fake}"
+        if rows == cols == 0:
+            return whole
+        lines = "".join(
+            "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n" for r in range(rows)
+        )
+        return f"{lines}\n{whole}"
+
+    token_id = config.get("image_token_id", config.get("image_token_index", 128257))
+    return ImageTokens("idefics3", image, image, token_id, count, layout=layout)
+
+
 FAMILIES: dict[str, Callable[[dict, dict, dict], ImageTokens]] = {
+    "idefics3": _idefics3,
     "llava": _llava,
     "gemma3": _gemma3,
     "qwen2_vl": _qwen2_vl,
