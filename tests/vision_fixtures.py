@@ -100,3 +100,50 @@ def make_llava_folder(path: Path, *, weights: bool = False, seed: int = 0, tower
     else:
         (path / "config.json").write_text(json.dumps(config.to_dict()))
     return path
+
+
+IDEFICS3_TILE_TOKENS = 4  # (32 / 8)^2 patches a tile, folded 2 x 2
+
+
+def make_idefics3_folder(path: Path, *, weights: bool = False, seed: int = 0) -> Path:
+    """A tiny Idefics3 (SmolVLM's architecture) in `path`: images resized to at most 64 pixels a side and cut into
+    tiles of 32 (up to 2 x 2, plus the whole image), each tile 4 image tokens; random weights with `weights`."""
+    from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
+
+    tokenizer = make_tokenizer(path, chat_template=IMAGE_CHATML_TEMPLATE)
+    tags = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    special = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>", *tags]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.save_pretrained(path)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(
+        images, tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS, chat_template=IMAGE_CHATML_TEMPLATE
+    )
+    processor.save_pretrained(path)
+    text = tiny_config(tokenizer) | dict(
+        model_type="llama", bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    text["tie_word_embeddings"] = False
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    vision |= dict(image_size=32, patch_size=8)
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+    )
+    if weights:
+        import torch
+        from transformers import Idefics3ForConditionalGeneration
+
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(config).eval()
+        with torch.no_grad():  # biases and norm weights start at 0 and 1: perturbed, they must really be read
+            for param in model.parameters():
+                if param.ndim == 1:
+                    param.add_(torch.randn_like(param) * 0.2)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        (path / "config.json").write_text(json.dumps(config.to_dict()))
+    return path

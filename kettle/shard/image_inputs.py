@@ -31,7 +31,8 @@ class ImageInputs:
         self.model = model
         self.processor = processor
 
-    def pixel_values(self, files: Sequence[bytes]) -> torch.Tensor:
+    def features(self, files: Sequence[bytes]) -> dict:
+        """The image processor's batch for `files` (pixel values, and what else the model's tower reads)."""
         from PIL import Image
 
         images = []
@@ -39,7 +40,20 @@ class ImageInputs:
             with Image.open(io.BytesIO(data)) as image:
                 image.seek(0)  # a GIF's first frame
                 images.append(image.convert("RGB"))
-        return self.processor(images=images, return_tensors="pt")["pixel_values"]
+        nested = getattr(self.model, "image_batches_nested", False)  # Idefics3: a list of tiles per image
+        batch = self.processor(images=[[image] for image in images] if nested else images, return_tensors="pt")
+        return {key: value for key, value in batch.items() if key in ("pixel_values", "pixel_attention_mask")}
+
+    def positions(self, request: RequestState, index: int) -> list[int]:
+        """The prompt positions of image `index`'s tokens: the first `length` image tokens from its start (one run
+        for LLaVA; tiles between tags for Idefics3)."""
+        image, token, ids = request.images[index], self.model.image_token_id, request.all_ids
+        found, at = [], image.start
+        while len(found) < image.length:
+            if ids[at] == token:
+                found.append(at)
+            at += 1
+        return found
 
     def place(self, requests: Sequence[RequestState], queries: Sequence[Sequence[int]]) -> None:
         """Sets the model's image rows for a step of `queries` (each request's tokens, in the step's order)."""
@@ -50,31 +64,34 @@ class ImageInputs:
         self._encode(spans)
         rows, values, offset = [], [], 0
         for (request, low, high), query in zip(spans, queries, strict=True):
-            for index, image in enumerate(request.images):
-                start, end = image.start, image.start + image.length
-                if start >= high or end <= low:
+            for index in range(len(request.images)):
+                if not self._reached(request, index, low, high):
                     continue
-                first, last = max(low, start), min(high, end)
-                rows.extend(range(offset + first - low, offset + last - low))
-                values.append(request.image_rows[index][first - start : last - start])
-                if last == end:  # its last rows are placed: nothing later reads them
+                positions = self.positions(request, index)
+                taken = [j for j, position in enumerate(positions) if low <= position < high]
+                rows.extend(offset + positions[j] - low for j in taken)
+                values.append(request.image_rows[index][taken[0] : taken[-1] + 1])
+                if positions[-1] < high:  # its last rows are placed: nothing later reads them
                     del request.image_rows[index]
             offset += len(query)
         if rows:
             self.model.image_rows.set(torch.tensor(rows, dtype=torch.long), torch.cat(values))
+
+    def _reached(self, request: RequestState, index: int, low: int, high: int) -> bool:
+        """Whether the step's prompt tokens [low, high) hold some of image `index`'s tokens."""
+        return request.images[index].start < high and self.positions(request, index)[-1] >= low
 
     def _encode(self, spans: list[tuple[RequestState, int, int]]) -> None:
         """Encodes, in one batch, every image the step reaches that its request does not hold rows for."""
         wanted = [
             (request, index)
             for request, low, high in spans
-            for index, image in enumerate(request.images)
-            if image.start < high and image.start + image.length > low and index not in request.image_rows
+            for index in range(len(request.images))
+            if index not in request.image_rows and self._reached(request, index, low, high)
         ]
         if not wanted:
             return
-        pixels = self.pixel_values([request.images[index].data for request, index in wanted])
-        encoded = self.model.encode_images(pixels)
+        encoded = self.model.encode_images(**self.features([request.images[index].data for request, index in wanted]))
         for (request, index), rows in zip(wanted, encoded, strict=True):
             if rows.shape[0] != request.images[index].length:
                 raise ValueError(

@@ -63,7 +63,7 @@ class VisionTower(nn.Module):
     """pixel_values [images, 3, H, W] → the hidden states [images, patches (+1), hidden] of layer `feature_layer`
     (transformers' `hidden_states[feature_layer]`: 0 is the embeddings, -1 the last layer)."""
 
-    def __init__(self, weights: Weights, prefix: str, config, feature_layer: int) -> None:
+    def __init__(self, weights: Weights, prefix: str, config, feature_layer: int, post_norm: bool = False) -> None:
         super().__init__()
         embed = f"{prefix}.embeddings"
         self.patch = weights.get(f"{embed}.patch_embedding.weight")
@@ -78,16 +78,19 @@ class VisionTower(nn.Module):
         if not 0 <= run <= depth:
             raise ValueError(f"vision_feature_layer {feature_layer} is outside a tower of {depth} layers")
         self.layers = nn.ModuleList(EncoderLayer(weights, f"{prefix}.encoder.layers.{i}", config) for i in range(run))
+        # `post_norm`: the model reads the tower's last_hidden_state (Idefics3's, SigLIP's), after its final norm.
+        self.post_norm = _norm(weights, f"{prefix}.post_layernorm", eps) if post_norm and run == depth else None
 
     @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` [patches]: which learned position each patch takes (default: the first ones in order)."""
         pixels = pixel_values.to(self.patch.dtype)
         h = F.conv2d(pixels, self.patch, self.patch_bias, stride=self.patch.shape[-1]).flatten(2).transpose(1, 2)
         if self.class_embedding is not None:
             h = torch.cat([self.class_embedding.expand(h.shape[0], 1, -1), h], dim=1)
-        h = h + self.positions[: h.shape[1]]
+        h = h + (self.positions[: h.shape[1]] if position_ids is None else self.positions[position_ids])
         if self.pre_norm is not None:
             h = self.pre_norm(h)
         for layer in self.layers:
             h = layer(h)
-        return h
+        return h if self.post_norm is None else self.post_norm(h)

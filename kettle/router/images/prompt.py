@@ -66,25 +66,18 @@ class ImageReader:
         return ImagePrompt(text, images)
 
     def locate(self, input_ids: Sequence[int], images: Sequence[CheckedImage]) -> tuple[PromptImage, ...]:
-        """Each image's run of image tokens in the tokenized prompt, in order; 422 when a run is missing or cut
-        (truncation that reaches into an image)."""
-        token, found, cursor = self.tokens.image_token_id, [], 0
-        for index, image in enumerate(images):
-            length = self.tokens.count(image.width, image.height)
-            try:
-                start = input_ids.index(token, cursor)
-            except ValueError:
-                start = -1
-            if (
-                start < 0
-                or any(t != token for t in input_ids[start : start + length])
-                or start + length > len(input_ids)
-            ):
-                raise ValidationError(f"image {index} lost some of its {length} image tokens (truncated?)")
-            found.append(PromptImage(image.data, image.digest, start, length))
-            cursor = start + length
-        if sum(t == token for t in input_ids) != sum(image.length for image in found):
+        """Each image's first image token and count of them in the tokenized prompt, in order (one run for LLaVA;
+        tiles between tags for Idefics3: an image's tokens are the first `count` image tokens from its start);
+        422 when they do not add up (truncation that reaches into an image)."""
+        token = self.tokens.image_token_id
+        where = [i for i, t in enumerate(input_ids) if t == token]
+        lengths = [self.tokens.count(image.width, image.height) for image in images]
+        if len(where) != sum(lengths):
             raise ValidationError("the prompt's image tokens do not match its images (truncated into an image?)")
+        found, at = [], 0
+        for image, length in zip(images, lengths, strict=True):
+            found.append(PromptImage(image.data, image.digest, where[at], length))
+            at += length
         return tuple(found)
 
 
