@@ -4,10 +4,10 @@ User-facing choices are command-line flags. What stays in the environment is wha
 (the cache folder, the collectives' timeout, the int4 group and LM head of `--quantize`) and the off switches and
 knobs for debugging and measurement (Kettle's CPU kernels and the install's build of them, the library pages a warm
 shard drops, the fused decode step and its greedy windows, the float32 tiles and quantized activations of the
-int4/int8 kernels, the CUDA fused kernels and int4 kernel, the attention backend, the CPU linear layout, the
-fallback's padding, adaptive prefill chunks, the router's CPU priority, the shortest n-gram `--speculate` drafts
-from, the cost it weighs drafts against and the rows a step verifying drafts may feed). The first `current()` reads
-them and logs them once; a test that changes the environment calls `reload()`.
+int4/int8 kernels and their batch invariance, the CUDA fused kernels and int4 kernel, the attention backend, the CPU
+linear layout, the fallback's padding, adaptive prefill chunks, the router's CPU priority, the shortest n-gram
+`--speculate` drafts from, the cost it weighs drafts against and the rows a step verifying drafts may feed). The
+first `current()` reads them and logs them once; a test that changes the environment calls `reload()`.
 
 Not here: the flags' own environment fallbacks (`KETTLE_NUM_THREADS`, `KETTLE_CPU_KV_CACHE_FRACTION`,
 `KETTLE_CUDA_GRAPHS` on the command line), which the CLI reads, `KETTLE_MAX_KV_TOKENS`, which the shard's
@@ -60,6 +60,7 @@ class Settings:
     cpu_lanes: bool  # KETTLE_CPU_LANES=0: int4 and Q8_0 weights in rows, not in lanes, on AVX-512 VNNI CPUs
     cpu_prefill_attention: bool  # KETTLE_CPU_PREFILL_ATTENTION=0: SDPA's kernel instead of Kettle's for prefill
     quantized_activations: bool  # KETTLE_QUANTIZED_ACTIVATIONS=0: float32 activations in the int4/int8 GEMVs
+    batch_invariant: bool  # KETTLE_BATCH_INVARIANT=0: each row's arithmetic may follow its step's row count (faster)
     cuda_fused_kernels: bool  # KETTLE_FUSED_KERNELS=0: eager ops instead of the Triton norm/RoPE/SiLU kernels
     cuda_int4_kernel: str  # KETTLE_CUDA_INT4_KERNEL: tinygemm (default) or triton, the int4 layers' kernel on CUDA
     cuda_graphs: str | None  # KETTLE_CUDA_GRAPHS: decode graph batch sizes when --cuda-graphs is not given
@@ -94,6 +95,7 @@ class Settings:
             cpu_lanes=env.get("KETTLE_CPU_LANES", "1") != "0",
             cpu_prefill_attention=env.get("KETTLE_CPU_PREFILL_ATTENTION", "1") != "0",
             quantized_activations=env.get("KETTLE_QUANTIZED_ACTIVATIONS", "1") != "0",
+            batch_invariant=env.get("KETTLE_BATCH_INVARIANT", "1") != "0",
             cuda_fused_kernels=env.get("KETTLE_FUSED_KERNELS", "1") != "0",
             cuda_int4_kernel=_int4_kernel(env.get("KETTLE_CUDA_INT4_KERNEL", "tinygemm")),
             cuda_graphs=env.get("KETTLE_CUDA_GRAPHS"),

@@ -44,7 +44,10 @@ LIBRARY = "libkettle_cpu.so"
 # Where the install puts the library (`install`): inside the environment, so it goes with it (a venv removed, an
 # image layer) and never mixes with another environment's build of other sources.
 INSTALLED = Path(sys.prefix) / "share" / "kettle" / "kernels"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -ffp-contract=off: a multiply and an add the source writes apart stay two roundings wherever the compiler inlines
+# them (gcc's ISO C mode already does so; clang's default would fuse some): kernels written to one row's arithmetic
+# (kernels.h `linear_channel_rows`) then compute its bits, not a contraction that one inlining chose.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ENV_SWITCH = "KETTLE_CPU_KERNELS"  # read through kettle.settings
 COMPILER_NICE = 10  # the compilers' niceness (see `_lower_priority`)
@@ -80,9 +83,9 @@ SIGNATURES["kettle_q6_rows"] = [_ptr, _ptr, _ptr, _int, _int, _ptr, _int, _ptr, 
 SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _ptr, _int, _ptr]
 SIGNATURES["kettle_q4_rows"] += [ctypes.c_int]
 # q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
-# threads
+# per_sequence (each context cut as alone), threads
 SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
-SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int, ctypes.c_int]
+SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 # q, ldq, k_cache, v_cache, table, tokens, cache_len, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
 # threads
 SIGNATURES["kettle_paged_prefill"] = [_ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _int, ctypes.c_float]

@@ -89,12 +89,43 @@ static int linear_tiled(const Linear *w, const float *x, int64_t ldx, int64_t ro
     return failed ? -1 : 0;
 }
 
+static int linear_qa(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int threads);
+
+/* y = x Wᵀ (+ bias) for a weight in the rows layouts (Q4, Q8G, Q8) with each row's bits those of the row alone
+ * (`KETTLE_BATCH_INVARIANT`): the rows quantized to int16, then `linear_channel_rows` channel by channel, or from
+ * `kettle_row_gemm_rows` rows on gemm.c's row panels. -1 when out of memory (nothing written). */
+static int linear_rows_invariant(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy,
+                                 int threads) {
+    QuantizedRows xq;
+    if (alloc_rows(rows, w->k, &xq)) return free_rows(&xq), -1;
+    const int panels = rows >= kettle_row_gemm_rows;
+    const int64_t per_thread = panels ? row_panel_floats(w->k) : 0;
+    float *buffers = panels ? aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread)) : NULL;
+    if (panels && !buffers) return free_rows(&xq), -1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
+        if (panels) {
+            gemm_row_panels(w, &xq, rows, y, ldy, buffers + omp_get_thread_num() * per_thread);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < w->n; j++) linear_channel_rows(w, &xq, rows, j, y, ldy);
+        }
+    }
+    free(buffers);
+    free_rows(&xq);
+    return 0;
+}
+
 /* How the several-row entries below multiply (kettle/kernels/ops.py's `path`): the float32 tiles, gemm.c's float32
- * panels or its integer panels (on CPUs with AVX-512 VNNI). */
-enum { ROWS_TILES = 0, ROWS_GEMM = 1, ROWS_INT_GEMM = 2 };
+ * panels or its integer panels (on CPUs with AVX-512 VNNI), or each row as alone (`linear_rows_invariant`). */
+enum { ROWS_TILES = 0, ROWS_GEMM = 1, ROWS_INT_GEMM = 2, ROWS_INVARIANT = 3 };
 
 static int linear_rows(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
                        int threads) {
+    if (path == ROWS_INVARIANT) /* lanes are that already: their tiles' rows are independent */
+        return in_lanes(w) ? linear_qa(w, x, ldx, rows, y, ldy, threads) : linear_rows_invariant(w, x, ldx, rows, y, ldy, threads);
     if (path == ROWS_INT_GEMM) return quant_gemm_int(w, x, ldx, rows, y, ldy, threads);
     if (path == ROWS_GEMM) return quant_gemm(w, x, ldx, rows, y, ldy, threads);
     return linear_tiled(w, x, ldx, rows, y, ldy, threads);
@@ -168,14 +199,15 @@ int kettle_q8_linear_qa(
 /* The Q8G (GGUF Q8_0) entry points: W = q [N, K] int8 · d [N, K/32] float16. K a multiple of 32. */
 
 /* y[M, N] = x · Wᵀ (+ bias) by `path`: Q8G_TILES (float32 tiles, exact to W), Q8G_QUANTIZED (int16 activations),
- * Q8G_GEMM (gemm.c's float32 panels) or Q8G_INT_GEMM (its integer panels, on CPUs with AVX-512 VNNI). -1 when out
- * of memory. */
-enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2, Q8G_INT_GEMM = 3 }; /* kettle/kernels/ops.py's `q8g_linear` */
+ * Q8G_GEMM (gemm.c's float32 panels), Q8G_INT_GEMM (its integer panels, on CPUs with AVX-512 VNNI) or, in rows,
+ * Q8G_INVARIANT (each row as alone: `linear_rows_invariant`). -1 when out of memory. */
+enum { Q8G_TILES = 0, Q8G_QUANTIZED = 1, Q8G_GEMM = 2, Q8G_INT_GEMM = 3, Q8G_INVARIANT = 4 }; /* ops.py's `q8g_path` */
 int kettle_q8g_linear(
     const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales, int64_t n,
     int lanes, const float *bias, float *y, int64_t ldy, int path, int threads
 ) {
     const Linear w = {lanes ? LINEAR_Q8L : LINEAR_Q8G, 32, n, k, qw, scales, NULL, bias};
+    if (path == Q8G_INVARIANT && !lanes) return linear_rows_invariant(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_INT_GEMM) return quant_gemm_int(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_GEMM) return quant_gemm(&w, x, ldx, rows, y, ldy, threads);
     if (path == Q8G_TILES) return linear_tiled(&w, x, ldx, rows, y, ldy, threads);
@@ -268,19 +300,21 @@ void kettle_rope(
 
 /* Paged decode attention: q [S, H, D], caches [slots, Hkv, D] of `kv_dtype` (KV_F32, KV_F16, KV_BF16),
  * tables [S, max_blocks], positions [S] (of the new token), out [S, H, D]. `window` > 0 keeps only the last
- * `window` positions. -1 when out of memory. */
+ * `window` positions; `per_sequence`: long contexts cut as each sequence alone would be (PagedDecode). -1 when out
+ * of memory. */
 int kettle_paged_decode(
     const float *q, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t max_blocks,
     const int64_t *positions, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-    float scale, int64_t window, float *out, int kv_dtype, int threads
+    float scale, int64_t window, float *out, int kv_dtype, int per_sequence, int threads
 ) {
-    const int64_t longest = longest_context(positions, seqs), parts = context_parts(longest, seqs, kv_heads, threads);
+    const int64_t longest = longest_context(positions, seqs);
+    const int64_t parts = call_parts(positions, seqs, kv_heads, threads, per_sequence);
     const int64_t scores_size = heads / kv_heads * (longest + 1);
     float *scores = malloc(sizeof(float) * (size_t)(threads * scores_size));
     float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(seqs, heads, parts, dim)) : NULL;
     if (!scores || (parts > 1 && !partials)) return free(scores), free(partials), -1;
     const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window,
-                           scale, 0.0f, kv_dtype, parts, partials};
+                           scale, 0.0f, kv_dtype, parts, partials, per_sequence, threads};
 #pragma omp parallel num_threads(threads)
     paged_attention(&p, q, seqs, scores + omp_get_thread_num() * scores_size, out);
     free(scores), free(partials);

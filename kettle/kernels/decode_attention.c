@@ -13,14 +13,15 @@ static inline __attribute__((always_inline)) void attend_dim(
     const PagedDecode *p, const float *q, int64_t s, int64_t h, int64_t part, float *scores, float *out,
     const int64_t dim, const int dtype
 ) {
-    const int64_t group = p->heads / p->kv_heads, bs = p->block_size, parts = p->parts;
+    const int64_t group = p->heads / p->kv_heads, bs = p->block_size, parts = p->parts, mine = sequence_parts(p, s);
     int64_t len = p->positions[s] + 1, first = p->window > 0 && len > p->window ? len - p->window : 0;
+    if (part >= mine) return; /* this sequence is cut into fewer pieces than the call's most */
     /* Cut: this item attends piece `part` of [first, len) and leaves, per query head, its unnormalized output,
      * maximum and sum in a record of the partials, (sequence, head, part) → dim + 2 floats. */
     float *record = NULL;
     const int64_t record_stride = parts * (dim + 2); /* from one query head's record to the next head's */
-    if (parts > 1) {
-        const int64_t piece = (len - first + parts - 1) / parts, lo = first + part * piece;
+    if (mine > 1) {
+        const int64_t piece = (len - first + mine - 1) / mine, lo = first + part * piece;
         record = p->partials + ((s * p->heads + h * group) * parts + part) * (dim + 2);
         first = lo < len ? lo : len, len = lo + piece < len ? lo + piece : len;
         if (first == len) { /* nothing left for this piece: it weighs nothing in the sum */

@@ -68,13 +68,25 @@ typedef struct {
     const Layer *layers;
     Norm final_norm;
     int64_t kv_dtype; /* the cache's KV_* element type (kernels.h), set per step from the cache */
+    /* 1 (`KETTLE_BATCH_INVARIANT`, set per step): each row computed as a row alone is, whatever the step's rows;
+     * the thresholds above then only pick between kernels of the same bits (`linear`) */
+    int64_t invariant;
 } Decoder;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* Whether `w` runs each row as a row alone (`KETTLE_BATCH_INVARIANT`) through the rows layouts' kernels
+ * (kernels.h `linear_channel_rows`, gemm.c's row panels). Lanes are that already (their tiles keep each row's sums
+ * apart, and the integer panels add them in the same order); float32 weights take the tiles, whose rows are apart
+ * too. */
+static inline int rows_invariant(const Decoder *m, const Linear *w) {
+    return m->invariant && !in_lanes(w) && w->kind != LINEAR_F32;
+}
+
 /* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
 static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
     if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
+    if (m->invariant) return 0;
     /* Lanes share each weight vector among 8 rows a pass for 16 channels at once: below the panels they beat
      * dequantizing every weight to float32 at any row count (bundled model's fused step at 8 rows: 15 against
      * 25-35 ms in rows, docs/performance.md). */
@@ -85,16 +97,18 @@ static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
 /* Whether `w` runs over gemm.c's panels for `rows` rows, and whether over their integer kernel (K a multiple of
  * 32: whole blocks of quantized rows). */
 static inline int panels(const Decoder *m, const Linear *w, int64_t rows) {
-    return w->kind != LINEAR_F32 && rows >= (in_lanes(w) ? m->lanes_gemm_rows : m->gemm_rows);
+    return w->kind != LINEAR_F32 && !rows_invariant(m, w) && rows >= (in_lanes(w) ? m->lanes_gemm_rows : m->gemm_rows);
 }
 
+/* Under batch invariance a weight in lanes takes the integer panels whatever `integer_gemm` says (the float32 ones
+ * would give its rows other bits than its tiles). */
 static inline int integer_panels(const Decoder *m, const Linear *w, int64_t rows) {
-    return m->integer_gemm && panels(m, w, rows) && w->k % 32 == 0;
+    return (m->integer_gemm || (m->invariant && in_lanes(w))) && panels(m, w, rows) && w->k % 32 == 0;
 }
 
 /* Whether `w`'s input rows are quantized to int16 (into xq) for `rows` rows. */
 static inline int quantized_input(const Decoder *m, const Linear *w, int64_t rows) {
-    return integer_panels(m, w, rows) || !float_tiles(m, w, rows);
+    return rows_invariant(m, w) || integer_panels(m, w, rows) || !float_tiles(m, w, rows);
 }
 
 /* ---- rows: norms, activations, RoPE ---- */
@@ -213,7 +227,9 @@ static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
     s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
     if (!base || !s->chosen) return free(base), free(s->chosen), -1;
-    const int lanes = m->integer_gemm && rows >= m->gemm_rows; /* room for the integer panels' layout */
+    /* room for the integer panels' layout (under batch invariance, weights in lanes take them from their rows) */
+    const int lanes = (m->integer_gemm && rows >= m->gemm_rows) ||
+                      (m->invariant && kettle_cpu_vnni512 && rows >= m->lanes_gemm_rows);
     if (alloc_rows(rows, widest, &s->xq) || (lanes && alloc_lanes(rows, widest, &s->xq)) ||
         (reads_halves(m) && alloc_halves(rows, widest, &s->xq)))
         return free(base), free(s->chosen), free_rows(&s->xq), -1;
@@ -275,7 +291,12 @@ static inline const Lora *lora_of(const Scratch *s, int64_t layer, int which) {
 static void linear(const Decoder *m, const Linear *w, const float *x, const QuantizedRows *xq, int64_t rows, float *y,
                    float *buffer) {
     const int64_t n = w->n, k = w->k;
-    if (integer_panels(m, w, rows)) {
+    if (rows_invariant(m, w) && rows >= kettle_row_gemm_rows) {
+        gemm_row_panels(w, xq, rows, y, n, buffer);
+    } else if (rows_invariant(m, w)) {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) linear_channel_rows(w, xq, rows, j, y, n);
+    } else if (integer_panels(m, w, rows)) {
         lay_out_lanes(xq, rows, k, w->group);
         gemm_panels_int(w, xq, rows, y, n, buffer);
     } else if (panels(m, w, rows)) {
@@ -472,9 +493,12 @@ int kettle_decoder_step(
 ) {
     /* Per thread: attention scores, then the dequantized weight rows of one float32 tile. */
     const int64_t widest = max64(max64(m->hidden, m->inner), m->heads * m->head_dim);
-    const int64_t longest = longest_context(positions, rows), parts = context_parts(longest, rows, m->kv_heads, threads);
+    const int64_t longest = longest_context(positions, rows);
+    const int64_t parts = call_parts(positions, rows, m->kv_heads, threads, (int)m->invariant);
     const int64_t scores_size = (m->heads / m->kv_heads * (longest + 1) + 15) / 16 * 16;
-    const int64_t tiles = rows >= m->gemm_rows ? gemm_buffer_floats(widest) : TILE_CHANNELS * widest;
+    int64_t tiles = rows >= m->gemm_rows ? gemm_buffer_floats(widest) : TILE_CHANNELS * widest;
+    if (m->invariant && rows >= m->lanes_gemm_rows) tiles = max64(tiles, gemm_buffer_floats(widest));
+    if (m->invariant && rows >= kettle_row_gemm_rows) tiles = max64(tiles, row_panel_floats(widest));
     const int64_t per_thread = (scores_size + tiles + 15) / 16 * 16; /* 64-byte aligned buffers for the panels */
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
     float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(rows, m->heads, parts, m->head_dim)) : NULL;
@@ -483,7 +507,7 @@ int kettle_decoder_step(
     if (alloc_lora(m, loras, lora_slot, rows, &s)) return free_scratch(&s), free(scores), free(partials), -1;
     memcpy(s.h, embedded, sizeof(float) * (size_t)(rows * m->hidden));
     const PagedDecode shape = {NULL, NULL, tables, positions, max_blocks, m->heads, m->kv_heads, m->head_dim,
-                               m->block_size, 0, 0.0f, 0.0f, KV_F32, parts, partials};
+                               m->block_size, 0, 0.0f, 0.0f, KV_F32, parts, partials, (int)m->invariant, threads};
 #pragma omp parallel num_threads(threads)
     {
         float *own = scores + omp_get_thread_num() * per_thread, *buffer = own + scores_size;

@@ -63,14 +63,14 @@ LORA_PER_LAYER = 4  # qkv, o, gate_up (or fc), down: the order of a layer's entr
 
 
 class Decoder(ctypes.Structure):
-    """The whole stack: shapes, the float32-tile thresholds, the rotary layout, the layers, the final norm and the
-    KV cache's element type (ops.KV_DTYPES, set per step)."""
+    """The whole stack: shapes, the float32-tile thresholds, the rotary layout, the layers, the final norm, the KV
+    cache's element type (ops.KV_DTYPES) and batch invariance (ops.batch_invariant), the last two set per step."""
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int), ("gemm_rows", _int)]
     _fields_ += [("integer_gemm", _int), ("lanes_gemm_rows", _int)]
     _fields_ += [("rot_dim", _int), ("interleaved", _int)]
-    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int)]
+    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int), ("invariant", _int)]
 
 
 @dataclass

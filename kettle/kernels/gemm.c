@@ -356,10 +356,13 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
         const __m512 d = _mm512_load_ps(x->scale + b * pairs / 16 * LANES); /* the rows' scale of this block */
         for (int c = 0; c < channels; c++)
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * spans + b])), acc[c]);
-    }
-    for (int64_t g = 0; w->minimum && g < groups; g++) { /* Σ_g minimum_g · (Σ x over group g) */
-        const __m512 sum = _mm512_load_ps(x->sum + g * LANES);
-        for (int c = 0; c < channels; c++) acc[c] = _mm512_fmadd_ps(sum, _mm512_set1_ps(w->minimum[c * groups + g]), acc[c]);
+        /* minimum_g · (Σ x over group g) right after the group's first block, where lanes.c's tiles add it: a row
+         * then has the same bits here as in a decode step of a few rows (batch invariance) */
+        if (w->minimum && b % (group / 32) == 0) {
+            const int64_t g = b / (group / 32);
+            const __m512 sum = _mm512_load_ps(x->sum + g * LANES);
+            for (int c = 0; c < channels; c++) acc[c] = _mm512_fmadd_ps(sum, _mm512_set1_ps(w->minimum[c * groups + g]), acc[c]);
+        }
     }
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
@@ -384,10 +387,11 @@ static inline __attribute__((always_inline)) VNNI8 void micro_vnni8(
         const __m256 d = _mm256_load_ps(x->scale + b * LANES);
         for (int c = 0; c < channels; c++)
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[c]), _mm256_mul_ps(d, _mm256_set1_ps(w->scale[c * blocks + b])), acc[c]);
-    }
-    for (int64_t g = 0; w->minimum && g < groups; g++) {
-        const __m256 sum = _mm256_load_ps(x->sum + g * LANES);
-        for (int c = 0; c < channels; c++) acc[c] = _mm256_fmadd_ps(sum, _mm256_set1_ps(w->minimum[c * groups + g]), acc[c]);
+        if (w->minimum && b % (group / 32) == 0) { /* as `micro_vnni` */
+            const int64_t g = b / (group / 32);
+            const __m256 sum = _mm256_load_ps(x->sum + g * LANES);
+            for (int c = 0; c < channels; c++) acc[c] = _mm256_fmadd_ps(sum, _mm256_set1_ps(w->minimum[c * groups + g]), acc[c]);
+        }
     }
     for (int c = 0; c < channels; c++) _mm256_storeu_ps(tile + c * LANES, acc[c]);
 }
@@ -494,4 +498,163 @@ int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, floa
     free_rows(&xq);
     free(buffers);
     return 0;
+}
+
+/* ---- row panels (AVX2): a weight in the rows layouts (Q4, Q8G, Q8) over int16 rows, for prompt chunks and steps of
+ * `kettle_row_gemm_rows` rows and more, each row's bits those of the row alone (`KETTLE_BATCH_INVARIANT`: kernels.h
+ * `linear_channel_rows`, whose one-row channels they reproduce). A row's output is two float chains over the blocks of
+ * 32 inputs (even blocks, odd blocks; Q8's one chain over all), each block adding its 8 lanes of integer sums times
+ * the combined scale, then one horizontal sum. The chains are independent, so a tile runs the even blocks of all its
+ * outputs, then the odd ones: TILE_R rows × TILE_C channels of one chain each stay in registers, the widened weights
+ * and the rows in L1, and a block costs two vpmaddwd, an add, a conversion and an FMA per row and channel (the
+ * float32 panels: four FMAs per 32 products), with no transposes. */
+
+#define ROW_PANEL 24 /* output channels widened per panel */
+#define TILE_R 3     /* rows of a tile (2 × 4, 4 × 3, 1 × 6 and one pass of both chains measured no faster) */
+#define TILE_C 3     /* channels of a tile */
+
+/* From these many rows on the row panels replace `linear_channel_rows` (the same bits either way: tests set 1 and
+ * 1 << 30 to hold both to them). Below it the channels' passes of 4 rows ran as fast (3072 × 576 int4, one thread:
+ * 16 rows 0.90 against 1.04 ms, 256 rows even); above it their rows no longer stay in L2 across the channels (512
+ * rows 35.7 against 31.9 ms, 2048 rows 187 against 128). */
+int kettle_row_gemm_rows = 256;
+
+/* The panel's channels widened to int16 [ROW_PANEL][K], their scales per block [ROW_PANEL][K/32] and one tile's
+ * combined scales [TILE_R][TILE_C][K/32]. */
+int64_t row_panel_floats(int64_t k) {
+    return (ROW_PANEL * k / 2 + ROW_PANEL * (k / 32) + TILE_R * TILE_C * (k / 32) + 15) / 16 * 16;
+}
+
+/* Channel j as K int16 in input order (Q4: 0..15, unpacked as `q4_channel_one` unpacks a chunk; Q8, Q8G: the int8
+ * values) and its scale per block of 32 (Q8: 1, its one scale applied at the end as `q8_row_qa`'s caller does). */
+static void widen_row(const Linear *w, int64_t j, int16_t *dst, float *scale) {
+    const int64_t k = w->k, blocks = k / 32;
+    if (w->kind == LINEAR_Q4) {
+        const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
+        const __m256i mask = _mm256_set1_epi16(0x0F);
+        for (int64_t c = 0; c < k / 64; c++) {
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32)));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32 + 16)));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64), _mm256_and_si256(lo, mask));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 16), _mm256_and_si256(hi, mask));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 32), _mm256_srli_epi16(lo, 4));
+            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 48), _mm256_srli_epi16(hi, 4));
+        }
+        const uint16_t *halves = (const uint16_t *)w->scales + j * (k / w->group);
+        for (int64_t b = 0; b < blocks; b++) scale[b] = _cvtsh_ss(halves[b * 32 / w->group]);
+        return;
+    }
+    const int8_t *src = (const int8_t *)w->weight + j * k;
+    for (int64_t i = 0; i < k; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (int64_t b = 0; b < blocks; b++)
+        scale[b] = w->kind == LINEAR_Q8G ? _cvtsh_ss(((const uint16_t *)w->scales)[j * blocks + b]) : 1.0f;
+}
+
+/* Blocks first, first + step, .. of rows x[0 .. R) against channels q[0 .. C) (K int16 each, K apart) into acc[r][c],
+ * as `block_dot` and the one-row channels add a block. */
+static inline __attribute__((always_inline)) void row_chain(const int16_t *const *x, const int R, const int16_t *q,
+                                                            int64_t k, const int C, const float *combined,
+                                                            int64_t blocks, int64_t first, int64_t step,
+                                                            __m256 acc[TILE_R][TILE_C]) {
+    __m256 a[TILE_R][TILE_C]; /* a local copy the compiler keeps in registers (the caller's it stored every block) */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) a[r][c] = acc[r][c];
+    for (int64_t b = first; b < blocks; b += step)
+        for (int r = 0; r < R; r++) {
+            const __m256i lo = _mm256_load_si256((const __m256i *)(x[r] + b * 32));
+            const __m256i hi = _mm256_load_si256((const __m256i *)(x[r] + b * 32 + 16));
+            for (int c = 0; c < C; c++) {
+                const int16_t *wc = q + c * k + b * 32;
+                const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)wc), lo),
+                                                      _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(wc + 16)), hi));
+                const __m256 scale = _mm256_broadcast_ss(combined + (r * TILE_C + c) * blocks + b);
+                a[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, a[r][c]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = a[r][c];
+}
+
+/* Rows r0 .. r0 + R - 1 × channels j0 .. j0 + C - 1 (widened in q, their block scales in `scale`) into y. */
+static inline __attribute__((always_inline)) void row_tile(const Linear *w, const QuantizedRows *xq, int64_t r0,
+                                                           const int R, const int16_t *q, const float *scale,
+                                                           int64_t j0, const int C, float *combined, float *y,
+                                                           int64_t ldy) {
+    const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
+    const int16_t *x[TILE_R];
+    __m256 acc0[TILE_R][TILE_C], acc1[TILE_R][TILE_C];
+    float tail[TILE_R][TILE_C];
+    for (int r = 0; r < R; r++) {
+        const QuantizedRows row = quantized_row(xq, r0 + r, k, w->group);
+        x[r] = row.q;
+        for (int c = 0; c < C; c++) {
+            float *into = combined + (r * TILE_C + c) * blocks; /* d_x · scale per block, as `combined_scales` */
+            int64_t b = 0;
+            for (; b + 8 <= blocks; b += 8)
+                _mm256_storeu_ps(into + b, _mm256_mul_ps(_mm256_loadu_ps(scale + c * blocks + b), _mm256_loadu_ps(row.scale + b)));
+            for (; b < blocks; b++) into[b] = scale[c * blocks + b] * row.scale[b];
+            acc0[r][c] = acc1[r][c] = _mm256_setzero_ps(), tail[r][c] = 0.0f;
+            if (w->kind == LINEAR_Q4) { /* the minimums as `q4_channel_one_at` starts and ends with them */
+                const Minimums mins = channel_minimums(w->mins, w->scales, groups, j0 + c);
+                acc0[r][c] = _mm256_mul_ps(minimum_lanes(mins.table, row.sum, groups, _mm256_setzero_ps()), _mm256_set1_ps(mins.factor));
+                tail[r][c] = mins.factor * minimum_tail(mins.table, row.sum, groups, 0.0f);
+            }
+        }
+    }
+    if (w->kind == LINEAR_Q8) { /* one chain, then the channel's scale: `q8_row_qa` and its caller */
+        row_chain(x, R, q, k, C, combined, blocks, 0, 1, acc0);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                const int64_t j = j0 + c;
+                y[(r0 + r) * ldy + j] = hsum(acc0[r][c]) * ((const float *)w->scales)[j] + (w->bias ? w->bias[j] : 0.0f);
+            }
+        return;
+    }
+    row_chain(x, R, q, k, C, combined, blocks, 0, 2, acc0);
+    row_chain(x, R, q, k, C, combined, blocks, 1, 2, acc1);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const int64_t j = j0 + c;
+            float out = hsum(_mm256_add_ps(acc0[r][c], acc1[r][c]));
+            if (w->kind == LINEAR_Q4) out += tail[r][c];
+            y[(r0 + r) * ldy + j] = out + (w->bias ? w->bias[j] : 0.0f);
+        }
+}
+
+/* Panel p of w (ROW_PANEL channels from p · ROW_PANEL) widened into `buffer`, then rows r0 .. r1 - 1 through it. */
+static void row_panel(const Linear *w, int64_t p, const QuantizedRows *xq, int64_t r0, int64_t r1, float *buffer,
+                      float *y, int64_t ldy) {
+    const int64_t k = w->k, blocks = k / 32, j0 = p * ROW_PANEL;
+    const int count = w->n - j0 < ROW_PANEL ? (int)(w->n - j0) : ROW_PANEL;
+    int16_t *q = (int16_t *)buffer;
+    float *scale = buffer + ROW_PANEL * k / 2, *combined = scale + ROW_PANEL * blocks;
+    for (int i = 0; i < count; i++) widen_row(w, j0 + i, q + i * k, scale + i * blocks);
+    for (int64_t r = r0; r < r1; r += TILE_R) {
+        const int R = r1 - r < TILE_R ? (int)(r1 - r) : TILE_R;
+        for (int c = 0; c < count; c += TILE_C) {
+            const int C = count - c < TILE_C ? count - c : TILE_C;
+#define TILE(rr, cc) row_tile(w, xq, r, rr, q + c * k, scale + c * blocks, j0 + c, cc, combined, y, ldy)
+#define CHANNELS(rr) if (C == 3) TILE(rr, 3); else if (C == 2) TILE(rr, 2); else TILE(rr, 1);
+            if (R == 3) { CHANNELS(3) }
+            else if (R == 2) { CHANNELS(2) }
+            else { CHANNELS(1) }
+#undef CHANNELS
+#undef TILE
+        }
+    }
+}
+
+/* y = x Wᵀ (+ bias) for m rows quantized in xq (K = w->k, groups of w->group), run by every thread of the calling
+ * team (orphaned `omp for`s over the panels): ROW_BLOCK_BYTES of rows at a time, so they stay in L2 while every
+ * panel of the thread meets them. `buffer`: this thread's row_panel_floats(K) floats, 64-byte aligned. */
+void gemm_row_panels(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
+    const int64_t panels = (w->n + ROW_PANEL - 1) / ROW_PANEL;
+    int64_t block = ROW_BLOCK_BYTES / (2 * w->k) / TILE_R * TILE_R;
+    block = block < TILE_R ? TILE_R : block;
+    for (int64_t b0 = 0; b0 < m; b0 += block) {
+        const int64_t b1 = m - b0 < block ? m : b0 + block;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) row_panel(w, p, xq, b0, b1, buffer, y, ldy);
+    }
 }

@@ -410,6 +410,150 @@ static inline float q8g_channel_one(const QuantizedRows *xq, int64_t k, const in
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
+/* ---- a row's arithmetic whatever the number of rows (`KETTLE_BATCH_INVARIANT`, the default) ----
+ *
+ * A request's tokens must not depend on what else shares its step. So in the rows layouts (Q4, Q8G, Q8: every
+ * weight on an AVX2 CPU, and those not in lanes elsewhere) each row of a step is computed exactly as a row alone is
+ * (`q4_channel_one`, `q8g_channel_one`, `q8_row_qa`): the same int16 rows, the same integer block sums in the same
+ * 8 lanes (exact, so any grouping of the products gives them), the same float chains over the blocks in the same
+ * order (even blocks in one, odd ones in the other), the same horizontal sum and the same last additions. The
+ * kernels below share one unpacking of a channel among the rows of a pass; gemm.c's row panels do it for prompt
+ * chunks and large steps. tests/unit/test_batch_invariance.py holds every path to one row's bits. */
+
+/* Rows one pass of `q4_channel_rows` / `q8g_channel_rows` takes (their accumulators and the unpacked weights fill the
+ * 16 AVX2 registers; passes of 8 rows, one chain at a time, measured ~5% slower). */
+#define ROWS_PASS 4
+
+/* Row r of xq (laid out for K = k, groups of `group`) as a one-row QuantizedRows, as the one-row channels read it. */
+static inline QuantizedRows quantized_row(const QuantizedRows *xq, int64_t r, int64_t k, int64_t group) {
+    const QuantizedRows row = {xq->q + r * k, xq->scale + r * (k / 32), xq->sum + r * (k / group), NULL, NULL};
+    return row;
+}
+
+/* One Q4 output channel for rows r0 .. r0 + R - 1 of xq (R ≤ ROWS_PASS, a constant at each call), each row's bits
+ * those of `q4_channel_one_at` on that row alone. */
+static inline __attribute__((always_inline)) void q4_channel_rows_at(
+    const QuantizedRows *xq, int64_t r0, const int R, int64_t k, int group, const uint8_t *qw, const uint16_t *scales,
+    const uint16_t *mins, const float factor, float *out
+) {
+    const int64_t blocks = k / 32, groups = k / group;
+    float combined[ROWS_PASS][blocks], tail[ROWS_PASS];
+    __m256 acc0[ROWS_PASS], acc1[ROWS_PASS];
+    const int16_t *x[ROWS_PASS];
+    for (int r = 0; r < R; r++) {
+        const QuantizedRows row = quantized_row(xq, r0 + r, k, group);
+        combined_scales(&row, blocks, group / 32, scales, combined[r]);
+        acc0[r] = _mm256_mul_ps(minimum_lanes(mins, row.sum, groups, _mm256_setzero_ps()), _mm256_set1_ps(factor));
+        acc1[r] = _mm256_setzero_ps();
+        tail[r] = factor * minimum_tail(mins, row.sum, groups, 0.0f);
+        x[r] = row.q;
+    }
+    const __m256i mask = _mm256_set1_epi16(0x0F);
+    for (int64_t c = 0; c < k / 64; c++) {
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qw + c * 32)));
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qw + c * 32 + 16)));
+        const __m256i w00 = _mm256_and_si256(lo, mask), w01 = _mm256_and_si256(hi, mask);
+        const __m256i w10 = _mm256_srli_epi16(lo, 4), w11 = _mm256_srli_epi16(hi, 4);
+        for (int r = 0; r < R; r++) {
+            const __m256 first = block_dot(w00, w01, x[r] + c * 64), second = block_dot(w10, w11, x[r] + c * 64 + 32);
+            acc0[r] = _mm256_fmadd_ps(first, _mm256_broadcast_ss(combined[r] + 2 * c), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(second, _mm256_broadcast_ss(combined[r] + 2 * c + 1), acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + tail[r];
+}
+
+/* `q4_channel_rows_at` with the factor a constant in each branch, as `q4_channel_one`. */
+static inline __attribute__((always_inline)) void q4_channel_rows(const QuantizedRows *xq, int64_t r0, const int R,
+                                                                  int64_t k, int group, const uint8_t *qw,
+                                                                  const uint16_t *scales, Minimums mins, float *out) {
+    if (mins.factor == 1.0f) q4_channel_rows_at(xq, r0, R, k, group, qw, scales, mins.table, 1.0f, out);
+    else q4_channel_rows_at(xq, r0, R, k, group, qw, scales, mins.table, -8.0f, out);
+}
+
+/* One Q8G output channel for rows r0 .. r0 + R - 1 of xq, each row's bits those of `q8g_channel_one` alone: block b
+ * in chain b % 2. */
+static inline __attribute__((always_inline)) void q8g_channel_rows(const QuantizedRows *xq, int64_t r0, const int R,
+                                                                   int64_t k, const int8_t *qw, const uint16_t *scales,
+                                                                   float *out) {
+    const int64_t blocks = k / 32;
+    float combined[ROWS_PASS][blocks];
+    __m256 acc[ROWS_PASS][2];
+    const int16_t *x[ROWS_PASS];
+    for (int r = 0; r < R; r++) {
+        const QuantizedRows row = quantized_row(xq, r0 + r, k, 32);
+        combined_scales(&row, blocks, 1, scales, combined[r]);
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        x[r] = row.q;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32)));
+        const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qw + b * 32 + 16)));
+        for (int r = 0; r < R; r++)
+            acc[r][b % 2] = _mm256_fmadd_ps(block_dot(lo, hi, x[r] + b * 32), _mm256_broadcast_ss(combined[r] + b), acc[r][b % 2]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* Runs ROW(R) over `rows` rows in passes of ROWS_PASS (R a constant at each call), then STORE(m) for each row m of
+ * the pass (m0 its first). One row alone takes the one-row channel (ONE), which the passes reproduce. */
+#define FOR_EACH_PASS(rows, ONE, ROW, STORE)                                                                  \
+    if ((rows) == 1) {                                                                                        \
+        const int64_t m0 = 0;                                                                                 \
+        out[0] = ONE;                                                                                         \
+        STORE(0);                                                                                             \
+    } else                                                                                                    \
+        for (int64_t m0 = 0; m0 < (rows); m0 += ROWS_PASS) {                                                  \
+            const int64_t pass = (rows) - m0 < ROWS_PASS ? (rows) - m0 : ROWS_PASS;                           \
+            if (pass == 4) ROW(4);                                                                            \
+            else if (pass == 3) ROW(3);                                                                       \
+            else if (pass == 2) ROW(2);                                                                       \
+            else ROW(1);                                                                                      \
+            for (int64_t m = 0; m < pass; m++) STORE(m);                                                      \
+        }
+
+/* Output channel j of a weight in the rows layouts for every row quantized in xq, each row's bits those of the row
+ * alone (the one-row channels at 256 bits: `kettle_channel_avx512` has no say, so every CPU computes a row as an
+ * AVX2 one does). */
+static inline void linear_channel_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j, float *y,
+                                       int64_t ldy) {
+    const int64_t k = w->k;
+    const float b = w->bias ? w->bias[j] : 0.0f;
+    float out[ROWS_PASS];
+    if (w->kind == LINEAR_Q4) {
+        const int group = (int)w->group;
+        const int64_t groups = k / group;
+        const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
+        const uint16_t *row_s = (const uint16_t *)w->scales + j * groups;
+        const Minimums row_m = channel_minimums(w->mins, w->scales, groups, j);
+#define ONE q4_channel_one(xq, k, group, row_q, row_s, row_m)
+#define ROW(t) q4_channel_rows(xq, m0, t, k, group, row_q, row_s, row_m, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
+        FOR_EACH_PASS(rows, ONE, ROW, STORE)
+#undef ONE
+#undef ROW
+#undef STORE
+    } else if (w->kind == LINEAR_Q8G) {
+        const int8_t *row_q = (const int8_t *)w->weight + j * k;
+        const uint16_t *row_s = (const uint16_t *)w->scales + j * (k / 32);
+#define ONE q8g_channel_one(xq, k, row_q, row_s)
+#define ROW(t) q8g_channel_rows(xq, m0, t, k, row_q, row_s, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
+        FOR_EACH_PASS(rows, ONE, ROW, STORE)
+#undef ONE
+#undef ROW
+#undef STORE
+    } else { /* Q8: `q8_row_qa` keeps one chain per row at any tile */
+        const int8_t *row_q = (const int8_t *)w->weight + j * k;
+        const float scale = ((const float *)w->scales)[j];
+#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, NULL, out)
+#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scale + b
+        FOR_EACH_TILE(rows, ROW, STORE)
+#undef ROW
+#undef STORE
+    }
+}
+
 /* ---- the one-row channels in 512-bit vectors (AVX-512 VNNI): a block of 32 inputs is one vector of int16 pairs,
  * summed by one vpdpwssd where AVX2 takes two vpmaddwd and an add. The block sums are the same integers; only the
  * float accumulation runs over 16 lanes instead of 8. */
@@ -549,6 +693,12 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
 int kettle_integer_gemm_supported(void);
+/* gemm.c's row panels (AVX2): a weight in the rows layouts over rows quantized in xq, each row's bits those of the
+ * row alone (`linear_channel_rows`), within a team as `gemm_panels` with a per-thread buffer of row_panel_floats(K)
+ * floats, or on their own threads; from `kettle_row_gemm_rows` rows on they replace `linear_channel_rows`. */
+int64_t row_panel_floats(int64_t k);
+void gemm_row_panels(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
+extern int kettle_row_gemm_rows;
 /* cpu_kernels.c's LM heads (GGUF Q8_0 and Q6_K; int8 per channel) and greedy choice, which decoder_step.c's
  * greedy steps also run. */
 int kettle_q8g_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales,
@@ -991,6 +1141,10 @@ typedef struct {
      * dim + 2 floats per (sequence, query head, piece): the piece's unnormalized output, softmax maximum and sum. */
     int64_t parts;
     float *partials;
+    /* 1 (`KETTLE_BATCH_INVARIANT`): each sequence cut as it would be alone (`sequence_parts`), so its bits do not
+     * depend on the batch; `parts` is then the most any sequence of the call takes. 0: every one into `parts`. */
+    int per_sequence;
+    int threads;
 } PagedDecode;
 
 #define MAX_PARTS 8   /* pieces of one context at most */
@@ -1008,6 +1162,21 @@ static inline int64_t context_parts(int64_t longest, int64_t seqs, int64_t kv_he
     if (parts > longest / PART_KEYS) parts = longest / PART_KEYS;
     if (parts > kettle_context_parts) parts = kettle_context_parts;
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+
+/* Pieces of sequence s's context in a call: the call's `parts`, or with `per_sequence` as many as the sequence
+ * alone on the same threads would take (a cut changes the softmax's sums, so the count must follow the sequence,
+ * not its batch). */
+static inline int64_t sequence_parts(const PagedDecode *p, int64_t s) {
+    return p->per_sequence ? context_parts(p->positions[s] + 1, 1, p->kv_heads, p->threads) : p->parts;
+}
+
+/* A call's `parts` over `seqs` sequences (`per_sequence`: the most any of them takes alone). */
+static inline int64_t call_parts(const int64_t *positions, int64_t seqs, int64_t kv_heads, int threads,
+                                 int per_sequence) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
+    return context_parts(longest, per_sequence ? 1 : seqs, kv_heads, threads);
 }
 
 /* Floats of a call's partials. */
@@ -1079,13 +1248,14 @@ __attribute__((visibility("hidden"))) void kettle_attend_item(const PagedDecode 
 /* Query head `head` (of all S · H) of a cut call: out = Σ_p e^{m_p − M} o_p / Σ_p e^{m_p − M} l_p over its pieces'
  * records (M the largest maximum m_p; a piece with no keys has m_p = −∞ and weighs 0). */
 static inline void combine_parts(const PagedDecode *p, int64_t head, float *out) {
-    const int64_t dim = p->dim, parts = p->parts;
+    const int64_t dim = p->dim, parts = p->parts, mine = sequence_parts(p, head / p->heads);
+    if (mine == 1) return; /* not cut: its item wrote the output */
     const float *records = p->partials + head * parts * (dim + 2);
     float top = -INFINITY, total = 0.0f;
-    for (int64_t i = 0; i < parts; i++) top = fmaxf(top, records[i * (dim + 2) + dim]);
+    for (int64_t i = 0; i < mine; i++) top = fmaxf(top, records[i * (dim + 2) + dim]);
     float *dst = out + head * dim;
     for (int64_t d = 0; d < dim; d++) dst[d] = 0.0f;
-    for (int64_t i = 0; i < parts; i++) {
+    for (int64_t i = 0; i < mine; i++) {
         const float *record = records + i * (dim + 2);
         if (record[dim + 1] == 0.0f) continue;
         const float weight = expf(record[dim] - top);

@@ -5,11 +5,19 @@ dictionary lookup) and keep PyTorch's ops as the other path. The wrappers take f
 fresh output tensor, and pass PyTorch's thread count to the kernels' parallel loops. The attention kernels also
 take a KV cache in float16 or bfloat16 (`--kv-cache-dtype`): they widen its rows as they read them and round
 the new rows to nearest-even as they write them; their math stays float32.
+
+The row counts below pick the projections' fastest kernels when batch invariance is off (`batch_invariant`,
+`KETTLE_BATCH_INVARIANT=0`); by default each row keeps one arithmetic whatever the step's row count, and they only
+pick between kernels of the same bits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -79,6 +87,15 @@ def available() -> bool:
     return library() is not None
 
 
+def batch_invariant() -> bool:
+    """Whether each row of a step is computed exactly as that row alone would be, whatever else shares the step
+    (`KETTLE_BATCH_INVARIANT`, on by default; read at each call): the same request then gives the same tokens alone
+    and in any batch. The projections pick their kernels so (below), the decode attention cuts each context as it
+    would cut it alone (`paged_decode`), and kettle/kernels/kernels.h says how a row's arithmetic is fixed. Off, the
+    kernels pick their fastest arithmetic for the step's row count, as the thresholds above say."""
+    return settings.current().batch_invariant
+
+
 def integer_gemm() -> bool:
     """Whether the panels (`panel_rows()` rows and more) are the integer ones (switched on, AVX-512 VNNI here)."""
     return _INTEGER_GEMM and QUANTIZED_ACTIVATIONS and _has_vnni()
@@ -103,12 +120,121 @@ def panel_rows(lanes: bool = False) -> int:
     return max(rows, LANES_GEMM_ROWS) if lanes else rows
 
 
+# The several-row entries' paths (cpu_kernels.c `linear_rows`): the float32 tiles, the float32 panels, the integer
+# panels (over whole blocks of 32 inputs), and each row as alone (the rows layouts under batch invariance: kernels.h
+# `linear_channel_rows`, gemm.c's row panels).
+ROWS_TILES, ROWS_GEMM, ROWS_INT_GEMM, ROWS_INVARIANT = 0, 1, 2, 3
+
+
 def _rows_path(rows: int, k: int, lanes: bool = False) -> int:
-    """The several-row entries' path: 0 the float32 tiles, 1 the float32 panels, 2 the integer panels (over whole
-    blocks of 32 inputs)."""
+    """The several-row entries' path without batch invariance: the float32 tiles below the panels, then the integer
+    panels or the float32 ones."""
     if rows < panel_rows(lanes):
-        return 0
-    return 2 if k % 32 == 0 and integer_gemm() else 1
+        return ROWS_TILES
+    return ROWS_INT_GEMM if k % 32 == 0 and integer_gemm() else ROWS_GEMM
+
+
+def _lanes_invariant(rows: int) -> bool:
+    """Under batch invariance, whether a weight in lanes takes the integer panels (else its lanes kernel): both keep
+    a row's block sums and add them in one order, so the choice is speed alone (`LANES_GEMM_ROWS`)."""
+    return rows >= panel_rows(lanes=True)
+
+
+@dataclass(frozen=True)
+class RowKinds:
+    """A forward's token rows by kind: which are prompt rows (`is_prompt`, [count] bool) and which decode rows (a
+    decode step's, a speculative step's verification rows), as int64 indices into the `count` rows."""
+
+    is_prompt: torch.Tensor
+    prompt: torch.Tensor
+    decode: torch.Tensor
+
+    @classmethod
+    def of(cls, is_prompt: torch.Tensor) -> RowKinds:
+        return cls(is_prompt, is_prompt.nonzero().squeeze(1), (~is_prompt).nonzero().squeeze(1))
+
+    @property
+    def count(self) -> int:
+        return self.is_prompt.shape[0]
+
+
+_ROW_KINDS: contextvars.ContextVar[RowKinds | None] = contextvars.ContextVar("kettle_row_kinds", default=None)
+
+
+@contextlib.contextmanager
+def _kinds(kinds: RowKinds | None) -> Iterator[None]:
+    token = _ROW_KINDS.set(kinds)
+    try:
+        yield
+    finally:
+        _ROW_KINDS.reset(token)
+
+
+def row_kinds(count: int, prompt: Sequence[tuple[int, int]]) -> contextlib.AbstractContextManager:
+    """Inside the block, a projection over `count` rows (a model's layers over a forward's tokens) knows which of
+    them are prompt rows (the [start, end) ranges of `prompt`) and which decode rows. Under batch invariance a
+    weight in the rows layouts (every weight on an AVX2 CPU) runs each kind by its own arithmetic, fixed per row:
+    prompt rows the prompt GEMM (gemm.c's panels, whose sums for a row do not depend on how many rows a chunk has)
+    and decode rows a row's arithmetic alone (`ROWS_INVARIANT`), so a prompt keeps its GEMM's speed and a decode row
+    its bits whatever shares the step. Outside the block (the LM head, a test's call) every row is a decode row."""
+    if not batch_invariant():
+        return contextlib.nullcontext()
+    is_prompt = torch.zeros(count, dtype=torch.bool)
+    for start, end in prompt:
+        is_prompt[start:end] = True
+    return _kinds(RowKinds.of(is_prompt))
+
+
+def gathered_rows(rows: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Inside the block (within `row_kinds`), a projection over the forward's rows `rows` (an expert's share of
+    them, gathered) runs each by its kind as the whole forward's would."""
+    kinds = _ROW_KINDS.get()
+    return _kinds(None if kinds is None else RowKinds.of(kinds.is_prompt[rows.cpu()]))
+
+
+def _by_kind(x: torch.Tensor, n: int, run: Callable[[torch.Tensor, bool], torch.Tensor]) -> torch.Tensor:
+    """run(rows, prompt) over x's prompt rows (prompt True) and its decode rows, each kind in one call, into one
+    [M, N] output (`row_kinds`: x holds the forward's rows, else every row is a decode row)."""
+    kinds = _ROW_KINDS.get()
+    if kinds is None or kinds.count != x.shape[0] or not kinds.prompt.numel():
+        return run(x, False)
+    if not kinds.decode.numel():
+        return run(x, True)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    y.index_copy_(0, kinds.prompt, run(x.index_select(0, kinds.prompt), True))
+    y.index_copy_(0, kinds.decode, run(x.index_select(0, kinds.decode), False))
+    return y
+
+
+def _by_kind_here(lanes: bool = False) -> bool:
+    """Whether a weight runs its rows by kind (`row_kinds`): under batch invariance with int16 rows, in the rows
+    layouts (a weight in lanes computes a row alike on both its kernels)."""
+    return batch_invariant() and QUANTIZED_ACTIVATIONS and not lanes
+
+
+def _prompt_path(k: int) -> int:
+    """The several-row entries' path for prompt rows in the rows layouts under batch invariance: the integer panels
+    where they run, else the float32 ones, at any chunk size (each row's sums there follow the row alone)."""
+    return ROWS_INT_GEMM if k % 32 == 0 and integer_gemm() else ROWS_GEMM
+
+
+def q4_entry(rows: int, k: int, lanes: bool = False) -> tuple[str, int]:
+    """`q4_linear`'s entry for `rows` rows of K inputs: ("rows", path) for `kettle_q4_linear_rows`, ("qa", 0) for
+    int16 rows on the one-pass kernels (`kettle_q4_linear_qa`), ("plain", 0) for float32 rows on them."""
+    if batch_invariant():
+        if not QUANTIZED_ACTIVATIONS:  # float32 rows, each over its own chains at any count (lanes: the tiles)
+            return ("rows", ROWS_TILES) if lanes else ("plain", 0)
+        if not lanes:
+            return "rows", ROWS_INVARIANT
+        return ("rows", ROWS_INT_GEMM) if _lanes_invariant(rows) else ("qa", 0)
+    # From here the float32 tiles or the panel GEMM (the decode step's choice). Lanes keep int16 rows below the
+    # panels; with float32 activations they always take the several-row entry (its tiles below the panels).
+    several = min(Q4_FLOAT_ROWS, panel_rows())
+    if lanes:
+        several = panel_rows(lanes=True) if QUANTIZED_ACTIVATIONS else 0
+    if rows >= several:
+        return "rows", _rows_path(rows, k, lanes)
+    return ("qa", 0) if QUANTIZED_ACTIVATIONS else ("plain", 0)  # plain: the rows layout only
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -127,21 +253,27 @@ def q4_linear(
 ) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for W in the Q4 layout (`kettle.quantization.q4`; `mins` None: a symmetric
     weight, minimum = -8 · scale), or in lanes (`lanes`, `to_lanes`; `supers`: with Q4_K's scales): [M, N] float32."""
+    k = x.shape[1]
+    weight = (packed, scales, mins, group_size, bias, lanes, supers)
+    if _by_kind_here(lanes):
+        return _by_kind(
+            x, packed.shape[0], lambda part, prompt: _q4(part, *weight, ("rows", _prompt_path(k)) if prompt else None)
+        )
+    return _q4(x, *weight, None)
+
+
+def _q4(x, packed, scales, mins, group_size, bias, lanes, supers, entry: tuple[str, int] | None) -> torch.Tensor:
+    """`q4_linear` by `entry` (None: `q4_entry`'s for x's row count)."""
     rows, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     head = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
     tail = (_ptr(bias), y.data_ptr(), n)
-    # From here the float32 tiles or the panel GEMM (the decode step's choice). Lanes keep int16 rows below the
-    # panels; with float32 activations they always take the several-row entry (its tiles below the panels).
-    several = min(Q4_FLOAT_ROWS, panel_rows())
-    if lanes:
-        several = panel_rows(lanes=True) if QUANTIZED_ACTIVATIONS else 0
-    if rows >= several:
-        path = _rows_path(rows, k, lanes)
+    entry, path = entry or q4_entry(rows, k, lanes)
+    if entry == "rows":
         status = library().kettle_q4_linear_rows(*head, lanes, _ptr(supers), *tail, path, torch.get_num_threads())
-    elif QUANTIZED_ACTIVATIONS:
+    elif entry == "qa":
         status = library().kettle_q4_linear_qa(*head, lanes, _ptr(supers), *tail, torch.get_num_threads())
     else:  # the rows layout only: lanes, with or without Q4_K's scales, always take one of the entries above
         status = library().kettle_q4_linear(*head, *tail, torch.get_num_threads())
@@ -171,7 +303,11 @@ def q4_dequantize(
 def q6_path(rows: int, k: int) -> int:
     """`kettle_q6_linear`'s path for `rows` rows of K inputs, as for the other weights in lanes: -1 its lanes kernel
     (int16 rows), from the lanes' panel row count on 1 the float32 panels or 2 the integer ones; 0 the float32 tiles
-    where quantized activations are off (`KETTLE_QUANTIZED_ACTIVATIONS=0`)."""
+    where quantized activations are off (`KETTLE_QUANTIZED_ACTIVATIONS=0`; under batch invariance at every count)."""
+    if batch_invariant():
+        if not QUANTIZED_ACTIVATIONS:
+            return ROWS_TILES
+        return ROWS_INT_GEMM if _lanes_invariant(rows) else -1
     if rows >= panel_rows(lanes=True):
         return _rows_path(rows, k, lanes=True)
     return -1 if QUANTIZED_ACTIVATIONS else 0
@@ -211,12 +347,22 @@ def q6_rows(
 
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for W = q [N, K] int8 · scales [N] float32: [M, N] float32."""
+    k = x.shape[1]
+    if _by_kind_here() and k % 32 == 0:
+        return _by_kind(
+            x, q.shape[0], lambda part, prompt: _q8(part, q, scales, bias, _prompt_path(k) if prompt else None)
+        )
+    return _q8(x, q, scales, bias, None)
+
+
+def _q8(x, q, scales, bias, path: int | None) -> torch.Tensor:
+    """`q8_linear` by `path` (None: `q8_path`'s for x's row count)."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
-    path = q8_path(rows, k)
+    path = q8_path(rows, k) if path is None else path
     if path >= 0:
         status = library().kettle_q8_linear_rows(*args, path, torch.get_num_threads())
     else:
@@ -232,15 +378,27 @@ def q8g_linear(
 ) -> torch.Tensor:
     """x [M, K] float32 · Wᵀ (+ bias) for GGUF's Q8_0 layout, W = q [N, K] int8 · scales [N, K/32] float16 per
     block (in lanes when `lanes`: kettle/quantization/q8.py): quantized activations below Q8_FLOAT_ROWS rows (or
-    none with KETTLE_QUANTIZED_ACTIVATIONS=0), the float32 tiles above, the panels from `panel_rows()` rows.
-    [M, N] float32."""
+    none with KETTLE_QUANTIZED_ACTIVATIONS=0), the float32 tiles above, the panels from `panel_rows()` rows; under
+    batch invariance by `q8g_path`, and in rows by the kind of row (`row_kinds`). [M, N] float32."""
+    k = x.shape[1]
+    if _by_kind_here(lanes):
+        return _by_kind(
+            x,
+            q.shape[0],
+            lambda part, prompt: _q8g(part, q, scales, bias, lanes, 1 + _prompt_path(k) if prompt else None),
+        )
+    return _q8g(x, q, scales, bias, lanes, None)
+
+
+def _q8g(x, q, scales, bias, lanes: bool, path: int | None) -> torch.Tensor:
+    """`q8g_linear` by `path` (None: `q8g_path`'s for x's row count)."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     status = library().kettle_q8g_linear(
         x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, lanes, _ptr(bias), y.data_ptr(), n,
-        q8g_path(rows, k, lanes), torch.get_num_threads(),
+        q8g_path(rows, k, lanes) if path is None else path, torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the activations or weight rows")
@@ -255,7 +413,10 @@ def q8_path(rows: int, k: int) -> int:
     """`q8_linear`'s entry for `rows` rows of K inputs: `kettle_q8_linear_rows` with the path returned (0-2) from
     the float32 tiles' or the panels' row count on (the decode step's choice), else Q8_QUANTIZED
     (`kettle_q8_linear_qa`: int16 activations) or Q8_PLAIN (`kettle_q8_linear`). decoder_step.c's greedy
-    steps run an int8 LM head by the same codes."""
+    steps run an int8 LM head by the same codes. Under batch invariance each row as alone (ROWS_INVARIANT; with
+    float32 rows, or K not whole blocks, Q8_PLAIN, whose rows keep their own chains at any count)."""
+    if batch_invariant():
+        return ROWS_INVARIANT if QUANTIZED_ACTIVATIONS and k % 32 == 0 else Q8_PLAIN
     if rows >= min(Q8_FLOAT_ROWS, panel_rows()):
         return _rows_path(rows, k)
     return Q8_QUANTIZED if QUANTIZED_ACTIVATIONS and k % 32 == 0 else Q8_PLAIN
@@ -263,7 +424,14 @@ def q8_path(rows: int, k: int) -> int:
 
 def q8g_path(rows: int, k: int, lanes: bool = False) -> int:
     """`kettle_q8g_linear`'s path for `rows` rows of K inputs: 0 float32 tiles, 1 quantized activations, 2 the
-    float32 panels, 3 the integer panels. A weight in lanes keeps quantized rows below the panels."""
+    float32 panels, 3 the integer panels, 4 each row as alone (in rows, under batch invariance). A weight in lanes
+    keeps quantized rows below the panels."""
+    if batch_invariant():
+        if not QUANTIZED_ACTIVATIONS:  # the tiles: each row's own chains over the dequantized weight
+            return 0
+        if lanes:
+            return 1 + ROWS_INT_GEMM if _lanes_invariant(rows) else 1
+        return 4
     if rows >= panel_rows(lanes):
         return 1 + _rows_path(rows, k, lanes)
     return int(QUANTIZED_ACTIVATIONS and (lanes or rows < Q8_FLOAT_ROWS))
@@ -331,7 +499,7 @@ def paged_decode(
     status = library().kettle_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], positions.data_ptr(),
         seqs, heads, k_cache.shape[1], dim, block_size, scale, window or 0, out.data_ptr(), KV_DTYPES[k_cache.dtype],
-        torch.get_num_threads(),
+        batch_invariant(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise MemoryError("CPU kernel: out of memory for the attention scores")

@@ -98,6 +98,11 @@ class AttentionMetadata:
         """Every token is a decode, in T order: the decode plan's output is the whole output."""
         return not self.prefills and self.decode is not None and self.decode.token_range == (0, self.num_tokens)
 
+    @property
+    def prompt_ranges(self) -> list[tuple[int, int]]:
+        """The [start, end) ranges in T of the prefills' tokens (every other token is a decode row)."""
+        return [(plan.start, plan.end) for plan in self.prefills]
+
     def seq_lens_per_token(self) -> torch.Tensor:
         """[T] the context length (cache + new) of each token's sequence (dynamic-NTK RoPE needs it)."""
         totals = [c + q for c, q in zip(self.cache_lens, self.query_lens, strict=True)]
@@ -112,10 +117,15 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        prompts: list[bool] | None = None,
     ) -> AttentionMetadata:
-        """Computes slots, positions and the attention plans for one step on the host, then moves them once."""
+        """Computes slots, positions and the attention plans for one step on the host, then moves them once.
+        `prompts`: which sequences bring prompt tokens; one that brings a single one is then a prefill too (by
+        default a single new token is a decode), so a prompt token is attended by the prefill kernel however its
+        prompt was chunked or cached (batch invariance: kettle/kernels/ops.py)."""
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"every sequence in a step needs at least one new token, got {query_lens}")
+        prompts = prompts or [False] * len(query_lens)
         seq_lens = [c + q for c, q in zip(cache_lens, query_lens, strict=True)]
         tables = _padded_tables(block_tables, seq_lens, block_size)
         starts = list(accumulate(query_lens, initial=0))
@@ -129,11 +139,11 @@ class AttentionMetadata:
             cache_lens=list(cache_lens),
             block_size=block_size,
             max_seq_len=max(seq_lens),
-            decode=_decode_plan(query_lens, seq_lens, starts, tables, block_size, device),
+            decode=_decode_plan(query_lens, seq_lens, starts, tables, block_size, device, prompts),
             prefills=[
                 _prefill_plan(starts[i], query_lens[i], cache_lens[i], tables[i], block_size, device)
                 for i in range(len(query_lens))
-                if query_lens[i] > 1
+                if query_lens[i] > 1 or prompts[i]
             ],
         )
 
@@ -178,10 +188,16 @@ def _padded_tables(block_tables: list[list[int]], seq_lens: list[int], block_siz
 
 
 def _decode_plan(
-    query_lens: list[int], seq_lens: list[int], starts: list[int], tables: torch.Tensor, block_size: int, device
+    query_lens: list[int],
+    seq_lens: list[int],
+    starts: list[int],
+    tables: torch.Tensor,
+    block_size: int,
+    device,
+    prompts: list[bool],
 ) -> DecodePlan | None:
-    """Groups every one-token sequence into one padded batch over their block tables."""
-    seqs = [i for i, q in enumerate(query_lens) if q == 1]
+    """Groups every one-token sequence (but a prompt's) into one padded batch over their block tables."""
+    seqs = [i for i, q in enumerate(query_lens) if q == 1 and not prompts[i]]
     if not seqs:
         return None
     token_starts = [starts[i] for i in seqs]

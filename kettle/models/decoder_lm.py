@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.linear import Linear
 from kettle.layers.lora import LoraRows
@@ -197,8 +198,9 @@ class CausalLM(nn.Module):
         fused = self.fused_decode(h, cos, sin, kv_cache, meta)
         if fused is not None:
             return fused
-        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
+        with ops.row_kinds(meta.num_tokens, meta.prompt_ranges):  # prompt rows on the prompt GEMM (ops.py)
+            for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+                h = layer(h, cos, sin, k_cache, v_cache, meta)
         return self.finish(h)
 
     @torch.inference_mode()
@@ -235,6 +237,7 @@ class DecoderLM(CausalLM):
         fused = self.fused_decode(h, cos, sin, kv_cache, meta)
         if fused is not None:
             return fused
-        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
-            h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
+        with ops.row_kinds(meta.num_tokens, meta.prompt_ranges):  # prompt rows on the prompt GEMM (ops.py)
+            for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+                h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
         return self.norm.add_forward(h, residual)[0]

@@ -305,7 +305,7 @@ class DecoderStep:
     ) -> torch.Tensor:
         """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V. With `lora`
         active, each row also gets its adapter's deltas on the projections the adapters touch."""
-        self.decoder.block_size, self.decoder.kv_dtype = meta.block_size, ops.KV_DTYPES[kv_cache.dtype]
+        self._per_step(meta.block_size, kv_cache)
         plan = meta.decode
         rows = StepRows(cos, sin, meta.slots, plan.block_ids, plan.num_blocks, meta.positions)
         loras, slot = (self._lora_array(lora.present), lora.slot) if lora is not None and lora.active else (None, None)
@@ -323,7 +323,7 @@ class DecoderStep:
             return None
         positions, cos, sin = rope
         seqs, plan, block = tokens.shape[0], meta.decode, meta.block_size
-        self.decoder.block_size, self.decoder.kv_dtype = block, ops.KV_DTYPES[kv_cache.dtype]
+        self._per_step(block, kv_cache)
         grid = positions.view(-1, seqs)
         tables = plan.block_ids.view(seqs, plan.num_blocks)
         slots = (tables[torch.arange(seqs), grid // block] * block + grid % block).reshape(-1)
@@ -337,6 +337,12 @@ class DecoderStep:
             path = ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
         caches = self._cache_pointers(kv_cache)
         return run_greedy(self.decoder, caches, self._ends, path, tokens, rows, stop_ids)
+
+    def _per_step(self, block_size: int, kv_cache: KVCache) -> None:
+        """What the description takes from each step: the cache's block size and element type, and whether each
+        row is computed as a row alone (`KETTLE_BATCH_INVARIANT`, read here so that a test's switch holds)."""
+        self.decoder.block_size, self.decoder.kv_dtype = block_size, ops.KV_DTYPES[kv_cache.dtype]
+        self.decoder.invariant = int(ops.batch_invariant())
 
     def _lora_array(self, present: tuple[int, ...]) -> ctypes.Array:
         """The C description of every projection's stacked LoRA matrices for the adapters `present`, built once

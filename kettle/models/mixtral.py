@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kettle.kernels import ops
 from kettle.layers.linear import Linear
 from kettle.layers.parallel import projection, split_range
 from kettle.models.blocks import GatedMLP
@@ -106,7 +107,8 @@ class SparseMoE(nn.Module):
             if count:
                 rows = token_of[start : start + count]
                 scale = weights.flatten()[order[start : start + count], None]
-                out.index_add_(0, rows, (expert(x[rows]) * scale).to(x.dtype))
+                with ops.gathered_rows(rows):  # its prompt and decode rows each by their kind (batch invariance)
+                    out.index_add_(0, rows, (expert(x[rows]) * scale).to(x.dtype))
             start += count
         return out
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kettle import settings
+from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata, long_tensor
 from kettle.proto import generate_pb2 as pb
 from kettle.quantization.loading import in_lanes
@@ -203,7 +204,10 @@ class PagedRunner:
         self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         assert self.kv_cache is not None, "Warmup must run before the first forward"
-        meta = AttentionMetadata.build(*_layout(requests, queries, drafts), self.kv_cache.block_size, self.device)
+        # Under batch invariance a prompt's tokens are prefills however few a chunk brings (ops.batch_invariant).
+        prompts = _prompts(requests, drafts) if self.device.type == "cpu" and ops.batch_invariant() else None
+        block_size = self.kv_cache.block_size
+        meta = AttentionMetadata.build(*_layout(requests, queries, drafts), block_size, self.device, prompts)
         input_ids = device_tensor(list(itertools.chain.from_iterable(queries)), torch.long, self.device)
         lora = self.model.lora_rows
         if lora is not None:  # each token row runs with its request's adapter
@@ -269,6 +273,11 @@ class PagedRunner:
             if generation.HasField("generated_text"):
                 result.finished.add(request.id)
             result.generations.append(generation)
+
+
+def _prompts(requests: list[RequestState], drafts: list[list[int]]) -> list[bool]:
+    """For each sequence of `_layout`, whether it brings prompt tokens (a request that drafts is past its prompt)."""
+    return [request.in_prefill for request, draft in zip(requests, drafts, strict=True) for _ in range(len(draft) + 1)]
 
 
 def _layout(

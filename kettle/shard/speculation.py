@@ -5,11 +5,13 @@ row over the request's blocks: every layer writes the K/V of all rows before any
 the tokens before it, and its logits are those a plain decode step would have computed after d1..dj.
 
 Greedy: d(j+1) is accepted while it is row j's argmax; the model's own choice follows the accepted drafts, so
-the output is exactly the plain greedy one. Sampled: rejection sampling with the draft as a point-mass
-proposal. d(j+1) is accepted with probability p_j(d(j+1)); at the first rejection the token is drawn from p_j
-without d(j+1), renormalised; when every draft is accepted one more is drawn from p_k. Every emitted token
-then has exactly the distribution p of the plain path. Each step takes k+1 uniforms from the request's own
-generator, so a seeded run is reproducible (it draws other numbers than a run without speculation).
+the output is exactly the plain greedy one. Sampled: row j's token is drawn as a plain step draws it (the next
+uniform of the request's own generator through the inverse CDF of p_j), and d(j+1) is accepted when it is that
+token. That accepts d(j+1) with probability p_j(d(j+1)), as rejection sampling with the draft as a point-mass
+proposal does, and the token emitted at the first mismatch follows p_j without d(j+1), renormalised: every
+emitted token has exactly the distribution p of the plain path. And one uniform per emitted token, as the plain
+path takes: a seeded request gives the same tokens with drafts or without, however many tokens each step drafts
+(which depends on the batch: `drafts_for`), so its answer does not depend on what else the server is doing.
 
 The K/V the forward wrote for rejected drafts is rolled back by not counting it: the request's `cache_len`
 advances over its last token and the accepted drafts only, and the next step overwrites the rest.
@@ -148,12 +150,23 @@ def verify(scores: Tensor, draft: Tensor, generator: torch.Generator | None) -> 
         return _verify_greedy(scores, draft)
     logprobs = torch.log_softmax(scores, dim=-1)
     draft_logprobs = logprobs[torch.arange(k, device=scores.device), draft]
-    uniforms = torch.rand(k + 1, generator=generator, device=generator.device, dtype=torch.float64)
-    uniforms = uniforms.to(scores.device)
-    accepted = (uniforms[:k] < draft_logprobs.double().exp()).long().cumprod(0).sum()
-    token = inverse_cdf(_residual(logprobs[accepted].exp(), draft, accepted).unsqueeze(0), uniforms[k:])[0]
+    # Every row's token from the uniform it would take were it reached (`BatchSampler._uniforms`' draw), then the
+    # generator moved on by the rows the step emits only: the next step's first row takes the next uniform.
+    state = generator.get_state()
+    uniforms = torch.stack([_uniform(generator) for _ in range(k + 1)]).to(scores.device)
+    tokens = inverse_cdf(logprobs.exp(), uniforms)
+    accepted = (tokens[:k] == draft).long().cumprod(0).sum()
+    generator.set_state(state)
+    for _ in range(int(accepted) + 1):
+        _uniform(generator)
+    token = tokens[accepted]
     chosen = logprobs[accepted, token]
     return torch.cat([torch.stack([accepted.double(), token.double(), chosen.double()]), draft_logprobs.double()])
+
+
+def _uniform(generator: torch.Generator) -> Tensor:
+    """The next U[0, 1) draw of a request's generator, as a plain step draws it (`BatchSampler._uniforms`)."""
+    return torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
 
 
 def _verify_greedy(scores: Tensor, draft: Tensor) -> Tensor:
@@ -165,16 +178,6 @@ def _verify_greedy(scores: Tensor, draft: Tensor) -> Tensor:
     accepted = (choice[:k] == draft).long().cumprod(0).sum()
     head = torch.stack([accepted.double(), choice[accepted].double(), logprobs[accepted].double()])
     return torch.cat([head, logprobs[:k].double()])
-
-
-def _residual(probs: Tensor, draft: Tensor, accepted: Tensor) -> Tensor:
-    """p without the rejected draft token (unnormalised: the inverse CDF scales by the total); p itself when
-    every draft was accepted, or when nothing else is left of p after float32 rounding."""
-    k = draft.numel()
-    rejected = torch.cat([draft, draft.new_zeros(1)])[accepted]
-    keep = (accepted == k).to(probs.dtype)
-    residual = probs.scatter(0, rejected.view(1), probs[rejected].view(1) * keep)
-    return torch.where(residual.sum() > 0, residual, probs)
 
 
 def accepted_tokens(draft: list[int], row: list[float]) -> tuple[list[int], list[float]]:

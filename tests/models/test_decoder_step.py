@@ -18,7 +18,7 @@ from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models import decoder_step
 from kettle.models.registry import load_model
-from tests.fixtures import make_variant, torch_threads
+from tests.fixtures import kernel_switch, make_variant, torch_threads
 from tests.models.family_parity import save_tiny, tiny_settings
 from tests.unit.test_cpu_kernels import CAN_BUILD
 
@@ -52,16 +52,21 @@ def decode_logits(model, fused: bool, steps: int = 12) -> torch.Tensor:
 
 FAMILIES = ["llama", "qwen2", "mistral_sliding", "phi3", "qwen3", "gemma"]
 # The float32 tiles are the same code whatever the family: three variants cover their shapes (biases, windows).
-CASES = [(v, q, None) for v in FAMILIES for q in ("int4", "int8")]
-CASES += [(v, q, 2) for v in ("llama", "qwen2", "mistral_sliding") for q in ("int4", "int8")]
+# Without batch invariance (`fast`) the thresholds pick the paths: the int16 rows below them, the tiles from 2 rows.
+CASES = [(v, q, None, False) for v in FAMILIES for q in ("int4", "int8")]
+CASES += [(v, q, None, True) for v in ("llama", "qwen2") for q in ("int4", "int8")]
+CASES += [(v, q, 2, True) for v in ("llama", "qwen2", "mistral_sliding") for q in ("int4", "int8")]
 
 
-@pytest.mark.parametrize("variant, quantize, float_rows", CASES)
-def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize, float_rows):
+@pytest.mark.parametrize("variant, quantize, float_rows, fast", CASES)
+def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, variant, quantize, float_rows, fast):
     """Llama (grouped-query heads), Qwen2 (q/k/v biases, tied head), Mistral (a sliding window of 8,
     shorter than the contexts), Phi-3 (checkpoint-fused projections), Qwen3 (per-head q/k norms) and Gemma
-    (tanh-GELU gate, scaled embeddings), over scattered block tables; projections over int16 rows (4
-    sequences are below the float32 tiles' thresholds) and over the float32 tiles (`float_rows` 2)."""
+    (tanh-GELU gate, scaled embeddings), over scattered block tables; projections with each row as alone (batch
+    invariance, the default), and with it off over int16 rows (4 sequences are below the float32 tiles'
+    thresholds) and over the float32 tiles (`float_rows` 2)."""
+    if fast:
+        monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
     if float_rows is not None:
         monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", float_rows)
         monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", float_rows)
@@ -79,7 +84,8 @@ def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(
 ):
     """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's panels (float32, or
     integer on AVX-512 VNNI) inside its parallel region, as the layer-by-layer forward runs them per call: the same
-    numbers."""
+    numbers. (Batch invariance off: with it on, the thresholds pick between kernels of the same bits, below.)"""
+    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
     monkeypatch.setattr(ops, "GEMM_ROWS", 2)
     monkeypatch.setattr(ops, "_INTEGER_GEMM", panels == "integer")
     if panels == "integer" and not ops.integer_gemm():
@@ -106,6 +112,7 @@ def test_integer_panels_stay_within_the_int16_rounding_of_the_float32_panels(tmp
     few rows' int16 path moves them from the float32 tiles on these models (up to 2.8e-3 over 12 steps)."""
     if not ops.integer_gemm():
         pytest.skip("no AVX-512 VNNI here")
+    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")  # the panels as the thresholds pick them
     monkeypatch.setattr(ops, "GEMM_ROWS", 2)
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step.decoder.integer_gemm == 1
@@ -114,6 +121,27 @@ def test_integer_panels_stay_within_the_int16_rounding_of_the_float32_panels(tmp
     float_panels = decode_logits(model, fused=True)
     assert not torch.equal(integer, float_panels)
     torch.testing.assert_close(integer, float_panels, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("row_panels", [1, 1 << 30], ids=["row panels", "row channels"])
+@pytest.mark.parametrize("layout", ["rows", "lanes"])
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_fused_step_under_batch_invariance_equals_the_layer_by_layer_forward(
+    tmp_path, monkeypatch, quantize, layout, row_panels
+):
+    """With each row computed as alone (the default), the fused step runs the rows layouts' row kernels
+    (kernels.h `linear_channel_rows`, or gemm.c's row panels from `kettle_row_gemm_rows` rows: forced at every
+    count here, and never) and lanes' tiles inside its parallel region, as the layer-by-layer forward runs them per
+    call: the same numbers, and the same whichever kernel the row count picks."""
+    if layout == "lanes" and not ops._has_vnni():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    monkeypatch.setattr(ops, "_LANES", layout == "lanes")
+    model = load_model(str(family_path(tmp_path, "qwen2")), torch.float32, torch.device("cpu"), quantize=quantize)
+    with kernel_switch("kettle_row_gemm_rows", row_panels):
+        fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    assert torch.equal(fused, reference)
+    with kernel_switch("kettle_row_gemm_rows", 1 << 30 if row_panels == 1 else 1):
+        assert torch.equal(decode_logits(model, fused=True), fused)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "qwen3", "gemma"])
@@ -225,12 +253,17 @@ def test_the_shard_logs_which_decode_path_serves(tiny_llama_path, caplog, quanti
     assert f"Decode steps run {path}" in caplog.text
 
 
-def test_fused_step_over_a_long_context_cut_into_pieces_equals_the_layer_by_layer_forward(tmp_path):
+@pytest.mark.parametrize("invariant", ["1", "0"], ids=["invariant", "fast"])
+def test_fused_step_over_a_long_context_cut_into_pieces_equals_the_layer_by_layer_forward(
+    tmp_path, monkeypatch, invariant
+):
     """One sequence of 600 tokens on 4 threads has fewer attention items (2 KV heads) than the threads want, so
-    each layer's context is cut into pieces attended apart and combined (kernels.h `context_parts`), in the fused
-    step as in the layer-by-layer forward's kernel: the same numbers."""
+    each layer's context is cut into pieces attended apart and combined (kernels.h `context_parts`; under batch
+    invariance as many as the sequence alone takes, `sequence_parts`), in the fused step as in the layer-by-layer
+    forward's kernel: the same numbers."""
     from tests.fixtures import make_tiny_llama
 
+    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", invariant)
     path = str(make_tiny_llama(tmp_path, max_position_embeddings=1024))
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
     assert model.cpu_decoder_step is not None

@@ -17,6 +17,15 @@ pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F1
 AVX512 = "avx512f" in build._cpu_flags()
 
 
+@pytest.fixture(autouse=True)
+def fast_paths():
+    """These tests pick the panels by their row-count thresholds (ops.py), which only choose with batch invariance
+    off (tests/unit/test_batch_invariance.py holds the invariant paths)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "batch_invariant", lambda: False)  # as KETTLE_BATCH_INVARIANT=0 reads
+        yield
+
+
 def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).abs().max() / expected.abs().max())
 

@@ -1,0 +1,202 @@
+"""Batch invariance of Kettle's CPU kernels (`KETTLE_BATCH_INVARIANT`, on by default): a row computed among other
+rows has the bits it has alone, for every weight type the kernels take, at every row count a step may have (a
+decode step of 1..40 sequences, a prompt chunk of hundreds), through every path a row count picks (kernels.h
+`linear_channel_rows`, gemm.c's row panels, the lanes kernels and the integer panels on AVX-512 VNNI). The same
+checks with the switch off find rows that differ: the fast paths change a row's arithmetic with the row count, which
+is what the switch is for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kettle.kernels import ops
+from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.q4 import Q4Linear, pack_q4
+from kettle.quantization.q8 import Q8Linear
+from tests.fixtures import kernel_switch, kernels_buildable, torch_threads, vector_width
+from tests.unit.test_cpu_kernels import QUANTIZED_ACTIVATION_RTOL, random_q4_k_blocks, random_q6_k_blocks, relative
+
+pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
+
+# Decode steps of 1..40 rows (the row panels start at 16), and prompt chunks past the lanes' panels (128 rows).
+COUNTS = (*range(1, 41), 130, 203)
+
+
+def rows_that_differ(layer: torch.nn.Module, k: int, seed: int = 0) -> list[int]:
+    """The row counts m at which some row of layer(x[:m]) differs from that row computed alone; each alone row is
+    also checked against the dense product (within the int16 activations' bound), so that equal garbage fails."""
+    torch.manual_seed(seed)
+    x = torch.randn(max(COUNTS), k)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(max(COUNTS))])
+    assert relative(alone, F.linear(x, layer.dequantized(), layer.bias)) < QUANTIZED_ACTIVATION_RTOL
+    return [m for m in COUNTS if not torch.equal(layer(x[:m]), alone[:m])]
+
+
+def q4_layer(n: int, k: int, group: int, symmetric: bool) -> Q4Linear:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = (torch.rand(n, k // group) * 0.02 + 1e-3).half().float()
+    mins = -8 * scales if symmetric else -(torch.rand(n, k // group) * 0.1)
+    return Q4Linear.from_groups(pack_q4(q), scales, mins, group, torch.randn(n))
+
+
+def q8_0_layer(n: int, k: int) -> Q8Linear:
+    q, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+    return Q8Linear(q, scales, torch.randn(n))
+
+
+@pytest.fixture(params=["rows", "lanes"])
+def layout(request, monkeypatch) -> str:
+    """The rows layouts (every weight on an AVX2 CPU), and lanes where the CPU has AVX-512 VNNI."""
+    if request.param == "lanes" and not ops._has_vnni():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    monkeypatch.setattr(ops, "_LANES", request.param == "lanes")
+    return request.param
+
+
+@pytest.fixture(params=["row channels", "row panels"])
+def row_panels(request):
+    """The rows layouts' two kernels for several rows at every count here: kernels.h's `linear_channel_rows` (below
+    `kettle_row_gemm_rows`, 256 by default) and gemm.c's row panels (forced from 1 row). Both must give one row's
+    bits."""
+    with kernel_switch("kettle_row_gemm_rows", 1 << 30 if request.param == "row channels" else 1):
+        yield
+
+
+# 40 channels in rows: a panel of 24 and one of 16, tiles of 3 with a short last one (48 in lanes: 3 groups of 16);
+# K of 24 blocks of 32 (int4) and of 19 (int8, Q8_0 in rows: an odd count of blocks, one chain longer).
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
+def test_int4_rows_are_computed_as_alone(layout, row_panels, group, symmetric):
+    layer = q4_layer(48 if layout == "lanes" else 40, 768, group, symmetric)
+    assert layer.lanes == (layout == "lanes")
+    assert rows_that_differ(layer, 768) == []
+
+
+def test_q4_k_rows_are_computed_as_alone():
+    if not ops.lanes():
+        pytest.skip("Q4_K keeps its own scales in lanes only (AVX-512 VNNI); elsewhere it is int4 in rows, above")
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.gguf_blocks import int4_groups
+    from kettle.quantization.gguf_scheme import int4_linear
+    from kettle.tensors.gguf_file import Blocks
+
+    layer = int4_linear(int4_groups(Blocks(random_q4_k_blocks(48, 512, seed=5), T.Q4_K, 48, 512, None)), None)
+    assert layer.supers is not None
+    assert rows_that_differ(layer, 512) == []
+
+
+def test_q8_0_rows_are_computed_as_alone(layout, row_panels):
+    layer = q8_0_layer(48 if layout == "lanes" else 40, 608 if layout == "rows" else 576)
+    assert layer.lanes == (layout == "lanes")
+    assert rows_that_differ(layer, layer.in_features) == []
+
+
+def test_int8_rows_are_computed_as_alone(row_panels):
+    layer = Int8Linear.from_weight(torch.randn(40, 608) * 0.05, torch.randn(40))
+    assert layer.cpu_kernel
+    assert rows_that_differ(layer, 608) == []
+
+
+def test_q6_k_rows_are_computed_as_alone():
+    if not ops.lanes():
+        pytest.skip("Q6_K runs on its own kernel in lanes only (AVX-512 VNNI); elsewhere it is int8, above")
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.q6 import Q6Linear
+    from kettle.tensors.gguf_file import Blocks
+
+    layer = Q6Linear.from_blocks([Blocks(random_q6_k_blocks(48, 512, seed=6), T.Q6_K, 48, 512, None)], torch.randn(48))
+    assert rows_that_differ(layer, 512) == []
+
+
+@pytest.fixture(params=["float32 panels (AVX2)", "float32 panels (AVX-512)", "integer panels"])
+def prompt_gemm(request, monkeypatch):
+    """Each prompt GEMM a CPU may run for the rows layouts: gemm.c's float32 panels with either micro-kernel (an
+    AVX2 CPU's), its integer panels (AVX-512 VNNI)."""
+    if request.param == "integer panels" and not ops._has_vnni():
+        pytest.skip("the integer panels need AVX-512 VNNI")
+    monkeypatch.setattr(ops, "_INTEGER_GEMM", request.param == "integer panels")
+    with vector_width("kettle_gemm_avx512", request.param == "float32 panels (AVX-512)"):
+        yield
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0", "int8"])
+def test_prompt_rows_are_computed_as_alone_in_any_chunk_and_beside_decode_rows(monkeypatch, prompt_gemm, kind):
+    """Inside a model's layers (`ops.row_kinds`) a weight in rows runs prompt rows on the prompt GEMM, at any chunk
+    size with a row's own bits (a prompt alone, 23 others beside it, a chunk of 1 token), and decode rows as one row
+    alone, also when a step mixes both: each kind's rows keep their bits whatever the step holds."""
+    monkeypatch.setattr(ops, "_LANES", False)
+    layer = {"int4": lambda: q4_layer(40, 768, 32, symmetric=False), "q8_0": lambda: q8_0_layer(40, 608)}.get(
+        kind, lambda: Int8Linear.from_weight(torch.randn(40, 608) * 0.05, torch.randn(40))
+    )()
+    k = layer.in_features
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(1))
+
+    def step(rows: torch.Tensor, prompt: list[tuple[int, int]]) -> torch.Tensor:
+        with ops.row_kinds(rows.shape[0], prompt):
+            return layer(rows)
+
+    prompts = torch.cat([step(x[i : i + 1], [(0, 1)]) for i in range(150)])  # each token a chunk of its own
+    decodes = torch.cat([layer(x[i : i + 1]) for i in range(150)])  # each a one-row decode step
+    assert torch.equal(step(x, [(0, 150)]), prompts)
+    assert torch.equal(step(x[:7], [(0, 7)]), prompts[:7])
+    # 3 decode rows, a prompt chunk of 100, 2 decode rows, a chunk of 45 (as a step lays out its sequences)
+    mixed = step(x, [(3, 103), (105, 150)])
+    decode_rows = [0, 1, 2, 103, 104]
+    prompt_rows = [i for i in range(150) if i not in decode_rows]
+    assert torch.equal(mixed[prompt_rows], prompts[prompt_rows])
+    assert torch.equal(mixed[decode_rows], decodes[decode_rows])
+    # A mixture's expert over its share of the rows (kettle/models/mixtral.py): each gathered row keeps its kind.
+    share = torch.tensor([1, 5, 103, 120, 149])
+    with ops.row_kinds(150, [(3, 103), (105, 150)]), ops.gathered_rows(share):
+        assert torch.equal(layer(x[share]), mixed[share])
+    assert relative(prompts, F.linear(x, layer.dequantized(), layer.bias)) < QUANTIZED_ACTIVATION_RTOL
+
+
+def test_rows_are_computed_as_alone_whatever_the_thread_count():
+    """The row panels and channels split channels, never a row's sums, between threads."""
+    layer = q4_layer(40, 576, 32, symmetric=False)
+    with torch_threads(1):
+        one = layer(torch.randn(50, 576, generator=torch.Generator().manual_seed(3)))
+    with torch_threads(2):
+        assert torch.equal(layer(torch.randn(50, 576, generator=torch.Generator().manual_seed(3))), one)
+
+
+def test_without_the_switch_the_fast_paths_change_a_rows_bits(monkeypatch):
+    """`KETTLE_BATCH_INVARIANT=0` keeps the row-count-dependent arithmetic (float32 tiles and panels in rows): the
+    test above would fail there, so it can fail."""
+    monkeypatch.setattr(ops, "_LANES", False)
+    layer = q4_layer(40, 576, 32, symmetric=False)
+    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
+    assert rows_that_differ(layer, 576) != []
+
+
+def test_decode_attention_cuts_each_context_as_alone(monkeypatch):
+    """A long context is cut into pieces only to give idle threads work; under batch invariance a sequence is cut
+    as it would be alone (here 2 pieces on 4 threads), not by how many others share the call (none with 5): its
+    output rows are the same bits alone and in the batch. Without the switch they are not."""
+    torch.manual_seed(9)
+    heads, kv_heads, dim, block = 8, 2, 64, 16
+    lens = [700, 40, 523, 9, 300]
+    blocks = sum(-(-n // block) for n in lens)
+    k_cache, v_cache = torch.randn(blocks * block, kv_heads, dim), torch.randn(blocks * block, kv_heads, dim)
+    order, at, tables = torch.randperm(blocks).tolist(), 0, []
+    for n in lens:
+        tables.append(order[at : at + -(-n // block)])
+        at += -(-n // block)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    positions, q = torch.tensor([n - 1 for n in lens]), torch.randn(len(lens), heads, dim)
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        return ops.paged_decode(q[rows], k_cache, v_cache, table[rows], positions[rows], block, 0.125, None)
+
+    with torch_threads(4):
+        together = attend(list(range(len(lens))))
+        alone = torch.cat([attend([s]) for s in range(len(lens))])
+        assert torch.equal(together, alone)
+        monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
+        assert not torch.equal(attend(list(range(len(lens)))), alone)
