@@ -18,7 +18,7 @@ from PIL import Image
 
 from kettle.bench.process import KettleServer
 from tests.e2e.kv_pool import assert_pool_whole
-from tests.vision_fixtures import LLAVA_IMAGE_TOKENS, data_url, image_bytes, make_llava_folder
+from tests.vision_fixtures import LLAVA_IMAGE_TOKENS, data_url, image_bytes, make_idefics3_folder, make_llava_folder
 
 NEW_TOKENS = 6
 PNG = image_bytes("PNG", (40, 30), seed=3)
@@ -152,3 +152,33 @@ def test_a_grammar_applies_to_an_answer_about_an_image(server):
     response_format = {"type": "regex", "value": "[ab]{4}"}
     answer = chat(client, data_url(PNG), extra_body={"response_format": response_format})
     assert re.fullmatch("[ab]{4}", answer.choices[0].message.content)
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    folder = make_idefics3_folder(tmp_path_factory.mktemp("idefics3"), weights=True)
+    flags = ("--max-input-tokens", "200", "--max-total-tokens", "256", "--kv-cache-dtype", "float32")
+    server = KettleServer(str(folder), *flags)
+    model = Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    yield server, model, AutoProcessor.from_pretrained(folder)
+    try:
+        assert_pool_whole(server.url)
+    finally:
+        code = server.stop()
+    assert code == 0, server.logs()
+
+
+def test_idefics3_answers_about_a_tiled_image(idefics3):
+    """A SmolVLM-architecture model through the real server: an image cut into tiles, the answer transformers'."""
+    server, model, processor = idefics3
+    png = image_bytes("PNG", (64, 30), seed=1)
+    rendered = "<|im_start|>user\nWhat is in<image><|im_end|>\n<|im_start|>assistant\n"
+    inputs = processor(text=rendered, images=[[Image.open(io.BytesIO(png))]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    answer = chat(OpenAI(base_url=f"{server.url}/v1", api_key="unused"), data_url(png))
+    assert answer.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    assert answer.choices[0].message.content == text
