@@ -51,6 +51,10 @@ BENCHMARKS = {
         "bench.footprint:startup",
         "seconds from `kettle launch` to a healthy server, cache empty, then filled",
     ),
+    "vision": (
+        "bench.vision:vision",
+        "one image's encode time and time to first token (SmolVLM-256M's shape, random weights) against transformers",
+    ),
     "gpu": (
         "bench.gpu:gpu",
         "decode on a CUDA GPU against transformers: graphs, fp8, int8/int4, KV dtypes, int4 kernels",
