@@ -210,7 +210,9 @@ def build_router(routes: OpenAIRoutes, dependencies: Sequence[Depends] = ()) -> 
     async def models() -> oai.ModelList:
         """The one model this server runs."""
         names = [routes.model_id, *routes.service.adapters]  # the base model, then each LoRA adapter
-        return oai.ModelList(data=[oai.Model(id=name, owned_by=routes.model_id) for name in names])
+        modalities = ["text", "image"] if routes.service.validation.images is not None else []
+        models = [oai.Model(id=name, owned_by=routes.model_id, input_modalities=modalities) for name in names]
+        return oai.ModelList(data=models)
 
     @router.post("/chat_tokenize", dependencies=checked, response_model=oai.ChatTokenizeResponse, responses=_ERRORS)
     async def chat_tokenize(body: oai.ChatRequest) -> oai.ChatTokenizeResponse:

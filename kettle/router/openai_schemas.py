@@ -224,11 +224,16 @@ class Completion(_Answer):
     usage: Usage | None = None
 
 
-class Model(BaseModel):
+class Model(_OmitsEmpty):
+    omit_when_empty: ClassVar[tuple[str, ...]] = ("input_modalities",)
+
     id: str
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str
+    input_modalities: list[str] = Field(
+        default_factory=list, description='["text", "image"] for a model that takes images; absent for text only.'
+    )
 
 
 class ModelList(BaseModel):

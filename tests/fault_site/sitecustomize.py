@@ -58,9 +58,9 @@ if os.environ.get("KETTLE_TEST_FAULTS") == "1":
         def faulty_queue(self, allocator, *args, **kwargs):
             allocate = allocator.allocate
 
-            def faulty_allocate(n_tokens, prompt_ids=(), reuse=True, namespace=""):
+            def faulty_allocate(n_tokens, prompt_ids=(), reuse=True, namespace="", images=()):
                 _raise_if(_by_ids.get(tuple(prompt_ids)), "allocation")
-                return allocate(n_tokens, prompt_ids, reuse, namespace)
+                return allocate(n_tokens, prompt_ids, reuse, namespace, images)
 
             allocator.allocate = faulty_allocate
             queue_init(self, allocator, *args, **kwargs)

@@ -88,10 +88,10 @@ def test_an_allocator_failure_fails_that_request_and_the_line_moves_on():
         scheduler, queue, allocator = make_scheduler(chunked=True)
         allocate = allocator.allocate
 
-        def failing(n_tokens, prompt_ids=(), reuse=True, namespace=""):
+        def failing(n_tokens, prompt_ids=(), reuse=True, namespace="", images=()):
             if len(prompt_ids) == 7:
                 raise RuntimeError("allocator bug")
-            return allocate(n_tokens, prompt_ids, reuse, namespace)
+            return allocate(n_tokens, prompt_ids, reuse, namespace, images)
 
         allocator.allocate = failing
         bad, good = make_entry(1, input_len=7), make_entry(2, input_len=5)

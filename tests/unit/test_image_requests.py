@@ -66,7 +66,9 @@ def test_a_chat_image_becomes_its_image_tokens_and_counts_in_usage(make_client, 
     assert request.input_ids[request.images[0].start : request.images[0].start + N] == (image_id,) * N
     assert request.images[0].data == png
     assert response.json()["usage"]["prompt_tokens"] == request.input_length > N
-    assert make_client(FakeInfer()).get("/info").json()["model_pipeline_tag"] == "image-text-to-text"
+    client = make_client(FakeInfer())
+    assert client.get("/info").json()["model_pipeline_tag"] == "image-text-to-text"
+    assert client.get("/v1/models").json()["data"][0]["input_modalities"] == ["text", "image"]
 
 
 def test_a_markdown_image_in_generate_inputs(make_client):

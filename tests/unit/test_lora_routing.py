@@ -57,9 +57,9 @@ def test_the_queue_allocates_under_the_request_adapter():
     seen = {}
     allocate = allocator.allocate
 
-    def spy(n_tokens, prompt_ids=(), reuse=True, namespace=""):
+    def spy(n_tokens, prompt_ids=(), reuse=True, namespace="", images=()):
         seen["namespace"] = namespace
-        return allocate(n_tokens, prompt_ids, reuse, namespace)
+        return allocate(n_tokens, prompt_ids, reuse, namespace, images)
 
     allocator.allocate = spy
     queue.append(Entry(1, replace(request, adapter_id="customer-a")))
