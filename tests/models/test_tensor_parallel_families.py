@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from kettle.bench.process import free_port
 from tests.models.family_parity import save_tiny, tiny_settings
 from tests.models.test_gpt_families import build, gpt2_names
+from tests.vision_fixtures import make_idefics3_folder, make_llava_folder
 
 # gloo on the CPU: with CUDA the shards would run NCCL, which needs a GPU per rank.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tensor-parallel test")
@@ -78,6 +79,9 @@ CASES = {
     "opt (350m layout)": _gpt_case("opt (350m layout)"),
     "bloom (6 heads)": _gpt_case("bloom (6 heads)"),
     "mpt (clip_qkv)": _gpt_case("mpt (clip_qkv)"),
+    # Vision-language models: the language model sliced, the tower and projector whole on each rank.
+    "llava": lambda path: make_llava_folder(path, weights=True),
+    "idefics3": lambda path: make_idefics3_folder(path, weights=True),
 }
 INT8_CASES = ["phi3", "starcoder2"]
 
@@ -96,7 +100,24 @@ def _logits(path: str, quantize: str | None) -> dict:
     # Fixed next tokens (not each load's argmax), so the decode steps compare even where int8 picks differ.
     decode, _ = step(model, cache, [[1], [2], [3]], [len(p) for p in PROMPTS], tables)
     int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
-    return {"prefill": prefill, "decode": decode, "int8 layers": int8, "heads": model.spec.num_heads}
+    result = {"prefill": prefill, "decode": decode, "int8 layers": int8, "heads": model.spec.num_heads}
+    if hasattr(model, "encode_images"):  # a vision-language model: a prompt with one image too
+        result["image prefill"] = _image_logits(model)
+    return result
+
+
+def _image_logits(model) -> torch.Tensor:
+    """Logits of a prompt holding one fixed random 32x32 image (one tile for Idefics3), each rank encoding it."""
+    from kettle.bench.drive import new_cache, scattered_tables, step
+
+    nested = getattr(model, "image_batches_nested", False)
+    pixels = torch.randn((1, 1, 3, 32, 32) if nested else (1, 3, 32, 32), generator=torch.Generator().manual_seed(0))
+    (rows,) = model.encode_images(pixels)
+    prompt = [5, 17, *[model.image_token_id] * rows.shape[0], 3]
+    model.image_rows.set(torch.arange(2, 2 + rows.shape[0]), rows)
+    tables, num_blocks = scattered_tables([len(prompt)])
+    logits, _ = step(model, new_cache(model, num_blocks), [prompt], [0], tables)
+    return logits
 
 
 def _runs(models: dict[str, str]) -> dict[str, dict]:
@@ -140,7 +161,9 @@ def test_two_ranks_give_the_logits_of_one_shard(logits, case):
     for rank, result in enumerate(ranks):
         # Every projection of a rank is quantized, as on one shard, its block of the LM head included.
         assert result[case]["int8 layers"] == single[case]["int8 layers"], f"rank {rank}"
-        for step in ("prefill", "decode"):
+        for step in ("prefill", "decode", "image prefill"):
+            if step not in single[case]:
+                continue
             got, want = result[case][step], single[case][step]
             atol = INT8_RTOL * float(want.abs().max()) if int8 else ATOL
             where = f"rank {rank} {step}"
