@@ -34,6 +34,7 @@ from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.decoder import Attention, PreNormLayer
 from kettle.models.decoder_step import DecoderStep
 from kettle.models.spec import ModelSpec, shard_heads
+from kettle.models.vision.image_rows import ImageRows
 from kettle.tensors.kv_cache import KVCache
 from kettle.tensors.weights import LinearLoader, Weights
 
@@ -78,6 +79,9 @@ class CausalLM(nn.Module):
     rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
     embed_scale: torch.Tensor | None = None  # Gemma multiplies embeddings by sqrt(hidden)
     lora_rows: LoraRows | None = None  # set when LoRA adapters are attached (kettle/models/lora_adapters.py)
+    # A vision-language model's image embeddings for its next forward, put in place of its image tokens' rows
+    # (kettle/models/vision/image_rows.py; the shard's runner sets them).
+    image_rows: ImageRows | None = None
     embed_rows = None  # ids → rows, when the embedding reads a quantized table (a tied head's or its own)
 
     def load_embeddings(self, weights: Weights, embed: str, head: str, tied: bool, head_bias: str | None = None):
@@ -145,7 +149,8 @@ class CausalLM(nn.Module):
             h = self.embed_rows(input_ids)
         else:
             h = vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp)
-        return h if self.embed_scale is None else h * self.embed_scale
+        h = h if self.embed_scale is None else h * self.embed_scale
+        return h if self.image_rows is None else self.image_rows.place(h)
 
     def rope(self, positions: torch.Tensor, meta: AttentionMetadata):
         """(cos, sin) for the step's positions, or (None, None) without RoPE."""

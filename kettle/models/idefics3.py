@@ -87,6 +87,3 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         rows = self.projection(features.reshape(-1, width)).view(n, seq, -1)
         per_image = real.view(images, tiles).sum(dim=1).tolist()
         return [part.reshape(-1, part.shape[-1]) for part in rows.split(per_image)]
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.image_rows.place(super().embed(input_ids, positions))

@@ -70,6 +70,3 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             features = features[:, 1:]
         images, tokens, width = features.shape
         return self.projector(features.reshape(-1, width)).view(images, tokens, -1)
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.image_rows.place(super().embed(input_ids, positions))

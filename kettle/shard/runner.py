@@ -67,6 +67,8 @@ class PagedRunner:
         self.speculate = 0  # draft tokens per step and request (--speculate); 0: off
         self.lanes = in_lanes(model)  # its kernels' passes take 8 rows: a verifying step's limit (speculation.py)
         self.kv_dtype: torch.dtype | None = None  # the paged KV cache's (--kv-cache-dtype); None: the model's
+        # A vision-language model's images (`image_inputs.ImageInputs`, set by the server); None: text only.
+        self.images = None
 
     def release(self, request_ids: Iterable[int] | None) -> None:
         """Forgets per-request state kept between steps (None: all): none here, the K/V lives in the router's
@@ -201,6 +203,17 @@ class PagedRunner:
         return result
 
     def _forward(
+        self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        if self.images is None or not any(r.images and r.in_prefill for r in requests):
+            return self._forward_tokens(requests, queries, drafts)
+        self.images.place(requests, queries)  # the step's image rows, which the model's embedding puts in place
+        try:
+            return self._forward_tokens(requests, queries, drafts)
+        finally:
+            self.model.image_rows.clear()  # a forward that failed before embedding must not leave rows behind
+
+    def _forward_tokens(
         self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         assert self.kv_cache is not None, "Warmup must run before the first forward"

@@ -33,13 +33,12 @@ _MAX_MESSAGE = 256 * 1024 * 1024
 
 
 def _native_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
-    if hasattr(model, "encode_images"):  # a vision-language model: its forwards place image rows
+    runner = PagedRunner(model, vocab, device, watermark, graph_buckets)
+    if hasattr(model, "encode_images"):  # a vision-language model: its prompts' forwards place image rows
         from kettle.shard.image_inputs import ImageInputs, load_image_processor
-        from kettle.shard.image_runner import ImageRunner
 
-        images = ImageInputs(model, load_image_processor(model.folder))
-        return ImageRunner(model, vocab, device, watermark, graph_buckets, images)
-    return PagedRunner(model, vocab, device, watermark, graph_buckets)
+        runner.images = ImageInputs(model, load_image_processor(model.folder))
+    return runner
 
 
 def _fallback_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
@@ -143,7 +142,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         decode_path=decode_path,
         speculate=runner.speculate,
         kv_cache_dtype=str(runner.cache_dtype).removeprefix("torch."),
-        takes_images=hasattr(runner, "images"),
+        takes_images=getattr(runner, "images", None) is not None,
     )
     # Loading freed far more than it kept (the tokenizer's JSON tree, conversion temporaries): give it back.
     release_free_memory()
