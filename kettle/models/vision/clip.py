@@ -84,11 +84,11 @@ class VisionTower(nn.Module):
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`position_ids` [patches]: which learned position each patch takes (default: the first ones in order)."""
-        pixels = pixel_values.to(self.patch.dtype)
+        pixels = pixel_values.to(device=self.patch.device, dtype=self.patch.dtype)  # the processor's are CPU float32
         h = F.conv2d(pixels, self.patch, self.patch_bias, stride=self.patch.shape[-1]).flatten(2).transpose(1, 2)
         if self.class_embedding is not None:
             h = torch.cat([self.class_embedding.expand(h.shape[0], 1, -1), h], dim=1)
-        h = h + (self.positions[: h.shape[1]] if position_ids is None else self.positions[position_ids])
+        h = h + (self.positions[: h.shape[1]] if position_ids is None else self.positions[position_ids.to(h.device)])
         if self.pre_norm is not None:
             h = self.pre_norm(h)
         for layer in self.layers:
