@@ -60,6 +60,7 @@ NATIVE: dict[str, Family] = {
     "gptj": Family("gptj", "GPTJForCausalLM"),
     "llava": Family("llava", "LlavaForConditionalGeneration"),  # the tower and projector whole on every rank
     "idefics3": Family("idefics3", "Idefics3ForConditionalGeneration"),  # the same: the tower whole on every rank
+    "llava_next": Family("llava_next", "LlavaNextForConditionalGeneration"),  # the same
     "gpt_neox": Family("gpt_neox", "GPTNeoXForCausalLM"),
     "starcoder2": Family("starcoder2", "Starcoder2ForCausalLM"),
 }

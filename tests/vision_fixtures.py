@@ -147,3 +147,56 @@ def make_idefics3_folder(path: Path, *, weights: bool = False, seed: int = 0) ->
     else:
         (path / "config.json").write_text(json.dumps(config.to_dict()))
     return path
+
+
+LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+def make_llava_next_folder(path: Path, *, weights: bool = False, seed: int = 0) -> Path:
+    """A tiny LLaVA-NeXT in `path`: LLaVA's CLIP tower on 32-pixel tiles, images fitted to a 1 x 2, 2 x 1 or 2 x 2
+    grid of tiles plus the whole image; random weights with `weights`."""
+    from transformers import LlavaNextConfig, LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    tokenizer = make_tokenizer(path, chat_template=IMAGE_CHATML_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.save_pretrained(path)
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS
+    )
+    processor = LlavaNextProcessor(
+        images,
+        tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=IMAGE_CHATML_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    vision = dict(model_type="clip_vision_model", image_size=32, patch_size=8, hidden_size=32, intermediate_size=64)
+    vision |= dict(num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
+    text = tiny_config(tokenizer) | dict(
+        model_type="llama", bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    text["tie_word_embeddings"] = False
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+    )
+    if weights:
+        import torch
+        from transformers import LlavaNextForConditionalGeneration
+
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config).eval()
+        with torch.no_grad():  # biases, norm weights and image_newline: perturbed, they must really be read
+            for param in model.parameters():
+                if param.ndim == 1:
+                    param.add_(torch.randn_like(param) * 0.2)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        (path / "config.json").write_text(json.dumps(config.to_dict()))
+    return path

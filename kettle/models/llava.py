@@ -26,6 +26,7 @@ _RENAMES = (
     ("model.language_model.", "model."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.image_newline", "image_newline"),  # LLaVA-NeXT's
 )
 
 

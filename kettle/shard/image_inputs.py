@@ -42,7 +42,8 @@ class ImageInputs:
                 images.append(image.convert("RGB"))
         nested = getattr(self.model, "image_batches_nested", False)  # Idefics3: a list of tiles per image
         batch = self.processor(images=[[image] for image in images] if nested else images, return_tensors="pt")
-        return {key: value for key, value in batch.items() if key in ("pixel_values", "pixel_attention_mask")}
+        wanted = ("pixel_values", "pixel_attention_mask", "image_sizes")  # what the towers read
+        return {key: value for key, value in batch.items() if key in wanted}
 
     def positions(self, request: RequestState, index: int) -> list[int]:
         """The prompt positions of image `index`'s tokens: the first `length` image tokens from its start (one run

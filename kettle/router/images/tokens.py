@@ -95,6 +95,47 @@ def _llava(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
     return ImageTokens("llava", token, token, token_id, lambda w, h: n)
 
 
+def best_resolution(height: int, width: int, pinpoints: list) -> tuple[int, int]:
+    """The (height, width) of `pinpoints` that keeps most of the image and wastes least (transformers'
+    select_best_resolution)."""
+    best, most, waste = None, 0, float("inf")
+    for target_h, target_w in pinpoints:
+        scale = min(target_w / width, target_h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = target_w * target_h - effective
+        if effective > most or (effective == most and wasted < waste):
+            best, most, waste = (target_h, target_w), effective, wasted
+    return best
+
+
+def _llava_next(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
+    """LlavaNextProcessor: the base tile's patches (+ the class token unless dropped), then the best grid's
+    patches with the padding rows or columns taken off and one newline feature per row."""
+    vision = config["vision_config"]
+    patch = processor.get("patch_size") or vision.get("patch_size", 14)
+    height, width = _size(preprocessor.get("crop_size") or preprocessor.get("size"), vision.get("image_size", 336))
+    pinpoints = preprocessor.get("image_grid_pinpoints") or config.get("image_grid_pinpoints")
+    extra = processor.get("num_additional_image_tokens", 0)
+    strategy = processor.get("vision_feature_select_strategy") or config.get("vision_feature_select_strategy")
+
+    def count(image_width: int, image_height: int) -> int:
+        best_h, best_w = best_resolution(image_height, image_width, pinpoints)
+        rows, cols = height // patch, width // patch
+        current_h, current_w = rows * (best_h // height), cols * (best_w // width)
+        if image_width / image_height > current_w / current_h:
+            new_height = int(round(image_height * (current_w / image_width), 7))
+            current_h -= (current_h - new_height) // 2 * 2
+        else:
+            new_width = int(round(image_width * (current_h / image_height), 7))
+            current_w -= (current_w - new_width) // 2 * 2
+        n = current_h * current_w + current_h + rows * cols + extra
+        return n - 1 if strategy == "default" else n
+
+    token = processor.get("image_token", "<image>")
+    token_id = config.get("image_token_id", config.get("image_token_index", 32000))
+    return ImageTokens("llava_next", token, token, token_id, count)
+
+
 def _gemma3(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
     """Gemma3Processor: the template's `<start_of_image>` becomes a fixed run of soft tokens between the begin and
     end tokens, with blank lines around (pan-and-scan off, its default)."""
@@ -217,6 +258,7 @@ def _idefics3(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
 FAMILIES: dict[str, Callable[[dict, dict, dict], ImageTokens]] = {
     "idefics3": _idefics3,
     "llava": _llava,
+    "llava_next": _llava_next,
     "gemma3": _gemma3,
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_vl,
