@@ -146,3 +146,16 @@ def test_a_text_model_keeps_markdown_as_text(pool):
     inputs = "See ![](http://127.0.0.1:9/x.png)"
     valid = asyncio.run(validation.validate(GenerateRequest(inputs=inputs, parameters={"max_new_tokens": 2})))
     assert valid.inputs == inputs and valid.images == ()
+
+
+def test_truncation_into_an_image_is_refused(make_client):
+    """`truncate` keeps the prompt's last tokens: cutting into an image's tokens would leave rows without it."""
+    url = data_url(image_bytes())
+    body = {"inputs": f"Describe ![]({url}) please", "parameters": {"max_new_tokens": 2, "truncate": 10}}
+    response = make_client(FakeInfer()).post("/generate", json=body)
+    assert response.status_code == 422
+    assert response.json()["error"] == (
+        "Input validation error: the prompt's image tokens do not match its images (truncated into an image?)"
+    )
+    body["parameters"]["truncate"] = 60  # the whole prompt: nothing cut
+    assert make_client(FakeInfer()).post("/generate", json=body).status_code == 200
