@@ -148,14 +148,24 @@ class RowKinds:
     is_prompt: torch.Tensor
     prompt: torch.Tensor
     decode: torch.Tensor
+    spans: tuple[tuple[int, int] | None, tuple[int, int] | None]  # each kind's [start, end) when its rows are one run
 
     @classmethod
     def of(cls, is_prompt: torch.Tensor) -> RowKinds:
-        return cls(is_prompt, is_prompt.nonzero().squeeze(1), (~is_prompt).nonzero().squeeze(1))
+        prompt, decode = is_prompt.nonzero().squeeze(1), (~is_prompt).nonzero().squeeze(1)
+        return cls(is_prompt, prompt, decode, (_span(prompt), _span(decode)))
 
     @property
     def count(self) -> int:
         return self.is_prompt.shape[0]
+
+
+def _span(rows: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) when the ascending indices `rows` are one run, else None."""
+    if not rows.numel():
+        return None
+    first, last = int(rows[0]), int(rows[-1])
+    return (first, last + 1) if last - first + 1 == rows.numel() else None
 
 
 _ROW_KINDS: contextvars.ContextVar[RowKinds | None] = contextvars.ContextVar("kettle_row_kinds", default=None)
@@ -192,17 +202,26 @@ def gathered_rows(rows: torch.Tensor) -> contextlib.AbstractContextManager:
     return _kinds(None if kinds is None else RowKinds.of(kinds.is_prompt[rows.cpu()]))
 
 
-def _by_kind(x: torch.Tensor, n: int, run: Callable[[torch.Tensor, bool], torch.Tensor]) -> torch.Tensor:
-    """run(rows, prompt) over x's prompt rows (prompt True) and its decode rows, each kind in one call, into one
-    [M, N] output (`row_kinds`: x holds the forward's rows, else every row is a decode row)."""
+Run = Callable[[torch.Tensor, bool, torch.Tensor | None], torch.Tensor]
+
+
+def _by_kind(x: torch.Tensor, n: int, run: Run) -> torch.Tensor:
+    """run(rows, prompt, out) over x's prompt rows (prompt True) and its decode rows, each kind in one call, into
+    one [M, N] output (`row_kinds`: x holds the forward's rows, else every row is a decode row). A kind whose rows
+    are one run (the usual step: its sequences' tokens side by side) is read and written in place (`out`: its rows
+    of the output), else gathered and scattered."""
     kinds = _ROW_KINDS.get()
     if kinds is None or kinds.count != x.shape[0] or not kinds.prompt.numel():
-        return run(x, False)
+        return run(x, False, None)
     if not kinds.decode.numel():
-        return run(x, True)
+        return run(x, True, None)
+    x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    y.index_copy_(0, kinds.prompt, run(x.index_select(0, kinds.prompt), True))
-    y.index_copy_(0, kinds.decode, run(x.index_select(0, kinds.decode), False))
+    for rows, span, prompt in ((kinds.prompt, kinds.spans[0], True), (kinds.decode, kinds.spans[1], False)):
+        if span is not None:
+            run(x[span[0] : span[1]], prompt, y[span[0] : span[1]])
+        else:
+            y.index_copy_(0, rows, run(x.index_select(0, rows), prompt, None))
     return y
 
 
@@ -257,17 +276,19 @@ def q4_linear(
     weight = (packed, scales, mins, group_size, bias, lanes, supers)
     if _by_kind_here(lanes):
         return _by_kind(
-            x, packed.shape[0], lambda part, prompt: _q4(part, *weight, ("rows", _prompt_path(k)) if prompt else None)
+            x,
+            packed.shape[0],
+            lambda part, prompt, out: _q4(part, *weight, ("rows", _prompt_path(k)) if prompt else None, out),
         )
     return _q4(x, *weight, None)
 
 
-def _q4(x, packed, scales, mins, group_size, bias, lanes, supers, entry: tuple[str, int] | None) -> torch.Tensor:
-    """`q4_linear` by `entry` (None: `q4_entry`'s for x's row count)."""
+def _q4(x, packed, scales, mins, group_size, bias, lanes, supers, entry, out=None) -> torch.Tensor:
+    """`q4_linear` by `entry` (None: `q4_entry`'s for x's row count), into `out` when given ([M, N] contiguous)."""
     rows, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     head = (x.data_ptr(), k, rows, k, packed.data_ptr(), scales.data_ptr(), _ptr(mins), n, group_size)
     tail = (_ptr(bias), y.data_ptr(), n)
     entry, path = entry or q4_entry(rows, k, lanes)
@@ -350,17 +371,19 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     k = x.shape[1]
     if _by_kind_here() and k % 32 == 0:
         return _by_kind(
-            x, q.shape[0], lambda part, prompt: _q8(part, q, scales, bias, _prompt_path(k) if prompt else None)
+            x,
+            q.shape[0],
+            lambda part, prompt, out: _q8(part, q, scales, bias, _prompt_path(k) if prompt else None, out),
         )
     return _q8(x, q, scales, bias, None)
 
 
-def _q8(x, q, scales, bias, path: int | None) -> torch.Tensor:
-    """`q8_linear` by `path` (None: `q8_path`'s for x's row count)."""
+def _q8(x, q, scales, bias, path: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`q8_linear` by `path` (None: `q8_path`'s for x's row count), into `out` when given."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     args = (x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr(), n)
     path = q8_path(rows, k) if path is None else path
     if path >= 0:
@@ -385,17 +408,17 @@ def q8g_linear(
         return _by_kind(
             x,
             q.shape[0],
-            lambda part, prompt: _q8g(part, q, scales, bias, lanes, 1 + _prompt_path(k) if prompt else None),
+            lambda part, prompt, out: _q8g(part, q, scales, bias, lanes, 1 + _prompt_path(k) if prompt else None, out),
         )
     return _q8g(x, q, scales, bias, lanes, None)
 
 
-def _q8g(x, q, scales, bias, lanes: bool, path: int | None) -> torch.Tensor:
-    """`q8g_linear` by `path` (None: `q8g_path`'s for x's row count)."""
+def _q8g(x, q, scales, bias, lanes: bool, path: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`q8g_linear` by `path` (None: `q8g_path`'s for x's row count), into `out` when given."""
     rows, k = x.shape
     n = q.shape[0]
     x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     status = library().kettle_q8g_linear(
         x.data_ptr(), k, rows, k, q.data_ptr(), scales.data_ptr(), n, lanes, _ptr(bias), y.data_ptr(), n,
         q8g_path(rows, k, lanes) if path is None else path, torch.get_num_threads(),

@@ -143,7 +143,10 @@ def test_prompt_rows_are_computed_as_alone_in_any_chunk_and_beside_decode_rows(m
     decodes = torch.cat([layer(x[i : i + 1]) for i in range(150)])  # each a one-row decode step
     assert torch.equal(step(x, [(0, 150)]), prompts)
     assert torch.equal(step(x[:7], [(0, 7)]), prompts[:7])
-    # 3 decode rows, a prompt chunk of 100, 2 decode rows, a chunk of 45 (as a step lays out its sequences)
+    # 5 decode rows, then a prompt chunk: each kind one run of rows, computed in place
+    runs = step(x, [(5, 150)])
+    assert torch.equal(runs[5:], prompts[5:]) and torch.equal(runs[:5], decodes[:5])
+    # 3 decode rows, a prompt chunk of 100, 2 decode rows, a chunk of 45: each kind gathered
     mixed = step(x, [(3, 103), (105, 150)])
     decode_rows = [0, 1, 2, 103, 104]
     prompt_rows = [i for i in range(150) if i not in decode_rows]
