@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 LM_HEAD_SCHEMES = ("int8", "int4", "dense")
 # tinygemm stays the default: 2.1-2.4x bf16 at one sequence against the Triton kernel's 0.84x; the Triton kernel
-# wins at 32 rows and more (0.83-0.90x of bf16 at 32 against tinygemm's 0.34-0.36x; bench/GPU_RESULTS.md).
+# wins at 32 rows and more (0.83-0.90x of bf16 at 32 against tinygemm's 0.34-0.36x; bench/RESULTS.md).
 CUDA_INT4_KERNELS = ("tinygemm", "triton")
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 # A decode call's steps within this window reach the streams together: short enough to read as a steady stream,
@@ -181,7 +181,7 @@ def _row_cost(value: str | None) -> float:
 
 def _step_rows(value: str | None) -> int | None:
     # Unset: kettle/shard/speculation.py's default for the device (one pass of the CPU kernels' integer path, 4;
-    # 7 on a GPU). Set, for measurement: 7 is the CPU's rule before it (bench/overlap_speculate.py compares them).
+    # 7 on a GPU). Set, for measurement: 7 is the CPU's rule before it (`python -m bench speculation` compares them).
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:

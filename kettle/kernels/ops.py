@@ -72,7 +72,7 @@ LANES_GEMM_ROWS = 128
 TILE_ROWS = 4
 # The same for weights in lanes (kernels.h's LANES_TILE: 8 rows of 16 channels' accumulators in AVX-512's 32
 # registers). On the bundled model a speculative step of 5 rows (`--speculate 4`'s 4 drafts) then copied 2.06x
-# against 1.60x at 4 rows in the same run (2026-11-27, `bench/overlap_speculate.py --in-process`).
+# against 1.60x at 4 rows in the same run (2026-11-27, `python -m bench speculation --in-process`).
 LANES_TILE_ROWS = 8
 
 # The KV cache element types the attention kernels read and write, by their code in kernels.h (KV_F32, ...).

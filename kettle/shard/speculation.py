@@ -47,7 +47,7 @@ from kettle.shard.sampling import BatchSampler, SamplingParams, greedy_choice, i
 # (`ops.TILE_ROWS`), which reads and unpacks each weight once for all its rows. A fifth row starts a second pass:
 # measured on the bundled model (int4, fused step, context 560, one thread) a step of 4 rows cost 2.30 one-row
 # steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
-# cost more than it saved (`bench/overlap_speculate.py --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
+# cost more than it saved (`python -m bench speculation --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
 # And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
 CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1, ops.INTEGER_ROWS - 1)
 # A model whose weights are all in lanes (AVX-512 VNNI: kernels.h's Q4L/Q8L) runs 8 rows a pass
