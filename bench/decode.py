@@ -47,6 +47,16 @@ the ratio:
   tokens each, EOS ignored; the best of `--trials` (one thread unless given).
 - `grammar-engines`: xgrammar, llguidance and outlines-core on the model's tokenizer for one JSON schema: compile
   time, the first mask, and the median time to build a [B, V] mask at batch 1 and 8 along a fixed valid output.
+- `invariance`: what batch invariance costs, `KETTLE_BATCH_INVARIANT=0` (the fast paths) against the default on one
+  model (settings are read at each step, so both run interleaved in this process): decode at each `--batch` and
+  `--context` (`--steps 40` unless given) and a prefill of each `--prefill` token count (512 unless given, `--trials
+  7` rounds); each side's median and fastest, and invariant/fast time round by round. `--layout rows-avx2`: an AVX2
+  CPU's kernels on this one (weights in rows, no integer panels, 256-bit one-row channels, GEMM panels and prefill
+  attention) where the default is this CPU's own (in lanes on AVX-512 VNNI).
+- `invariance-mixed`: the same for one step that mixes a prompt chunk of `--prefill` tokens (256 unless given) with
+  `--batch` decodes (8 unless given) at `--context` (metadata, forward, the last tokens' logits and argmax, the
+  same cache slots written each round), `--trials 11` rounds unless given, e.g. `--vs invariance-mixed --layout
+  rows-avx2`.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
+import itertools
 import json
 import os
 import statistics
@@ -62,23 +74,25 @@ import time
 from pathlib import Path
 
 from kettle.bench.drive import environment
-from kettle.bench.timing import interleaved
+from kettle.bench.timing import interleaved, ratio_summary, same_round
 
 COMPARISONS = (
     "transformers", "layers", "float-panels", "switch", "schemes", "gguf", "kv-dtypes", "gguf-types", "compile",
-    "kernels", "fallback", "grammar-engines",
+    "kernels", "fallback", "grammar-engines", "invariance", "invariance-mixed",
 )  # fmt: skip
-# What a comparison measures unless told otherwise (batch, context, steps, threads).
+# What a comparison measures unless told otherwise (batch, context, steps, threads, trials, prefill).
 DEFAULTS = {
     "schemes": {"batch": [1], "context": [16], "steps": 128},
     "gguf": {"batch": [1], "context": [64], "steps": 40},
     "kv-dtypes": {"context": [512, 2048], "steps": 15},
     "kernels": {"batch": [1, 16, 128], "steps": 50},
     "compile": {"threads": 1},
-    "fallback": {"threads": 1, "steps": 32},
+    "fallback": {"threads": 1, "steps": 32, "trials": 2},
     "grammar-engines": {"threads": 1},
+    "invariance": {"steps": 40},
+    "invariance-mixed": {"batch": [8], "prefill": [256], "trials": 11},
 }
-GENERAL = {"batch": [1, 16], "context": [128], "steps": 20, "threads": None}
+GENERAL = {"batch": [1, 16], "context": [128], "steps": 20, "threads": None, "trials": 7, "prefill": [512]}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,7 +126,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32-kernels", action="store_true", help="kernels: also the packed kernels on float32")
     p.add_argument("--dense", action="store_true", help="kernels: also the dequantize-then-GEMM path")
     p.add_argument("--requests", type=int, default=8, help="fallback: requests in the batch")
-    p.add_argument("--trials", type=int, default=2, help="fallback: runs of each mode, the best printed")
+    p.add_argument("--trials", type=int, help="fallback: runs of each mode, the best printed (2); invariance: rounds")
+    p.add_argument("--prefill", type=int, nargs="+", help="invariance: prompt tokens (-mixed: the chunk's)")
+    p.add_argument("--layout", default="lanes", choices=["lanes", "rows-avx2"], help="invariance: whose kernels")
     return p
 
 
@@ -130,6 +146,7 @@ def decode(argv: list[str]) -> None:
     runs = {
         "schemes": schemes, "gguf": gguf_choices, "kv-dtypes": kv_dtypes, "gguf-types": gguf_types,
         "compile": compiled, "kernels": kernels, "fallback": fallback, "grammar-engines": grammar_engines,
+        "invariance": invariance, "invariance-mixed": invariance_mixed,
     }  # fmt: skip
     runs.get(args.vs, steps)(args)
 
@@ -315,6 +332,110 @@ def schemes(args: argparse.Namespace) -> None:
                 print(
                     f"{label:26s} {s * 1e3:8.2f} ms/step {batch / s:8.1f} tok/s  x{base / s:.2f} vs transformers fp32"
                 )
+
+
+# ---- invariance: batch invariance's cost, KETTLE_BATCH_INVARIANT=0 against the default -----------------------
+
+# The C library's vector-width choices (-1: the CPU's answer) that `--layout rows-avx2` sets to 256 bits.
+AVX512_CHOICES = ("kettle_channel_avx512", "kettle_gemm_avx512", "kettle_attention_avx512")
+INVARIANCE = ("1", "0")  # KETTLE_BATCH_INVARIANT's two values, the default first
+
+
+def invariant(value: str):
+    """A loop's `around`: the settings read again with KETTLE_BATCH_INVARIANT=`value` for each call."""
+    return functools.partial(environment, KETTLE_BATCH_INVARIANT=value)
+
+
+def invariance_model(args: argparse.Namespace):
+    """The model the invariance modes time, loaded after `--layout` has picked the kernels (a weight's layout is
+    chosen at load), and a line saying what runs."""
+    import torch
+
+    from kettle.kernels import build, ops
+    from kettle.models.registry import load_model
+
+    if args.layout == "rows-avx2":  # an AVX2 CPU's kernels on this one, for the rest of the process
+        ops._LANES, ops._INTEGER_GEMM = False, False
+        for name in AVX512_CHOICES:
+            ctypes.c_int.in_dll(build.library(), name).value = 0
+    model = load_model(model_path(args), torch.float32, "cpu", quantize=args.quantize, dequantize=args.dtype_float32)
+    lanes = any(getattr(m, "lanes", False) for m in model.modules())
+    weights = getattr(model, "quantization", None) or args.quantize or "float32"
+    kernels = f"weights in lanes: {lanes}, integer panels: {ops.integer_gemm()}"
+    print(f"{model.spec.model_type} {weights}, --layout {args.layout} ({kernels}), {torch.get_num_threads()} threads")
+    print("KETTLE_BATCH_INVARIANT=1 (the default, 'invariant') against =0 ('fast'), interleaved in this process")
+    return model
+
+
+def invariance_line(label: str, tokens: int, invariant_time, fast_time) -> str:
+    """Each side's median and fastest call, then invariant/fast time round by round (its median and spread)."""
+    ratios = same_round(invariant_time.samples, fast_time.samples)
+    if len(ratios) > 12:  # decode steps: the median and quartiles, not every round
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        spread = f"{statistics.median(ratios):.2f}x (quartiles {q1:.2f}-{q3:.2f}, {len(ratios)} rounds)"
+    else:
+        spread = ratio_summary(ratios)
+    sides = [
+        f"{name} {t.median * 1e3:.2f} ms (fastest {t.minimum * 1e3:.2f}, {tokens / t.median:.1f} tok/s)"
+        for name, t in (("invariant", invariant_time), ("fast", fast_time))
+    ]
+    return f"{label}: {'  '.join(sides)}  | invariant/fast time {spread}"
+
+
+def invariance(args: argparse.Namespace) -> None:
+    import torch
+
+    from kettle.bench.drive import DecodeLoop, PrefillLoop
+
+    model = invariance_model(args)
+    for batch in args.batch:
+        for context in args.context:
+            total = args.steps + args.warmup
+            loops = [DecodeLoop(model, batch, context, total, around=invariant(v), seed=1) for v in INVARIANCE]
+            timings = interleaved(loops, args.steps, args.warmup)
+            print(invariance_line(f"decode batch {batch:3d}, context {context:5d}", batch, *timings), flush=True)
+    for tokens in args.prefill:
+        ids = torch.randint(0, model.spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(2))
+        loops = [PrefillLoop(model, ids, around=invariant(v)) for v in INVARIANCE]
+        print(invariance_line(f"prefill {tokens:5d} tokens", tokens, *interleaved(loops, args.trials, 1)), flush=True)
+
+
+def mixed_step(model, chunk: int, decodes: int, context: int, around):
+    """A step as a shard runs a prompt chunk beside decodes, one per call inside `around()`: `decodes` sequences of
+    one new token over `context` cached ones, then a `chunk`-token prompt from position 0, each over its own
+    contiguous blocks of one served cache (the same slots written each call); metadata, forward, the last tokens'
+    logits and argmax."""
+    import torch
+
+    from kettle.bench.drive import SERVED_BLOCK_SIZE, served_cache
+    from kettle.kernels import ops
+    from kettle.layers.attention import AttentionMetadata
+
+    block = SERVED_BLOCK_SIZE
+    sizes = [-(-(context + 1) // block)] * decodes + [-(-chunk // block)]
+    tables = [list(range(at, at + n)) for at, n in zip(itertools.accumulate([0, *sizes]), sizes, strict=False)]
+    cache = served_cache(model, sum(sizes))
+    ids = torch.randint(0, model.spec.vocab_size, (decodes + chunk,), generator=torch.Generator().manual_seed(3))
+    query_lens, cache_lens = [1] * decodes + [chunk], [context] * decodes + [0]
+
+    def run() -> None:
+        with around(), torch.inference_mode():
+            prompts = [False] * decodes + [True] if ops.batch_invariant() else None  # as the shard's runner says
+            meta = AttentionMetadata.build(query_lens, cache_lens, tables, block, cache.device, prompts)
+            hidden = model.forward(ids, meta.positions, cache, meta)
+            model.compute_logits(hidden[meta.last_token_indices]).argmax(-1)
+
+    return run
+
+
+def invariance_mixed(args: argparse.Namespace) -> None:
+    model = invariance_model(args)
+    for decodes in args.batch:
+        for context in args.context:
+            for chunk in args.prefill:
+                steps = [mixed_step(model, chunk, decodes, context, invariant(v)) for v in INVARIANCE]
+                label = f"mixed step, a {chunk}-token chunk beside {decodes} decodes at context {context}"
+                print(invariance_line(label, chunk + decodes, *interleaved(steps, args.trials, 1)), flush=True)
 
 
 # ---- gguf: the bundled GGUF as each start-up choice loads it ------------------------------------------------

@@ -31,6 +31,8 @@ QUOTED = [
     "decode --vs kernels --threads 1 --batch 1 4 16 --bf16 --fp32-kernels --dense",
     "decode --vs fallback --requests 16 --steps 64 --threads 2",
     "decode --vs grammar-engines",
+    "decode --vs invariance --layout rows-avx2 --batch 1 8 16 32",
+    "decode --vs invariance-mixed --layout rows-avx2",
     "prefill --schemes int4 --tokens 2000 --trials 5 --sdpa --chunk 256",
     "prefill --chunked --streams 2 --stream-tokens 48 --tokens 500 --trials 1",
     "prefill --prefix-cache --trials 5 --tokens 1000",
