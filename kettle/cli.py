@@ -7,13 +7,12 @@ imported inside the commands, so `kettle --help` answers at once.
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kettle.launcher import options as o
 from kettle.launcher.command import launch
-from kettle.router.config import SERVING_DEFAULTS as D  # every shared flag's default, written once
 from kettle.shard.config import SHARD_DEFAULTS as S  # and the shard's
 
 app = typer.Typer(
@@ -98,6 +97,7 @@ def serve(
 
 
 @app.command()
+@o.with_serving_flags
 def router(
     tokenizer_name: Annotated[str, typer.Option(help="Local folder holding the model's tokenizer.")],
     master_shard_uds_path: Annotated[str, typer.Option(help="Socket of shard 0.")] = "/tmp/kettle-server-0",
@@ -106,58 +106,27 @@ def router(
     ] = None,
     model_sha: Annotated[str | None, typer.Option(help="Model revision shown in /info.")] = None,
     model_pipeline_tag: Annotated[str, typer.Option(help="Pipeline tag shown in /info.")] = "text-generation",
-    max_concurrent_requests: o.MaxConcurrentRequests = D.max_concurrent_requests,
-    max_best_of: o.MaxBestOf = D.max_best_of,
-    max_stop_sequences: o.MaxStopSequences = D.max_stop_sequences,
-    max_top_n_tokens: o.MaxTopNTokens = D.max_top_n_tokens,
-    max_input_tokens: o.MaxInputTokens = D.max_input_tokens,
-    max_total_tokens: o.MaxTotalTokens = D.max_total_tokens,
-    waiting_served_ratio: o.WaitingServedRatio = D.waiting_served_ratio,
-    max_batch_prefill_tokens: o.MaxBatchPrefillTokens = D.max_batch_prefill_tokens,
-    max_batch_total_tokens: o.MaxBatchTotalTokens = D.max_batch_total_tokens,
-    max_waiting_tokens: o.MaxWaitingTokens = D.max_waiting_tokens,
-    max_batch_size: o.MaxBatchSize = D.max_batch_size,
-    validation_workers: o.ValidationWorkers = D.validation_workers,
-    max_client_batch_size: o.MaxClientBatchSize = D.max_client_batch_size,
-    payload_limit: o.PayloadLimit = D.payload_limit,
-    hostname: o.Hostname = D.hostname,
-    port: o.Port = D.port,
-    api_key: o.ApiKey = D.api_key,
-    cors_allow_origin: o.CorsAllowOrigin = None,
-    json_output: o.JsonOutput = D.json_output,
-    otlp_endpoint: o.OtlpEndpoint = D.otlp_endpoint,
-    otlp_service_name: o.OtlpServiceName = D.otlp_service_name,
-    prometheus_port: o.PrometheusPort = D.prometheus_port,
-    tokenizer_config_path: o.TokenizerConfigPath = D.tokenizer_config_path,
-    disable_grammar_support: o.DisableGrammarSupport = D.disable_grammar_support,
-    enable_prefill_logprobs: o.EnablePrefillLogprobs = D.enable_prefill_logprobs,
-    disable_prefix_caching: o.DisablePrefixCaching = D.disable_prefix_caching,
-    disable_chunked_prefill: o.DisableChunkedPrefill = D.disable_chunked_prefill,
-    graceful_termination_timeout: o.GracefulTerminationTimeout = D.graceful_termination_timeout,
-    max_images_per_request: o.MaxImagesPerRequest = D.max_images_per_request,
-    max_image_bytes: o.MaxImageBytes = D.max_image_bytes,
-    max_image_pixels: o.MaxImagePixels = D.max_image_pixels,
-    image_fetch_timeout: o.ImageFetchTimeout = D.image_fetch_timeout,
-    disable_image_fetch: o.DisableImageFetch = D.disable_image_fetch,
     adapters: Annotated[
         list[str] | None, typer.Option(help="A LoRA adapter the shards loaded (repeat for each).")
     ] = None,
     launcher_pid: Annotated[
         int | None, typer.Option(help="The launcher's pid, for its resident memory gauge on /metrics.", hidden=True)
     ] = None,
+    **serving: Any,
 ) -> None:
     """Run the HTTP router in front of running shards. Started by `kettle launch`."""
-    settings = dict(locals())  # exactly the parameters, which are named like RouterConfig's fields
+    # Exactly the parameters (the serving flags among them), which are named like RouterConfig's fields.
+    settings = {**{k: v for k, v in locals().items() if k != "serving"}, **serving}
     from kettle.logging_setup import setup_logging
     from kettle.router.config import RouterConfig
 
     settings["model_id"] = model_id or tokenizer_name
-    settings["cors_allow_origin"] = tuple(cors_allow_origin or ())
+    settings["cors_allow_origin"] = tuple(settings["cors_allow_origin"] or ())
     settings["adapters"] = tuple(adapters or ())
-    setup_logging(json_output)
+    setup_logging(settings["json_output"])
     from kettle.router.listen_address import listen_address
 
-    settings["hostname"] = listen_address(hostname)
+    settings["hostname"] = listen_address(settings["hostname"])
     config = _config_or_usage_error(RouterConfig, **settings)
     from kettle.router.server import run
 

@@ -3,13 +3,12 @@ variables), the ones Kettle has no use for included, so TGI command lines and ma
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kettle.launcher import options as o
 from kettle.launcher.options import COMPATIBILITY, MODEL, SHARDS, option
-from kettle.router.config import SERVING_DEFAULTS as D  # every shared flag's default, written once
 from kettle.shard.config import SHARD_DEFAULTS as S  # and the shard's
 
 TRUE_WORDS = {"true", "1", "yes", "on"}
@@ -215,6 +214,7 @@ MaxInputLength = Annotated[
 ]
 
 
+@o.with_serving_flags
 def launch(
     model_id: ModelId = None,
     revision: Revision = None,
@@ -231,40 +231,7 @@ def launch(
     rope_factor: RopeFactor = None,
     speculate: Speculate = None,
     kv_cache_dtype: KvCacheDtype = None,
-    max_concurrent_requests: o.MaxConcurrentRequests = D.max_concurrent_requests,
-    max_best_of: o.MaxBestOf = D.max_best_of,
-    max_stop_sequences: o.MaxStopSequences = D.max_stop_sequences,
-    max_top_n_tokens: o.MaxTopNTokens = D.max_top_n_tokens,
-    max_input_tokens: o.MaxInputTokens = D.max_input_tokens,
     max_input_length: MaxInputLength = None,
-    max_total_tokens: o.MaxTotalTokens = D.max_total_tokens,
-    waiting_served_ratio: o.WaitingServedRatio = D.waiting_served_ratio,
-    max_batch_prefill_tokens: o.MaxBatchPrefillTokens = D.max_batch_prefill_tokens,
-    max_batch_total_tokens: o.MaxBatchTotalTokens = D.max_batch_total_tokens,
-    max_waiting_tokens: o.MaxWaitingTokens = D.max_waiting_tokens,
-    max_batch_size: o.MaxBatchSize = D.max_batch_size,
-    validation_workers: o.ValidationWorkers = D.validation_workers,
-    max_client_batch_size: o.MaxClientBatchSize = D.max_client_batch_size,
-    payload_limit: o.PayloadLimit = D.payload_limit,
-    hostname: o.Hostname = D.hostname,
-    port: o.Port = D.port,
-    api_key: o.ApiKey = D.api_key,
-    cors_allow_origin: o.CorsAllowOrigin = None,
-    json_output: o.JsonOutput = D.json_output,
-    otlp_endpoint: o.OtlpEndpoint = D.otlp_endpoint,
-    otlp_service_name: o.OtlpServiceName = D.otlp_service_name,
-    prometheus_port: o.PrometheusPort = D.prometheus_port,
-    tokenizer_config_path: o.TokenizerConfigPath = D.tokenizer_config_path,
-    disable_grammar_support: o.DisableGrammarSupport = D.disable_grammar_support,
-    enable_prefill_logprobs: o.EnablePrefillLogprobs = D.enable_prefill_logprobs,
-    disable_prefix_caching: o.DisablePrefixCaching = D.disable_prefix_caching,
-    disable_chunked_prefill: o.DisableChunkedPrefill = D.disable_chunked_prefill,
-    graceful_termination_timeout: o.GracefulTerminationTimeout = D.graceful_termination_timeout,
-    max_images_per_request: o.MaxImagesPerRequest = D.max_images_per_request,
-    max_image_bytes: o.MaxImageBytes = D.max_image_bytes,
-    max_image_pixels: o.MaxImagePixels = D.max_image_pixels,
-    image_fetch_timeout: o.ImageFetchTimeout = D.image_fetch_timeout,
-    disable_image_fetch: o.DisableImageFetch = D.disable_image_fetch,
     shard_uds_path: ShardUdsPath = None,
     master_addr: MasterAddr = "localhost",
     master_port: MasterPort = 29500,
@@ -283,9 +250,11 @@ def launch(
     ngrok_edge: NgrokEdge = None,
     env: Env = False,
     version: Version = False,
+    **serving: Any,
 ) -> None:
     """Start a server: resolve the model, start the shards and the router, and supervise them."""
-    settings = dict(locals())  # the parameters above, which are named like LauncherConfig's fields
+    # The parameters (the serving flags among them), which are named like LauncherConfig's fields.
+    settings = {**{k: v for k, v in locals().items() if k != "serving"}, **serving}
     del settings["version"]  # handled by its callback before this runs
     from kettle.launcher import tgi_environment
     from kettle.launcher.config import LauncherConfig, pick_max_input_tokens
@@ -297,11 +266,13 @@ def launch(
 
         typer.echo(environment_report())
     try:
-        settings["disable_prefix_caching"] = disable_prefix_caching or tgi_environment.prefix_caching_disabled()
-        settings["hostname"] = listen_address(hostname)  # HOSTNAME is often a container's name
+        disabled = settings["disable_prefix_caching"] or tgi_environment.prefix_caching_disabled()
+        settings["disable_prefix_caching"] = disabled
+        settings["hostname"] = listen_address(settings["hostname"])  # HOSTNAME is often a container's name
         settings["sharded"] = parse_boolean(sharded)
-        settings["max_input_tokens"] = pick_max_input_tokens(max_input_tokens, settings.pop("max_input_length"))
-        settings["cors_allow_origin"] = tuple(cors_allow_origin or ())
+        asked = settings["max_input_tokens"], settings.pop("max_input_length")
+        settings["max_input_tokens"] = pick_max_input_tokens(*asked)
+        settings["cors_allow_origin"] = tuple(settings["cors_allow_origin"] or ())
         config = LauncherConfig(**settings)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None

@@ -2,13 +2,16 @@
 
 Each is an `Annotated` type used as a parameter annotation; every option also reads the environment
 variable of the same name in UPPER_SNAKE case (`--max-total-tokens` ← `MAX_TOTAL_TOKENS`), as TGI's
-launcher and router do. Their defaults are written once, in `kettle.router.config.ServingFlags`; the command
-signatures read them from there.
+launcher and router do. Their defaults are written once, in `kettle.router.config.ServingFlags`, and
+`with_serving_flags` adds them to both commands' signatures.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -143,3 +146,28 @@ GracefulTerminationTimeout = Annotated[
     float,
     option("--graceful-termination-timeout", "Seconds each process gets to stop after SIGTERM.", SERVER),
 ]
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def with_serving_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Gives `command`, which takes `**serving`, one keyword parameter per serving flag (`ServingFlags`' fields, in
+    their order): its option is the type of the same name above (`max_best_of` → `MaxBestOf`), its default
+    `SERVING_DEFAULTS`' (a list option's is None, typer's empty list). `kettle launch` and `kettle router` both take
+    their shared flags from here, so neither writes their list out."""
+    from kettle.router.config import SERVING_DEFAULTS, ServingFlags
+
+    options = globals()
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    shared = []
+    for field in dataclasses.fields(ServingFlags):
+        option = options[_camel(field.name)]
+        default = getattr(SERVING_DEFAULTS, field.name)
+        if isinstance(default, tuple):  # typer gives a list option as a list, or None when not given
+            default = None
+        shared.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, annotation=option, default=default))
+    command.__signature__ = signature.replace(parameters=[*own, *shared])
+    return command
