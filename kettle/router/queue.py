@@ -269,10 +269,9 @@ class Queue:
             reuse = not entry.request.decoder_input_details
             try:
                 request = entry.request
-                # Only a prompt with images names them (allocators wrapped by tests take the four arguments).
-                images = {"images": [(i.start, i.digest) for i in request.images]} if request.images else {}
+                images = [(i.start, i.digest) for i in request.images]
                 allocation = self._allocator.allocate(
-                    entry.total_tokens, request.input_ids, reuse, request.adapter_id or "", **images
+                    entry.total_tokens, request.input_ids, reuse, request.adapter_id or "", images
                 )
             except Exception as error:  # left at the head it would fail every later step: it leaves the line
                 self._entries.popleft()
