@@ -46,6 +46,9 @@ class RequestState:
     # not yet placed entirely, by index (`image_inputs.py`).
     images: Sequence[pb.Image] = ()
     image_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # An M-RoPE model's (Qwen2-VL's) rotary positions of the prompt [3, prompt_len] and the offset of the tokens
+    # after it, computed with its first step (`image_inputs.py`); None: not yet, or a model without them.
+    rope: tuple[torch.Tensor, int] | None = None
 
     @property
     def in_prefill(self) -> bool:

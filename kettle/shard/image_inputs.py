@@ -5,6 +5,11 @@ as the embedding rows of the step's image tokens (`ImageRows`).
 An image is encoded by the first step whose prompt chunk reaches its tokens, and its rows are kept with the
 request (`RequestState.image_rows`) until a chunk has taken the last of them: a prefill chunked inside an image
 encodes it once. A prefix read from the cache that ends inside an image leaves only the rows after it to place.
+
+A model with multimodal rotary positions (`rope_positions`: Qwen2-VL's M-RoPE) also gets every token's three
+position components for each step of a request with images: the prompt's, computed once per request from its
+images' grids (the image processor's resize of each image's size, read from its header) and kept with it
+(`RequestState.rope`), and for the tokens after the prompt their index plus the request's offset.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class ImageInputs:
                 images.append(image.convert("RGB"))
         nested = getattr(self.model, "image_batches_nested", False)  # Idefics3: a list of tiles per image
         batch = self.processor(images=[[image] for image in images] if nested else images, return_tensors="pt")
-        wanted = ("pixel_values", "pixel_attention_mask", "image_sizes")  # what the towers read
+        wanted = ("pixel_values", "pixel_attention_mask", "image_sizes", "image_grid_thw")  # what the towers read
         return {key: value for key, value in batch.items() if key in wanted}
 
     def positions(self, request: RequestState, index: int) -> list[int]:
@@ -56,8 +61,10 @@ class ImageInputs:
             at += 1
         return found
 
-    def place(self, requests: Sequence[RequestState], queries: Sequence[Sequence[int]]) -> None:
-        """Sets the model's image rows for a step of `queries` (each request's tokens, in the step's order)."""
+    def place(self, requests: Sequence[RequestState], queries: Sequence[Sequence[int]]) -> bool:
+        """Sets the model's image rows for a step of `queries` (each request's tokens, in the step's order) and, for
+        an M-RoPE model, the step's rotary positions; True when it set those (a decode graph, captured with plain
+        positions, cannot run the step)."""
         spans = [
             (request, request.cache_len, request.cache_len + len(query) if request.in_prefill else 0)
             for request, query in zip(requests, queries, strict=True)
@@ -77,6 +84,49 @@ class ImageInputs:
             offset += len(query)
         if rows:
             self.model.image_rows.set(torch.tensor(rows, dtype=torch.long), torch.cat(values))
+        return self._rope(requests, queries)
+
+    def window(self, requests: Sequence[RequestState]) -> None:
+        """For an M-RoPE model, the offset of each request's tokens after its prompt, for a greedy window."""
+        holder = getattr(self.model, "rope_positions", None)
+        if holder is not None:
+            holder.set(torch.tensor([self._prompt_rope(r)[1] if r.images else 0 for r in requests]))
+
+    def clear(self) -> None:
+        """Forgets what `place` or `window` set (after the forward, which may have failed before reading it)."""
+        self.model.image_rows.clear()
+        holder = getattr(self.model, "rope_positions", None)
+        if holder is not None:
+            holder.clear()
+
+    def _rope(self, requests: Sequence[RequestState], queries: Sequence[Sequence[int]]) -> bool:
+        """Sets the step's [3, tokens] rotary positions of an M-RoPE model (False for other models)."""
+        holder = getattr(self.model, "rope_positions", None)
+        if holder is None:
+            return False
+        columns = []
+        for request, query in zip(requests, queries, strict=True):
+            start, end = request.cache_len, request.cache_len + len(query)
+            prompt, offset = self._prompt_rope(request) if request.images else (None, 0)
+            middle = start if prompt is None else min(max(start, prompt.shape[1]), end)  # [start, middle): prompt's
+            if start < middle:
+                columns.append(prompt[:, start:middle])
+            if middle < end:
+                columns.append((torch.arange(middle, end) + offset).expand(3, -1))
+        holder.set(torch.cat(columns, dim=1))
+        return True
+
+    def _prompt_rope(self, request: RequestState) -> tuple[torch.Tensor, int]:
+        """The request's prompt positions and decode offset (computed on first use, then kept with it)."""
+        if request.rope is None:
+            from PIL import Image
+
+            grids = []
+            for image in request.images:
+                with Image.open(io.BytesIO(image.data)) as opened:  # the header only: its size
+                    grids.append((image.start, image.length, self.model.image_grid(self.processor, *opened.size)))
+            request.rope = self.model.prompt_rope(request.prompt_len, grids)
+        return request.rope
 
     def _reached(self, request: RequestState, index: int, low: int, high: int) -> bool:
         """Whether the step's prompt tokens [low, high) hold some of image `index`'s tokens."""

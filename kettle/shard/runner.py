@@ -129,7 +129,14 @@ class PagedRunner:
         start = time.perf_counter_ns()
         last = [r.cache_len + steps - 1 for r in requests]  # the window's last step: its tables cover all
         meta = AttentionMetadata.build([1] * len(requests), last, [r.blocks for r in requests], block_size, self.device)
-        chosen = greedy(long_tensor(r.all_ids[-1] for r in requests), self.kv_cache, meta, steps, self._stop_ids)
+        images = self.images if self.images is not None and any(r.images for r in requests) else None
+        if images is not None:
+            images.window(requests)  # an M-RoPE model's decode offsets (Qwen2-VL's)
+        try:
+            chosen = greedy(long_tensor(r.all_ids[-1] for r in requests), self.kv_cache, meta, steps, self._stop_ids)
+        finally:
+            if images is not None:
+                images.clear()
         if chosen is None:
             return None
         forward_ns = time.perf_counter_ns() - start
@@ -205,16 +212,18 @@ class PagedRunner:
     def _forward(
         self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
-        if self.images is None or not any(r.images and r.in_prefill for r in requests):
+        if self.images is None or not any(r.images for r in requests):
             return self._forward_tokens(requests, queries, drafts)
-        self.images.place(requests, queries)  # the step's image rows, which the model's embedding puts in place
+        # The step's image rows, which the model's embedding puts in place, and an M-RoPE model's positions of
+        # every token (Qwen2-VL's), which a decode graph captured with plain positions cannot take.
+        per_token_rope = self.images.place(requests, queries)
         try:
-            return self._forward_tokens(requests, queries, drafts)
+            return self._forward_tokens(requests, queries, drafts, graphs=not per_token_rope)
         finally:
-            self.model.image_rows.clear()  # a forward that failed before embedding must not leave rows behind
+            self.images.clear()  # a forward that failed before embedding must not leave rows behind
 
     def _forward_tokens(
-        self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]]
+        self, requests: list[RequestState], queries: list[list[int]], drafts: list[list[int]], graphs: bool = True
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         assert self.kv_cache is not None, "Warmup must run before the first forward"
         # Under batch invariance a prompt's tokens are prefills however few a chunk brings (ops.batch_invariant).
@@ -231,7 +240,7 @@ class PagedRunner:
             )
             if lora.active:  # graphs were captured without the adapters' deltas
                 return meta, self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
-        replayed = self.graphs.run(input_ids, meta) if self.graphs is not None else None
+        replayed = self.graphs.run(input_ids, meta) if self.graphs is not None and graphs else None
         if replayed is not None:
             return meta, replayed.hidden
         return meta, self.model.forward(input_ids, meta.positions, self.kv_cache, meta)
