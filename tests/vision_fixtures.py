@@ -200,3 +200,76 @@ def make_llava_next_folder(path: Path, *, weights: bool = False, seed: int = 0) 
     else:
         (path / "config.json").write_text(json.dumps(config.to_dict()))
     return path
+
+
+QWEN2_VL_CHATML_TEMPLATE = IMAGE_CHATML_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def make_qwen2_vl_folder(path: Path, *, weights: bool = False, seed: int = 0, kind: str = "qwen2_vl") -> Path:
+    """A tiny Qwen2-VL (`kind` "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") in `path`: images resized to multiples of 8
+    pixels between 16 x 16 and 64 x 64 worth of pixels, patches of 4 merged 2 x 2 (an image of 40 x 30 takes
+    8 x 10 patches, 20 image tokens); M-RoPE sections (2, 3, 3) over heads of 16; Qwen2.5-VL's tower attends
+    within windows of 16 pixels except in its last block. Random weights with `weights`."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    tokenizer = make_tokenizer(path, chat_template=QWEN2_VL_CHATML_TEMPLATE)
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.save_pretrained(path)
+    # The image processor alone: Qwen2VLProcessor wants a video processor, which needs torchvision (see
+    # `qwen2_vl_inputs` for what the processor does with the text).
+    Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=4, merge_size=2).save_pretrained(path)
+    text = tiny_config(tokenizer) | dict(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    vision["initializer_range"] = 0.2
+    tokens = dict(image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"), tie_word_embeddings=False)
+    tokens["video_token_id"] = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    tokens["vision_start_token_id"] = tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    tokens["vision_end_token_id"] = tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    if kind == "qwen2_vl":
+        from transformers import Qwen2VLConfig as Config
+        from transformers import Qwen2VLForConditionalGeneration as Model
+
+        vision |= dict(embed_dim=32, hidden_size=text["hidden_size"], mlp_ratio=2)
+    else:
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+
+        vision |= dict(hidden_size=32, out_hidden_size=text["hidden_size"], intermediate_size=48)
+        vision |= dict(window_size=16, fullatt_block_indexes=[1])
+    config = Config(text_config=text, vision_config=vision, **tokens)
+    if weights:
+        import torch
+
+        torch.manual_seed(seed)
+        model = Model(config).eval()
+        with torch.no_grad():  # biases and norm weights start at 0 and 1: perturbed, they must really be read
+            for param in model.parameters():
+                if param.ndim == 1:
+                    param.add_(torch.randn_like(param) * 0.2)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        (path / "config.json").write_text(json.dumps(config.to_dict()))
+    return path
+
+
+def qwen2_vl_inputs(folder: Path, text: str, files: list[bytes]) -> dict:
+    """What Qwen2VLProcessor makes of `text` and the images in `files`: each `<|image_pad|>` expanded to its image's
+    tokens (its patch grid / merge²), the ids, the image processor's pixel values and grids, and the token types
+    (1: an image token) that transformers' M-RoPE reads."""
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer, images = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+    pad = "<|image_pad|>"
+    inputs = dict(images(images=[Image.open(io.BytesIO(f)) for f in files], return_tensors="pt")) if files else {}
+    counts = (inputs["image_grid_thw"].prod(-1) // images.merge_size**2).tolist() if files else []
+    pieces = text.split(pad)
+    assert len(pieces) == len(counts) + 1, "one <|image_pad|> per image"
+    expanded = pieces[0] + "".join(pad * n + piece for n, piece in zip(counts, pieces[1:], strict=True))
+    ids = tokenizer(expanded, return_tensors="pt")["input_ids"]
+    inputs["input_ids"], inputs["attention_mask"] = ids, torch.ones_like(ids)
+    inputs["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
+    return inputs

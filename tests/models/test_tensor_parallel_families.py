@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from kettle.bench.process import free_port
 from tests.models.family_parity import save_tiny, tiny_settings
 from tests.models.test_gpt_families import build, gpt2_names
-from tests.vision_fixtures import make_idefics3_folder, make_llava_folder
+from tests.vision_fixtures import make_idefics3_folder, make_llava_folder, make_qwen2_vl_folder
 
 # gloo on the CPU: with CUDA the shards would run NCCL, which needs a GPU per rank.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tensor-parallel test")
@@ -82,6 +82,8 @@ CASES = {
     # Vision-language models: the language model sliced, the tower and projector whole on each rank.
     "llava": lambda path: make_llava_folder(path, weights=True),
     "idefics3": lambda path: make_idefics3_folder(path, weights=True),
+    "qwen2_vl": lambda path: make_qwen2_vl_folder(path, weights=True),
+    "qwen2_5_vl": lambda path: make_qwen2_vl_folder(path, weights=True, kind="qwen2_5_vl"),
 }
 INT8_CASES = ["phi3", "starcoder2"]
 
@@ -107,14 +109,20 @@ def _logits(path: str, quantize: str | None) -> dict:
 
 
 def _image_logits(model) -> torch.Tensor:
-    """Logits of a prompt holding one fixed random 32x32 image (one tile for Idefics3), each rank encoding it."""
+    """Logits of a prompt holding one fixed random 32x32 image (one tile for Idefics3), each rank encoding it;
+    Qwen2-VL's as its 8 x 8 patches of 4 x 4 pixels (two frames), at its M-RoPE positions."""
     from kettle.bench.drive import new_cache, scattered_tables, step
 
-    nested = getattr(model, "image_batches_nested", False)
-    pixels = torch.randn((1, 1, 3, 32, 32) if nested else (1, 3, 32, 32), generator=torch.Generator().manual_seed(0))
-    (rows,) = model.encode_images(pixels)
+    nested, seeded = getattr(model, "image_batches_nested", False), torch.Generator().manual_seed(0)
+    if hasattr(model, "rope_positions"):
+        grid = torch.tensor([[1, 8, 8]])
+        (rows,) = model.encode_images(torch.randn((64, 3 * 2 * 4 * 4), generator=seeded), grid)
+    else:
+        (rows,) = model.encode_images(torch.randn((1, 1, 3, 32, 32) if nested else (1, 3, 32, 32), generator=seeded))
     prompt = [5, 17, *[model.image_token_id] * rows.shape[0], 3]
     model.image_rows.set(torch.arange(2, 2 + rows.shape[0]), rows)
+    if hasattr(model, "rope_positions"):
+        model.rope_positions.set(model.prompt_rope(len(prompt), [(2, rows.shape[0], (1, 8, 8))])[0])
     tables, num_blocks = scattered_tables([len(prompt)])
     logits, _ = step(model, new_cache(model, num_blocks), [prompt], [0], tables)
     return logits
