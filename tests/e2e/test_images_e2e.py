@@ -18,7 +18,15 @@ from PIL import Image
 
 from kettle.bench.process import KettleServer
 from tests.e2e.kv_pool import assert_pool_whole
-from tests.vision_fixtures import LLAVA_IMAGE_TOKENS, data_url, image_bytes, make_idefics3_folder, make_llava_folder
+from tests.vision_fixtures import (
+    LLAVA_IMAGE_TOKENS,
+    data_url,
+    image_bytes,
+    make_idefics3_folder,
+    make_llava_folder,
+    make_qwen2_vl_folder,
+    qwen2_vl_inputs,
+)
 
 NEW_TOKENS = 6
 PNG = image_bytes("PNG", (40, 30), seed=3)
@@ -182,3 +190,51 @@ def test_idefics3_answers_about_a_tiled_image(idefics3):
     answer = chat(OpenAI(base_url=f"{server.url}/v1", api_key="unused"), data_url(png))
     assert answer.usage.prompt_tokens == inputs["input_ids"].shape[1]
     assert answer.choices[0].message.content == text
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    folder = make_qwen2_vl_folder(tmp_path_factory.mktemp("qwen2_vl"), weights=True)
+    flags = ("--max-input-tokens", "200", "--max-total-tokens", "256", "--kv-cache-dtype", "float32")
+    server = KettleServer(str(folder), *flags)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    yield server, model, folder
+    try:
+        assert_pool_whole(server.url)
+    finally:
+        code = server.stop()
+    assert code == 0, server.logs()
+
+
+def test_qwen2_vl_answers_at_its_multimodal_positions(qwen2_vl):
+    """A Qwen2-VL through the real server: an image_url part (twice: the second from the prefix cache) and a Markdown
+    image, each answer transformers' (its decode positions continue from the image's grid, not the token count)."""
+    from text_generation import Client
+    from transformers import AutoTokenizer
+
+    server, model, folder = qwen2_vl
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    png, image = image_bytes("PNG", (100, 80), seed=1), "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def greedy(text: str) -> tuple[list[int], str, int]:
+        inputs = qwen2_vl_inputs(folder, text, [png])
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+        return tokens, tokenizer.decode(tokens, skip_special_tokens=True), inputs["input_ids"].shape[1]
+
+    _, text, prompt_length = greedy(f"<|im_start|>user\nWhat is in{image}<|im_end|>\n<|im_start|>assistant\n")
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    answer = chat(client, data_url(png))
+    assert answer.choices[0].message.content == text
+    assert answer.usage.prompt_tokens == prompt_length > 56  # the image's 14 x 16 patches, merged 2 x 2
+    before = hit_tokens(server)
+    assert chat(client, data_url(png)).choices[0].message.content == text
+    assert hit_tokens(server) - before >= 16
+    tokens, _, _ = greedy(f"Describe {image} briefly.")
+    response = Client(server.url, timeout=60).generate(
+        f"Describe ![]({data_url(png)}) briefly.", max_new_tokens=NEW_TOKENS
+    )
+    assert [t.id for t in response.details.tokens] == tokens
