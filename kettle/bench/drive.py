@@ -14,7 +14,7 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -261,6 +261,15 @@ def environment(**values: str | None):
         yield
     finally:
         put(before)
+
+
+def tuning(items: Mapping[str, object]):
+    """`environment` with these KETTLE_TUNING items (a bool as on/off; None drops the key) merged into the
+    variable's value now: how a benchmark compares a switch's two values in one process."""
+    from kettle import settings
+
+    value = settings.merge_tuning(os.environ.get(settings.TUNING_VARIABLE), items)
+    return environment(**{settings.TUNING_VARIABLE: value or None})
 
 
 # ---- the shard engine in process, called as the router calls it ------------------------------------------------

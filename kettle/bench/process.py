@@ -9,9 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+
+from kettle import settings
 
 KETTLE = str(Path(sys.executable).parent / "kettle")
 
@@ -37,6 +40,17 @@ def wait_healthy(url: str, process: subprocess.Popen, name: str, logs, timeout: 
     return False
 
 
+def child_environment(env: Mapping[str, str], max_kv_tokens: int | None) -> dict[str, str]:
+    """This process's environment with `env` over it, but KETTLE_TUNING item by item, as separate variables were:
+    this process's items, then `max_kv_tokens` as max-kv-tokens (None: none), then `env`'s own items."""
+    child = {**os.environ, **env}
+    cap: dict[str, object] = {"max-kv-tokens": max_kv_tokens} if max_kv_tokens is not None else {}
+    given = settings.tuning_items(env.get(settings.TUNING_VARIABLE, ""))
+    if cap or settings.TUNING_VARIABLE in child:
+        child[settings.TUNING_VARIABLE] = settings.merge_tuning(os.environ.get(settings.TUNING_VARIABLE), cap | given)
+    return child
+
+
 class KettleServer:
     """A launcher process serving one model on 127.0.0.1; `url` is its base address."""
 
@@ -53,8 +67,8 @@ class KettleServer:
     ) -> None:
         """`hostname=None` leaves --hostname out (the launcher's default, or HOSTNAME from `env`);
         `own_sockets=False` leaves the shard socket path to the launcher's default instead of a private folder;
-        `max_kv_tokens` caps the KV cache (KETTLE_MAX_KV_TOKENS; None: no cap of ours, sized as `make serve` sizes
-        it); /health is polled every `poll` seconds until it answers."""
+        `max_kv_tokens` caps the KV cache (KETTLE_TUNING's max-kv-tokens; None: no cap of ours, sized as `make
+        serve` sizes it; `child_environment`); /health is polled every `poll` seconds until it answers."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = flags
@@ -66,8 +80,7 @@ class KettleServer:
         argv += flags
         # The log outlives this call (the launcher writes to it until stopped), so no context manager here.
         self.log = tempfile.NamedTemporaryFile(prefix="kettle-e2e-", suffix=".log", delete=False)  # noqa: SIM115
-        cap = {"KETTLE_MAX_KV_TOKENS": str(max_kv_tokens)} if max_kv_tokens is not None else {}
-        child_env = {**os.environ, **cap, **(env or {})}
+        child_env = child_environment(env or {}, max_kv_tokens)
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=child_env)
         self._wait_ready(timeout, poll)
 

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from kettle import settings
 from kettle.hub.adapters import AdapterSource
 from kettle.router.config import RouterConfig, ServingFlags
 from kettle.shard.config import DTYPES, FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, SHARD_DEFAULTS, ShardConfig
@@ -189,13 +190,15 @@ class LauncherConfig(ServingFlags):
         return self.rope_scaling or "linear", self.rope_factor if self.rope_factor is not None else 1.0
 
     def shard_environment(self) -> dict[str, str]:
-        """Variables the shards read besides their flags: the RoPE override and the kernels switches."""
+        """Variables the shards read besides their flags: the RoPE override and the kernels switches (added to the
+        launcher's own KETTLE_TUNING items)."""
         env: dict[str, str] = {}
         if self.rope is not None:
             env["ROPE_SCALING"], factor = self.rope[0], self.rope[1]
             env["ROPE_FACTOR"] = repr(factor)
         if self.disable_custom_kernels:
-            env.update(KETTLE_CPU_KERNELS="0", KETTLE_FUSED_KERNELS="0")
+            off = {"cpu-kernels": False, "cuda-fused-kernels": False}
+            env[settings.TUNING_VARIABLE] = settings.merge_tuning(os.environ.get(settings.TUNING_VARIABLE), off)
         return env
 
     def shard_config(self, model_path: str, rank: int) -> ShardConfig:

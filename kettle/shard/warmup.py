@@ -3,18 +3,19 @@
 On the CPU the cache takes a configurable share of the RAM available at start-up (`--cpu-kv-cache-fraction`);
 on CUDA a share of the GPU memory still free once the model is loaded (`--cuda-memory-fraction`, default 0.9:
 the rest is left to activations, the warmup prefill and the decode graphs). Both are capped at
-`KETTLE_MAX_KV_TOKENS` so a tiny model does not reserve gigabytes. The warmup forward itself is capped on the
-CPU (`DEFAULT_CPU_WARMUP_TOKENS`): there it proves the model runs; it measures nothing.
+`DEFAULT_MAX_KV_TOKENS` tokens, or `KETTLE_TUNING=max-kv-tokens=N`, so a tiny model does not reserve gigabytes.
+The warmup forward itself is capped on the CPU (`DEFAULT_CPU_WARMUP_TOKENS`): there it proves the model runs; it
+measures nothing.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import psutil
 import torch
 
+from kettle import settings
 from kettle.proto import generate_pb2 as pb
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
@@ -49,7 +50,7 @@ def plan_kv_cache(
     per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype or spec.dtype)
     fraction = cuda_fraction if device.type == "cuda" else cpu_fraction
     budget = int(_available_bytes(device) * fraction)
-    cap = int(os.environ.get("KETTLE_MAX_KV_TOKENS", DEFAULT_MAX_KV_TOKENS))
+    cap = settings.current().max_kv_tokens or DEFAULT_MAX_KV_TOKENS  # read at each plan: a test may change it
     tokens = min(budget // per_token, cap)
     if tokens < request.max_total_tokens:
         raise MemoryError(
