@@ -7,7 +7,7 @@ only on that layout (slots, positions, gather indices, masks) is built once per 
 every layer, so a layer costs one cache write plus the attention kernels.
 
 Sequences with one new token (decodes) are attended together in one batched call; the others (prefills,
-whole or chunked) one call each. The kernels live behind `AttentionBackend`, chosen by `KETTLE_ATTENTION`.
+whole or chunked) one call each. The kernels live behind `AttentionBackend`, chosen by `KETTLE_TUNING=attention=`.
 """
 
 from __future__ import annotations
@@ -261,11 +261,12 @@ _loaded: dict[str, AttentionBackend] = {}
 
 
 def get_backend(name: str | None = None, device_type: str = "cpu") -> AttentionBackend:
-    """The backend named by `name` or `KETTLE_ATTENTION`; by default "cuda" for CUDA tensors, else "sdpa"."""
+    """The backend named by `name` or `KETTLE_TUNING=attention=`; by default "cuda" for CUDA tensors, else "sdpa"."""
     name = name or settings.current().attention_backend or ("cuda" if device_type == "cuda" else "sdpa")
     if name not in _loaded:
         if name not in BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r} (KETTLE_ATTENTION); available: {', '.join(BACKENDS)}")
+            known = ", ".join(BACKENDS)
+            raise ValueError(f"unknown attention backend {name!r} (KETTLE_TUNING=attention=); available: {known}")
         module, cls = BACKENDS[name].split(":")
         _loaded[name] = getattr(importlib.import_module(module), cls)()
     return _loaded[name]

@@ -3,8 +3,8 @@
 An op picks once, from where its tensors live, and keeps the choice: a norm or a rotary table when it is
 built (its weight or table is there), an MLP or an attention module on its first call (its input is the first
 tensor it sees). The hot path then branches on a stored value instead of re-deriving device, dtype and the
-switches on every call. The switches (`KETTLE_FUSED_KERNELS`, `KETTLE_CPU_KERNELS`) are read at that choice, so
-changing them affects models loaded afterwards.
+switches on every call. The switches (`KETTLE_TUNING`'s `cuda-fused-kernels` and `cpu-kernels`) are read at
+that choice, so changing them affects models loaded afterwards.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ launches and removes the intermediate round trips through memory:
 - `silu_mul`: SiLU(gate) · up on the fused gate_up projection;
 - `rope_qk`: RoPE on every query and key head of the fused qkv output.
 
-They run on CUDA tensors when Triton is importable; `KETTLE_FUSED_KERNELS=0` turns them off (the eager
-PyTorch ops then run, exactly as on the CPU). Measured on an H100 (`python -m bench gpu`, Llama-2-7B shape, bf16,
+They run on CUDA tensors when Triton is importable; `KETTLE_TUNING=cuda-fused-kernels=off` turns them off (the
+eager PyTorch ops then run, exactly as on the CPU). Measured on an H100 (`python -m bench gpu`, Llama-2-7B shape, bf16,
 decode graphs): batch 1 6.54 → 5.94 ms per step (68 → 76% of copy bandwidth), batch 32 9.09 → 8.22 ms;
 tests/models/test_cuda_fused.py checks each kernel against the eager ops. Each kernel computes in float32
 and rounds once, where the eager chain rounds after every op: results differ from eager in the last bits of
@@ -34,7 +34,7 @@ _SILU_BLOCK = 1024
 
 
 def fused_enabled(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve `x`: a CUDA tensor, Triton installed, KETTLE_FUSED_KERNELS not "0"."""
+    """Whether the fused kernels serve `x`: a CUDA tensor, Triton installed, cuda-fused-kernels on (KETTLE_TUNING)."""
     return x.is_cuda and triton is not None and settings.current().cuda_fused_kernels
 
 

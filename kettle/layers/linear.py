@@ -46,7 +46,7 @@ def cpu_layout(weight: torch.Tensor) -> str:
     Measured on this CPU (AVX2, 2 cores, SmolLM2-135M shapes, float32): oneDNN's packed weights run the
     LM head 3.4x and gate/up 1.7x faster than MKL at 16 rows and the same at 1 row; without oneDNN, x @ W with
     W stored [in, out] beats F.linear by 25–35% at 1 row. bfloat16 is ~5x slower transposed, and CUDA's GEMMs
-    want the checkpoint layout. `KETTLE_CPU_LINEAR=onednn|transposed|dense` picks one (the off switch).
+    want the checkpoint layout. `KETTLE_TUNING=cpu-linear=onednn|transposed|dense` picks one (the off switch).
     """
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return "dense"

@@ -145,9 +145,9 @@ class GatedMLP(nn.Module):
             self.backend = choose(gate_up)
         backend = self.backend
         if self.silu and backend is Backend.TRITON and unit_stride(gate_up):
-            return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_FUSED_KERNELS=0)
+            return self.down(silu_mul(gate_up))  # one kernel on CUDA (off: KETTLE_TUNING=cuda-fused-kernels=off)
         if self.silu and backend is Backend.C:
-            return self.down(ops.silu_mul(gate_up))  # one C call on the CPU (off: KETTLE_CPU_KERNELS=0)
+            return self.down(ops.silu_mul(gate_up))  # one C call on the CPU (off: KETTLE_TUNING=cpu-kernels=off)
         if self.gelu_tanh and backend is Backend.C:
             return self.down(ops.gelu_tanh_mul(gate_up))  # the same for the tanh-GELU gate
         gate, up = gate_up.chunk(2, dim=-1)

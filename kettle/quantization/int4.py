@@ -15,8 +15,9 @@ Large prefills can be faster on a dense float32 GEMM than on the packed kernel (
 
 On a CUDA device the same parameters go to PyTorch's tinygemm kernel (`_convert_weight_to_int4pack` /
 `_weight_int4pack_mm`, bfloat16 only, tensor cores on sm80+; fast at one sequence, but it reads the weight again
-per 16 rows), or with `KETTLE_CUDA_INT4_KERNEL=triton` to Kettle's Triton kernel (kettle/quantization/int4_cuda.py:
-the nibbles in plain [N, K/2] pairs, rows in tensor-core tiles; faster from ~32 rows, slower below). The function
+per 16 rows), or with `KETTLE_TUNING=cuda-int4-kernel=triton` to Kettle's Triton kernel
+(kettle/quantization/int4_cuda.py: the nibbles in plain [N, K/2] pairs, rows in tensor-core tiles; faster from ~32
+rows, slower below). The function
 w = (q - 8) · scale + zero is the same everywhere. Both are decode kernels, far below cuBLAS on a long prefill,
 so there too calls with more than `dense_rows` rows multiply a dense copy dequantized for the call
 (`unpack_int4_cuda` inverts tinygemm's tiling with tensor ops).
@@ -159,8 +160,8 @@ def native_group_size(weight: torch.Tensor) -> int | None:
 
 
 def default_cuda_kernel() -> str:
-    """The int4 kernel on CUDA, chosen once per layer: `KETTLE_CUDA_INT4_KERNEL` (tinygemm by default; triton where
-    Triton is installed)."""
+    """The int4 kernel on CUDA, chosen once per layer: `KETTLE_TUNING`'s `cuda-int4-kernel` (tinygemm by default;
+    triton where Triton is installed)."""
     wanted = settings.current().cuda_int4_kernel
     return "triton" if wanted == "triton" and int4_cuda.triton is not None else "tinygemm"
 

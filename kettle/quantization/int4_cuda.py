@@ -1,4 +1,4 @@
-"""Group-wise int4 linear on CUDA in Triton, for batched decode (`KETTLE_CUDA_INT4_KERNEL=triton`).
+"""Group-wise int4 linear on CUDA in Triton, for batched decode (`KETTLE_TUNING=cuda-int4-kernel=triton`).
 
 PyTorch's tinygemm (`_weight_int4pack_mm`, the default) is a one-sequence kernel: it tiles rows by 16 and reads
 the packed weight again for every tile, so 32 sequences cost more than a bf16 GEMV. This kernel puts the rows in a

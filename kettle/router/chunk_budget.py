@@ -7,7 +7,7 @@ small when nothing decodes (a lone long prompt pays the weight reads once per sm
 step that carries decodes at about `ratio` times a decode-only step: it keeps moving averages of the decode
 step's time and of one prompt token's cost, measured on the steps the scheduler runs, and allows
 (ratio - 1) x decode time / token cost prompt tokens, within [min_tokens, max_tokens]. A step with no running
-decode gets the whole `max_tokens`. Off (`KETTLE_ADAPTIVE_CHUNKS=0`), every step gets `max_tokens`.
+decode gets the whole `max_tokens`. Off (`KETTLE_TUNING=adaptive-chunks=off`), every step gets `max_tokens`.
 """
 
 from __future__ import annotations

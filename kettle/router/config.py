@@ -100,10 +100,10 @@ class SchedulerConfig:
     # (`--disable-chunked-prefill` returns to TGI's v2 rule: whole prefills in their own forward).
     chunked_prefill: bool = True
     # Size the chunks that run beside decodes from measured step times (kettle/router/chunk_budget.py);
-    # KETTLE_ADAPTIVE_CHUNKS=0: every step may compute max_batch_prefill_tokens prompt tokens.
+    # KETTLE_TUNING=adaptive-chunks=off: every step may compute max_batch_prefill_tokens prompt tokens.
     adaptive_chunks: bool = field(default_factory=lambda: settings.current().adaptive_chunks)
     # Several decode steps per shard call while the batch is settled, within this window (kettle/router/
-    # decode_steps.py); KETTLE_DECODE_WINDOW_MS=0: one step per call.
+    # decode_steps.py); KETTLE_TUNING=decode-window-ms=0: one step per call.
     decode_window_ms: float = field(default_factory=lambda: settings.current().decode_window_ms)
     # /health turns 503 when work waits and the loop has not moved for this long (or 4x its slowest step).
     stall_timeout: float = 120.0

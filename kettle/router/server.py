@@ -94,9 +94,11 @@ def yield_cpu(niceness: int) -> None:
     try:
         os.nice(niceness)
     except OSError as exc:  # a sandbox may refuse it; the router only runs at the shards' priority then
-        logger.warning("Could not lower the router's CPU priority (KETTLE_ROUTER_NICE=%d): %s", niceness, exc)
+        logger.warning("Could not lower the router's CPU priority (KETTLE_TUNING=router-nice=%d): %s", niceness, exc)
         return
-    logger.info("Router niceness +%d: the shards' compute goes first on a busy CPU (KETTLE_ROUTER_NICE)", niceness)
+    logger.info(
+        "Router niceness +%d: the shards' compute goes first on a busy CPU (KETTLE_TUNING's router-nice)", niceness
+    )
 
 
 async def serve(config: RouterConfig) -> None:

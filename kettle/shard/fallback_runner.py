@@ -8,7 +8,7 @@ that leaves only has its row selected out; when one joins, every row is cut back
 request id) and the step re-pads them together once.
 
 Models whose cache is not plain per-layer K/V (sliding-window or recurrent layers), or whose forward takes no
-`position_ids`, run one request per forward instead (`KETTLE_FALLBACK_PADDING=0` forces that everywhere).
+`position_ids`, run one request per forward instead (`KETTLE_TUNING=fallback-padding=off`: everywhere).
 """
 
 from __future__ import annotations

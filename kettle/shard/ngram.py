@@ -1,8 +1,8 @@
 """N-gram (prompt-lookup) drafts for speculative decoding: the model is guessed to repeat its own context.
 
 The longest suffix of a request's context (its prompt and what it generated), from MAX_NGRAM tokens down to the
-minimum (`KETTLE_SPECULATE_MIN_NGRAM`, 2 by default), is looked up earlier in that same context; the tokens that
-followed its latest earlier occurrence are the draft. It costs no model, and on copy-heavy work (quoting,
+minimum (`KETTLE_TUNING`'s `speculate-min-ngram`, 2 by default), is looked up earlier in that same context; the
+tokens that followed its latest earlier occurrence are the draft. It costs no model, and on copy-heavy work (quoting,
 editing, code, extraction) long drafts are accepted whole.
 
 The drafter also keeps its request's track record: how often its drafts were accepted lately, which

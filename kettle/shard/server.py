@@ -120,8 +120,8 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         runner.kv_dtype = kv_dtype
     elif kv_dtype != dtype:
         logger.warning("--kv-cache-dtype applies to the paged KV cache only: this model's stays in %s", dtype)
-    # Opt-in (KETTLE_OVERLAP=1): on a 2-core machine the step computed ahead competes for the cores with the
-    # router and measured slower than waiting (docs/performance.md).
+    # Opt-in (KETTLE_TUNING=overlap=on): on a 2-core machine the step computed ahead competes for the cores with
+    # the router and measured slower than waiting (docs/performance.md).
     overlap = can.overlap and settings.current().overlap
     engine = ShardEngine(
         runner, config.cpu_kv_cache_fraction, config.rank, config.world_size, config.cuda_memory_fraction, overlap
