@@ -26,7 +26,7 @@ def tiny_server(tiny_llama_path):
         "--kv-cache-dtype",
         "float32",
         # Overlap scheduling is opt-in; the session server runs with it so every e2e test here exercises it.
-        env={**fault_env(), "KETTLE_OVERLAP": "1"},
+        env={**fault_env(), "KETTLE_TUNING": "overlap=on"},
     )
     yield server
     try:

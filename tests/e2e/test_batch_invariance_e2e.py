@@ -1,4 +1,4 @@
-"""Batch invariance through the real launcher, shard and router (`KETTLE_BATCH_INVARIANT`, on by default): 24
+"""Batch invariance through the real launcher, shard and router (`KETTLE_TUNING`'s `batch-invariant`, on by default): 24
 distinct requests sent together get the tokens, and the logprobs to the last bit, that each gets sent alone,
 greedy and seeded, on the bundled model with `--speculate 4`. Alone, the copying requests draft and verify drafts
 (rows of a speculative step) and every prompt is computed in a chunk of its own (or partly from the prefix cache);

@@ -21,8 +21,7 @@ PROMPTS = [COPY, "Hello there", "1 2 3 4 1 2 3 4 1 2 3 4", "abc abc abc abc"]
 # The tiny random model never repeats two tokens of its context: its server drafts from 1-gram matches, every
 # step in full, within 7 rows (so that batches draft too), so that steps verify (and accept) drafts; the default
 # drafting policy is tested in process.
-DRAFT_EVERY_STEP = {"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0"}
-DRAFT_EVERY_STEP |= {"KETTLE_SPECULATE_STEP_ROWS": "7"}
+DRAFT_EVERY_STEP = {"KETTLE_TUNING": "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-rows=7"}
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def test_a_killed_shard_stops_the_launcher_within_seconds(tiny_llama_path):
 
 
 def test_the_router_runs_at_a_lower_cpu_priority_than_the_shards(tiny_server):
-    """The router yields the CPU to the shards (KETTLE_ROUTER_NICE, 10 by default): every one of its threads is
+    """The router yields the CPU to the shards (KETTLE_TUNING's router-nice, 10 by default): every one of its threads is
     10 nicer than the launcher, the shard keeps the launcher's priority."""
     launcher = psutil.Process(tiny_server.process.pid)
     children = launcher.children(recursive=True)

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kettle.bench.process import KETTLE, KettleServer, free_port
+from kettle.settings import merge_tuning
 from tests.e2e.test_generate_e2e import PROMPTS, stream_events
 from tests.models.family_parity import save_tiny, tiny_settings
 
@@ -87,7 +88,7 @@ def two_shards(tiny_llama_path):
     uds, port = os.path.join(tempfile.mkdtemp(prefix="kettle-nodes-"), "shard"), str(free_port())
     flags = ["--model-id", str(tiny_llama_path), "--num-shard", "1", "--nnodes", "2", "--master-port", port]
     log = tempfile.NamedTemporaryFile(prefix="kettle-node1-", suffix=".log", delete=False)  # noqa: SIM115
-    env = {**os.environ, "KETTLE_MAX_KV_TOKENS": "65536"}
+    env = {**os.environ, "KETTLE_TUNING": merge_tuning(os.environ.get("KETTLE_TUNING"), {"max-kv-tokens": 65536})}
     node1 = subprocess.Popen(
         [KETTLE, "launch", *flags, "--node-rank", "1", "--shard-uds-path", uds, *LIMITS],
         stdout=log,

@@ -67,9 +67,9 @@ def _prompts(path: Path) -> list[list[int]]:
 
 
 def assert_parity(path: Path, family: str, atol: float = LOGITS_ATOL) -> float:
-    """Logits of the three prompts in one batch within `atol` of transformers, and identical greedy tokens,
-    with Kettle's CPU kernels and again without them (`KETTLE_CPU_KERNELS=0`: the path of machines without gcc
-    or AVX2).
+    """Logits of the three prompts in one batch within `atol` of transformers, and identical greedy tokens, with
+    Kettle's CPU kernels and again without them (`KETTLE_TUNING=cpu-kernels=off`: the path of machines without gcc or
+    AVX2).
 
     Returns the largest absolute logits difference with the kernels (also recorded in MEASURED_FILE).
     """

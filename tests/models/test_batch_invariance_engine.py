@@ -1,8 +1,8 @@
-"""Batch invariance on the shard engine (`KETTLE_BATCH_INVARIANT`, on by default), the tiny Llama under int4 in both
-weight layouts: prompts sent together, their prompts cut into chunks of 5 (so that some last chunk is a single
-token, and steps mix prompt chunks with other requests' decodes), with drafts verified every step under
-`--speculate`, give each request the tokens and logprobs, to the last bit, that it gets alone with its prompt in one
-chunk, greedy and seeded. Without the switch the rows layout's fast paths give other bits."""
+"""Batch invariance on the shard engine (`KETTLE_TUNING`'s `batch-invariant`, on by default), the tiny Llama under int4
+in both weight layouts: prompts sent together, their prompts cut into chunks of 5 (so that some last chunk is a single
+token, and steps mix prompt chunks with other requests' decodes), with drafts verified every step under `--speculate`,
+give each request the tokens and logprobs, to the last bit, that it gets alone with its prompt in one chunk, greedy and
+seeded. Without the switch the rows layout's fast paths give other bits."""
 
 from __future__ import annotations
 
@@ -21,11 +21,7 @@ PROMPTS = [
 ]
 TOKENS = 12
 # Every step drafts what the tiny random model's contexts allow (it rarely repeats itself), 7 rows at most.
-DRAFT_EVERY_STEP = {
-    "KETTLE_SPECULATE_MIN_NGRAM": "1",
-    "KETTLE_SPECULATE_ROW_COST": "0",
-    "KETTLE_SPECULATE_STEP_ROWS": "7",
-}
+DRAFT_EVERY_STEP = "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-rows=7"
 
 
 @pytest.fixture(scope="module", params=["rows", "lanes"])
@@ -79,8 +75,7 @@ def alone_and_together(engine, sampled: bool) -> tuple[dict, dict]:
 def test_requests_get_the_same_tokens_alone_and_together_with_drafts_or_without(engine, monkeypatch, sampled):
     """Speculation changes only how many rows a step verifies: a request's tokens (greedy, and seeded: one uniform
     of its generator per token emitted) are those of plain decoding."""
-    for name, value in DRAFT_EVERY_STEP.items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KETTLE_TUNING", DRAFT_EVERY_STEP)
     runs = {}
     for speculate in (0, 4):
         monkeypatch.setattr(engine.runner, "speculate", speculate)
@@ -93,11 +88,11 @@ def test_requests_get_the_same_tokens_alone_and_together_with_drafts_or_without(
 
 
 def test_without_the_switch_the_rows_layouts_fast_paths_differ(engine, monkeypatch):
-    """The check above can fail: with `KETTLE_BATCH_INVARIANT=0` the rows layout's rows take the float32 tiles and
-    panels or the int16 path by the step's row count (lanes compute a row alike either way)."""
+    """The check above can fail: with `KETTLE_TUNING=batch-invariant=off` the rows layout's rows take the float32
+    tiles and panels or the int16 path by the step's row count (lanes compute a row alike either way)."""
     if next(m for m in engine.runner.model.modules() if hasattr(m, "lanes")).lanes:
         pytest.skip("lanes keep one row's arithmetic at any row count with or without the switch")
-    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
     monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 3)  # the tiny batch reaches the float32 tiles
     alone, together = alone_and_together(engine, sampled=False)
     assert together != alone

@@ -75,12 +75,12 @@ def _last_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_model_with_fused_kernels_matches_eager(tiny_llama_path, monkeypatch):
-    """The whole bf16 model with and without KETTLE_FUSED_KERNELS: same logits to bf16 precision."""
+    """The whole bf16 model with and without KETTLE_TUNING's cuda-fused-kernels: same logits to bf16 precision."""
     model = load_model(str(tiny_llama_path), torch.bfloat16, "cuda")
     prompt = [5, 9, 11, 40, 3, 7, 7, 1]
-    monkeypatch.setenv("KETTLE_FUSED_KERNELS", "1")
+    monkeypatch.setenv("KETTLE_TUNING", "cuda-fused-kernels=on")
     fused = _last_logits(model, prompt)
-    monkeypatch.setenv("KETTLE_FUSED_KERNELS", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "cuda-fused-kernels=off")
     eager = _last_logits(model, prompt)
     assert relative_error(fused, eager) < 2e-2
     assert fused.argmax().item() == eager.argmax().item()

@@ -1,10 +1,10 @@
 """Weight-only int8/int4 on CUDA: the layers against their dequantized weights, the tiny model quantized at load
 time against a bf16 model running the weights quantization rounds to, GPTQ/AWQ checkpoints, and decode graphs.
 
-All but the layout checks (a Python copy of PyTorch's tinygemm packing kernel, and the Triton kernel's nibble
-pairs, run on the CPU too) are skipped without a CUDA device. int4 runs PyTorch's tinygemm kernel (or, with
-KETTLE_CUDA_INT4_KERNEL=triton, kettle/quantization/int4_cuda.py's; the layer tests check both), a dense GEMM past
-`dense_rows`; int8 the Triton GEMV of kettle/quantization/fp8.py (≤ INT8_GEMV_ROWS rows) or a bf16 GEMM.
+All but the layout checks (a Python copy of PyTorch's tinygemm packing kernel, and the Triton kernel's nibble pairs, run
+on the CPU too) are skipped without a CUDA device. int4 runs PyTorch's tinygemm kernel (or, with
+KETTLE_TUNING=cuda-int4-kernel=triton, kettle/quantization/int4_cuda.py's; the layer tests check both), a dense GEMM
+past `dense_rows`; int8 the Triton GEMV of kettle/quantization/fp8.py (≤ INT8_GEMV_ROWS rows) or a bf16 GEMM.
 """
 
 from __future__ import annotations

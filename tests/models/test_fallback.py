@@ -99,14 +99,14 @@ def test_filtered_requests_drop_their_state(served, hf):
     assert not engine.runner._own and engine.runner._padded is None
 
 
-@pytest.mark.parametrize("padding", ["1", "0"])
+@pytest.mark.parametrize("padding", ["on", "off"])
 def test_local_attention_in_padded_and_per_request_modes(tmp_path, monkeypatch, padding):
-    """A local-window layer (position-indexed mask) stays exact under left padding; KETTLE_FALLBACK_PADDING=0
+    """A local-window layer (position-indexed mask) stays exact under left padding; KETTLE_TUNING=fallback-padding=off
     (one request per forward) gives the same tokens."""
-    monkeypatch.setenv("KETTLE_FALLBACK_PADDING", padding)
+    monkeypatch.setenv("KETTLE_TUNING", f"fallback-padding={padding}")
     path = make_tiny_gpt_neo(tmp_path, local_window=4)
     engine, _ = warm_engine(path)
-    assert engine.runner.padding == (padding == "1")
+    assert engine.runner.padding == (padding == "on")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [tokenizer(p).input_ids for p in PROMPTS[1:]]

@@ -31,8 +31,8 @@ from tests.gguf_files import FROM_METADATA, dequantized_reference, tiny_model, w
 PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 95, 20]]
 # Q6_K in lanes: measured 3.2-3.4e-5 on llama, qwen2 and qwen3 (the int16 activations' rounding).
 EXACT_ATOL = {T.F32: 1e-4, T.Q4_0: 1e-4, T.Q4_1: 1e-4, T.Q8_0: 1e-4, T.Q6_K: 1e-4}
-# Without Kettle's kernels (no gcc or AVX2, or KETTLE_CPU_KERNELS=0) quantized GGUF tensors run PyTorch's packed
-# kernels, which compute in bfloat16: the exact mapping these tests check is the kernels'.
+# Without Kettle's kernels (no gcc or AVX2, or KETTLE_TUNING=cpu-kernels=off) quantized GGUF tensors run PyTorch's
+# packed kernels, which compute in bfloat16: the exact mapping these tests check is the kernels'.
 EXACT_NEEDS_KERNELS = "the exact mapping runs on Kettle's CPU kernels (switched off or not built here)"
 # Q4_K, relative to the largest logit (random Q4_K blocks make logits of ~100): in lanes, with the file's own
 # scales, measured max difference 3e-6 (the products are gguf's); in the rows layout 1.8e-4 (d · sc rounded to

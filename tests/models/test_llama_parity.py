@@ -41,7 +41,8 @@ def reference_logits(reference, ids: list[int]) -> torch.Tensor:
         return reference(torch.tensor([ids])).logits[0]
 
 
-# Each check runs with Kettle's CPU kernels and without them (KETTLE_CPU_KERNELS=0: machines without gcc or AVX2).
+# Each check runs with Kettle's CPU kernels and without them (KETTLE_TUNING=cpu-kernels=off: machines without gcc or
+# AVX2).
 KERNELS = pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "no-kernels"])
 
 

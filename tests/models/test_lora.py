@@ -173,7 +173,7 @@ def test_the_fused_cpu_step_adds_each_rows_adapter(base, adapters, monkeypatch, 
     """Decode steps mixing two adapters and the base model run in the one-call CPU step (float32 weights stored
     dense, or int4) and give the layer-by-layer forward's logits (which equal peft's, above): the step's LoRA
     stage masks every row to its own adapter and writes each B row only into its slice of q|k|v or gate|up."""
-    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    monkeypatch.setenv("KETTLE_TUNING", "cpu-linear=dense")
     model, _ = kettle_model(base, adapters, quantize)
     assert model.cpu_decoder_step is not None
     fused, reference = lora_decode(model, [0, -1, 1], fused=True), lora_decode(model, [0, -1, 1], fused=False)

@@ -23,7 +23,7 @@ def paths(tmp_path_factory):
 
 
 def test_the_paged_runner_takes_speculation_the_kv_dtype_and_overlap(paths, monkeypatch):
-    monkeypatch.setenv("KETTLE_OVERLAP", "1")
+    monkeypatch.setenv("KETTLE_TUNING", "overlap=on")
     engine, info = build_engine(ShardConfig(model_path=str(paths[0]), speculate=3, kv_cache_dtype="bf16"))
     assert isinstance(engine.runner, PagedRunner) and isinstance(engine.runner, Runner)
     assert engine.runner.capabilities.paged and not info.requires_padding
@@ -32,7 +32,7 @@ def test_the_paged_runner_takes_speculation_the_kv_dtype_and_overlap(paths, monk
 
 
 def test_a_transformers_runner_declines_them_and_says_so(paths, monkeypatch, caplog):
-    monkeypatch.setenv("KETTLE_OVERLAP", "1")
+    monkeypatch.setenv("KETTLE_TUNING", "overlap=on")
     with caplog.at_level(logging.WARNING):
         engine, info = build_engine(ShardConfig(model_path=str(paths[1]), speculate=3, kv_cache_dtype="bf16"))
     runner = engine.runner

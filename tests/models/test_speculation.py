@@ -22,9 +22,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12], [40, 41, 42, 4
 
 @pytest.fixture
 def draft_every_step(monkeypatch):
-    monkeypatch.setenv("KETTLE_SPECULATE_MIN_NGRAM", "1")
-    monkeypatch.setenv("KETTLE_SPECULATE_ROW_COST", "0")
-    monkeypatch.setenv("KETTLE_SPECULATE_STEP_ROWS", "7")
+    monkeypatch.setenv("KETTLE_TUNING", "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-rows=7")
 
 
 def run(engine, speculate: int, configure=None, max_new_tokens: int = 40):

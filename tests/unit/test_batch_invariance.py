@@ -1,9 +1,9 @@
-"""Batch invariance of Kettle's CPU kernels (`KETTLE_BATCH_INVARIANT`, on by default): a row computed among other
-rows has the bits it has alone, for every weight type the kernels take, at every row count a step may have (a
+"""Batch invariance of Kettle's CPU kernels (`KETTLE_TUNING`'s `batch-invariant`, on by default): a row computed among
+other rows has the bits it has alone, for every weight type the kernels take, at every row count a step may have (a
 decode step of 1..40 sequences, a prompt chunk of hundreds), through every path a row count picks (kernels.h
-`linear_channel_rows`, gemm.c's row panels, the lanes kernels and the integer panels on AVX-512 VNNI). The same
-checks with the switch off find rows that differ: the fast paths change a row's arithmetic with the row count, which
-is what the switch is for."""
+`linear_channel_rows`, gemm.c's row panels, the lanes kernels and the integer panels on AVX-512 VNNI). The same checks
+with the switch off find rows that differ: the fast paths change a row's arithmetic with the row count, which is what
+the switch is for."""
 
 from __future__ import annotations
 
@@ -169,11 +169,11 @@ def test_rows_are_computed_as_alone_whatever_the_thread_count():
 
 
 def test_without_the_switch_the_fast_paths_change_a_rows_bits(monkeypatch):
-    """`KETTLE_BATCH_INVARIANT=0` keeps the row-count-dependent arithmetic (float32 tiles and panels in rows): the
-    test above would fail there, so it can fail."""
+    """`KETTLE_TUNING=batch-invariant=off` keeps the row-count-dependent arithmetic (float32 tiles and panels in rows):
+    the test above would fail there, so it can fail."""
     monkeypatch.setattr(ops, "_LANES", False)
     layer = q4_layer(40, 576, 32, symmetric=False)
-    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
     assert rows_that_differ(layer, 576) != []
 
 
@@ -201,5 +201,5 @@ def test_decode_attention_cuts_each_context_as_alone(monkeypatch):
         together = attend(list(range(len(lens))))
         alone = torch.cat([attend([s]) for s in range(len(lens))])
         assert torch.equal(together, alone)
-        monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
+        monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
         assert not torch.equal(attend(list(range(len(lens)))), alone)

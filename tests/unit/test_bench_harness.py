@@ -3,6 +3,8 @@ the one timing helper (interleaved calls, median and minimum, same-round ratios)
 
 from __future__ import annotations
 
+import functools
+import os
 import shlex
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import BENCHMARKS, benchmark, command
+from kettle.bench.process import child_environment
 from kettle.bench.timing import Timing, interleaved, ratio_summary, same_round
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,10 +103,37 @@ def test_the_entry_point_lists_the_benchmarks_and_refuses_unknown_names() -> Non
 
 
 def test_the_printed_command_carries_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KETTLE_CPU_LANES", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "lanes=off,float-rows=8")
     line = command(["decode", "--server-args", "--quantize int4"])
-    assert line.startswith("KETTLE_CPU_LANES=0 ")
+    assert line.startswith("KETTLE_TUNING=lanes=off,float-rows=8 ")
     assert line.endswith("-m bench decode --server-args '--quantize int4'")
+
+
+def test_a_child_server_gets_this_process_tuning_the_cap_and_its_own_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KETTLE_TUNING", "lanes=off,max-kv-tokens=4096,overlap=on")
+    env = child_environment({"KETTLE_TUNING": "overlap=off"}, 65536)
+    assert env["KETTLE_TUNING"] == "lanes=off,max-kv-tokens=65536,overlap=off"
+    own_cap = child_environment({"KETTLE_TUNING": "max-kv-tokens=8"}, 65536)
+    assert own_cap["KETTLE_TUNING"] == "lanes=off,max-kv-tokens=8,overlap=on"
+    assert child_environment({}, None)["KETTLE_TUNING"] == "lanes=off,max-kv-tokens=4096,overlap=on"
+    monkeypatch.delenv("KETTLE_TUNING")
+    assert "KETTLE_TUNING" not in child_environment({"KETTLE_CACHE": "/c"}, None)
+
+
+def test_tuning_sets_items_inside_the_block_and_restores_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kettle import settings
+    from kettle.bench.drive import tuning
+
+    # The cached `current` a benchmark has (tests/conftest.py's re-reads and has no cache to clear).
+    monkeypatch.setattr(settings, "current", functools.cache(lambda: settings.Settings.from_env(os.environ)))
+    monkeypatch.setenv("KETTLE_TUNING", "lanes=off")
+    with tuning({"batch-invariant": False}):
+        assert os.environ["KETTLE_TUNING"] == "lanes=off,batch-invariant=off"
+        assert not settings.current().batch_invariant and not settings.current().cpu_lanes
+    assert os.environ["KETTLE_TUNING"] == "lanes=off" and settings.current().batch_invariant
+    with tuning({"lanes": None}):
+        assert "KETTLE_TUNING" not in os.environ
+    assert os.environ["KETTLE_TUNING"] == "lanes=off"
 
 
 def test_interleaved_calls_alternate_after_the_warm_up() -> None:

@@ -48,7 +48,7 @@ def test_unknown_backend_is_refused():
 
 
 def test_fp8_linear_on_cpu_is_close_to_dense(monkeypatch):
-    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")  # fp8 quantizes from the checkpoint layout
+    monkeypatch.setenv("KETTLE_TUNING", "cpu-linear=dense")  # fp8 quantizes from the checkpoint layout
     torch.manual_seed(0)
     dense = Linear(torch.randn(48, 64) * 0.05, torch.randn(48))
     fp8 = Fp8Linear.from_linear(dense)
@@ -66,7 +66,7 @@ def test_quantize_rows_round_trip():
 
 
 def test_quantize_fp8_swaps_every_linear_but_the_lm_head(monkeypatch):
-    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")  # as on CUDA, where fp8 runs
+    monkeypatch.setenv("KETTLE_TUNING", "cpu-linear=dense")  # as on CUDA, where fp8 runs
     block = torch.nn.Sequential(Linear(torch.randn(16, 16)), torch.nn.ReLU(), Linear(torch.randn(32, 16)))
     model = torch.nn.ModuleDict({"block": block, "lm_head": Linear(torch.randn(8, 32))})
     quantize_fp8(model)
@@ -84,7 +84,7 @@ def test_kv_cache_takes_the_cuda_fraction_of_free_gpu_memory(monkeypatch):
     spec = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     per_token = 2 * 2 * 2 * 8 * 4
     monkeypatch.setattr(warmup, "_available_bytes", lambda device: 1000 * per_token)
-    monkeypatch.setenv("KETTLE_MAX_KV_TOKENS", str(1 << 20))
+    monkeypatch.setenv("KETTLE_TUNING", f"max-kv-tokens={1 << 20}")
     request = pb.WarmupRequest(max_total_tokens=16, max_prefill_tokens=16)
     cuda = warmup.plan_kv_cache(spec, torch.device("cuda"), request, cpu_fraction=0.1, cuda_fraction=0.5)
     cpu = warmup.plan_kv_cache(spec, torch.device("cpu"), request, cpu_fraction=0.1, cuda_fraction=0.5)
@@ -96,5 +96,5 @@ def test_fused_kernels_never_apply_on_cpu(monkeypatch):
     from kettle.layers.cuda_fused import fused_enabled
 
     assert not fused_enabled(torch.zeros(2))
-    monkeypatch.setenv("KETTLE_FUSED_KERNELS", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "cuda-fused-kernels=off")
     assert not fused_enabled(torch.zeros(2))

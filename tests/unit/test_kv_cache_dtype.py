@@ -182,7 +182,7 @@ def test_a_16_bit_cache_holds_twice_the_tokens(monkeypatch):
     spec = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
     assert KVCache.bytes_per_token(30, 3, 64, torch.float32) == 46080  # SmolLM2-135M: 45 KiB per token
     monkeypatch.setattr("kettle.shard.warmup._available_bytes", lambda device: 2**30)
-    monkeypatch.setenv("KETTLE_MAX_KV_TOKENS", str(1 << 30))
+    monkeypatch.setenv("KETTLE_TUNING", f"max-kv-tokens={1 << 30}")
     request = pb.WarmupRequest(max_total_tokens=16, max_prefill_tokens=16)
     full = plan_kv_cache(spec, torch.device("cpu"), request, 0.1)
     half = plan_kv_cache(spec, torch.device("cpu"), request, 0.1, kv_dtype=torch.float16)

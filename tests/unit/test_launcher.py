@@ -139,7 +139,7 @@ def test_a_launcher_that_stops_early_leaves_no_compiler_running(tmp_path):
     """A first start compiles the CPU kernels beside the model's preparation; stopping on a bad model before that
     build is done kills the compilers with it (they held the caller's output pipes open for their ~5 s)."""
     cache = tmp_path / "cache"  # empty, and the install's build ignored: the kernels are to be built
-    env = os.environ | {"KETTLE_CACHE": str(cache), "KETTLE_INSTALLED_KERNELS": "0"}
+    env = os.environ | {"KETTLE_CACHE": str(cache), "KETTLE_TUNING": "installed-kernels=off"}
     command = [sys.executable, "-m", "kettle.cli", "launch", "--model-id", str(tmp_path / "missing-model")]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert launcher.wait(timeout=60) == 1

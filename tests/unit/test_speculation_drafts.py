@@ -100,7 +100,7 @@ def test_a_batch_drafts_the_best_bets_within_the_step_rows():
 def test_a_cpu_step_drafts_within_one_pass_of_the_integer_kernels(monkeypatch):
     assert step_rows(torch.device("cpu")) == CPU_STEP_ROWS == ops.TILE_ROWS == 4
     assert step_rows(torch.device("cuda", 0)) == GPU_STEP_ROWS
-    monkeypatch.setenv("KETTLE_SPECULATE_STEP_ROWS", "7")
+    monkeypatch.setenv("KETTLE_TUNING", "speculate-step-rows=7")
     assert step_rows(torch.device("cpu")) == 7
     # A copying stream's last token and 3 drafts fill the tile: the fourth draft token would start a second pass.
     assert drafts_for([copying(Request(list(COPY)))], 4, CPU_STEP_ROWS) == [PASSAGE[10:13]]
@@ -108,7 +108,7 @@ def test_a_cpu_step_drafts_within_one_pass_of_the_integer_kernels(monkeypatch):
     assert sum(len(d) for d in pair) == 2
     assert drafts_for([copying(Request(list(COPY))) for _ in range(4)], 4, CPU_STEP_ROWS) == [[]] * 4
     # Weights in lanes take 8 rows a pass: a copying stream verifies all of --speculate 4, two streams 3 each.
-    monkeypatch.delenv("KETTLE_SPECULATE_STEP_ROWS")
+    monkeypatch.delenv("KETTLE_TUNING")
     lanes = step_rows(torch.device("cpu"), lanes=True)
     assert lanes == CPU_LANES_STEP_ROWS == ops.LANES_TILE_ROWS == 8
     assert drafts_for([copying(Request(list(COPY)))], 4, lanes) == [PASSAGE[10:14]]
@@ -125,5 +125,5 @@ def test_drafts_stop_short_of_max_new_tokens_and_skip_prompts():
 def test_no_row_cost_drafts_in_full_whatever_the_record(monkeypatch):
     request = failing(Request(list(COPY)))
     assert drafts_for([request], 4, GPU_STEP_ROWS) == [[]]
-    monkeypatch.setenv("KETTLE_SPECULATE_ROW_COST", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "speculate-row-cost=0")
     assert drafts_for([request], 4, GPU_STEP_ROWS) == [PASSAGE[10:14]]

@@ -195,7 +195,7 @@ def test_rope_flags_resolve_as_tgi_and_reach_the_shards(args, rope, launched):
 def test_disable_custom_kernels_turns_the_kernels_off_in_the_shards(launched):
     assert runner.invoke(app, ["launch", "--disable-custom-kernels"]).exit_code == 0
     env = shard_spec(launched[-1], "/m", rank=0).env
-    assert env["KETTLE_CPU_KERNELS"] == "0" and env["KETTLE_FUSED_KERNELS"] == "0"
+    assert env["KETTLE_TUNING"] == "cpu-kernels=off,cuda-fused-kernels=off"
 
 
 def test_shard_sockets_are_per_port_unless_given(launched):
