@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench decode                                  # the bundled model, batch 1 and 16
     .venv/bin/python -m bench decode $M --quantize int4 --vs transformers
-    KETTLE_CPU_KERNELS=0 .venv/bin/python -m bench decode $M          # PyTorch's ops instead of Kettle's kernels
+    KETTLE_TUNING=cpu-kernels=off .venv/bin/python -m bench decode $M # PyTorch's ops instead of Kettle's kernels
 
 Method: load the model folder (default: the bundled model) with Kettle, prefill `batch` random prompts of
 `--context` tokens in one forward over a cache as a shard keeps it (the served block size and KV dtype), then
@@ -42,13 +42,13 @@ the ratio:
   int4 groups (`--bf16`, `--fp32-kernels`, `--dense`: more variants), the minimum of `--steps` interleaved calls
   (microseconds: on a shared CPU the median of calls this short measures the neighbours).
 - `fallback`: the transformers fallback's throughput, padded batches against one request per forward
-  (`KETTLE_FALLBACK_PADDING=0`), with transformers' batched `generate` as the baseline: a random-weight GPT-Neo
+  (`KETTLE_TUNING=fallback-padding=off`), with transformers' batched `generate` as the baseline: a random-weight GPT-Neo
   (4 layers x 512) with the tests' tiny tokenizer, `--requests` prompts of 8, 12, ... tokens, `--steps` new
   tokens each, EOS ignored; the best of `--trials` (one thread unless given).
 - `grammar-engines`: xgrammar, llguidance and outlines-core on the model's tokenizer for one JSON schema: compile
   time, the first mask, and the median time to build a [B, V] mask at batch 1 and 8 along a fixed valid output.
-- `invariance`: what batch invariance costs, `KETTLE_BATCH_INVARIANT=0` (the fast paths) against the default on one
-  model (settings are read at each step, so both run interleaved in this process): decode at each `--batch` and
+- `invariance`: what batch invariance costs, `KETTLE_TUNING=batch-invariant=off` (the fast paths) against the default
+  on one model (settings are read at each step, so both run interleaved in this process): decode at each `--batch` and
   `--context` (`--steps 40` unless given) and a prefill of each `--prefill` token count (512 unless given, `--trials
   7` rounds); each side's median and fastest, and invariant/fast time round by round. `--layout rows-avx2`: an AVX2
   CPU's kernels on this one (weights in rows, no integer panels, 256-bit one-row channels, GEMM panels and prefill
@@ -73,7 +73,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kettle.bench.drive import environment
+from kettle.bench.drive import environment, tuning
 from kettle.bench.timing import interleaved, ratio_summary, same_round
 
 COMPARISONS = (
@@ -180,7 +180,7 @@ def steps(args: argparse.Namespace) -> None:
     fused = "fused step" if getattr(model, "cpu_decoder_step", None) is not None else "layer by layer"
     print(f"{model.spec.model_type} {args.dtype}{scheme}, {torch.get_num_threads()} threads; decode: {fused}")
     if args.vs == "float-panels" and not ops.integer_gemm():
-        parser().error("--vs float-panels: no integer panels here (AVX-512 VNNI, KETTLE_CPU_INTEGER_GEMM)")
+        parser().error("--vs float-panels: no integer panels here (AVX-512 VNNI, KETTLE_TUNING's integer-gemm)")
     hf = transformers_model(path, dtype) if args.vs == "transformers" else None
     total = args.steps + args.warmup
     for batch in args.batch:
@@ -334,16 +334,16 @@ def schemes(args: argparse.Namespace) -> None:
                 )
 
 
-# ---- invariance: batch invariance's cost, KETTLE_BATCH_INVARIANT=0 against the default -----------------------
+# ---- invariance: batch invariance's cost, KETTLE_TUNING=batch-invariant=off against the default -------------
 
 # The C library's vector-width choices (-1: the CPU's answer) that `--layout rows-avx2` sets to 256 bits.
 AVX512_CHOICES = ("kettle_channel_avx512", "kettle_gemm_avx512", "kettle_attention_avx512")
-INVARIANCE = ("1", "0")  # KETTLE_BATCH_INVARIANT's two values, the default first
+INVARIANCE = ("on", "off")  # KETTLE_TUNING's batch-invariant values, the default first
 
 
 def invariant(value: str):
-    """A loop's `around`: the settings read again with KETTLE_BATCH_INVARIANT=`value` for each call."""
-    return functools.partial(environment, KETTLE_BATCH_INVARIANT=value)
+    """A loop's `around`: the settings read again with KETTLE_TUNING's batch-invariant=`value` for each call."""
+    return functools.partial(tuning, {"batch-invariant": value})
 
 
 def invariance_model(args: argparse.Namespace):
@@ -363,7 +363,7 @@ def invariance_model(args: argparse.Namespace):
     weights = getattr(model, "quantization", None) or args.quantize or "float32"
     kernels = f"weights in lanes: {lanes}, integer panels: {ops.integer_gemm()}"
     print(f"{model.spec.model_type} {weights}, --layout {args.layout} ({kernels}), {torch.get_num_threads()} threads")
-    print("KETTLE_BATCH_INVARIANT=1 (the default, 'invariant') against =0 ('fast'), interleaved in this process")
+    print("batch-invariant=on (the default, 'invariant') against =off ('fast'), interleaved in this process")
     return model
 
 
@@ -737,8 +737,8 @@ VARIANTS = {
 
 
 def kernels_switch(on: bool):
-    """A context with Kettle's C kernels on or off for the calls inside (what `KETTLE_CPU_KERNELS=0` does at
-    start-up)."""
+    """A context with Kettle's C kernels on or off for the calls inside (what `KETTLE_TUNING=cpu-kernels=off` does
+    at start-up)."""
     from kettle.kernels import ops
 
     real = ops.library
@@ -780,7 +780,7 @@ def compiled(args: argparse.Namespace) -> None:
                 linear = args.compile_linear if is_compiled else args.eager_linear
                 key = (with_kernels, linear)
                 if key not in models:
-                    with environment(KETTLE_CPU_LINEAR=linear), kernels_switch(with_kernels)():
+                    with tuning({"cpu-linear": linear}), kernels_switch(with_kernels)():
                         models[key] = load_model(
                             path, torch.float32, "cpu", quantize=args.quantize, dequantize=args.dtype_float32
                         )
@@ -884,7 +884,7 @@ def fallback(args: argparse.Namespace) -> None:
     prompts = [[5 + i] * (8 + 4 * i) for i in range(args.requests)]
 
     def kettle_seconds(padding: str) -> float:
-        with environment(KETTLE_FALLBACK_PADDING=padding):
+        with tuning({"fallback-padding": padding}):
             engine = shard_engine(str(path), max_tokens=256, dtype="float32", kv_cache_dtype="float32")
             run = engine_run(engine, prompts, args.steps, ignore_eos=True)
         return run.prefill_s + run.decode_s

@@ -25,7 +25,7 @@ beside it.
     .venv/bin/python -m bench memory --schemes          # a process per weight scheme, loaded and decoding
 
 Each run starts `kettle launch` as `make serve` does (the bundled model, no flags), twice in turn: as it ships and
-with KETTLE_RELEASE_LIBRARY_PAGES=0 (the library pages start-up ran kept resident). It reads the shard's VmRSS
+with KETTLE_TUNING=release-library-pages=off (the library pages start-up ran kept resident). It reads the shard's VmRSS
 from /proc minus its KV cache (the shard's `KV cache: ... MiB` line) when the shard has logged its memory, then
 after each burst of 64 requests, 16 at a time (greedy and sampled, penalties, `top_n_tokens`, prompts of 10-200
 tokens), and after one burst of JSON-schema requests (the first grammar builds llguidance's tokenizer view), each
@@ -49,7 +49,7 @@ STARTUP = """Seconds from `kettle launch` to a healthy server, first with an emp
 
 The first start prepares the model folder from the GGUF into the (temporary) cache; the later ones reuse it. The
 C kernels come from the install (scripts/install.sh builds them into the environment); with
-KETTLE_INSTALLED_KERNELS=0 the first start builds them into the cache as well, as a bare `pip install` would.
+KETTLE_TUNING=installed-kernels=off the first start builds them into the cache as well, as a bare `pip install` would.
 Each run prints its time, the launcher's log lines that say where the time went, and the resident memory each
 process logged.
 """
@@ -93,7 +93,7 @@ def memory(argv: list[str]) -> None:
     for run in range(args.runs):
         for release in (True, False):
             readings = kettle_memory(release, args.bursts, args.flags)
-            name = "library pages released" if release else "KETTLE_RELEASE_LIBRARY_PAGES=0"
+            name = "library pages released" if release else "release-library-pages=off"
             print(f"run {run + 1}, {name}:", " | ".join(f"{value:.1f}" for value in readings), flush=True)
         llama = llama_cpp_rest(str(bundled_gguf()))
         if llama is not None:
@@ -133,7 +133,7 @@ def burst(url: str, seed: int, grammar: bool = False, n: int = 64, concurrency: 
 
 
 def kettle_memory(release: bool, bursts: int, flags: list[str]) -> list[float]:
-    server = KettleServer(None, *flags, env={"KETTLE_RELEASE_LIBRARY_PAGES": "1" if release else "0"})
+    server = KettleServer(None, *flags, env={"KETTLE_TUNING": f"release-library-pages={'on' if release else 'off'}"})
     try:
         server.wait_for_log("Resident memory of shard-0")
         readings = [shard_rest(server)]

@@ -1,7 +1,7 @@
 """Decode on a CUDA GPU: Kettle against transformers on a Llama-2-7B-shaped model with random bf16 weights.
 
     python3 -m bench gpu --out $OUT
-    KETTLE_FUSED_KERNELS=0 python3 -m bench gpu --batch 1 32   # the same without the fused kernels
+    KETTLE_TUNING=cuda-fused-kernels=off python3 -m bench gpu --batch 1 32   # without the fused kernels
     python3 -m bench gpu --sampling --batch 1 32   # the shard's sampling step: host sync or none
     python3 -m bench gpu --kv-dtypes fp8_e4m3fn --batch 1 32 --context 2048   # a float8 KV cache
     python3 -m bench gpu --int4-kernels --batch 1 8 16 32 64 128              # int4 kernel against kernel
@@ -16,7 +16,7 @@ bandwidth = (weights read once + every sequence's KV) / step time; the embedding
 (a step reads B rows of it). transformers runs the same steps with its DynamicCache at batch 1 and 32.
 fp8 (`quantize_fp8`, per-channel weight scales) is timed the same way at batch 1 and 32, and at every `--batch`
 the weight-only int8 (per-channel, Triton GEMV) and int4 (groups of 128; PyTorch's tinygemm, or Kettle's Triton
-kernel with KETTLE_CUDA_INT4_KERNEL=triton) models that `--quantize int8|int4` loads (LM head int8,
+kernel with KETTLE_TUNING=cuda-int4-kernel=triton) models that `--quantize int8|int4` loads (LM head int8,
 KETTLE_QUANT_LM_HEAD's default); their %bw counts the bytes of the quantized weights (packed values +
 scales/zeros).
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kettle import settings
 from kettle.bench.drive import SERVED_BLOCK_SIZE as BLOCK_SIZE
 from kettle.bench.drive import hf_decode_step, new_cache, scattered_tables
 from kettle.bench.timing import interleaved
@@ -222,8 +222,8 @@ def gpu(argv: list[str]) -> None:
     args.batch = args.batch or [1, 8, 32, 128]
     dtype = torch.bfloat16
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    # The fused norm/RoPE/SiLU kernels are on unless KETTLE_FUSED_KERNELS=0: record which way this run went.
-    results["fused_kernels"] = os.environ.get("KETTLE_FUSED_KERNELS", "1") != "0"
+    # The fused norm/RoPE/SiLU kernels are on unless KETTLE_TUNING=cuda-fused-kernels=off: record which way.
+    results["fused_kernels"] = settings.current().cuda_fused_kernels
     copy_bw = copy_bandwidth()
     results["copy_bw"] = copy_bw
     print(f"{results['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)

@@ -5,7 +5,7 @@ the time to first token a cached prefix saves.
     .venv/bin/python -m bench prefill --schemes int4 --tokens 2000 --trials 5
     .venv/bin/python -m bench prefill --sdpa                      # + float32 with SDPA's attention kernel
     .venv/bin/python -m bench prefill --chunk 256 --schemes float32 --sdpa   # Kettle in 256-token chunks
-    KETTLE_CPU_KERNELS=0 .venv/bin/python -m bench prefill ...    # PyTorch's ops instead of Kettle's kernels
+    KETTLE_TUNING=cpu-kernels=off .venv/bin/python -m bench prefill ...   # PyTorch's ops, not Kettle's kernels
 
 In process (the default): each engine prefills the same `--tokens` random token ids, one prompt, nothing cached,
 and computes the logits of the last position (what a shard does before sampling the first token). Kettle goes
@@ -17,7 +17,7 @@ transformers, and the FLOP/s it achieved against the machine's peak.
 
 `--chunked`: inter-token latency of running streams while a long prompt is prefilled, with chunked prefill on and
 off. A server per mode: chunking with the adaptive chunk size (the default; `--budget N` sets
-`--max-batch-prefill-tokens`), with a fixed one (`KETTLE_ADAPTIVE_CHUNKS=0`), and `--disable-chunked-prefill`
+`--max-batch-prefill-tokens`), with a fixed one (`KETTLE_TUNING=adaptive-chunks=off`), and `--disable-chunked-prefill`
 (`--modes` picks them by prefix). Per trial, `--streams` greedy streams start; once each has `--lead-tokens`
 tokens, a prompt of about `--tokens` tokens (2,000 by default; unique per trial, so never a prefix-cache hit)
 arrives. Printed per mode: the median, p99 and max of the running streams' inter-token gaps (all, and those
@@ -121,7 +121,7 @@ def in_process(args: argparse.Namespace) -> None:
 
 def kettle_prefill(path: str, scheme: str, ids, chunk: int | None, sdpa: bool = False):
     """Kettle's prefill of `ids` (`sdpa`: attention on PyTorch's SDPA instead of Kettle's kernel, as
-    `KETTLE_CPU_PREFILL_ATTENTION=0`)."""
+    `KETTLE_TUNING=prefill-attention=off`)."""
     import torch
 
     from kettle.bench.drive import PrefillLoop
@@ -285,7 +285,7 @@ def chunked(args: argparse.Namespace) -> None:
     budget = args.budget or "default"
     modes = {
         f"chunked, adaptive (max {budget})": (on, {}),
-        f"chunked, fixed {budget}": (on, {"KETTLE_ADAPTIVE_CHUNKS": "0"}),
+        f"chunked, fixed {budget}": (on, {"KETTLE_TUNING": "adaptive-chunks=off"}),
         "--disable-chunked-prefill": (["--disable-chunked-prefill"], {}),
     }
     chosen = [m for m in modes if any(m.startswith(p) for p in args.modes.split(","))]

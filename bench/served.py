@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ requests, prefills and connection set-up, are left out as the bare step has none
 ratio served / bare is printed with the median over the rounds: the target is within 10% (0.9 or more).
 `--engine` adds, each round, the shard's engine driven in this process as the router drives it (no server): the
 same steps after the same prompt length in Decode calls of up to 8 steps, with greedy windows and then without
-(`KETTLE_GREEDY_WINDOW=0`), each as a ratio to the bare step.
+(`KETTLE_TUNING=greedy-window=off`), each as a ratio to the bare step.
 
 Servers compared instead of the bare step (same prompts, greedy):
 
@@ -105,7 +104,7 @@ def stream_decode_rate(results: list[LoadResult]) -> float:
 def served_vs_bare(args: argparse.Namespace) -> None:
     import torch
 
-    from kettle.bench.drive import decode_rate, engine_run, environment, shard_engine
+    from kettle.bench.drive import decode_rate, engine_run, shard_engine, tuning
     from kettle.models.registry import load_model
 
     torch.set_num_threads(args.threads)
@@ -130,7 +129,7 @@ def served_vs_bare(args: argparse.Namespace) -> None:
             ratios.append(served_rate / bare)
             line = f"round {r + 1}: served {served_rate:.1f} tok/s, bare {bare:.1f}, ratio {ratios[-1]:.2f}"
             for window in (True, False) if engine is not None else ():
-                with environment(KETTLE_GREEDY_WINDOW="1" if window else "0"):
+                with tuning({"greedy-window": window}):
                     ids = [list(range(100, 100 + prompt_tokens))]
                     run = engine_run(
                         engine, ids, args.max_new_tokens + 1, 8, ignore_eos=True, batch_id=10 + 2 * r + window
@@ -265,12 +264,12 @@ SPECULATION = """`--speculate N` and overlap scheduling over HTTP, compared in o
 
 Configurations (each its own server; the rounds alternate them so machine drift hits all alike):
 - `off`: the default, the shard waits for each call;
-- `overlap`: `KETTLE_OVERLAP=1`, the next decode step computed while the router handles the last one;
+- `overlap`: `KETTLE_TUNING=overlap=on`, the next decode step computed while the router handles the last one;
 - `speculate`: the default plus `--speculate 4`;
 - `speculate-always`: `--speculate 4` drafting every step in full from 1-gram matches on (the drafting before
-  it weighed acceptance against cost: `KETTLE_SPECULATE_MIN_NGRAM=1 KETTLE_SPECULATE_ROW_COST=0`);
-- `speculate-7rows`: `--speculate 4` with steps of up to 7 rows on the CPU (`KETTLE_SPECULATE_STEP_ROWS=7`);
-- `rows`, `speculate-rows`: `off` and `speculate` with the weights in rows instead of lanes (`KETTLE_CPU_LANES=0`,
+  it weighed acceptance against cost: `KETTLE_TUNING=speculate-min-ngram=1,speculate-row-cost=0`);
+- `speculate-7rows`: `--speculate 4` with steps of up to 7 rows on the CPU (`KETTLE_TUNING=speculate-step-rows=7`);
+- `rows`, `speculate-rows`: `off` and `speculate` with the weights in rows instead of lanes (`KETTLE_TUNING=lanes=off`,
   AVX-512 VNNI CPUs).
 
 Workloads: kettle.bench.loadgen's chat prompts at 1 and 16 streams (decode tok/s as loadgen defines it), and a
@@ -286,14 +285,15 @@ engine_run): the router's round trip is left out, and only `off` and the `specul
 router's 50 ms window gives one stream).
 """
 
+# name: (KETTLE_TUNING items, server flags)
 CONFIGS = {
     "off": ({}, []),
-    "overlap": ({"KETTLE_OVERLAP": "1"}, []),
+    "overlap": ({"overlap": "on"}, []),
     "speculate": ({}, ["--speculate", "4"]),
-    "speculate-always": ({"KETTLE_SPECULATE_MIN_NGRAM": "1", "KETTLE_SPECULATE_ROW_COST": "0"}, ["--speculate", "4"]),
-    "speculate-7rows": ({"KETTLE_SPECULATE_STEP_ROWS": "7"}, ["--speculate", "4"]),
-    "rows": ({"KETTLE_CPU_LANES": "0"}, []),
-    "speculate-rows": ({"KETTLE_CPU_LANES": "0"}, ["--speculate", "4"]),
+    "speculate-always": ({"speculate-min-ngram": "1", "speculate-row-cost": "0"}, ["--speculate", "4"]),
+    "speculate-7rows": ({"speculate-step-rows": "7"}, ["--speculate", "4"]),
+    "rows": ({"lanes": "off"}, []),
+    "speculate-rows": ({"lanes": "off"}, ["--speculate", "4"]),
 }
 PASSAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -367,13 +367,15 @@ def rate(url: str, prompts: list[str], streams: int, max_new_tokens: int) -> flo
 def start(path: str, server_args: str, name: str) -> KettleServer:
     """The configuration's server, started again once if its launcher stops while starting: on a shared machine,
     other jobs' clean-ups have sent it SIGINT, which is no measurement of ours."""
-    env, flags = CONFIGS[name]
+    items, flags = CONFIGS[name]
     flags = [*server_args.split(), *flags]
+    # KettleServer adds the items to this process's own KETTLE_TUNING.
+    env = {"KETTLE_TUNING": ",".join(f"{key}={value}" for key, value in items.items())} if items else {}
     try:
-        return KettleServer(path, *flags, env={**os.environ, **env})
+        return KettleServer(path, *flags, env=env)
     except RuntimeError as error:
         print(f"server start failed, trying again: {str(error).splitlines()[0]}", flush=True)
-        return KettleServer(path, *flags, env={**os.environ, **env})
+        return KettleServer(path, *flags, env=env)
 
 
 def together(path: str, args: argparse.Namespace, names: list[str], chat: list[str], copy: str) -> dict:
@@ -402,7 +404,7 @@ def in_process(path: str, args: argparse.Namespace, names: list[str], chat: list
     """Each round runs every workload under each configuration in turn (the order reversed every other round)."""
     from transformers import AutoTokenizer
 
-    from kettle.bench.drive import engine_run, environment, shard_engine
+    from kettle.bench.drive import engine_run, shard_engine, tuning
 
     flags = argparse.ArgumentParser()
     flags.add_argument("--quantize")
@@ -414,14 +416,14 @@ def in_process(path: str, args: argparse.Namespace, names: list[str], chat: list
     loads["copy x1"] = [tokenizer(copy, add_special_tokens=False).input_ids]
     engine.runner.speculate = 4
     engine_run(engine, loads["chat x16"][:2], 8)  # the first steps' one-time costs
-    unset = dict.fromkeys(key for env, _ in CONFIGS.values() for key in env)
+    unset = dict.fromkeys(key for items, _ in CONFIGS.values() for key in items)
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         rates: dict[str, dict[str, float]] = {name: {} for name in names}
         for workload, prompts in loads.items():
             for name in names if round_ % 2 == 0 else names[::-1]:
-                env, flags_ = CONFIGS[name]
-                with environment(**(unset | env)):
+                items, flags_ = CONFIGS[name]
+                with tuning(unset | items):
                     engine.runner.speculate = 4 if "--speculate" in flags_ else 0
                     run = engine_run(engine, prompts, args.max_new_tokens, args.max_steps)
                 rates[name][workload] = run.decode_rate
