@@ -226,14 +226,12 @@ def bytes_per_step(model, batch: int, context: int) -> int:
 
 
 def with_integer_panels(model, on: bool, step):
-    """`step` with the integer panels switched on or off around each call: ops' switch (the LM head) and the fused
-    step's copy of it."""
-    from kettle.kernels import ops
+    """`step` with the integer panels switched on or off around each call (`KETTLE_TUNING=integer-gemm=...`, which
+    the op-at-a-time kernels and the fused step read at each call)."""
 
     def run() -> None:
-        ops._INTEGER_GEMM = on
-        model.cpu_decoder_step.decoder.integer_gemm = int(on)
-        step()
+        with tuning({"integer-gemm": on}):
+            step()
 
     return run
 
@@ -351,11 +349,14 @@ def invariance_model(args: argparse.Namespace):
     chosen at load), and a line saying what runs."""
     import torch
 
+    from kettle import settings
     from kettle.kernels import build, ops
     from kettle.models.registry import load_model
 
     if args.layout == "rows-avx2":  # an AVX2 CPU's kernels on this one, for the rest of the process
-        ops._LANES, ops._INTEGER_GEMM = False, False
+        off = {"lanes": False, "integer-gemm": False}
+        os.environ["KETTLE_TUNING"] = settings.merge_tuning(os.environ.get("KETTLE_TUNING"), off)
+        settings.reload()
         for name in AVX512_CHOICES:
             ctypes.c_int.in_dll(build.library(), name).value = 0
     model = load_model(model_path(args), torch.float32, "cpu", quantize=args.quantize, dequantize=args.dtype_float32)

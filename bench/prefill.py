@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import re
 import statistics
@@ -124,17 +123,11 @@ def kettle_prefill(path: str, scheme: str, ids, chunk: int | None, sdpa: bool = 
     `KETTLE_TUNING=prefill-attention=off`)."""
     import torch
 
-    from kettle.bench.drive import PrefillLoop
-    from kettle.kernels import ops
+    from kettle.bench.drive import PrefillLoop, tuning
     from kettle.models.registry import load_model
 
-    @contextlib.contextmanager
     def attention():
-        ops.PREFILL_ATTENTION = not sdpa
-        try:
-            yield
-        finally:
-            ops.PREFILL_ATTENTION = True
+        return tuning({"prefill-attention": not sdpa})
 
     model = load_model(path, torch.float32, "cpu", quantize=None if scheme == "float32" else scheme)
     return PrefillLoop(model, ids, chunk, around=attention)

@@ -36,7 +36,12 @@ def pytest_collection_modifyitems(items):
 def settings_follow_the_environment(monkeypatch):
     """A server reads its KETTLE_* settings once; tests change them per test (`monkeypatch.setenv`), so in the
     test process every read parses the environment as it is then (servers started by tests read it once)."""
-    monkeypatch.setattr(settings, "current", lambda: settings.Settings.from_env(os.environ))
+
+    def current() -> settings.Settings:
+        return settings.Settings.from_env(os.environ)
+
+    current.cache_clear = lambda: None  # `settings.reload()` then reads the environment as it is, as every read does
+    monkeypatch.setattr(settings, "current", current)
 
 
 @pytest.fixture(scope="session")

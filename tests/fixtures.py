@@ -31,13 +31,14 @@ CHATML_TEMPLATE = (
 
 def kernels_buildable() -> bool:
     """Whether Kettle's CPU kernels build here (gcc, an AVX2/FMA/F16C CPU) and are not switched off for the run
-    (`KETTLE_CPU_KERNELS=0`, e.g. on a GPU machine): tests that call them directly skip otherwise."""
+    (`KETTLE_TUNING=cpu-kernels=off`, e.g. on a GPU machine): tests that call them directly skip otherwise."""
     import os
     import shutil
 
     from kettle.kernels import build
+    from kettle.settings import Settings
 
-    switched_off = os.environ.get(build.ENV_SWITCH) == "0"
+    switched_off = not Settings.from_env(os.environ).cpu_kernels
     return not switched_off and shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
 
 
@@ -157,8 +158,9 @@ def _make_other(path: Path, variant: str) -> Path:
 
 @contextmanager
 def cpu_kernels(on: bool) -> Iterator[None]:
-    """Kettle's CPU kernels on or off inside the block (`KETTLE_CPU_KERNELS`), as they were after it. Off is the
-    path of machines without gcc or AVX2: every op falls back to PyTorch's."""
+    """Kettle's CPU kernels on or off inside the block (`KETTLE_TUNING`'s `cpu-kernels`, the variable's other
+    items kept), as they were after it. Off is the path of machines without gcc or AVX2: every op falls back to
+    PyTorch's."""
     import os
 
     from kettle import settings
@@ -169,16 +171,16 @@ def cpu_kernels(on: bool) -> Iterator[None]:
         # Outside a test function (a module fixture) settings are still the cached ones: read them again.
         getattr(settings.current, "cache_clear", lambda: None)()
 
-    before = os.environ.get("KETTLE_CPU_KERNELS")
-    os.environ["KETTLE_CPU_KERNELS"] = "1" if on else "0"
+    before = os.environ.get(settings.TUNING_VARIABLE)
+    os.environ[settings.TUNING_VARIABLE] = settings.merge_tuning(before, {"cpu-kernels": on})
     forget()
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("KETTLE_CPU_KERNELS")
+            os.environ.pop(settings.TUNING_VARIABLE)
         else:
-            os.environ["KETTLE_CPU_KERNELS"] = before
+            os.environ[settings.TUNING_VARIABLE] = before
         forget()
 
 
@@ -193,6 +195,23 @@ def torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def tune(monkeypatch, *items: str) -> None:
+    """Sets `KETTLE_TUNING` to the non-empty `items` for the test (none: the defaults); tests/conftest.py makes the
+    settings follow the environment, so the kernels' path chooser and every other reader see it at once."""
+    monkeypatch.setenv("KETTLE_TUNING", ",".join(item for item in items if item))
+
+
+def add_tuning(monkeypatch, **items: object) -> None:
+    """Sets the `KETTLE_TUNING` keys `items` (underscores for dashes; a bool as on/off) beside those already set, as
+    fixtures that each pick one switch do."""
+    import os
+
+    from kettle.settings import merge_tuning
+
+    items = {key.replace("_", "-"): value for key, value in items.items()}
+    monkeypatch.setenv("KETTLE_TUNING", merge_tuning(os.environ.get("KETTLE_TUNING"), items))
 
 
 @contextmanager

@@ -6,13 +6,13 @@ flags and the compiler, so later processes only load it (~1 ms). `scripts/instal
 serve`, `make test` and the container image) builds it into the environment, `<sys.prefix>/share/kettle/kernels/`
 (`python -m kettle.kernels.build`), as a package with a C extension compiles it when installed: a first start
 then waits only for the model's preparation. Where that folder lacks the key (a plain `pip install`, sources
-edited since, `KETTLE_INSTALLED_KERNELS=0`), the first process builds it into `$KETTLE_CACHE/kernels/`. The flags
-name no `-march`: the library runs on any AVX2 CPU and picks its AVX-512 paths at run time, so one built into an
-image on one machine serves on another. It links the OpenMP runtime
-PyTorch loaded (`libgomp.so.1`, same soname) so its parallel loops share PyTorch's threads instead of starting
-a second pool that would fight it for the cores.
+edited since, `KETTLE_TUNING=installed-kernels=off`), the first process builds it into
+`$KETTLE_CACHE/kernels/`. The flags name no `-march`: the library runs on any AVX2 CPU and picks its AVX-512 paths
+at run time, so one built into an image on one machine serves on another. It links the OpenMP runtime PyTorch loaded
+(`libgomp.so.1`, same soname) so its parallel loops share PyTorch's threads instead of starting a second pool that
+would fight it for the cores.
 
-`KETTLE_CPU_KERNELS=0` turns the kernels off (PyTorch's own ops are used instead). Without a compiler, or on a
+`KETTLE_TUNING=cpu-kernels=off` turns the kernels off (PyTorch's own ops are used instead). Without a compiler, or on a
 CPU without AVX2/FMA/F16C, `library()` returns None and the same PyTorch ops are used, with one warning.
 """
 
@@ -37,7 +37,16 @@ from kettle.hub.cache import build_once, cache_root
 FOLDER = Path(__file__).parent
 SOURCES = tuple(
     FOLDER / name
-    for name in ("cpu_kernels.c", "decoder_step.c", "gemm.c", "lanes.c", "prefill_attention.c", "decode_attention.c")
+    for name in (
+        "cpu_kernels.c",
+        "decoder_step.c",
+        "gemm.c",
+        "lanes.c",
+        "linear.c",
+        "weight_types.c",
+        "prefill_attention.c",
+        "decode_attention.c",
+    )
 )
 HEADERS = (FOLDER / "kernels.h",)
 LIBRARY = "libkettle_cpu.so"
@@ -49,7 +58,7 @@ INSTALLED = Path(sys.prefix) / "share" / "kettle" / "kernels"
 # (kernels.h `linear_channel_rows`) then compute its bits, not a contraction that one inlining chose.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-ENV_SWITCH = "KETTLE_CPU_KERNELS"  # read through kettle.settings
+OFF_SWITCH = "cpu-kernels=off"  # the KETTLE_TUNING item that turns the kernels off (kettle.settings)
 COMPILER_NICE = 10  # the compilers' niceness (see `_lower_priority`)
 log = logging.getLogger(__name__)
 # The compilers running now, each the leader of its own process group (the driver and its cc1/as): a process that
@@ -57,67 +66,58 @@ log = logging.getLogger(__name__)
 # instead of leaving them to finish in the background, holding its caller's output pipes open for seconds.
 _running: set[subprocess.Popen] = set()
 
-_int, _ptr = ctypes.c_int64, ctypes.c_void_p
+_int, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# The library's entry points (structs by pointer: kettle/kernels/structs.py, decoder_step.py) and their results.
 SIGNATURES = {
-    "kettle_q4_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, ctypes.c_int, _ptr, _ptr, _int, ctypes.c_int],
-    "kettle_q8_linear": [_ptr, _int, _int, _int, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int],
+    # weight, x, ldx, rows, y, ldy, path (or PATH_DECODE_ROWS / PATH_PROMPT_ROWS), tuning, threads -> status
+    "kettle_linear": ([_ptr, _ptr, _int, _int, _ptr, _int, _i32, _ptr, _i32], _i32),
+    # weight, rows, prompt, tuning -> the path kettle_linear takes
+    "kettle_path": ([_ptr, _int, _i32, _ptr], _i32),
+    # weight, ids (NULL: every row), count, out, threads
+    "kettle_dequantize": ([_ptr, _ptr, _int, _ptr, _i32], None),
+    # op, x, ldx, a, b, rows, width, heads, eps, out, out2, threads
+    "kettle_rows": ([_i32, _ptr, _int, _ptr, _ptr, _int, _int, _int, ctypes.c_float, _ptr, _ptr, _i32], None),
+    # attention, threads -> status
+    "kettle_attention": ([_ptr, _i32], _i32),
+    # k_new, ld_k, v_new, ld_v, slots, tokens, width, k_cache, v_cache, kv_dtype, threads
+    "kettle_cache_write": ([_ptr, _int, _ptr, _int, _ptr, _int, _int, _ptr, _ptr, _i32, _i32], None),
+    # model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads, loras,
+    # lora_slot -> status
+    "kettle_decoder_step": (
+        [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i32, _ptr, _ptr],
+        _i32,
+    ),
+    # model, k_caches, v_caches, embedding, head, tokens, rows, steps, cos, sin, slots, tables, max_blocks, positions,
+    # stop_ids, stops, ids, logprobs, threads -> the steps run
+    "kettle_greedy_steps": (
+        [
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _int,
+            _int,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _int,
+            _ptr,
+            _ptr,
+            _int,
+            _ptr,
+            _ptr,
+            _i32,
+        ],
+        _i32,
+    ),
 }
-# The int4 entries below take one more int after the group size, 1 for a weight in the Q4L layout (kernels.h), and
-# then the pointer to Q4_K's super-block scales (NULL for every other weight).
-_Q4_LANES = [*SIGNATURES["kettle_q4_linear"][:9], ctypes.c_int, _ptr, *SIGNATURES["kettle_q4_linear"][9:]]
-SIGNATURES["kettle_q4_linear_qa"] = _Q4_LANES
-SIGNATURES["kettle_q8_linear_qa"] = SIGNATURES["kettle_q8_linear"]
-# The several-row entries take one more int before the threads: the path (tiles or GEMM; Q8_0 also int16 rows).
-SIGNATURES["kettle_q4_linear_rows"] = [*_Q4_LANES[:-1], ctypes.c_int, ctypes.c_int]
-SIGNATURES["kettle_q8_linear_rows"] = [*SIGNATURES["kettle_q8_linear"][:-1], ctypes.c_int, ctypes.c_int]
-# The Q8_0 entries take an int after N (kettle_q8g_rows: after K): 1 for a weight in the Q8L layout (kernels.h).
-SIGNATURES["kettle_q8g_linear"] = [*SIGNATURES["kettle_q8_linear_rows"][:7], ctypes.c_int]
-SIGNATURES["kettle_q8g_linear"] += SIGNATURES["kettle_q8_linear_rows"][7:]
-SIGNATURES["kettle_q8g_rows"] = [_ptr, _ptr, _int, _int, ctypes.c_int, _ptr, _int, _ptr, ctypes.c_int]
-# GGUF Q6_K in lanes: x, ldx, rows, k, weight, scales, d, n, bias, y, ldy, path, threads; weight, scales, d, n, k,
-# ids (NULL: every row), count, out, threads
-SIGNATURES["kettle_q6_linear"] = [_ptr, _int, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int, ctypes.c_int]
-SIGNATURES["kettle_q6_linear"] += [ctypes.c_int]
-SIGNATURES["kettle_q6_rows"] = [_ptr, _ptr, _ptr, _int, _int, _ptr, _int, _ptr, ctypes.c_int]
-# packed, scales, mins, n, k, group, lanes, supers, ids, count, out, threads
-SIGNATURES["kettle_q4_rows"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _ptr, _int, _ptr]
-SIGNATURES["kettle_q4_rows"] += [ctypes.c_int]
-# q, k_cache, v_cache, tables, max_blocks, lens, seqs, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
-# per_sequence (each context cut as alone), threads
-SIGNATURES["kettle_paged_decode"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _int, _int, _int, _int, ctypes.c_float]
-SIGNATURES["kettle_paged_decode"] += [_int, _ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-# q, ldq, k_cache, v_cache, table, tokens, cache_len, heads, kv_heads, dim, block_size, scale, window, out, kv_dtype,
-# threads
-SIGNATURES["kettle_paged_prefill"] = [_ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _int, ctypes.c_float]
-SIGNATURES["kettle_paged_prefill"] += [_int, _ptr, ctypes.c_int, ctypes.c_int]
-# k_new, ld_k, v_new, ld_v, slots, tokens, width, k_cache, v_cache, kv_dtype, threads
-SIGNATURES["kettle_cache_write"] = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
-# x, residual, weight, rows, dim, eps, out, total, threads
-SIGNATURES["kettle_rms_norm"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
-SIGNATURES["kettle_silu_mul"] = SIGNATURES["kettle_gelu_tanh_mul"] = [_ptr, _int, _int, _ptr, ctypes.c_int]
-# x, stride, cos, sin, rows, heads, dim, out, threads
-SIGNATURES["kettle_rope"] = [_ptr, _int, _ptr, _ptr, _int, _int, _int, _ptr, ctypes.c_int]
-# packed, scales, mins, n, k, group, lanes, supers, out, threads
-SIGNATURES["kettle_q4_dequantize"] = [_ptr, _ptr, _ptr, _int, _int, ctypes.c_int, ctypes.c_int, _ptr, _ptr]
-SIGNATURES["kettle_q4_dequantize"] += [ctypes.c_int]
-# model, k_caches, v_caches, embedded, rows, cos, sin, slots, tables, max_blocks, positions, out, threads
-SIGNATURES["kettle_decoder_step"] = [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr]
-SIGNATURES["kettle_decoder_step"] += [ctypes.c_int, _ptr, _ptr]
-# model, k_caches, v_caches, embedding, head, head_path, tokens, rows, steps, cos, sin, slots, tables, max_blocks,
-# positions, stop_ids, stops, ids, logprobs, threads (returns the steps run)
-SIGNATURES["kettle_greedy_steps"] = [_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _int, _int, _ptr, _ptr, _ptr]
-SIGNATURES["kettle_greedy_steps"] += [_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, ctypes.c_int]
-RETURNS_STATUS = ("kettle_q4_linear_qa", "kettle_q8_linear_qa", "kettle_q4_linear_rows", "kettle_q8_linear_rows")
-RETURNS_STATUS += ("kettle_paged_decode", "kettle_decoder_step", "kettle_q8g_linear")
-RETURNS_STATUS += ("kettle_paged_prefill", "kettle_greedy_steps", "kettle_q6_linear")
-# scores, rows, vocab, ld, ids, logprobs, threads
-SIGNATURES["kettle_greedy"] = [_ptr, _int, _int, _int, _ptr, _ptr, ctypes.c_int]
-SIGNATURES["kettle_integer_gemm_supported"] = []
-RETURNS_STATUS += ("kettle_integer_gemm_supported",)  # 1 or 0, not a status
 
 
 def enabled() -> bool:
-    """False when `KETTLE_CPU_KERNELS=0`."""
+    """False when switched off (`KETTLE_TUNING=cpu-kernels=off`)."""
     return settings.current().cpu_kernels
 
 
@@ -152,10 +152,9 @@ def library() -> ctypes.CDLL | None:
     except OSError as error:
         log.warning("CPU kernels failed to load (%s): using PyTorch's kernels", error)
         return None
-    for name, argtypes in SIGNATURES.items():
+    for name, (argtypes, restype) in SIGNATURES.items():
         function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int if name in RETURNS_STATUS else None
+        function.argtypes, function.restype = argtypes, restype
     return lib
 
 

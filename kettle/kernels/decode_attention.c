@@ -1,7 +1,10 @@
-/* Paged decode attention's work item, for both callers (cpu_kernels.c `kettle_paged_decode`, decoder_step.c's
- * fused step, through kernels.h `paged_attention`): one sequence's KV head over its whole context or one piece of
- * it, the query heads of its group together, with the head size and the cache's dtype as compile-time constants.
+/* Paged decode attention's work item, for both callers (`kettle_attention` below, decoder_step.c's fused step,
+ * through kernels.h `paged_attention`): one sequence's KV head over its whole context or one piece of it, the query
+ * heads of its group together, with the head size and the cache's dtype as compile-time constants; and the one
+ * attention entry, decode or prefill (prefill_attention.c).
  */
+#include <omp.h>
+
 #include "kernels.h"
 
 /* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. The context is
@@ -84,8 +87,8 @@ static inline __attribute__((always_inline)) void attend_dim(
     default: attend_dim(p, q, s, h, part, scores, out, dim_, KV_F32);                                        \
     }
 
-/* kernels.h `kettle_attend_item`: the head size and cache type dispatched once per item. */
-void kettle_attend_item(const PagedDecode *p, const float *q, int64_t item, float *scores, float *out) {
+/* kernels.h `attend_item`: the head size and cache type dispatched once per item. */
+void attend_item(const PagedDecode *p, const float *q, int64_t item, float *scores, float *out) {
     const int64_t parts = p->parts, part = item % parts, s = item / parts / p->kv_heads;
     const int64_t h = item / parts % p->kv_heads;
     if (p->dim == 64) ATTEND_TYPED(64)
@@ -93,3 +96,36 @@ void kettle_attend_item(const PagedDecode *p, const float *q, int64_t item, floa
     else ATTEND_TYPED(p->dim)
 }
 #undef ATTEND_TYPED
+
+/* Paged decode attention: q [S, H, D], caches [slots, Hkv, D] of `kv_dtype` (KV_F32, KV_F16, KV_BF16),
+ * tables [S, max_blocks], positions [S] (of the new token), out [S, H, D]. `window` > 0 keeps only the last
+ * `window` positions; `per_sequence`: long contexts cut as each sequence alone would be (PagedDecode). -1 when out
+ * of memory. */
+static int paged_decode(
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t max_blocks,
+    const int64_t *positions, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+    float scale, int64_t window, float *out, int kv_dtype, int per_sequence, int threads
+) {
+    const int64_t longest = longest_context(positions, seqs);
+    const int64_t parts = call_parts(positions, seqs, kv_heads, threads, per_sequence);
+    const int64_t scores_size = heads / kv_heads * (longest + 1);
+    float *scores = malloc(sizeof(float) * (size_t)(threads * scores_size));
+    float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(seqs, heads, parts, dim)) : NULL;
+    if (!scores || (parts > 1 && !partials)) return free(scores), free(partials), -1;
+    const PagedDecode p = {k_cache, v_cache, tables, positions, max_blocks, heads, kv_heads, dim, block_size, window,
+                           scale, 0.0f, kv_dtype, parts, partials, per_sequence, threads};
+#pragma omp parallel num_threads(threads)
+    paged_attention(&p, q, seqs, scores + omp_get_thread_num() * scores_size, out);
+    free(scores), free(partials);
+    return 0;
+}
+
+/* One attention call, decode or prefill (kernels.h `Attention`); -1 when out of memory. */
+int kettle_attention(const Attention *a, int threads) {
+    if (a->prefill)
+        return paged_prefill(a->q, a->ldq, a->k_cache, a->v_cache, a->tables, a->rows, a->cache_len, a->heads,
+                             a->kv_heads, a->dim, a->block_size, a->scale, a->window, a->out, (int)a->kv_dtype, threads);
+    return paged_decode(a->q, a->k_cache, a->v_cache, a->tables, a->max_blocks, a->positions, a->rows, a->heads,
+                        a->kv_heads, a->dim, a->block_size, a->scale, a->window, a->out, (int)a->kv_dtype,
+                        (int)a->per_sequence, threads);
+}

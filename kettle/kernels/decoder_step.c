@@ -60,55 +60,23 @@ enum { LORA_QKV = 0, LORA_O = 1, LORA_UP = 2, LORA_DOWN = 3, LORA_PER_LAYER = 4 
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
-    int64_t float_rows_q4, float_rows_q8; /* from these many rows on, projections run the float32 tiles */
-    int64_t gemm_rows;                    /* and from these many rows on, gemm.c's panels (quantized weights) */
-    int64_t integer_gemm;                 /* the panels' integer kernel (AVX-512 VNNI) over int16 rows, when 1 */
-    int64_t lanes_gemm_rows;              /* gemm_rows for weights in lanes (Q4L, Q8L): their kernel goes further */
-    int64_t rot_dim, interleaved;         /* RoPE over the first rot_dim of each head (0: no RoPE) */
+    int64_t rot_dim, interleaved; /* RoPE over the first rot_dim of each head (0: no RoPE) */
     const Layer *layers;
     Norm final_norm;
     int64_t kv_dtype; /* the cache's KV_* element type (kernels.h), set per step from the cache */
-    /* 1 (`KETTLE_BATCH_INVARIANT`, set per step): each row computed as a row alone is, whatever the step's rows;
-     * the thresholds above then only pick between kernels of the same bits (`linear`) */
-    int64_t invariant;
+    /* The chooser's switches, set per step (batch invariance among them: each row computed as a row alone is,
+     * whatever the step's rows, and the paths then only pick between kernels of the same bits) */
+    Tuning tuning;
 } Decoder;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Whether `w` runs each row as a row alone (`KETTLE_BATCH_INVARIANT`) through the rows layouts' kernels
- * (kernels.h `linear_channel_rows`, gemm.c's row panels). Lanes are that already (their tiles keep each row's sums
- * apart, and the integer panels add them in the same order); float32 weights take the tiles, whose rows are apart
- * too. */
-static inline int rows_invariant(const Decoder *m, const Linear *w) {
-    return m->invariant && !in_lanes(w) && w->kind != LINEAR_F32;
-}
-
-/* Whether `w` runs over the float32 tiles for `rows` rows (else over rows quantized to int16). */
-static inline int float_tiles(const Decoder *m, const Linear *w, int64_t rows) {
-    if (w->kind == LINEAR_F32) return 1; /* float32 weights: the tiles at every size (no quantized rows) */
-    if (m->invariant) return 0;
-    /* Lanes share each weight vector among 8 rows a pass for 16 channels at once: below the panels they beat
-     * dequantizing every weight to float32 at any row count (bundled model's fused step at 8 rows: 15 against
-     * 25-35 ms in rows, docs/performance.md). */
-    if (in_lanes(w)) return 0;
-    return rows >= (w->kind == LINEAR_Q4 ? m->float_rows_q4 : m->float_rows_q8);
-}
-
-/* Whether `w` runs over gemm.c's panels for `rows` rows, and whether over their integer kernel (K a multiple of
- * 32: whole blocks of quantized rows). */
-static inline int panels(const Decoder *m, const Linear *w, int64_t rows) {
-    return w->kind != LINEAR_F32 && !rows_invariant(m, w) && rows >= (in_lanes(w) ? m->lanes_gemm_rows : m->gemm_rows);
-}
-
-/* Under batch invariance a weight in lanes takes the integer panels whatever `integer_gemm` says (the float32 ones
- * would give its rows other bits than its tiles). */
-static inline int integer_panels(const Decoder *m, const Linear *w, int64_t rows) {
-    return (m->integer_gemm || (m->invariant && in_lanes(w))) && panels(m, w, rows) && w->k % 32 == 0;
-}
+/* The path projection `w` takes for the step's `rows` rows (linear.c, as op at a time). */
+static inline int path_of(const Decoder *m, const Linear *w, int64_t rows) { return choose_path(w, rows, 0, &m->tuning); }
 
 /* Whether `w`'s input rows are quantized to int16 (into xq) for `rows` rows. */
 static inline int quantized_input(const Decoder *m, const Linear *w, int64_t rows) {
-    return rows_invariant(m, w) || integer_panels(m, w, rows) || !float_tiles(m, w, rows);
+    return reads_int16(path_of(m, w, rows));
 }
 
 /* ---- rows: norms, activations, RoPE ---- */
@@ -203,20 +171,37 @@ typedef struct {
     float *lora_t;               /* [rows · widest rank]: each row's products with the A rows */
 } Scratch;
 
-/* Whether any projection of the model is a Q6L weight, whose kernel reads the quantized rows' sums per 16 inputs
- * (`QuantizedRows.half`): only then are they formed. */
-static int reads_halves(const Decoder *m) {
+/* What the step's projections need for `rows` rows: a per-thread buffer (floats), room for the int16 rows in lanes
+ * (the integer panels), their sums per 16 inputs (a type with sub-blocks). An expert meets any count of rows up to
+ * `rows`, and each path starts from a row count on: its largest need is at `rows`, with the float32 tiles below. */
+typedef struct {
+    int64_t buffer;
+    int lanes, halves;
+} Needs;
+
+static void need(const Decoder *m, const Linear *w, int64_t rows, int expert, Needs *needs) {
+    const int path = path_of(m, w, rows);
+    needs->buffer = max64(needs->buffer, path_buffer_floats(w, path, rows));
+    if (expert) needs->buffer = max64(needs->buffer, path_buffer_floats(w, PATH_TILES, rows));
+    needs->lanes |= path == PATH_INT_GEMM;
+    needs->halves |= type_of(w)->sub_blocks;
+}
+
+static Needs step_needs(const Decoder *m, int64_t rows) {
+    Needs needs = {0, 0, 0};
     for (int64_t i = 0; i < m->num_layers; i++) {
         const Layer *l = m->layers + i;
         const Linear *own[] = {&l->qkv, &l->o, &l->up, &l->down};
-        for (int p = 0; p < 4; p++) if (own[p]->kind == LINEAR_Q6L) return 1;
-        for (int64_t e = 0; l->experts && e < l->experts->num_experts; e++)
-            if (l->experts->up[e].kind == LINEAR_Q6L || l->experts->down[e].kind == LINEAR_Q6L) return 1;
+        for (int p = 0; p < 4; p++) if (!l->experts || p < 2) need(m, own[p], rows, 0, &needs);
+        for (int64_t e = 0; l->experts && e < l->experts->num_experts; e++) {
+            need(m, l->experts->up + e, rows, 1, &needs);
+            need(m, l->experts->down + e, rows, 1, &needs);
+        }
     }
-    return 0;
+    return needs;
 }
 
-static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
+static int alloc_scratch(const Decoder *m, int64_t rows, const Needs *needs, Scratch *s) {
     const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim, heads = m->heads * m->head_dim;
     const int64_t kv = m->kv_heads * m->head_dim;
     const int64_t sizes[] = {m->hidden, m->hidden, qkv, heads, kv, heads, m->hidden, 2 * m->inner, m->inner, m->hidden, m->hidden};
@@ -227,11 +212,8 @@ static int alloc_scratch(const Decoder *m, int64_t rows, Scratch *s) {
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
     s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
     if (!base || !s->chosen) return free(base), free(s->chosen), -1;
-    /* room for the integer panels' layout (under batch invariance, weights in lanes take them from their rows) */
-    const int lanes = (m->integer_gemm && rows >= m->gemm_rows) ||
-                      (m->invariant && kettle_cpu_vnni512 && rows >= m->lanes_gemm_rows);
-    if (alloc_rows(rows, widest, &s->xq) || (lanes && alloc_lanes(rows, widest, &s->xq)) ||
-        (reads_halves(m) && alloc_halves(rows, widest, &s->xq)))
+    if (alloc_rows(rows, widest, &s->xq) || (needs->lanes && alloc_lanes(rows, widest, &s->xq)) ||
+        (needs->halves && alloc_halves(rows, widest, &s->xq)))
         return free(base), free(s->chosen), free_rows(&s->xq), -1;
     for (int i = 0; i < 11; i++) *slots[i] = base, base += rows * sizes[i];
     s->route = base;
@@ -285,35 +267,11 @@ static inline const Lora *lora_of(const Scratch *s, int64_t layer, int which) {
     return s->loras ? s->loras + layer * LORA_PER_LAYER + which : NULL;
 }
 
-/* y [rows, N] = x · Wᵀ (+ bias), the output channels split across the team (an orphaned `omp for`, whose
- * closing barrier makes y complete for the next stage): float32 tiles from `float_rows_*` rows on (x [rows, K]),
- * else integer dot products with the rows quantized in xq. `buffer`: this thread's TILE_CHANNELS·K floats. */
+/* y [rows, N] = x · Wᵀ (+ bias) on the path linear.c picks, run by the team (y complete for the next stage), with the
+ * rows quantized in xq where the path reads them. `buffer`: this thread's share of the step's buffers. */
 static void linear(const Decoder *m, const Linear *w, const float *x, const QuantizedRows *xq, int64_t rows, float *y,
                    float *buffer) {
-    const int64_t n = w->n, k = w->k;
-    if (rows_invariant(m, w) && rows >= kettle_row_gemm_rows) {
-        gemm_row_panels(w, xq, rows, y, n, buffer);
-    } else if (rows_invariant(m, w)) {
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) linear_channel_rows(w, xq, rows, j, y, n);
-    } else if (integer_panels(m, w, rows)) {
-        lay_out_lanes(xq, rows, k, w->group);
-        gemm_panels_int(w, xq, rows, y, n, buffer);
-    } else if (panels(m, w, rows)) {
-        /* Enough rows that the panels' register tiles (each dequantized weight meeting 6-12 rows from registers,
-         * no horizontal sums) beat the float32 tiles: 1.25x at 16 rows on the bundled model's shapes. */
-        gemm_panels(w, x, k, rows, y, n, buffer);
-    } else if (float_tiles(m, w, rows)) {
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < (n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
-            linear_channels_f32(w, p, x, k, rows, y, n, buffer);
-    } else if (in_lanes(w)) {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < n / 16; g++) lanes_group(w, g, xq, rows, y, n);
-    } else {
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) linear_channel_qa(w, xq, rows, j, y, n);
-    }
+    team_linear(w, path_of(m, w, rows), x, w->k, xq, rows, y, w->n, buffer);
 }
 
 /* x = norm(h + a + b) per row, with h updated to the sum first (a, b: branch outputs or NULL; b is added to a
@@ -491,23 +449,20 @@ int kettle_decoder_step(
     const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
     const int64_t *positions, float *out, int threads, const Lora *loras, const int64_t *lora_slot
 ) {
-    /* Per thread: attention scores, then the dequantized weight rows of one float32 tile. */
-    const int64_t widest = max64(max64(m->hidden, m->inner), m->heads * m->head_dim);
+    /* Per thread: attention scores, then the projections' buffer (a float32 tile's weight rows, a panel). */
+    const Needs needs = step_needs(m, rows);
     const int64_t longest = longest_context(positions, rows);
-    const int64_t parts = call_parts(positions, rows, m->kv_heads, threads, (int)m->invariant);
+    const int64_t parts = call_parts(positions, rows, m->kv_heads, threads, (int)m->tuning.invariant);
     const int64_t scores_size = (m->heads / m->kv_heads * (longest + 1) + 15) / 16 * 16;
-    int64_t tiles = rows >= m->gemm_rows ? gemm_buffer_floats(widest) : TILE_CHANNELS * widest;
-    if (m->invariant && rows >= m->lanes_gemm_rows) tiles = max64(tiles, gemm_buffer_floats(widest));
-    if (m->invariant && rows >= kettle_row_gemm_rows) tiles = max64(tiles, row_panel_floats(widest));
-    const int64_t per_thread = (scores_size + tiles + 15) / 16 * 16; /* 64-byte aligned buffers for the panels */
+    const int64_t per_thread = scores_size + needs.buffer; /* 64-byte aligned buffers for the panels */
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
     float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(rows, m->heads, parts, m->head_dim)) : NULL;
     Scratch s;
-    if (!scores || (parts > 1 && !partials) || alloc_scratch(m, rows, &s)) return free(scores), free(partials), -1;
+    if (!scores || (parts > 1 && !partials) || alloc_scratch(m, rows, &needs, &s)) return free(scores), free(partials), -1;
     if (alloc_lora(m, loras, lora_slot, rows, &s)) return free_scratch(&s), free(scores), free(partials), -1;
     memcpy(s.h, embedded, sizeof(float) * (size_t)(rows * m->hidden));
     const PagedDecode shape = {NULL, NULL, tables, positions, max_blocks, m->heads, m->kv_heads, m->head_dim,
-                               m->block_size, 0, 0.0f, 0.0f, KV_F32, parts, partials, (int)m->invariant, threads};
+                               m->block_size, 0, 0.0f, 0.0f, KV_F32, parts, partials, (int)m->tuning.invariant, threads};
 #pragma omp parallel num_threads(threads)
     {
         float *own = scores + omp_get_thread_num() * per_thread, *buffer = own + scores_size;
@@ -520,47 +475,26 @@ int kettle_decoder_step(
     return 0;
 }
 
-/* Row `token` of the embedding table (float32, GGUF Q8_0 as for a tied head, a GGUF file's 4-bit table in either
- * Q4 layout, or int8
- * with a scale per row) as float32. */
+/* Row `token` of the embedding table (any weight type: float32, GGUF's quantized tables, int8 with a scale per row)
+ * as float32. */
 static void embed_row(const Linear *table, int64_t token, float *dst) {
-    if (table->kind == LINEAR_F32) memcpy(dst, (const float *)table->weight + token * table->k, sizeof(float) * (size_t)table->k);
-    else dequant_channel(table, token, dst);
-    if (table->kind == LINEAR_Q8) { /* per-row int8: `dequant_channel` leaves the row's scale to the caller */
+    dequant_channel(table, token, dst);
+    if (type_of(table)->channel_scale) {
         const float scale = ((const float *)table->scales)[token];
         for (int64_t i = 0; i < table->k; i++) dst[i] *= scale;
     }
 }
 
-enum { Q8_QUANTIZED = -1, Q8_PLAIN = -2 }; /* kettle/kernels/ops.py's `q8_path` codes below 0 */
-
-/* logits [rows, head->n] of x [rows, k]: a GGUF Q8_0 head by `kettle_q8g_linear`'s path, a Q6_K one by
- * `kettle_q6_linear`'s, an int8 one by the entry
- * `q8_path` names, as kettle/kernels/ops.py runs either. -1 when out of memory. */
-static int head_logits(const Linear *head, int path, const float *x, int64_t rows, int64_t k, float *y, int threads) {
-    const int8_t *q = head->weight;
-    if (head->kind == LINEAR_Q6L) /* GGUF Q6_K, by `kettle_q6_linear`'s path */
-        return kettle_q6_linear(x, k, rows, k, head->weight, head->scales, head->supers, head->n, head->bias, y,
-                                head->n, path, threads);
-    if (head->kind == LINEAR_Q8G || head->kind == LINEAR_Q8L)
-        return kettle_q8g_linear(x, k, rows, k, q, head->scales, head->n, head->kind == LINEAR_Q8L, head->bias, y,
-                                 head->n, path, threads);
-    if (path >= 0) return kettle_q8_linear_rows(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, path, threads);
-    if (path == Q8_QUANTIZED) return kettle_q8_linear_qa(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, threads);
-    kettle_q8_linear(x, k, rows, k, q, head->scales, head->n, head->bias, y, head->n, threads);
-    return 0;
-}
-
 /* `steps` greedy decode steps of `rows` sequences in one call, for batches whose tokens need nothing of the host
  * between steps (kettle/shard/greedy_window.py says which). Each step embeds the rows' last tokens (`tokens`,
- * updated in place) from `embedding`, runs `kettle_decoder_step`, the `head` (Q8_0 or int8) by `head_path` and
- * `kettle_greedy`: the functions, and so the numbers, of as many one-step calls. Step s reads cos/sin
+ * updated in place) from `embedding`, runs `kettle_decoder_step`, the `head` (`kettle_linear` on the chooser's path)
+ * and the greedy choice (`kettle_rows`): the functions, and so the numbers, of as many one-step calls. Step s reads cos/sin
  * [rows, rot_dim], slots and positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the
  * choices. The window ends early after a step in which some row chose one of `stop_ids` (its EOS ids): the host
  * then stops that row before the next. Returns the steps run, or -1 when out of memory. */
 int kettle_greedy_steps(
     const Decoder *m, void *const *k_caches, void *const *v_caches, const Linear *embedding, const Linear *head,
-    int head_path, int64_t *tokens, int64_t rows, int64_t steps, const float *cos, const float *sin,
+    int64_t *tokens, int64_t rows, int64_t steps, const float *cos, const float *sin,
     const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *positions,
     const int64_t *stop_ids, int64_t stops, int64_t *ids, float *logprobs, int threads
 ) {
@@ -574,9 +508,9 @@ int kettle_greedy_steps(
         if (kettle_decoder_step(m, k_caches, v_caches, embedded, rows, cos ? cos + at * rot : NULL,
                                 sin ? sin + at * rot : NULL, slots + at, tables, max_blocks, positions + at, hidden,
                                 threads, NULL, NULL) ||
-            head_logits(head, head_path, hidden, rows, dim, logits, threads))
+            kettle_linear(head, hidden, dim, rows, logits, head->n, PATH_DECODE_ROWS, &m->tuning, threads))
             break;
-        kettle_greedy(logits, rows, head->n, head->n, ids + at, logprobs + at, threads);
+        greedy_rows(logits, rows, head->n, head->n, ids + at, logprobs + at, threads);
         for (int64_t r = 0; r < rows; r++) {
             tokens[r] = ids[at + r];
             for (int64_t e = 0; e < stops; e++) stopped |= tokens[r] == stop_ids[e];

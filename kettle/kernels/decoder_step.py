@@ -12,20 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from kettle.kernels.build import library
+from kettle.kernels.structs import Linear, Tuning
 
-LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L = 1, 2, 3, 4, 5, 6, 7
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 ACT_SILU, ACT_GELU_TANH, ACT_GELU, ACT_RELU = 0, 1, 2, 3  # the MLP's activation (of the gate when gated)
 MAX_EXPERTS = 64
 _int, _ptr, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-class Linear(ctypes.Structure):
-    """One projection: kind (LINEAR_Q4/Q8/F32/Q8G/Q4L/Q8L/Q6L), the int4 group (Q8G: 32, else K), shape [n, k], weight
-    pointers (`supers`: a Q4L weight's Q4_K super-block scales or a Q6L weight's d, else None)."""
-
-    _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
-    _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("supers", _ptr)]
 
 
 class Norm(ctypes.Structure):
@@ -63,14 +55,12 @@ LORA_PER_LAYER = 4  # qkv, o, gate_up (or fc), down: the order of a layer's entr
 
 
 class Decoder(ctypes.Structure):
-    """The whole stack: shapes, the float32-tile thresholds, the rotary layout, the layers, the final norm, the KV
-    cache's element type (ops.KV_DTYPES) and batch invariance (ops.batch_invariant), the last two set per step."""
+    """The whole stack: shapes, the rotary layout, the layers, the final norm, the KV cache's element type
+    (ops.KV_DTYPES) and the path chooser's tuning (ops.tuning), the last two set per step."""
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
-    _fields_ += [("block_size", _int), ("float_rows_q4", _int), ("float_rows_q8", _int), ("gemm_rows", _int)]
-    _fields_ += [("integer_gemm", _int), ("lanes_gemm_rows", _int)]
-    _fields_ += [("rot_dim", _int), ("interleaved", _int)]
-    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int), ("invariant", _int)]
+    _fields_ += [("block_size", _int), ("rot_dim", _int), ("interleaved", _int)]
+    _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int), ("tuning", Tuning)]
 
 
 @dataclass
@@ -123,15 +113,14 @@ def run_greedy(
     decoder: Decoder,
     caches: tuple[ctypes.Array, ctypes.Array],
     ends: tuple[Linear, Linear],
-    head_path: int,
     tokens: torch.Tensor,
     rows: StepRows,
     stop_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decode steps of `tokens` [S] (each sequence's last token, int64) in one call, through the embedding
-    and the LM head of `ends` (the head run by `head_path`): step s takes rows s·S .. s·S + S of `rows`. Returns
-    the chosen ids [n, S] (int64) and their logprobs [n, S] for the n steps run: all of them, or fewer when a
-    step chose one of `stop_ids` (int64)."""
+    and the LM head of `ends` (the head on the path linear.c picks for it): step s takes rows s·S .. s·S + S of
+    `rows`. Returns the chosen ids [n, S] (int64) and their logprobs [n, S] for the n steps run: all of them, or
+    fewer when a step chose one of `stop_ids` (int64)."""
     seqs = tokens.shape[0]
     steps = rows.positions.shape[0] // seqs
     tokens = tokens.clone()  # the C loop feeds each step's choice back through it
@@ -139,7 +128,7 @@ def run_greedy(
     logprobs = torch.empty(steps, seqs, dtype=torch.float32)
     embedding, head = ends
     done = library().kettle_greedy_steps(
-        ctypes.byref(decoder), *caches, ctypes.byref(embedding), ctypes.byref(head), head_path, tokens.data_ptr(),
+        ctypes.byref(decoder), *caches, ctypes.byref(embedding), ctypes.byref(head), tokens.data_ptr(),
         seqs, steps, *rows.pointers(), stop_ids.data_ptr(), stop_ids.numel(), ids.data_ptr(), logprobs.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

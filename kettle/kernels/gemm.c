@@ -13,8 +13,8 @@
  * it, else AVX2 (6 rows × 16 channels, 12 accumulators, run over each half of the panel). Threads split the
  * panels; rows go block by block so a block's activations stay in L2 while every panel of the thread meets them.
  *
- * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead (`KETTLE_CPU_INTEGER_GEMM=0`
- * keeps these): int16 rows, as one row of decode quantizes them, against the weights widened to int16.
+ * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead
+ * (`KETTLE_TUNING=integer-gemm=off` keeps these): int16 rows, as one row of decode quantizes them, against the weights widened to int16.
  */
 #include <omp.h>
 
@@ -50,7 +50,7 @@ static void dequant_panel(const Linear *w, int64_t j0, int count, float *rows, f
             const int64_t channel = j0 + c0 + c;
             if (c0 + c < count) dequant_channel(w, channel, rows + c * k);
             else for (int64_t i = 0; i < k; i++) rows[c * k + i] = 0.0f;
-            scale[c] = _mm256_set1_ps(w->kind == LINEAR_Q8 && c0 + c < count ? ((const float *)w->scales)[channel] : 1.0f);
+            scale[c] = _mm256_set1_ps(type_of(w)->channel_scale && c0 + c < count ? ((const float *)w->scales)[channel] : 1.0f);
         }
         for (int64_t i = 0; i < k; i += 8) {
             __m256 r[8];
@@ -168,33 +168,18 @@ static void panel_gemm(const Linear *w, int64_t p, const float *x, int64_t ldx, 
     panel_rows(w, x, ldx, r0, r1, buffer, tile, wide, j0, count, y, ldy);
 }
 
-/* y = x Wᵀ (+ bias) for m rows, run by every thread of the calling team (an orphaned `omp for` over the panels,
- * whose closing barrier makes y complete): the decode step's projections from `gemm_rows` rows on. `buffer`:
- * this thread's gemm_buffer_floats(K) floats, 64-byte aligned. */
+/* y = x Wᵀ (+ bias) for m rows, run by every thread of the calling team (orphaned `omp for`s over the panels, whose
+ * closing barriers make y complete): the rows ROW_BLOCK_BYTES at a time, so a block's activations stay in L2 while
+ * every panel of the thread meets them (each panel is dequantized again per block, a few percent of the block's
+ * FMAs). `buffer`: this thread's gemm_buffer_floats(K) floats, 64-byte aligned. */
 void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int wide = wide_kernel();
+    const int64_t panels = (w->n + PANEL - 1) / PANEL;
+    const int64_t block = ROW_BLOCK_BYTES / (int64_t)sizeof(float) / w->k / 12 * 12 + 12;
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < (w->n + PANEL - 1) / PANEL; p++) panel_gemm(w, p, x, ldx, 0, m, buffer, wide, y, ldy);
-}
-
-/* y = x Wᵀ (+ bias) panel by panel for prompt chunks: each thread owns a contiguous range of panels and walks the
- * rows block by block over them. -1 when out of memory. */
-int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
-    const int wide = wide_kernel();
-    const int64_t panels = (w->n + PANEL - 1) / PANEL, k = w->k;
-    const int64_t block = ROW_BLOCK_BYTES / (int64_t)sizeof(float) / k / 12 * 12 + 12;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t p0 = panels * id / team, p1 = panels * (id + 1) / team;
-        float *buffer = aligned_alloc(64, sizeof(float) * (size_t)gemm_buffer_floats(k));
-        failed = buffer == NULL;
-        for (int64_t r0 = 0; buffer && r0 < m; r0 += block)
-            for (int64_t p = p0; p < p1; p++) panel_gemm(w, p, x, ldx, r0, m - r0 < block ? m : r0 + block, buffer, wide, y, ldy);
-        free(buffer);
+        for (int64_t p = 0; p < panels; p++) panel_gemm(w, p, x, ldx, r0, m - r0 < block ? m : r0 + block, buffer, wide, y, ldy);
     }
-    return failed ? -1 : 0;
 }
 
 /* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
@@ -205,8 +190,8 @@ int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y
  * per panel would weigh on a 16-row step as much as the products. Per 16 rows, channel and block of 32 inputs
  * that is 16 vpdpwssd and 3 float instructions, against 32 float32 FMAs per 16 rows and 16 channels' worth of the
  * float32 panels, so it runs past the float32 FMA peak. The outputs move by the int16 rounding of the activations
- * (~1e-5 relative), as one row of decode's do; `KETTLE_CPU_INTEGER_GEMM=0` keeps the float32 panels, exact to the
- * dequantized weights. */
+ * (~1e-5 relative), as one row of decode's do; `KETTLE_TUNING=integer-gemm=off` keeps the float32 panels, exact to
+ * the dequantized weights. */
 
 #define LANES 16        /* rows per vector */
 #define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
@@ -251,38 +236,47 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
     }
 }
 
-/* Channel j's quantized values as K int16 (Q4, Q4L: 0..15 in input order; Q8, Q8G: the int8 values; Q6L: q - 32),
- * 32 at a time. */
-static inline VNNI void widen_channel(const Linear *w, int64_t j, int16_t *dst) {
-    const int64_t k = w->k;
-    if (w->kind == LINEAR_Q4L) {
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        for (int64_t b = 0; b < k / 32; b++) {
-            const __m128i bytes = q4l_block(w, j, b);
-            _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)));
-            _mm256_storeu_si256((__m256i *)(dst + b * 32 + 16), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-        }
-    } else if (w->kind == LINEAR_Q8L) {
-        for (int64_t b = 0; b < k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(q8l_block(w, j, b)));
-    } else if (w->kind == LINEAR_Q6L) {
-        for (int64_t b = 0; b < k / 32; b++) {
-            __m128i q[2];
-            q6l_block(w, j, b, q);
-            _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(_mm256_set_m128i(q[1], q[0])));
-        }
-    } else if (w->kind == LINEAR_Q4) {
-        const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
-        const __m512i mask = _mm512_set1_epi16(0x0F);
-        for (int64_t c = 0; c < k / 64; c++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + c * 32)));
-            _mm512_storeu_si512(dst + c * 64, _mm512_and_si512(bytes, mask));
-            _mm512_storeu_si512(dst + c * 64 + 32, _mm512_srli_epi16(bytes, 4));
-        }
-    } else {
-        const int8_t *src = (const int8_t *)w->weight + j * k;
-        for (int64_t i = 0; i < k; i += 32)
-            _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(src + i))));
+/* Channel j's quantized values as K int16, 32 at a time (the table's `widen`): Q4L's 0..15 in input order. */
+VNNI void q4l_widen(const Linear *w, int64_t j, int16_t *dst) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const __m128i bytes = q4l_block(w, j, b);
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)));
+        _mm256_storeu_si256((__m256i *)(dst + b * 32 + 16), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
     }
+}
+
+/* Q8L's int8 values. */
+VNNI void q8l_widen(const Linear *w, int64_t j, int16_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(q8l_block(w, j, b)));
+}
+
+/* Q6L's q - 32. */
+VNNI void q6l_widen(const Linear *w, int64_t j, int16_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        __m128i q[2];
+        q6l_block(w, j, b, q);
+        _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(_mm256_set_m128i(q[1], q[0])));
+    }
+}
+
+/* Q4's 0..15. */
+VNNI void q4_widen(const Linear *w, int64_t j, int16_t *dst) {
+    const int64_t k = w->k;
+    const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
+    const __m512i mask = _mm512_set1_epi16(0x0F);
+    for (int64_t c = 0; c < k / 64; c++) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + c * 32)));
+        _mm512_storeu_si512(dst + c * 64, _mm512_and_si512(bytes, mask));
+        _mm512_storeu_si512(dst + c * 64 + 32, _mm512_srli_epi16(bytes, 4));
+    }
+}
+
+/* The int8 values of Q8 and Q8_0 (rows). */
+VNNI void q8_widen(const Linear *w, int64_t j, int16_t *dst) {
+    const int8_t *src = (const int8_t *)w->weight + j * w->k;
+    for (int64_t i = 0; i < w->k; i += 32)
+        _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(src + i))));
 }
 
 /* n float16 values as floats, 8 at a time. */
@@ -292,31 +286,36 @@ static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) 
     for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
 }
 
-/* Channel j's weight scale per block of 32 inputs (K/32 floats; Q6L: per sub-block of 16, K/16 floats) and, for
- * Q4, its minimum per group. */
-static inline void channel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+/* Channel j's weight scale per block of 32 inputs (K/32 floats) and, where the type has them, its minimum per group
+ * (the table's `scales`): Q6L's per sub-block of 16 (K/16 floats). */
+void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    (void)minimum;
+    q6l_scales(w, j, scale);
+}
+
+void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    float d, m;
+    for (int64_t g = 0; g < w->k / w->group; g++) {
+        q4l_scale(w, j, g, &d, &m);
+        for (int64_t b = g * w->group / 32; b < (g + 1) * w->group / 32; b++) scale[b] = d;
+        if (minimum) minimum[g] = m;
+    }
+}
+
+/* Q8's one scale per channel, at every block. */
+void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    (void)minimum;
+    for (int64_t b = 0; b < w->k / 32; b++) scale[b] = ((const float *)w->scales)[j];
+}
+
+void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    (void)minimum;
+    for (int64_t b = 0; b < w->k / 32; b++) scale[b] = q8l_scale(w, j, b);
+}
+
+/* The rows layouts' float16 scales per group (Q4, Q8_0: groups of 32) and Q4's minimums. */
+void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
-    if (w->kind == LINEAR_Q6L) {
-        q6l_scales(w, j, scale);
-        return;
-    }
-    if (w->kind == LINEAR_Q4L) {
-        float d, m;
-        for (int64_t g = 0; g < groups; g++) {
-            q4l_scale(w, j, g, &d, &m);
-            for (int64_t b = g * w->group / 32; b < (g + 1) * w->group / 32; b++) scale[b] = d;
-            if (minimum) minimum[g] = m;
-        }
-        return;
-    }
-    if (w->kind == LINEAR_Q8) {
-        for (int64_t b = 0; b < blocks; b++) scale[b] = ((const float *)w->scales)[j];
-        return;
-    }
-    if (w->kind == LINEAR_Q8L) {
-        for (int64_t b = 0; b < blocks; b++) scale[b] = q8l_scale(w, j, b);
-        return;
-    }
     const uint16_t *halves = (const uint16_t *)w->scales + j * groups;
     if (groups == blocks) halves_to_floats(halves, blocks, scale); /* Q8G; Q4 with groups of 32 */
     else for (int64_t b = 0; b < blocks; b++) scale[b] = _cvtsh_ss(halves[b * 32 / w->group]);
@@ -420,12 +419,6 @@ static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels
 #undef CASE
 }
 
-/* Whether this CPU runs the integer panels (AVX-512 VNNI, BW for the byte widening, VL for 8-lane groups). */
-int kettle_integer_gemm_supported(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("avx512vl");
-}
-
 /* The tile's outputs [channels][16 lanes] into y's rows (`rows` of them, ldy floats apart) at `channels` consecutive
  * columns, with the bias: 8 lanes × 8 channels at a time through the register transpose, so each row takes one
  * vector store instead of a strided scalar store per output. `tile` has room for 16 channels (the missing ones are
@@ -453,7 +446,8 @@ static inline VNNI8 void store_lanes(float *tile, int channels, int rows, const 
 VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     IntChannels c = {(int16_t *)buffer, buffer + INT_CHANNELS * k / 2, NULL};
-    if (w->kind == LINEAR_Q4 || w->kind == LINEAR_Q4L) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
+    const WeightType *type = type_of(w);
+    if (type->minimums) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
     /* Prompt chunks go ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in L2 while every group of
@@ -465,15 +459,16 @@ VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, 
             const int64_t j0 = t * INT_CHANNELS;
             const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
             for (int i = 0; i < n; i++) {
-                widen_channel(w, j0 + i, c.q + i * k);
-                /* Q6L: two scales a block, in the room of the minimums it has none of (`channel_floats`) */
-                const int64_t spans = w->kind == LINEAR_Q6L ? 2 * blocks : blocks;
-                channel_scales(w, j0 + i, c.scale + i * spans, c.minimum ? c.minimum + i * groups : NULL);
+                type->widen(w, j0 + i, c.q + i * k);
+                /* sub-blocks: two scales a block, in the room of the minimums such a type has none of
+                 * (`channel_floats`) */
+                const int64_t spans = type->sub_blocks ? 2 * blocks : blocks;
+                type->scales(w, j0 + i, c.scale + i * spans, c.minimum ? c.minimum + i * groups : NULL);
             }
             for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
                 const LaneRows x = lane_group(xq, r0 / LANES, k);
                 const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-                if (w->kind == LINEAR_Q6L) int_channels_q6(&x, k, &c, n, tile);
+                if (type->sub_blocks) int_channels_q6(&x, k, &c, n, tile);
                 else int_channels(&x, k, w->group, &c, n, count, tile);
                 store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
             }
@@ -481,27 +476,8 @@ VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, 
     }
 }
 
-/* y = x Wᵀ (+ bias) over the integer panels for an op-at-a-time call (a prompt chunk, the LM head): the rows
- * quantized and laid out once, then the panels split across the threads. -1 when out of memory. */
-int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads) {
-    const int64_t per_thread = gemm_buffer_floats(w->k);
-    QuantizedRows xq = {NULL, NULL, NULL, NULL};
-    float *buffers = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
-    if (!buffers || alloc_rows(m, w->k, &xq) || alloc_lanes(m, w->k, &xq)) return free(buffers), free_rows(&xq), -1;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
-        lay_out_lanes(&xq, m, w->k, w->group);
-        gemm_panels_int(w, &xq, m, y, ldy, buffers + omp_get_thread_num() * per_thread);
-    }
-    free_rows(&xq);
-    free(buffers);
-    return 0;
-}
-
 /* ---- row panels (AVX2): a weight in the rows layouts (Q4, Q8G, Q8) over int16 rows, for prompt chunks and steps of
- * `kettle_row_gemm_rows` rows and more, each row's bits those of the row alone (`KETTLE_BATCH_INVARIANT`: kernels.h
+ * `kettle_row_gemm_rows` rows and more, each row's bits those of the row alone (batch invariance: kernels.h
  * `linear_channel_rows`, whose one-row channels they reproduce). A row's output is two float chains over the blocks of
  * 32 inputs (even blocks, odd blocks; Q8's one chain over all), each block adding its 8 lanes of integer sums times
  * the combined scale, then one horizontal sum. The chains are independent, so a tile runs the even blocks of all its
@@ -525,30 +501,41 @@ int64_t row_panel_floats(int64_t k) {
     return (ROW_PANEL * k / 2 + ROW_PANEL * (k / 32) + TILE_R * TILE_C * (k / 32) + 15) / 16 * 16;
 }
 
-/* Channel j as K int16 in input order (Q4: 0..15, unpacked as `q4_channel_one` unpacks a chunk; Q8, Q8G: the int8
- * values) and its scale per block of 32 (Q8: 1, its one scale applied at the end as `q8_row_qa`'s caller does). */
-static void widen_row(const Linear *w, int64_t j, int16_t *dst, float *scale) {
-    const int64_t k = w->k, blocks = k / 32;
-    if (w->kind == LINEAR_Q4) {
-        const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
-        const __m256i mask = _mm256_set1_epi16(0x0F);
-        for (int64_t c = 0; c < k / 64; c++) {
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32)));
-            const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32 + 16)));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64), _mm256_and_si256(lo, mask));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 16), _mm256_and_si256(hi, mask));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 32), _mm256_srli_epi16(lo, 4));
-            _mm256_storeu_si256((__m256i *)(dst + c * 64 + 48), _mm256_srli_epi16(hi, 4));
-        }
-        const uint16_t *halves = (const uint16_t *)w->scales + j * (k / w->group);
-        for (int64_t b = 0; b < blocks; b++) scale[b] = _cvtsh_ss(halves[b * 32 / w->group]);
-        return;
+/* Channel j as K int16 in input order and its scale per block of 32 (the table's `widen_row`): Q4's 0..15, unpacked
+ * as `q4_channel_one` unpacks a chunk. */
+void q4_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale) {
+    const int64_t k = w->k;
+    const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
+    const __m256i mask = _mm256_set1_epi16(0x0F);
+    for (int64_t c = 0; c < k / 64; c++) {
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32)));
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + c * 32 + 16)));
+        _mm256_storeu_si256((__m256i *)(dst + c * 64), _mm256_and_si256(lo, mask));
+        _mm256_storeu_si256((__m256i *)(dst + c * 64 + 16), _mm256_and_si256(hi, mask));
+        _mm256_storeu_si256((__m256i *)(dst + c * 64 + 32), _mm256_srli_epi16(lo, 4));
+        _mm256_storeu_si256((__m256i *)(dst + c * 64 + 48), _mm256_srli_epi16(hi, 4));
     }
-    const int8_t *src = (const int8_t *)w->weight + j * k;
-    for (int64_t i = 0; i < k; i += 16)
+    const uint16_t *halves = (const uint16_t *)w->scales + j * (k / w->group);
+    for (int64_t b = 0; b < k / 32; b++) scale[b] = _cvtsh_ss(halves[b * 32 / w->group]);
+}
+
+/* The int8 values of a rows layout's channel. */
+static void int8_row(const Linear *w, int64_t j, int16_t *dst) {
+    const int8_t *src = (const int8_t *)w->weight + j * w->k;
+    for (int64_t i = 0; i < w->k; i += 16)
         _mm256_storeu_si256((__m256i *)(dst + i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (int64_t b = 0; b < blocks; b++)
-        scale[b] = w->kind == LINEAR_Q8G ? _cvtsh_ss(((const uint16_t *)w->scales)[j * blocks + b]) : 1.0f;
+}
+
+/* Q8's: scale 1 per block, its one scale applied at the end as `q8_row_qa`'s caller does. */
+void q8_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale) {
+    int8_row(w, j, dst);
+    for (int64_t b = 0; b < w->k / 32; b++) scale[b] = 1.0f;
+}
+
+/* Q8_0's: its float16 scale per block. */
+void q8g_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale) {
+    int8_row(w, j, dst);
+    for (int64_t b = 0; b < w->k / 32; b++) scale[b] = _cvtsh_ss(((const uint16_t *)w->scales)[j * (w->k / 32) + b]);
 }
 
 /* Blocks first, first + step, .. of rows x[0 .. R) against channels q[0 .. C) (K int16 each, K apart) into acc[r][c],
@@ -582,6 +569,7 @@ static inline __attribute__((always_inline)) void row_tile(const Linear *w, cons
                                                            int64_t j0, const int C, float *combined, float *y,
                                                            int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
+    const WeightType *type = type_of(w);
     const int16_t *x[TILE_R];
     __m256 acc0[TILE_R][TILE_C], acc1[TILE_R][TILE_C];
     float tail[TILE_R][TILE_C];
@@ -595,14 +583,14 @@ static inline __attribute__((always_inline)) void row_tile(const Linear *w, cons
                 _mm256_storeu_ps(into + b, _mm256_mul_ps(_mm256_loadu_ps(scale + c * blocks + b), _mm256_loadu_ps(row.scale + b)));
             for (; b < blocks; b++) into[b] = scale[c * blocks + b] * row.scale[b];
             acc0[r][c] = acc1[r][c] = _mm256_setzero_ps(), tail[r][c] = 0.0f;
-            if (w->kind == LINEAR_Q4) { /* the minimums as `q4_channel_one_at` starts and ends with them */
+            if (type->minimums) { /* the minimums as `q4_channel_one_at` starts and ends with them */
                 const Minimums mins = channel_minimums(w->mins, w->scales, groups, j0 + c);
                 acc0[r][c] = _mm256_mul_ps(minimum_lanes(mins.table, row.sum, groups, _mm256_setzero_ps()), _mm256_set1_ps(mins.factor));
                 tail[r][c] = mins.factor * minimum_tail(mins.table, row.sum, groups, 0.0f);
             }
         }
     }
-    if (w->kind == LINEAR_Q8) { /* one chain, then the channel's scale: `q8_row_qa` and its caller */
+    if (type->channel_scale) { /* one chain, then the channel's scale: `q8_row_qa` and its caller */
         row_chain(x, R, q, k, C, combined, blocks, 0, 1, acc0);
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++) {
@@ -617,7 +605,7 @@ static inline __attribute__((always_inline)) void row_tile(const Linear *w, cons
         for (int c = 0; c < C; c++) {
             const int64_t j = j0 + c;
             float out = hsum(_mm256_add_ps(acc0[r][c], acc1[r][c]));
-            if (w->kind == LINEAR_Q4) out += tail[r][c];
+            if (type->minimums) out += tail[r][c];
             y[(r0 + r) * ldy + j] = out + (w->bias ? w->bias[j] : 0.0f);
         }
 }
@@ -629,7 +617,7 @@ static void row_panel(const Linear *w, int64_t p, const QuantizedRows *xq, int64
     const int count = w->n - j0 < ROW_PANEL ? (int)(w->n - j0) : ROW_PANEL;
     int16_t *q = (int16_t *)buffer;
     float *scale = buffer + ROW_PANEL * k / 2, *combined = scale + ROW_PANEL * blocks;
-    for (int i = 0; i < count; i++) widen_row(w, j0 + i, q + i * k, scale + i * blocks);
+    for (int i = 0; i < count; i++) type_of(w)->widen_row(w, j0 + i, q + i * k, scale + i * blocks);
     for (int64_t r = r0; r < r1; r += TILE_R) {
         const int R = r1 - r < TILE_R ? (int)(r1 - r) : TILE_R;
         for (int c = 0; c < count; c += TILE_C) {

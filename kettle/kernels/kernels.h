@@ -69,6 +69,30 @@ typedef struct {
     const uint16_t *supers;    /* Q4L with Q4_K's scales: d and dmin; Q6L: d (the layouts above); else NULL */
 } Linear;
 
+/* How one projection multiplies (`choose_path`, linear.c, picks one for a row count; the op-at-a-time entry and the
+ * fused decode step both run it through `team_linear`). */
+enum {
+    PATH_PLAIN = 0,     /* float32 rows, one pass over the weights (the rows layouts' `plain` kernels) */
+    PATH_TILES = 1,     /* each channel dequantized once, every row multiplied in float32 (`linear_channels_f32`) */
+    PATH_QUANTIZED = 2, /* int16 rows, one pass (`quantized_rows`: a channel at a time, or 16 in lanes) */
+    PATH_INVARIANT = 3, /* int16 rows, each row's bits those of the row alone (`invariant_rows`, the row panels) */
+    PATH_GEMM = 4,      /* gemm.c's float32 panels */
+    PATH_INT_GEMM = 5,  /* gemm.c's integer panels (AVX-512 VNNI) over int16 rows */
+    PATHS = 6
+};
+/* What the op-at-a-time entry takes instead of a path: the chooser's pick for decode rows, or for prompt rows (a
+ * prompt chunk's rows under batch invariance take the prompt GEMM, whose sums per row follow the row alone). */
+enum { PATH_DECODE_ROWS = -1, PATH_PROMPT_ROWS = -2 };
+
+/* The measurement switches the chooser reads (kettle/settings.py's tuning, passed with every call). */
+typedef struct {
+    int64_t quantized_activations; /* 0: float32 rows everywhere (exact to the dequantized weights) */
+    int64_t invariant;             /* 1 (the default): each row's arithmetic whatever shares its step */
+    int64_t integer_gemm;          /* 1 (the default): the integer panels where the CPU has them */
+    int64_t float_rows;            /* the float32 tiles from this many rows on: -1 each type's own, 0 never */
+    int64_t gemm_rows;             /* the panels from this many rows on: -1 the defaults (below), 0 never */
+} Tuning;
+
 /* A Q4 channel's minimums, each read as factor · table[g]. A symmetric weight stores none (mins NULL): its scales
  * are read as -8 · scale. -8 is a power of two, so every minimum and every product with one is exactly what a
  * stored -8 · scale would give, bit for bit, and the weight carries 2 bytes less per group (10% of a Q4_0 file's
@@ -176,6 +200,43 @@ typedef struct {
     int32_t *half; /* [rows, K/16]: the sum of each 16 int16 values (Q6L's q - 32: 32 · this, once per sub-block),
                     * or NULL where no Q6L weight reads the rows (`alloc_halves`) */
 } QuantizedRows;
+
+/* One weight type: what differs between the layouts (`LINEAR_*`), each a row of WEIGHT_TYPES (weight_types.c). The
+ * rows and lanes layouts of the same bits are two types, as ggml's repacked types are. The kernels a type lacks are
+ * NULL, and `choose_path` never picks their path for it. Channel ranges [j0, j1) are a thread's share of the outputs
+ * (in lanes: multiples of 16). */
+typedef struct {
+    const char *name;
+    int lanes;         /* output channels stored 16 at a time (N a multiple of 16; CPUs with AVX-512 VNNI) */
+    int quantized;     /* 0: float32 weights, read in place by the tiles at every row count */
+    int sub_blocks;    /* scales per 16 inputs (Q6_K): the int16 rows carry their sums per 16 (`QuantizedRows.half`) */
+    int minimums;      /* a minimum per group (w = q · scale + minimum), which the integer panels add */
+    int channel_scale; /* one float32 scale per output channel (`scales[j]`), applied after the channel's sum */
+    int64_t float_rows; /* the float32 tiles beat int16 rows from these many rows on (measured; 0: never) */
+    /* Channel j as K floats (without a channel_scale, which the callers apply). */
+    void (*dequantize)(const Linear *w, int64_t j, float *dst);
+    /* y[:, j0 .. j1) for float32 rows x in one pass over the weights. */
+    void (*plain)(const Linear *w, const float *x, int64_t ldx, int64_t rows, int64_t j0, int64_t j1, float *y,
+                  int64_t ldy);
+    /* y[:, j0 .. j1) for the rows quantized in xq, one pass over the weights. */
+    void (*quantized_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                           int64_t ldy);
+    /* The same with each row's bits those of the row alone (lanes: `quantized_rows` is that already, NULL here). */
+    void (*invariant_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                           int64_t ldy);
+    /* The integer panels: channel j's values as K int16, and its scales per block (sub_blocks: per 16 inputs) and
+     * minimums per group. */
+    void (*widen)(const Linear *w, int64_t j, int16_t *dst);
+    void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
+    /* The row panels (invariant rows from `kettle_row_gemm_rows` on): channel j as K int16, its scales per block. */
+    void (*widen_row)(const Linear *w, int64_t j, int16_t *dst, float *scale);
+} WeightType;
+
+#define INTERNAL __attribute__((visibility("hidden")))
+
+INTERNAL extern const WeightType WEIGHT_TYPES[];
+
+static inline const WeightType *type_of(const Linear *w) { return &WEIGHT_TYPES[w->kind]; }
 
 static inline void free_rows(QuantizedRows *rows) {
     free(rows->q);
@@ -410,7 +471,7 @@ static inline float q8g_channel_one(const QuantizedRows *xq, int64_t k, const in
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-/* ---- a row's arithmetic whatever the number of rows (`KETTLE_BATCH_INVARIANT`, the default) ----
+/* ---- a row's arithmetic whatever the number of rows (`batch-invariant` in KETTLE_TUNING, on by default) ----
  *
  * A request's tokens must not depend on what else shares its step. So in the rows layouts (Q4, Q8G, Q8: every
  * weight on an AVX2 CPU, and those not in lanes elsewhere) each row of a step is computed exactly as a row alone is
@@ -512,48 +573,6 @@ static inline __attribute__((always_inline)) void q8g_channel_rows(const Quantiz
             for (int64_t m = 0; m < pass; m++) STORE(m);                                                      \
         }
 
-/* Output channel j of a weight in the rows layouts for every row quantized in xq, each row's bits those of the row
- * alone (the one-row channels at 256 bits: `kettle_channel_avx512` has no say, so every CPU computes a row as an
- * AVX2 one does). */
-static inline void linear_channel_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j, float *y,
-                                       int64_t ldy) {
-    const int64_t k = w->k;
-    const float b = w->bias ? w->bias[j] : 0.0f;
-    float out[ROWS_PASS];
-    if (w->kind == LINEAR_Q4) {
-        const int group = (int)w->group;
-        const int64_t groups = k / group;
-        const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
-        const uint16_t *row_s = (const uint16_t *)w->scales + j * groups;
-        const Minimums row_m = channel_minimums(w->mins, w->scales, groups, j);
-#define ONE q4_channel_one(xq, k, group, row_q, row_s, row_m)
-#define ROW(t) q4_channel_rows(xq, m0, t, k, group, row_q, row_s, row_m, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
-        FOR_EACH_PASS(rows, ONE, ROW, STORE)
-#undef ONE
-#undef ROW
-#undef STORE
-    } else if (w->kind == LINEAR_Q8G) {
-        const int8_t *row_q = (const int8_t *)w->weight + j * k;
-        const uint16_t *row_s = (const uint16_t *)w->scales + j * (k / 32);
-#define ONE q8g_channel_one(xq, k, row_q, row_s)
-#define ROW(t) q8g_channel_rows(xq, m0, t, k, row_q, row_s, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
-        FOR_EACH_PASS(rows, ONE, ROW, STORE)
-#undef ONE
-#undef ROW
-#undef STORE
-    } else { /* Q8: `q8_row_qa` keeps one chain per row at any tile */
-        const int8_t *row_q = (const int8_t *)w->weight + j * k;
-        const float scale = ((const float *)w->scales)[j];
-#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, NULL, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scale + b
-        FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-    }
-}
-
 /* ---- the one-row channels in 512-bit vectors (AVX-512 VNNI): a block of 32 inputs is one vector of int16 pairs,
  * summed by one vpdpwssd where AVX2 takes two vpmaddwd and an add. The block sums are the same integers; only the
  * float accumulation runs over 16 lanes instead of 8. */
@@ -595,7 +614,7 @@ static inline __attribute__((always_inline)) ONE512 float q4_channel_one512_at(
 }
 
 /* `q4_channel_one512_at` with a constant factor, as `q4_channel_one`. */
-static ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
+static inline ONE512 float q4_channel_one512(const QuantizedRows *xq, int64_t k, int group, const uint8_t *qw,
                                       const uint16_t *scales, Minimums mins) {
     if (mins.factor == 1.0f) return q4_channel_one512_at(xq, k, group, qw, scales, mins.table, 1.0f);
     return q4_channel_one512_at(xq, k, group, qw, scales, mins.table, -8.0f);
@@ -609,7 +628,7 @@ static inline ONE512 __m512 q8g_block512(const QuantizedRows *xq, const int8_t *
 }
 
 /* `q8g_channel_one` in 512-bit vectors: one block of 32 int8 weights widened to one vector. */
-static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const int8_t *qw, const uint16_t *scales) {
+static inline ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const int8_t *qw, const uint16_t *scales) {
     const int64_t blocks = k / 32;
     float combined[blocks];
     combined_scales(xq, blocks, 1, scales, combined);
@@ -625,94 +644,64 @@ static ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k, const
  * vectors, in AVX-512's 32 registers. */
 #define LANES_TILE 8
 
-/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L, Q8L or Q6L) for every row quantized in xq (lanes.c). */
-void lanes_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y, int64_t ldy);
-
-/* Whether `w` is stored in lanes (its output channels 16 at a time: `lanes_group`). */
-static inline int in_lanes(const Linear *w) {
-    return w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L || w->kind == LINEAR_Q6L;
-}
+/* Output channels j0 .. j1 - 1 (multiples of 16) of a weight in lanes for every row quantized in xq (lanes.c). */
+INTERNAL void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
 
-/* Output channel j of `w` for every row quantized in xq: y[m, j] (rows of y ldy floats apart), with the
- * channel's bias and, for int8, its scale. */
-static inline void linear_channel_qa(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j, float *y,
-                                     int64_t ldy) {
-    const int64_t k = w->k;
-    const float b = w->bias ? w->bias[j] : 0.0f;
-    float out[MAX_TILE];
-    if (w->kind == LINEAR_Q4) {
-        const int group = (int)w->group;
-        const int64_t groups = k / group;
-        const uint8_t *row_q = (const uint8_t *)w->weight + j * (k / 2);
-        const uint16_t *row_s = (const uint16_t *)w->scales + j * groups;
-        const Minimums row_m = channel_minimums(w->mins, w->scales, groups, j);
-        if (rows == 1 && kettle_channel_one) {
-            y[j] = (one_row_avx512() ? q4_channel_one512 : q4_channel_one)(xq, k, group, row_q, row_s, row_m) + b;
-            return;
-        }
-#define ROW(t) q4_row_qa(xq, m0, t, k, group, row_q, row_s, row_m, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
-        FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-    } else if (w->kind == LINEAR_Q8G) {
-        const int8_t *row_q = (const int8_t *)w->weight + j * k;
-        const uint16_t *row_s = (const uint16_t *)w->scales + j * (k / 32);
-        if (rows == 1 && kettle_channel_one) {
-            y[j] = (one_row_avx512() ? q8g_channel_one512 : q8g_channel_one)(xq, k, row_q, row_s) + b;
-            return;
-        }
-#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, row_s, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] + b
-        FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-    } else {
-        const int8_t *row_q = (const int8_t *)w->weight + j * k;
-        const float scale = ((const float *)w->scales)[j];
-#define ROW(t) q8_row_qa(xq, m0, t, k, row_q, NULL, out)
-#define STORE(m) y[(m0 + m) * ldy + j] = out[m] * scale + b
-        FOR_EACH_TILE(rows, ROW, STORE)
-#undef ROW
-#undef STORE
-    }
-}
-
-/* The prompt-chunk GEMM of gemm.c: y = x Wᵀ (+ bias) panel by panel; -1 when out of memory. */
-int quant_gemm(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
-/* The same panels inside a parallel region (the calling team splits them), with a per-thread buffer of
- * gemm_buffer_floats(K) floats. */
-void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);
-int64_t gemm_buffer_floats(int64_t k);
-/* The integer panels (AVX-512 VNNI) over rows quantized to int16: within a team as `gemm_panels`, or on their own
- * threads; whether this CPU has them. */
-void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group);
-void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
-int quant_gemm_int(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, int threads);
-int kettle_integer_gemm_supported(void);
+/* gemm.c's float32 panels, run by every thread of the calling team (orphaned `omp for`s), with a per-thread buffer
+ * of gemm_buffer_floats(K) floats, 64-byte aligned. */
+INTERNAL void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);
+INTERNAL int64_t gemm_buffer_floats(int64_t k);
+/* The integer panels (AVX-512 VNNI) over rows quantized to int16 and laid out in lanes by the team, as
+ * `gemm_panels`. */
+INTERNAL void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group);
+INTERNAL void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 /* gemm.c's row panels (AVX2): a weight in the rows layouts over rows quantized in xq, each row's bits those of the
- * row alone (`linear_channel_rows`), within a team as `gemm_panels` with a per-thread buffer of row_panel_floats(K)
- * floats, or on their own threads; from `kettle_row_gemm_rows` rows on they replace `linear_channel_rows`. */
-int64_t row_panel_floats(int64_t k);
-void gemm_row_panels(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
+ * row alone (`invariant_rows`), as `gemm_panels` with a per-thread buffer of row_panel_floats(K) floats; from
+ * `kettle_row_gemm_rows` rows on they replace `invariant_rows`. */
+INTERNAL int64_t row_panel_floats(int64_t k);
+INTERNAL void gemm_row_panels(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 extern int kettle_row_gemm_rows;
-/* cpu_kernels.c's LM heads (GGUF Q8_0 and Q6_K; int8 per channel) and greedy choice, which decoder_step.c's
- * greedy steps also run. */
-int kettle_q8g_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const uint16_t *scales,
-                      int64_t n, int lanes, const float *bias, float *y, int64_t ldy, int path, int threads);
-int kettle_q6_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const uint8_t *qw, const int8_t *scales,
-                     const uint16_t *d, int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads);
-void kettle_q8_linear(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
-                      int64_t n, const float *bias, float *y, int64_t ldy, int threads);
-int kettle_q8_linear_rows(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
-                          int64_t n, const float *bias, float *y, int64_t ldy, int path, int threads);
-int kettle_q8_linear_qa(const float *x, int64_t ldx, int64_t rows, int64_t k, const int8_t *qw, const float *scales,
-                        int64_t n, const float *bias, float *y, int64_t ldy, int threads);
-void kettle_greedy(const float *scores, int64_t rows, int64_t vocab, int64_t ld, int64_t *ids, float *logprobs,
-                   int threads);
+/* The integer panels' widening per type (gemm.c). */
+INTERNAL void q4_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void q4l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void q8_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void q8l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void q6l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+INTERNAL void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+/* The row panels' widening per type (gemm.c). */
+INTERNAL void q4_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
+INTERNAL void q8_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
+INTERNAL void q8g_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
+
+/* The path `w` takes for `rows` rows (prompt rows: `prompt`) under tuning `t` (linear.c). */
+INTERNAL int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t);
+/* Whether a path reads the rows quantized to int16 (into the QuantizedRows the caller fills). */
+static inline int reads_int16(int path) {
+    return path == PATH_QUANTIZED || path == PATH_INVARIANT || path == PATH_INT_GEMM;
+}
+/* Floats of the per-thread buffer `team_linear` needs for `w` on `path` at `rows` rows (a multiple of 16). */
+INTERNAL int64_t path_buffer_floats(const Linear *w, int path, int64_t rows);
+/* y = x Wᵀ (+ bias) on `path`, run by every thread of the calling team (y complete when it returns): x [rows, K]
+ * float32 (ldx apart) and, for the paths that read them, the same rows in xq (for PATH_INT_GEMM with room for
+ * lanes); `buffer` this thread's path_buffer_floats. */
+INTERNAL void team_linear(const Linear *w, int path, const float *x, int64_t ldx, const QuantizedRows *xq,
+                          int64_t rows, float *y, int64_t ldy, float *buffer);
+/* The whole call on its own threads (the op-at-a-time entry, the fused step's LM head): `path` a PATH_*, or the
+ * chooser's for decode or prompt rows; -1 when out of memory, -2 for a path `w` has no kernel for. */
+int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
+                  const Tuning *tuning, int threads);
+/* Each row's first maximum and its log-softmax value (cpu_kernels.c; the greedy steps run it too). */
+INTERNAL void greedy_rows(const float *scores, int64_t rows, int64_t vocab, int64_t ld, int64_t *ids, float *logprobs,
+                          int threads);
 
 /* ---- float32 tiles for several activation rows: each output channel's weights are dequantized once into a
  * per-thread buffer, then every row multiplies them in float32 (exact to the dequantized weights), three channels
@@ -875,14 +864,13 @@ static inline void q6l_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
-static inline void dequant_channel(const Linear *w, int64_t j, float *dst) {
-    if (w->kind == LINEAR_Q6L) q6l_dequant_row(w, j, dst);
-    else if (w->kind == LINEAR_Q8L) q8l_dequant_row(w, j, dst);
-    else if (w->kind == LINEAR_Q4L) q4l_dequant_row(w, j, dst);
-    else if (w->kind == LINEAR_Q4) q4_dequant_row(w, j, dst);
-    else if (w->kind == LINEAR_Q8G) q8g_dequant_row(w, j, dst);
-    else q8_widen_row(w, j, dst);
+/* Row j of a float32 weight (the fused step's dense projections and embedding tables). */
+static inline void f32_row(const Linear *w, int64_t j, float *dst) {
+    memcpy(dst, (const float *)w->weight + j * w->k, sizeof(float) * (size_t)w->k);
 }
+
+/* Channel j of any weight as K floats, without a per-channel scale (`WeightType.channel_scale`). */
+static inline void dequant_channel(const Linear *w, int64_t j, float *dst) { type_of(w)->dequantize(w, j, dst); }
 
 /* Output channels 3p .. 3p + 2 (fewer at the end) for all `rows` rows of x: y[m, j] = scale_j · (x[m] · w_j) +
  * bias_j. `buffer` holds 3·K floats. K is a multiple of 8. Four rows by three channels make twelve accumulators:
@@ -891,19 +879,20 @@ static inline void dequant_channel(const Linear *w, int64_t j, float *dst) {
 #define TILE_CHANNELS 3
 static inline void linear_channels_f32(const Linear *w, int64_t p, const float *x, int64_t ldx, int64_t rows, float *y,
                                        int64_t ldy, float *buffer) {
+    const WeightType *type = type_of(w);
     const int64_t j = TILE_CHANNELS * p, k = w->k;
     const int count = w->n - j < TILE_CHANNELS ? (int)(w->n - j) : TILE_CHANNELS;
     float scale[TILE_CHANNELS], bias[TILE_CHANNELS];
     const float *wc[TILE_CHANNELS];
     for (int c = 0; c < TILE_CHANNELS; c++) {
         const int64_t channel = j + (c < count ? c : 0); /* a short last tile repeats its first channel */
-        if (w->kind == LINEAR_F32) {
+        if (!type->quantized) {
             wc[c] = (const float *)w->weight + channel * k; /* already float32: read in place */
         } else {
             wc[c] = buffer + (c < count ? c : 0) * k;
             if (c < count) dequant_channel(w, channel, buffer + c * k);
         }
-        scale[c] = w->kind == LINEAR_Q8 ? ((const float *)w->scales)[channel] : 1.0f;
+        scale[c] = type->channel_scale ? ((const float *)w->scales)[channel] : 1.0f;
         bias[c] = w->bias ? w->bias[channel] : 0.0f;
     }
     int64_t m = 0;
@@ -1141,7 +1130,7 @@ typedef struct {
      * dim + 2 floats per (sequence, query head, piece): the piece's unnormalized output, softmax maximum and sum. */
     int64_t parts;
     float *partials;
-    /* 1 (`KETTLE_BATCH_INVARIANT`): each sequence cut as it would be alone (`sequence_parts`), so its bits do not
+    /* 1 (batch invariance): each sequence cut as it would be alone (`sequence_parts`), so its bits do not
      * depend on the batch; `parts` is then the most any sequence of the call takes. 0: every one into `parts`. */
     int per_sequence;
     int threads;
@@ -1242,8 +1231,32 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span, floa
  * partials when the contexts are cut (then `combine_parts` finishes each query head). Compiled once, in
  * decode_attention.c: both the op-at-a-time entry and the fused step call it, and as a static function here it was
  * compiled into each of them (1.6 s of the fused step's 3.2 s of compiler time on a first start). */
-__attribute__((visibility("hidden"))) void kettle_attend_item(const PagedDecode *p, const float *q, int64_t item,
+INTERNAL void attend_item(const PagedDecode *p, const float *q, int64_t item,
                                                            float *scores, float *out);
+
+/* One attention call over the paged cache (`kettle_attention`): decode, one new query token per sequence (`rows`
+ * sequences at `positions`, block tables [rows, max_blocks]), or prefill, one sequence's `rows` new tokens at
+ * positions cache_len .. (its block table [max_blocks]), their K/V already written. q rows ldq floats apart (decode:
+ * contiguous [rows, heads, dim]); out [rows, heads, dim]; caches [slots, kv_heads, dim] of kv_dtype. */
+typedef struct {
+    int64_t prefill;
+    const float *q;
+    int64_t ldq;
+    const void *k_cache, *v_cache;
+    const int64_t *tables;
+    int64_t max_blocks;
+    const int64_t *positions; /* decode: of each new token; the context is position + 1 long */
+    int64_t rows, cache_len, heads, kv_heads, dim, block_size, window; /* window > 0: the last `window` positions */
+    float scale;
+    int64_t kv_dtype;
+    int64_t per_sequence; /* decode: contexts cut as each sequence alone would be (`PagedDecode.per_sequence`) */
+    float *out;
+} Attention;
+
+/* prefill_attention.c's causal attention of one sequence's new tokens; -1 when out of memory. */
+INTERNAL int paged_prefill(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *table,
+                           int64_t tokens, int64_t cache_len, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t block_size, float scale, int64_t window, float *out, int kv_dtype, int threads);
 
 /* Query head `head` (of all S · H) of a cut call: out = Σ_p e^{m_p − M} o_p / Σ_p e^{m_p − M} l_p over its pieces'
  * records (M the largest maximum m_p; a piece with no keys has m_p = −∞ and weighs 0). */
@@ -1271,7 +1284,7 @@ static inline void combine_parts(const PagedDecode *p, int64_t head, float *out)
  * pieces combined into out. */
 static inline void paged_attention(const PagedDecode *p, const float *q, int64_t seqs, float *scores, float *out) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < seqs * p->kv_heads * p->parts; item++) kettle_attend_item(p, q, item, scores, out);
+    for (int64_t item = 0; item < seqs * p->kv_heads * p->parts; item++) attend_item(p, q, item, scores, out);
     if (p->parts > 1) {
 #pragma omp for schedule(static)
         for (int64_t head = 0; head < seqs * p->heads; head++) combine_parts(p, head, out);

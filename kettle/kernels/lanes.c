@@ -155,13 +155,20 @@ static inline __attribute__((always_inline)) ONE512 void q6l_tile(const Linear *
         }                                                                                                  \
     }
 
-/* Output channels 16G .. 16G + 15 of a weight in lanes (Q4L, Q8L or Q6L) for every row quantized in xq, LANES_TILE
- * rows a pass. */
-ONE512 void lanes_group(const Linear *w, int64_t G, const QuantizedRows *xq, int64_t rows, float *y,
-                               int64_t ldy) {
-    if (w->kind == LINEAR_Q8L) LANES_PASSES(q8l_tile)
-    else if (w->kind == LINEAR_Q6L) LANES_PASSES(q6l_tile)
-    else LANES_PASSES(q4l_tile)
+/* Output channels j0 .. j1 - 1 (multiples of 16) of a weight in lanes for every row quantized in xq, LANES_TILE rows
+ * a pass (the table's `quantized_rows`). */
+ONE512 void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                     int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q4l_tile)
+}
+
+ONE512 void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                     int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q8l_tile)
+}
+
+ONE512 void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                     int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q6l_tile)
 }
 #undef LANES_PASSES
-

@@ -354,7 +354,7 @@ static void free_scratch(Scratch *s) {
 /* Causal attention of one sequence's `tokens` new queries (positions cache_len ..) over its paged context:
  * q rows ldq floats apart, each [heads, dim]; caches of `kv_dtype`; out [tokens, heads, dim]. dim a multiple
  * of 8, block_size of KEY_TILE. -1 when out of memory. */
-int kettle_paged_prefill(
+int paged_prefill(
     const float *q, int64_t ldq, const void *k_cache, const void *v_cache, const int64_t *table, int64_t tokens,
     int64_t cache_len, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
     float *out, int kv_dtype, int threads

@@ -177,8 +177,8 @@ def _cpu_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> bool:
-    """Whether Kettle's CPU prefill kernel takes these tensors (`KETTLE_CPU_PREFILL_ATTENTION=0`: SDPA instead)."""
-    return ops.PREFILL_ATTENTION and ops.paged_prefill_fits(q, k_cache, v_cache, block_size)
+    """Whether Kettle's CPU prefill kernel takes these tensors (`KETTLE_TUNING=prefill-attention=off`: SDPA)."""
+    return ops.prefill_attention() and ops.paged_prefill_fits(q, k_cache, v_cache, block_size)
 
 
 def _modified_prefill(q, k, v, plan: PrefillPlan, window, scale, alibi_slopes, softcap) -> torch.Tensor:

@@ -16,11 +16,11 @@ projection.
 
 It applies to a CPU float32 model whose every projection is a `Q4Linear`, a `Q8Linear` (GGUF Q8_0), a
 `Q6Linear` (GGUF Q6_K), a kernel-backed `Int8Linear` or a float32 `Linear` stored dense
-(`KETTLE_CPU_LINEAR=dense`: the default oneDNN-packed layout has no rows to read), on one shard, with quantized
-activations on, a KV cache of float32, float16 or bfloat16 (`--kv-cache-dtype`) and a decode batch the packed
-kernels take (`dense_rows`). Anything else
+(`KETTLE_TUNING=cpu-linear=dense`: the default oneDNN-packed layout has no rows to read), on one shard, with
+quantized activations on, a KV cache of float32, float16 or bfloat16 (`--kv-cache-dtype`) and a decode batch the
+packed kernels take (`dense_rows`). Anything else
 returns None from `build` (with the reason in `DecoderStep.why_not`) or False from `fits`, and the model's
-forward runs layer by layer. `KETTLE_CPU_DECODER_STEP=0` turns it off.
+forward runs layer by layer. `KETTLE_TUNING=decoder-step=off` turns it off.
 """
 
 from __future__ import annotations
@@ -37,13 +37,6 @@ from kettle.kernels.decoder_step import (
     ACT_GELU_TANH,
     ACT_RELU,
     ACT_SILU,
-    LINEAR_F32,
-    LINEAR_Q4,
-    LINEAR_Q4L,
-    LINEAR_Q6L,
-    LINEAR_Q8,
-    LINEAR_Q8G,
-    LINEAR_Q8L,
     MAX_EXPERTS,
     NORM_LAYER,
     NORM_NONE,
@@ -51,13 +44,13 @@ from kettle.kernels.decoder_step import (
     Decoder,
     Experts,
     Layer,
-    Linear,
     Lora,
     Norm,
     StepRows,
     run,
     run_greedy,
 )
+from kettle.kernels.structs import LINEAR_F32, LINEAR_Q6L, LINEAR_Q8, LINEAR_Q8G, LINEAR_Q8L, Linear
 from kettle.layers import linear as dense
 from kettle.layers.activation import activation
 from kettle.layers.attention import AttentionMetadata
@@ -78,7 +71,7 @@ class Unsupported(Exception):
 
 
 def enabled() -> bool:
-    """False when `KETTLE_CPU_DECODER_STEP=0`."""
+    """False when `KETTLE_TUNING=decoder-step=off`."""
     return settings.current().cpu_decoder_step
 
 
@@ -91,28 +84,16 @@ def _linear(module: nn.Module) -> Linear:
     while hasattr(module, "linear"):  # row-parallel and LoRA wrappers hold the projection itself
         module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
-    if isinstance(module, Q4Linear):
-        weights = (module.packed.data_ptr(), module.scales.data_ptr(), _ptr_of(module.mins))
-        kind = LINEAR_Q4L if module.lanes else LINEAR_Q4
-        shape = (module.group_size, module.out_features, module.in_features)
-        return Linear(kind, *shape, *weights, bias, _ptr_of(module.supers))
-    if isinstance(module, Q8Linear):
-        n, k = module.out_features, module.in_features
-        kind = LINEAR_Q8L if module.lanes else LINEAR_Q8G
-        return Linear(kind, 32, n, k, module.q.data_ptr(), module.scales.data_ptr(), None, bias)
-    if isinstance(module, Q6Linear):
-        n, k = module.out_features, module.in_features
-        weights = (module.weight_bytes.data_ptr(), module.scales.data_ptr(), None, bias, module.d.data_ptr())
-        return Linear(LINEAR_Q6L, 32, n, k, *weights)
+    if isinstance(module, Q4Linear | Q8Linear | Q6Linear):
+        return module.describe()
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
-        n, k = module.out_features, module.in_features
-        return Linear(LINEAR_Q8, k, n, k, module.q.data_ptr(), module.scale.data_ptr(), None, bias)
+        return module.describe()
     if isinstance(module, dense.Linear) and module.layout == "dense" and _float32_rows(module.weight):
         n, k = module.weight.shape
         return Linear(LINEAR_F32, k, n, k, module.weight.data_ptr(), None, None, bias)
     if isinstance(module, dense.Linear) and module.layout != "dense":
         # oneDNN's packed layout is the faster one for the layer-by-layer matmuls of a float32 model.
-        raise Unsupported(f"float32 weights in the {module.layout} layout (KETTLE_CPU_LINEAR=dense: rows it reads)")
+        raise Unsupported(f"float32 weights in the {module.layout} layout (KETTLE_TUNING=cpu-linear=dense: rows)")
     raise Unsupported(f"a {type(module).__name__} projection (it reads int4, int8 or dense float32 rows)")
 
 
@@ -197,11 +178,9 @@ class DecoderStep:
         layers = [self._layer(layer) for layer in model.layers]
         self._layers = (Layer * len(layers))(*layers)
         shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.inner)
-        rows = (ops.Q4_FLOAT_ROWS, ops.Q8_FLOAT_ROWS, ops.panel_rows(), int(ops.integer_gemm()))
-        rows += (ops.panel_rows(lanes=True),)
         rope = (0, 0) if rotary is None else (rotary.rotary_dim, int(rotary.interleaved))
-        # block_size (0 here) is set from each step's metadata.
-        self.decoder = Decoder(*shape, 0, *rows, *rope, self._layers, _norm(model.norm))
+        # block_size (0 here), the cache's type and the tuning are set at each step.
+        self.decoder = Decoder(*shape, 0, *rope, self._layers, _norm(model.norm))
         quantized = (m for m in model.modules() if isinstance(m, Q4Linear | Int8Linear))
         self.max_rows = min((getattr(m, "dense_rows", 1 << 62) for m in quantized), default=1 << 62)
         self._caches: tuple[KVCache, ctypes.Array, ctypes.Array] | None = None
@@ -227,8 +206,8 @@ class DecoderStep:
     @staticmethod
     def _check_model(model: nn.Module) -> None:
         if not enabled():
-            raise Unsupported("KETTLE_CPU_DECODER_STEP=0")
-        if not (ops.available() and ops.QUANTIZED_ACTIVATIONS):
+            raise Unsupported("KETTLE_TUNING=decoder-step=off")
+        if not (ops.available() and ops.quantized_activations()):
             raise Unsupported("the CPU kernels (or their quantized activations) are off")
         if model.tp.sharded:
             raise Unsupported("tensor parallelism")
@@ -328,21 +307,14 @@ class DecoderStep:
         tables = plan.block_ids.view(seqs, plan.num_blocks)
         slots = (tables[torch.arange(seqs), grid // block] * block + grid % block).reshape(-1)
         rows = StepRows(cos, sin, slots, plan.block_ids, plan.num_blocks, positions)
-        kind, hidden = self._ends[1].kind, self.decoder.hidden
-        if kind == LINEAR_Q6L:
-            path = ops.q6_path(seqs, hidden)
-        elif kind == LINEAR_Q8:
-            path = ops.q8_path(seqs, hidden)
-        else:
-            path = ops.q8g_path(seqs, hidden, kind == LINEAR_Q8L)
         caches = self._cache_pointers(kv_cache)
-        return run_greedy(self.decoder, caches, self._ends, path, tokens, rows, stop_ids)
+        return run_greedy(self.decoder, caches, self._ends, tokens, rows, stop_ids)
 
     def _per_step(self, block_size: int, kv_cache: KVCache) -> None:
-        """What the description takes from each step: the cache's block size and element type, and whether each
-        row is computed as a row alone (`KETTLE_BATCH_INVARIANT`, read here so that a test's switch holds)."""
+        """What the description takes from each step: the cache's block size and element type, and the path chooser's
+        tuning (batch invariance among it; read here so that a test's switch holds)."""
         self.decoder.block_size, self.decoder.kv_dtype = block_size, ops.KV_DTYPES[kv_cache.dtype]
-        self.decoder.invariant = int(ops.batch_invariant())
+        self.decoder.tuning = ops.tuning()
 
     def _lora_array(self, present: tuple[int, ...]) -> ctypes.Array:
         """The C description of every projection's stacked LoRA matrices for the adapters `present`, built once

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q8, Linear
 from kettle.quantization.config import DENSE_ROWS, INT8_GEMV_ROWS, KERNEL_ACT_DTYPE
+from kettle.quantization.kernel_weight import KernelWeight, pointer
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +33,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(KernelWeight):
     """y = x Wᵀ (+ b) with W [out, in] int8 and one scale per output channel; same call shape as `Linear`."""
 
     def __init__(
@@ -52,7 +54,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.on_cuda = q.is_cuda
         self.gemv_rows = INT8_GEMV_ROWS
-        # Kettle's CPU kernel takes float32 activations (no bfloat16 casts); KETTLE_CPU_KERNELS=0 turns it off.
+        # Kettle's CPU kernel takes float32 activations (no bfloat16 casts); KETTLE_TUNING=cpu-kernels=off: not it.
         self.cpu_kernel = not q.is_cuda and self.in_features % 16 == 0 and ops.available()
 
     @classmethod
@@ -71,9 +73,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cuda:
             return self._cuda_forward(x)
+        if self.cpu_kernel:  # prompt chunks too: the panel GEMM never dequantizes the whole weight (linear.c)
+            return self.kernel_forward(x)
         rows = x.reshape(-1, self.in_features)
-        if self.cpu_kernel:  # prompt chunks too: the panel GEMM never dequantizes the whole weight (ops.GEMM_ROWS)
-            return ops.q8_linear(rows.float(), self.q, self.scale, self.bias).to(x.dtype).view(*x.shape[:-1], -1)
         # PyTorch's int8 pack kernel reads K in steps of 16 and crashes (SIGSEGV, torch 2.13 on AVX-512) on
         # any other K: such projections take the dense path.
         if rows.shape[0] > self.dense_rows or self.in_features % 16:
@@ -84,6 +86,10 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def describe(self) -> Linear:
+        tensors = (self.q, self.scale, None, self.bias)
+        return Linear(LINEAR_Q8, self.in_features, self.out_features, self.in_features, *map(pointer, tensors))
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor:
         from kettle.quantization.fp8 import fp8_gemv, triton

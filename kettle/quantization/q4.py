@@ -16,7 +16,7 @@ speculative step's verification) ran 1.5-2.3x faster, one row (which reads the w
 about the same (docs/performance.md, "Weights in lanes").
 
 Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernels build here
-(`kettle.kernels.ops.available()`); `KETTLE_CPU_KERNELS=0` selects `Int4Linear` instead.
+(`kettle.kernels.ops.available()`); `KETTLE_TUNING=cpu-kernels=off` selects `Int4Linear` instead.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q4, LINEAR_Q4L, Linear
 from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, DENSE_ROWS
 from kettle.quantization.int4 import kernel_group_size, native_group_size, quantize_int4
+from kettle.quantization.kernel_weight import KernelWeight, pointer
 
 BLOCK = 32  # input channels per activation block and the smallest group
 CHUNK = 64  # input channels per 32-byte load of packed weights
@@ -101,7 +103,7 @@ def q4k_products(sc: torch.Tensor, m: torch.Tensor, supers: torch.Tensor) -> tup
     return scales.view(n, -1), mins.view(n, -1)
 
 
-class Q4Linear(nn.Module):
+class Q4Linear(KernelWeight):
     """y = x Wᵀ (+ b) with W [out, in] group-wise int4 on Kettle's CPU kernel; same call shape as `Linear`."""
 
     def __init__(
@@ -183,7 +185,7 @@ class Q4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernel multiplies by."""
         if ops.available():  # one parallel C pass; the tensor ops below cost ~10x more per prefill chunk
-            return ops.q4_dequantize(*self.tables(), self.group_size, self.lanes, self.supers)
+            return self.kernel_dequantized()
         packed, scales, mins = self.stored()
         q = unpack_q4(packed).float().view(self.out_features, -1, self.group_size)
         minimums = -8 * scales if mins is None else mins
@@ -194,15 +196,18 @@ class Q4Linear(nn.Module):
         """Rows `ids` of W in float32, the values the kernels multiply by: the embedding lookup of a GGUF file's
         4-bit table, which then needs no float32 copy (a 1.1B model's: 250 MiB). Only loaded where the kernels are
         (`GgufScheme`), as `forward` runs on them."""
-        rows = ops.q4_rows(*self.tables(), self.group_size, ids, self.lanes, self.supers)
-        return rows.view(*ids.shape, self.in_features)
+        return self.kernel_embed(ids)
+
+    def describe(self) -> Linear:
+        kind = LINEAR_Q4L if self.lanes else LINEAR_Q4
+        shape = (self.group_size, self.out_features, self.in_features)
+        tensors = (self.packed, self.scales, self.mins, self.bias, self.supers)
+        return Linear(kind, *shape, *map(pointer, tensors))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
         # Every row count runs on the kernels: prompt chunks on the panel GEMM, which never dequantizes the whole
-        # weight (`ops.GEMM_ROWS`).
-        y = ops.q4_linear(rows.float(), *self.tables(), self.group_size, self.bias, self.lanes, self.supers)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        # weight (kettle/kernels/linear.c).
+        return self.kernel_forward(x)
 
     def extra_repr(self) -> str:
         layout = (", lanes" if self.lanes else "") + (", q4_k scales" if self.supers is not None else "")

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q6L, Linear
 from kettle.quantization.config import DENSE_ROWS
 from kettle.quantization.gguf_blocks import as_tensor
+from kettle.quantization.kernel_weight import KernelWeight, pointer
 from kettle.quantization.q4 import LANES, SUPER_BLOCK, table_to_lanes
 from kettle.tensors.gguf_file import Blocks
 
@@ -64,7 +66,7 @@ def to_lanes(q: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(n, k * 3 // 4).contiguous()
 
 
-class Q6Linear(nn.Module):
+class Q6Linear(KernelWeight):
     """y = x Wᵀ (+ b) with W [out, in] in GGUF's Q6_K, in lanes on Kettle's CPU kernels; same call shape as
     `Linear`."""
 
@@ -89,18 +91,19 @@ class Q6Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
-        return ops.q6_rows(self.weight_bytes, self.scales, self.d)
+        return self.kernel_dequantized()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in float32: the embedding lookup of a GGUF file's Q6_K table (tied to the head or its
         own), which then needs no float32 copy."""
-        rows = ops.q6_rows(self.weight_bytes, self.scales, self.d, ids)
-        return rows.view(*ids.shape, self.in_features)
+        return self.kernel_embed(ids)
+
+    def describe(self) -> Linear:
+        tensors = (self.weight_bytes, self.scales, None, self.bias, self.d)
+        return Linear(LINEAR_Q6L, 32, self.out_features, self.in_features, *map(pointer, tensors))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = ops.q6_linear(rows.float(), self.weight_bytes, self.scales, self.d, self.bias)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return self.kernel_forward(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, q6_k, kernel=kettle, lanes"

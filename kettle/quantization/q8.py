@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q8G, LINEAR_Q8L, Linear
+from kettle.quantization.kernel_weight import KernelWeight, pointer
 from kettle.quantization.q4 import LANES, table_from_lanes, table_to_lanes
 from kettle.tensors.gguf_file import Blocks
 
@@ -41,7 +43,7 @@ def from_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, tor
     return rows.reshape(n, k).contiguous(), table_from_lanes(scales)
 
 
-class Q8Linear(nn.Module):
+class Q8Linear(KernelWeight):
     """y = x Wᵀ (+ b) with W [out, in] in GGUF's Q8_0 layout on Kettle's CPU kernels; same call shape as `Linear`."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -87,16 +89,20 @@ class Q8Linear(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W in float32: the embedding lookup of a tied Q8_0 table."""
         if ops.available():
-            return ops.q8g_rows(self.q, self.scales, ids, self.lanes).view(*ids.shape, self.in_features)
+            return self.kernel_embed(ids)
         rows = self.q[ids].float().view(*ids.shape, -1, BLOCK) * self.scales[ids].float()[..., None]
         return rows.view(*ids.shape, self.in_features)
 
+    def describe(self) -> Linear:
+        kind = LINEAR_Q8L if self.lanes else LINEAR_Q8G
+        tensors = (self.q, self.scales, None, self.bias)
+        return Linear(kind, 32, self.out_features, self.in_features, *map(pointer, tensors))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
         if ops.available():
-            y = ops.q8g_linear(rows.float(), self.q, self.scales, self.bias, self.lanes)
-        else:  # PyTorch's ops over the dequantized weight (machines without the kernels)
-            y = torch.nn.functional.linear(rows.float(), self.dequantized(), self.bias)
+            return self.kernel_forward(x)
+        # PyTorch's ops over the dequantized weight (machines without the kernels)
+        y = torch.nn.functional.linear(x.reshape(-1, self.in_features).float(), self.dequantized(), self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -17,8 +17,8 @@ The K/V the forward wrote for rejected drafts is rolled back by not counting it:
 advances over its last token and the accepted drafts only, and the next step overwrites the rest.
 
 Drafting has to pay for itself: on the CPU a verified draft token costs about a third of a decode step
-(`KETTLE_SPECULATE_ROW_COST`, 0.35 by default: kettle/settings.py), and on a plain chat answer most n-gram drafts
-are rejected. So each step decides how many tokens each request drafts (`drafts_for`) from its drafter's
+(`KETTLE_TUNING`'s `speculate-row-cost`, 0.35 by default: kettle/settings.py), and on a plain chat answer most
+n-gram drafts are rejected. So each step decides how many tokens each request drafts (`drafts_for`) from its drafter's
 acceptance estimate (`NgramDrafter.acceptance`): a draft token is verified only when its expected yield (the
 chance that it and every draft token before it are accepted) beats what the step already gets per unit of cost.
 A request that copies drafts up to `--speculate` tokens every step; one whose drafts keep failing stops drafting
@@ -48,19 +48,20 @@ from kettle.shard.sampling import BatchSampler, SamplingParams, greedy_choice, i
 # measured on the bundled model (int4, fused step, context 560, one thread) a step of 4 rows cost 2.30 one-row
 # steps and one of 5 rows 3.01, so a fourth draft token (worth at most ~0.9 of a token on the copy benchmark)
 # cost more than it saved (`python -m bench speculation --in-process`, one thread: copy 1.71x, 1.66x with 7 rows).
-# And below where the kernels leave the integer path for the float32 tiles (`ops.Q4_FLOAT_ROWS`) or the GEMM.
-CPU_STEP_ROWS = min(ops.TILE_ROWS, ops.Q4_FLOAT_ROWS - 1, ops.GEMM_ROWS - 1, ops.INTEGER_ROWS - 1)
-# A model whose weights are all in lanes (AVX-512 VNNI: kernels.h's Q4L/Q8L) runs 8 rows a pass
-# (`ops.LANES_TILE_ROWS`), so `--speculate 4` verifies all 4 drafts of a stream in one pass (copy 2.06x against
-# 1.60x with 4 rows, ops.py).
-CPU_LANES_STEP_ROWS = min(ops.LANES_TILE_ROWS, ops.LANES_GEMM_ROWS - 1)
+# (The kernels leave that path for the float32 tiles or the panels only from 8 and 10 rows on: kettle/kernels/linear.c.)
+CPU_STEP_ROWS = ops.TILE_ROWS
+# A model whose weights are all in lanes (AVX-512 VNNI: kernels.h's lanes layouts) runs 8 rows a pass
+# (`ops.LANES_TILE_ROWS`; the panels only from 128), so `--speculate 4` verifies all 4 drafts of a stream in one pass
+# (copy 2.06x against 1.60x with 4 rows, ops.py).
+CPU_LANES_STEP_ROWS = ops.LANES_TILE_ROWS
 # On a GPU a step's rows cost little until the batch fills the device; a batch of 8 is already using it well.
 GPU_STEP_ROWS = 7
 
 
 def step_rows(device: torch.device, lanes: bool = False) -> int:
-    """The rows a step that verifies drafts may feed on `device` (drafts stop there): `KETTLE_SPECULATE_STEP_ROWS`
-    when set, else the device's default (on the CPU, by whether the model's weights are in lanes)."""
+    """The rows a step that verifies drafts may feed on `device` (drafts stop there): `KETTLE_TUNING`'s
+    `speculate-step-rows` when set, else the device's default (on the CPU, by whether the model's weights are in
+    lanes)."""
     chosen = settings.current().speculate_step_rows
     if chosen is not None:
         return chosen
@@ -81,11 +82,11 @@ def drafter_for(params: SamplingParams, request: pb.Request, speculate: int) -> 
 def drafts_for(requests: Sequence[RequestState], speculate: int, step_rows: int) -> list[list[int]]:
     """Each request's draft for this step: the draft tokens whose expected yield pays for their row.
 
-    With each request's acceptance estimate a (`NgramDrafter.acceptance`), its j-th draft token yields a token
-    with probability a^j (it and the j-1 before it accepted). With c the cost of a row as a share of a one-row
-    step (`KETTLE_SPECULATE_ROW_COST`), the step costs 1 + c per row past the first, for one token per request;
-    draft tokens are added best first while one's expected yield beats c times the step's current tokens per
-    unit of cost (so the step's expected tokens per unit of cost grow with each), within `step_rows` rows. For
+    With each request's acceptance estimate a (`NgramDrafter.acceptance`), its j-th draft token yields a token with
+    probability a^j (it and the j-1 before it accepted). With c the cost of a row as a share of a one-row step
+    (`KETTLE_TUNING`'s `speculate-row-cost`), the step costs 1 + c per row past the first, for one token per
+    request; draft tokens are added best first while one's expected yield beats c times the step's current tokens
+    per unit of cost (so the step's expected tokens per unit of cost grow with each), within `step_rows` rows. For
     one request that is the draft length that maximises tokens per unit of cost: up to `speculate` tokens when
     a is near 1, none when a is below c. c = 0 drafts in full."""
     rows = sum(len(r.next_query()) for r in requests)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from kettle import settings
 from kettle.kernels import ops
 from kettle.proto import generate_pb2 as pb
 from tests.models.engine_driver import make_batch, warm_engine
@@ -27,11 +28,15 @@ DRAFT_EVERY_STEP = "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-ro
 @pytest.fixture(scope="module", params=["rows", "lanes"])
 def engine(request, tiny_llama_path):
     """The tiny Llama under int4 in the rows layout (every CPU's) or in lanes (AVX-512 VNNI)."""
+    settings.reload()
     if request.param == "lanes" and not ops.lanes():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
+    # (a module's fixture runs before tests/conftest.py's per-test settings: it reads them afresh itself)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "_LANES", request.param == "lanes")
+        patch.setenv("KETTLE_TUNING", "" if request.param == "lanes" else "lanes=off")
+        settings.reload()
         engine = warm_engine(tiny_llama_path, quantize="int4")[0]
+    settings.reload()
     layers = [m for m in engine.runner.model.modules() if hasattr(m, "lanes")]
     assert layers and all(m.lanes == (request.param == "lanes") for m in layers)
     return engine
@@ -92,7 +97,6 @@ def test_without_the_switch_the_rows_layouts_fast_paths_differ(engine, monkeypat
     tiles and panels or the int16 path by the step's row count (lanes compute a row alike either way)."""
     if next(m for m in engine.runner.model.modules() if hasattr(m, "lanes")).lanes:
         pytest.skip("lanes keep one row's arithmetic at any row count with or without the switch")
-    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
-    monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 3)  # the tiny batch reaches the float32 tiles
+    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off,float-rows=3")  # the tiny batch reaches the float32 tiles
     alone, together = alone_and_together(engine, sampled=False)
     assert together != alone

@@ -18,7 +18,7 @@ from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
 from kettle.models import decoder_step
 from kettle.models.registry import load_model
-from tests.fixtures import kernel_switch, make_variant, torch_threads
+from tests.fixtures import kernel_switch, make_variant, torch_threads, tune
 from tests.models.family_parity import save_tiny, tiny_settings
 from tests.unit.test_cpu_kernels import CAN_BUILD
 
@@ -65,11 +65,7 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
     (tanh-GELU gate, scaled embeddings), over scattered block tables; projections with each row as alone (batch
     invariance, the default), and with it off over int16 rows (4 sequences are below the float32 tiles'
     thresholds) and over the float32 tiles (`float_rows` 2)."""
-    if fast:
-        monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
-    if float_rows is not None:
-        monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", float_rows)
-        monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", float_rows)
+    tune(monkeypatch, "batch-invariant=off" if fast else "", f"float-rows={float_rows}" if float_rows else "")
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step is not None
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
@@ -82,25 +78,21 @@ def test_fused_step_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, var
 def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(
     tmp_path, monkeypatch, variant, quantize, panels
 ):
-    """From `ops.GEMM_ROWS` rows (2 here, 16 by default) the step's projections run gemm.c's panels (float32, or
+    """From `gemm-rows` rows (2 here, 16 by default) the step's projections run gemm.c's panels (float32, or
     integer on AVX-512 VNNI) inside its parallel region, as the layer-by-layer forward runs them per call: the same
     numbers. (Batch invariance off: with it on, the thresholds pick between kernels of the same bits, below.)"""
-    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")
-    monkeypatch.setattr(ops, "GEMM_ROWS", 2)
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", panels == "integer")
+    tune(monkeypatch, "batch-invariant=off", "gemm-rows=2", "" if panels == "integer" else "integer-gemm=off")
     if panels == "integer" and not ops.integer_gemm():
         pytest.skip("no AVX-512 VNNI here")
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
-    assert model.cpu_decoder_step.decoder.gemm_rows == 2
-    assert model.cpu_decoder_step.decoder.integer_gemm == (panels == "integer")
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
+    down = model.layers[0].mlp.down.describe()  # (a weight in lanes keeps its kernel below 128 rows)
+    assert ops.path(down, 2) == "quantized" if ops.in_lanes(down) else ("int_gemm" if panels == "integer" else "gemm")
     assert torch.equal(fused, reference)
     if panels == "integer":
         return
     # Both exact to the dequantized weights, as the float32 tiles are: float32 rounding apart.
-    monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
-    monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 2)
-    monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", 2)
+    tune(monkeypatch, "batch-invariant=off", "gemm-rows=0", "float-rows=2", "integer-gemm=off")
     torch.testing.assert_close(fused, decode_logits(model, fused=False), atol=1e-4, rtol=0)
 
 
@@ -112,12 +104,12 @@ def test_integer_panels_stay_within_the_int16_rounding_of_the_float32_panels(tmp
     few rows' int16 path moves them from the float32 tiles on these models (up to 2.8e-3 over 12 steps)."""
     if not ops.integer_gemm():
         pytest.skip("no AVX-512 VNNI here")
-    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", "0")  # the panels as the thresholds pick them
-    monkeypatch.setattr(ops, "GEMM_ROWS", 2)
+    tune(monkeypatch, "batch-invariant=off", "gemm-rows=2")  # the panels as the thresholds pick them
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
-    assert model.cpu_decoder_step.decoder.integer_gemm == 1
-    integer = decode_logits(model, fused=True)  # (each call builds the step anew from ops' settings)
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
+    integer = decode_logits(model, fused=True)  # (each step reads the tuning anew)
+    down = model.layers[0].mlp.down.describe()
+    assert ops.path(down, 2) == "quantized" if ops.in_lanes(down) else "int_gemm"
+    tune(monkeypatch, "batch-invariant=off", "gemm-rows=2", "integer-gemm=off")
     float_panels = decode_logits(model, fused=True)
     assert not torch.equal(integer, float_panels)
     torch.testing.assert_close(integer, float_panels, atol=5e-3, rtol=0)
@@ -130,12 +122,12 @@ def test_fused_step_under_batch_invariance_equals_the_layer_by_layer_forward(
     tmp_path, monkeypatch, quantize, layout, row_panels
 ):
     """With each row computed as alone (the default), the fused step runs the rows layouts' row kernels
-    (kernels.h `linear_channel_rows`, or gemm.c's row panels from `kettle_row_gemm_rows` rows: forced at every
+    (weight_types.c's `invariant_rows`, or gemm.c's row panels from `kettle_row_gemm_rows` rows: forced at every
     count here, and never) and lanes' tiles inside its parallel region, as the layer-by-layer forward runs them per
     call: the same numbers, and the same whichever kernel the row count picks."""
-    if layout == "lanes" and not ops._has_vnni():
+    if layout == "lanes" and not ops.vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
-    monkeypatch.setattr(ops, "_LANES", layout == "lanes")
+    tune(monkeypatch, "" if layout == "lanes" else "lanes=off")
     model = load_model(str(family_path(tmp_path, "qwen2")), torch.float32, torch.device("cpu"), quantize=quantize)
     with kernel_switch("kettle_row_gemm_rows", row_panels):
         fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
@@ -149,7 +141,7 @@ def test_float32_weights_stored_dense_decode_fused(tmp_path, monkeypatch, varian
     """Float32 projections in the dense layout: the C step's tiles read them in place, while the layer-by-layer
     forward multiplies them with PyTorch's GEMM (another summation order), so the two agree to float32
     rounding rather than bit for bit."""
-    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    tune(monkeypatch, "cpu-linear=dense")
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"))
     assert model.cpu_decoder_step is not None
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
@@ -160,12 +152,11 @@ def test_the_step_applies_only_where_its_kernels_would_run(tmp_path, monkeypatch
     path = str(make_variant(tmp_path, "llama"))
     assert load_model(path, torch.float32, torch.device("cpu")).cpu_decoder_step is None  # oneDNN-packed float32
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
-    monkeypatch.setenv("KETTLE_CPU_DECODER_STEP", "0")
+    tune(monkeypatch, "decoder-step=off")
     assert model.cpu_decoder_step is None
-    monkeypatch.delenv("KETTLE_CPU_DECODER_STEP")
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)  # the exact float32-activation kernels instead
+    tune(monkeypatch, "quantized-activations=off")  # the exact float32-activation kernels instead
     assert decoder_step.DecoderStep.build(model) is None
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
+    tune(monkeypatch)
     fused = decoder_step.DecoderStep.build(model)
     cache = new_cache(model, 8)
     decode = AttentionMetadata.build([1, 1], [3, 5], [[1, 2], [3, 4]], BLOCK_SIZE, "cpu")
@@ -224,7 +215,7 @@ def test_every_family_decodes_through_the_fused_step(tmp_path, monkeypatch, fami
     soft-capped scores, parallel residuals, branch norms and routed experts against the layer-by-layer forward
     (PyTorch's LayerNorm, GELU and rotation), with float32 weights (stored dense) and int4 ones: float32
     rounding apart, and the same greedy tokens."""
-    monkeypatch.setenv("KETTLE_CPU_LINEAR", "dense")
+    tune(monkeypatch, "cpu-linear=dense")
     model = load_model(str(other_family(tmp_path, family)), torch.float32, torch.device("cpu"), quantize=quantize)
     assert model.cpu_decoder_step is not None, decoder_step.DecoderStep.why_not
     fused, reference = decode_logits(model, fused=True), decode_logits(model, fused=False)
@@ -253,7 +244,7 @@ def test_the_shard_logs_which_decode_path_serves(tiny_llama_path, caplog, quanti
     assert f"Decode steps run {path}" in caplog.text
 
 
-@pytest.mark.parametrize("invariant", ["1", "0"], ids=["invariant", "fast"])
+@pytest.mark.parametrize("invariant", ["on", "off"], ids=["invariant", "fast"])
 def test_fused_step_over_a_long_context_cut_into_pieces_equals_the_layer_by_layer_forward(
     tmp_path, monkeypatch, invariant
 ):
@@ -263,7 +254,7 @@ def test_fused_step_over_a_long_context_cut_into_pieces_equals_the_layer_by_laye
     forward's kernel: the same numbers."""
     from tests.fixtures import make_tiny_llama
 
-    monkeypatch.setenv("KETTLE_BATCH_INVARIANT", invariant)
+    tune(monkeypatch, f"batch-invariant={invariant}")
     path = str(make_tiny_llama(tmp_path, max_position_embeddings=1024))
     model = load_model(path, torch.float32, torch.device("cpu"), quantize="int4")
     assert model.cpu_decoder_step is not None

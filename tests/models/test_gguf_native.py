@@ -26,6 +26,7 @@ from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
+from tests.fixtures import add_tuning
 from tests.gguf_files import FROM_METADATA, dequantized_reference, tiny_model, write_gguf
 
 PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 95, 20]]
@@ -88,7 +89,7 @@ CASES = [
 @pytest.fixture(autouse=True)
 def exact_activations(monkeypatch):
     # The int4/int8 kernels' int16 activations (~1e-5 relative) are not what "exact mapping" measures.
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)
+    add_tuning(monkeypatch, quantized_activations=False)
 
 
 def kettle_logits(model) -> torch.Tensor:
@@ -154,7 +155,7 @@ def test_q6_k_layers_run_in_the_fused_decode_step(tmp_path, monkeypatch):
 
     if not ops.lanes():
         pytest.skip("Q6_K's kernel needs the lanes layout (AVX-512 VNNI)")
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
+    add_tuning(monkeypatch, quantized_activations=True)
     folder, reference = build(tmp_path, "llama", T.Q6_K)
     model = load_model(str(folder), torch.float32, torch.device("cpu"))
     assert model.cpu_decoder_step is not None, DecoderStep.why_not

@@ -1,7 +1,7 @@
 """Batch invariance of Kettle's CPU kernels (`KETTLE_TUNING`'s `batch-invariant`, on by default): a row computed among
 other rows has the bits it has alone, for every weight type the kernels take, at every row count a step may have (a
-decode step of 1..40 sequences, a prompt chunk of hundreds), through every path a row count picks (kernels.h
-`linear_channel_rows`, gemm.c's row panels, the lanes kernels and the integer panels on AVX-512 VNNI). The same checks
+decode step of 1..40 sequences, a prompt chunk of hundreds), through every path a row count picks (weight_types.c's
+`invariant_rows`, gemm.c's row panels, the lanes kernels and the integer panels on AVX-512 VNNI). The same checks
 with the switch off find rows that differ: the fast paths change a row's arithmetic with the row count, which is what
 the switch is for."""
 
@@ -15,8 +15,9 @@ from kettle.kernels import ops
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear, pack_q4
 from kettle.quantization.q8 import Q8Linear
-from tests.fixtures import kernel_switch, kernels_buildable, torch_threads, vector_width
-from tests.unit.test_cpu_kernels import QUANTIZED_ACTIVATION_RTOL, random_q4_k_blocks, random_q6_k_blocks, relative
+from tests.fixtures import add_tuning, kernel_switch, kernels_buildable, torch_threads, vector_width
+from tests.kernel_weights import random_q4_k_blocks, random_q6_k_blocks
+from tests.unit.test_cpu_kernels import QUANTIZED_ACTIVATION_RTOL, relative
 
 pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
 
@@ -49,15 +50,15 @@ def q8_0_layer(n: int, k: int) -> Q8Linear:
 @pytest.fixture(params=["rows", "lanes"])
 def layout(request, monkeypatch) -> str:
     """The rows layouts (every weight on an AVX2 CPU), and lanes where the CPU has AVX-512 VNNI."""
-    if request.param == "lanes" and not ops._has_vnni():
+    if request.param == "lanes" and not ops.vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
-    monkeypatch.setattr(ops, "_LANES", request.param == "lanes")
+    add_tuning(monkeypatch, lanes=request.param == "lanes")
     return request.param
 
 
 @pytest.fixture(params=["row channels", "row panels"])
 def row_panels(request):
-    """The rows layouts' two kernels for several rows at every count here: kernels.h's `linear_channel_rows` (below
+    """The rows layouts' two kernels for several rows at every count here: weight_types.c's `invariant_rows` (below
     `kettle_row_gemm_rows`, 256 by default) and gemm.c's row panels (forced from 1 row). Both must give one row's
     bits."""
     with kernel_switch("kettle_row_gemm_rows", 1 << 30 if request.param == "row channels" else 1):
@@ -116,9 +117,9 @@ def test_q6_k_rows_are_computed_as_alone():
 def prompt_gemm(request, monkeypatch):
     """Each prompt GEMM a CPU may run for the rows layouts: gemm.c's float32 panels with either micro-kernel (an
     AVX2 CPU's), its integer panels (AVX-512 VNNI)."""
-    if request.param == "integer panels" and not ops._has_vnni():
+    if request.param == "integer panels" and not ops.vnni():
         pytest.skip("the integer panels need AVX-512 VNNI")
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", request.param == "integer panels")
+    add_tuning(monkeypatch, integer_gemm=request.param == "integer panels")
     with vector_width("kettle_gemm_avx512", request.param == "float32 panels (AVX-512)"):
         yield
 
@@ -128,7 +129,7 @@ def test_prompt_rows_are_computed_as_alone_in_any_chunk_and_beside_decode_rows(m
     """Inside a model's layers (`ops.row_kinds`) a weight in rows runs prompt rows on the prompt GEMM, at any chunk
     size with a row's own bits (a prompt alone, 23 others beside it, a chunk of 1 token), and decode rows as one row
     alone, also when a step mixes both: each kind's rows keep their bits whatever the step holds."""
-    monkeypatch.setattr(ops, "_LANES", False)
+    add_tuning(monkeypatch, lanes=False)
     layer = {"int4": lambda: q4_layer(40, 768, 32, symmetric=False), "q8_0": lambda: q8_0_layer(40, 608)}.get(
         kind, lambda: Int8Linear.from_weight(torch.randn(40, 608) * 0.05, torch.randn(40))
     )()
@@ -171,9 +172,9 @@ def test_rows_are_computed_as_alone_whatever_the_thread_count():
 def test_without_the_switch_the_fast_paths_change_a_rows_bits(monkeypatch):
     """`KETTLE_TUNING=batch-invariant=off` keeps the row-count-dependent arithmetic (float32 tiles and panels in rows):
     the test above would fail there, so it can fail."""
-    monkeypatch.setattr(ops, "_LANES", False)
+    add_tuning(monkeypatch, lanes=False)
     layer = q4_layer(40, 576, 32, symmetric=False)
-    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
+    add_tuning(monkeypatch, batch_invariant=False)
     assert rows_that_differ(layer, 576) != []
 
 

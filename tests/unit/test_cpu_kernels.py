@@ -1,4 +1,5 @@
-"""Kettle's CPU kernels (kettle/kernels/cpu_kernels.c) against the PyTorch ops they replace."""
+"""Kettle's CPU kernels against the PyTorch ops they replace: the layouts' round trips and file values, attention,
+the row ops, the build. Every weight type's products on every path: tests/unit/test_weight_types.py."""
 
 from __future__ import annotations
 
@@ -8,28 +9,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kettle.kernels import build, ops
+from kettle.kernels import build, ops, structs
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.rotary import RotaryEmbedding
 from kettle.layers.sdpa_attention import SdpaBackend
-from kettle.quantization.int8 import quantize_int8
+from kettle.quantization.kernel_weight import KernelWeight
 from kettle.quantization.q4 import Q4Linear, pack_q4, unpack_q4
+from kettle.quantization.q8 import Q8Linear
 from tests.fixtures import kernels_buildable, torch_threads, vector_width
+from tests.kernel_weights import lanes_here, random_q4_k_blocks, random_q6_k_blocks, with_lanes
 
 CAN_BUILD = kernels_buildable()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
 # int16 activations (per block of 32, absmax scaling): measured ≤ 6e-5 of the largest output on random data.
 QUANTIZED_ACTIVATION_RTOL = 2e-4
-
-
-@pytest.fixture(autouse=True)
-def fast_paths():
-    """These tests reach each kernel path by its row-count thresholds (ops.py), which only pick paths with batch
-    invariance off; tests/unit/test_batch_invariance.py holds the invariant paths to one row's bits. (Its own
-    patch, of the switch's reader: a test's `monkeypatch.undo()`, which puts back the cached settings, keeps it.)"""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "batch_invariant", lambda: False)  # as KETTLE_BATCH_INVARIANT=0 reads
-        yield
 
 
 def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -39,12 +32,12 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 def test_the_kernels_build_here_and_switch_off(monkeypatch):
     build.library.cache_clear()
     assert ops.available()
-    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    monkeypatch.setenv("KETTLE_TUNING", build.OFF_SWITCH)
     build.library.cache_clear()
     try:
         assert not ops.available()
     finally:
-        monkeypatch.delenv(build.ENV_SWITCH)
+        monkeypatch.delenv("KETTLE_TUNING")
         build.library.cache_clear()
 
 
@@ -53,35 +46,11 @@ def test_q4_packing_round_trips():
     assert torch.equal(unpack_q4(pack_q4(q)), q)
 
 
-@pytest.fixture(params=["rows", "lanes"])
-def q4_layout(request, monkeypatch) -> str:
-    """Both int4 layouts: in rows, and in lanes where the CPU has AVX-512 VNNI (weights with a multiple of 16
-    channels; others stay in rows either way)."""
-    if request.param == "lanes" and not ops._has_vnni():
-        pytest.skip("the lanes layout needs AVX-512 VNNI")
-    monkeypatch.setattr(ops, "_LANES", request.param == "lanes")
-    return request.param
-
-
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 17])
-def test_q4_linear_is_its_dequantized_weight(monkeypatch, q4_layout, group_size, rows):
-    torch.manual_seed(rows)
-    weight, bias, x = torch.randn(80, 256) * 0.05, torch.randn(80), torch.randn(rows, 256)
-    layer = Q4Linear.from_weight(weight, bias, group_size)
-    assert layer.lanes == (q4_layout == "lanes")
-    expected = F.linear(x, layer.dequantized(), bias)
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)
-    assert relative(layer(x), expected) < 1e-5
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
-    assert relative(layer(x), expected) < QUANTIZED_ACTIVATION_RTOL
-    monkeypatch.setattr(ops, "Q4_FLOAT_ROWS", 1)  # the float32 tiles: 80 channels, not a multiple of 3
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # (17 rows: the float32 panels, not the integer ones)
-    # Lanes keep quantized rows below the panels at any row count: no float32 tiles for them there.
-    exact = not layer.lanes or rows >= ops.panel_rows(lanes=True)
-    assert relative(layer(x), expected) < (1e-5 if exact else QUANTIZED_ACTIVATION_RTOL)
-    # The dequantized weight is the quantization of the original: within half a step of every group.
-    assert relative(layer.dequantized(), weight) < 0.2
+def test_a_quantized_weight_is_the_quantization_of_the_original():
+    """`--quantize int4`: the dequantized weight lies within half a step of every group of the float weight."""
+    weight = torch.randn(80, 256) * 0.05
+    for group_size in (32, 64, 128):
+        assert relative(Q4Linear.from_weight(weight, None, group_size).dequantized(), weight) < 0.2
 
 
 def symmetric_pair(n: int = 40, k: int = 576) -> tuple[Q4Linear, Q4Linear]:
@@ -101,12 +70,9 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
     assert symmetric.mins is None and stored.mins is not None
     x = torch.randn(rows, 576)
     assert torch.equal(symmetric.dequantized(), stored.dequantized())
-    paths = [{}, {"QUANTIZED_ACTIVATIONS": False}, {"Q4_FLOAT_ROWS": 1}, {"Q4_FLOAT_ROWS": 1, "_INTEGER_GEMM": False}]
-    for switches in paths:  # one-row channels or tiles; float32 rows; float32 tiles; integer or float32 panels
-        with monkeypatch.context() as patch:
-            for name, value in switches.items():
-                patch.setattr(ops, name, value)
-            assert torch.equal(symmetric(x), stored(x)), switches
+    for path in structs.PATHS:  # every path the weight's type has
+        if path != "int_gemm" or ops.integer_gemm():
+            assert torch.equal(ops.linear_on(x, symmetric.describe(), path), ops.linear_on(x, stored.describe(), path))
     for avx512 in (False, True):  # the one-row channels at both widths
         with vector_width("kettle_channel_avx512", avx512):
             assert torch.equal(symmetric(x[:1]), stored(x[:1]))
@@ -114,76 +80,61 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
     assert torch.equal(symmetric.dequantized(), stored.dequantized())
 
 
-def assert_lanes_products(lanes: torch.nn.Module, rows: torch.nn.Module, float_rows: int) -> None:
-    """A weight in lanes against the same weight in rows, at decode and prompt row counts: the panels' outputs
-    exactly (prompt chunks: the same widened weights); below them within the int16 activations' bound of the dense
-    products, and within float rounding of the rows layout's where that multiplies int16 rows too (not its float32
-    tiles, from `float_rows` rows, or its float32 panels)."""
+def assert_lanes_products(lanes: KernelWeight, rows: KernelWeight) -> None:
+    """A weight in lanes against the same weight in rows, at decode and prompt row counts (batch invariance off,
+    each on its fastest path): where both take the integer panels, the same outputs (the same widened weights);
+    elsewhere within the int16 activations' bound of the dense products, and within float rounding of the rows
+    layout's where that multiplies int16 rows too."""
     k = lanes.in_features
     dense = rows.dequantized()
     for count in (1, 2, 3, 4, 5, 8, 9, 16, 40, 130):
         x = torch.randn(count, k)
         got, want = lanes(x), rows(x)
-        if count >= ops.panel_rows(lanes=True):
+        paths = ops.path(lanes.describe(), count), ops.path(rows.describe(), count)
+        if paths == ("int_gemm", "int_gemm"):
             assert torch.equal(got, want), count
             continue
         assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
-        if count < min(float_rows, ops.panel_rows()) or (ops.integer_gemm() and count >= ops.panel_rows()):
+        if paths[1] in ("quantized", "int_gemm"):
             assert relative(got, want) < 1e-6, count
 
 
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
 def test_the_lanes_layout_holds_the_rows_weight_and_computes_its_products(monkeypatch, symmetric, group):
-    """A weight in lanes (kernels.h's Q4L; GGUF's groups of 32, `--quantize int4`'s 128) is the rows layout's,
-    moved: the same dequantized values and table rows,
-    the layout round-trips, and every path's outputs match the rows layout's: the lanes kernel (1-9 rows, one to
-    three passes of 4, and decode batches up to `LANES_GEMM_ROWS`) within float rounding of the same integer
-    products (where the rows layout multiplies int16 rows too), the panels (prompt chunks) exactly."""
-    if not ops._has_vnni():
+    """A weight in lanes (GGUF's groups of 32, `--quantize int4`'s 128) is the rows layout's, moved: the same
+    dequantized values and table rows, the layout round-trips, and every path's outputs match the rows layout's."""
+    if not lanes_here():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
     from kettle.quantization import q4
 
+    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
     torch.manual_seed(3)
     n, k = 96, 512
     packed = pack_q4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
     scales = torch.rand(n, k // group) * 0.02 + 1e-3
     mins = -8 * scales if symmetric else -torch.rand(n, k // group) * 0.1
     lanes = Q4Linear.from_groups(packed, scales, mins, group, torch.randn(n))
-    monkeypatch.setattr(ops, "_LANES", False)
-    rows = Q4Linear.from_groups(packed, scales, mins, group, lanes.bias.data)
+    rows = with_lanes(False, lambda: Q4Linear.from_groups(packed, scales, mins, group, lanes.bias.data))
     assert lanes.lanes and not rows.lanes and (lanes.mins is None) == symmetric
     back = q4.from_lanes(lanes.packed, lanes.scales, lanes.mins)
     assert all(a is b or torch.equal(a, b) for a, b in zip(back, (rows.packed, rows.scales, rows.mins), strict=True))
     assert torch.equal(lanes.dequantized(), rows.dequantized())
     ids = torch.tensor([0, 95, 17, 16, 15])
     assert torch.equal(lanes.embed(ids), rows.embed(ids))
-    monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path reads lanes too
-    assert torch.equal(lanes.dequantized(), rows.dequantized())
-    monkeypatch.undo()
-    assert_lanes_products(lanes, rows, ops.Q4_FLOAT_ROWS)
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "available", lambda: False)  # the tensor-op path reads lanes too
+        assert torch.equal(lanes.dequantized(), rows.dequantized())
+    assert_lanes_products(lanes, rows)
 
 
-def random_q4_k_blocks(n: int, k: int, seed: int):
-    """Q4_K blocks [n, k/256 · 144 bytes] with random nibbles and 6-bit scales, and a d and dmin of its own for
-    each super-block (so a super-block read for the wrong one shows)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    for at, top in ((0, 2e-3), (2, 3e-3)):  # d, dmin
-        blocks[..., at : at + 2] = (rng.random((n, k // 256, 1)) * top + 1e-4).astype(np.float16).view(np.uint8)
-    return blocks.reshape(n, -1)
-
-
-def test_a_q4_k_weight_in_lanes_keeps_the_files_scales_and_computes_its_products(monkeypatch):
+def test_a_q4_k_weight_in_lanes_keeps_the_files_scales(monkeypatch):
     """GGUF's Q4_K in lanes keeps its 6-bit scales as bytes with each super-block's d and dmin (148 bytes a channel's
-    256 weights, not the 160 of float16 scale products): its dequantized values are gguf's own, bit for bit (the
-    kernels and the tensor-op path), table rows too, and every path's products (lanes kernel, panels) lie within
-    the int16 activations' bound of the dense ones. Where the weight is not in lanes it takes the float16 products,
-    as before."""
-    if not ops.lanes():
-        pytest.skip("the lanes layout needs AVX-512 VNNI (and KETTLE_CPU_LANES on)")
+    256 weights, not the 160 of float16 scale products): its dequantized values are gguf's own, bit for bit, on the
+    kernels and on the tensor-op path (tests/unit/test_weight_types.py multiplies it on every path). Where the weight
+    is not in lanes it takes the float16 products, as before."""
+    if not lanes_here():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
@@ -199,39 +150,21 @@ def test_a_q4_k_weight_in_lanes_keeps_the_files_scales_and_computes_its_products
     assert layer.lanes and layer.supers is not None
     assert sum(t.numel() * t.element_size() for t in (*layer.tables(), layer.supers)) == n * k // 256 * 148
     assert torch.equal(layer.dequantized(), files)
-    ids = torch.tensor([0, 95, 17, 16, 15])
-    assert torch.equal(layer.embed(ids), files[ids])
-    monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path reads the same scales
-    assert torch.equal(layer.dequantized(), files)
-    monkeypatch.undo()
-    for count in (1, 2, 5, 8, 9, 40, 130):
-        x = torch.randn(count, k)
-        assert relative(layer(x), F.linear(x, files, layer.bias)) < QUANTIZED_ACTIVATION_RTOL, count
-    monkeypatch.setattr(ops, "_LANES", False)
-    rows = int4_linear(groups, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "available", lambda: False)  # the tensor-op path reads the same scales
+        assert torch.equal(layer.dequantized(), files)
+    rows = with_lanes(False, lambda: int4_linear(groups, None))
     assert rows.supers is None and rows.scales.dtype == torch.float16
     products = Q4Linear.from_groups(groups.values, groups.scales, groups.mins, 32)
     assert torch.equal(rows.dequantized(), products.dequantized())
 
 
-def random_q6_k_blocks(n: int, k: int, seed: int):
-    """Q6_K blocks [n, k/256 · 210 bytes]: random low and high bits and int8 scales, a d of its own per super-block."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    blocks[..., 208:210] = (rng.random((n, k // 256, 1)) * 2e-4 + 1e-5).astype(np.float16).view(np.uint8)
-    return blocks.reshape(n, -1)
-
-
-def test_a_q6_k_weight_in_lanes_holds_the_files_values_and_computes_their_products():
-    """GGUF's Q6_K in lanes (kernels.h's Q6L): the file's 210 bytes per 256 weights become 6.56 bits a weight as
-    stored (384 bytes a block of 32 for 16 channels, the scale tables beside), its dequantized values are gguf's
-    own bit for bit, in the file's row order where the loader reorders rows, a fused projection's parts stack, and
-    every path's products (lanes kernel, the integer panels with a scale per 16 inputs) lie within the int16
-    activations' bound of the dense ones."""
-    if not ops.lanes():
-        pytest.skip("the lanes layout needs AVX-512 VNNI (and KETTLE_CPU_LANES on)")
+def test_a_q6_k_weight_in_lanes_holds_the_files_values_in_its_row_order():
+    """GGUF's Q6_K in lanes: the file's 210 bytes per 256 weights stay 6.56 bits a weight as stored (384 bytes a
+    block of 32 for 16 channels, the scale tables beside), its dequantized values gguf's own bit for bit, in the file's
+    row order where the loader reorders rows, a fused projection's parts stacked."""
+    if not lanes_here():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
@@ -247,34 +180,31 @@ def test_a_q6_k_weight_in_lanes_holds_the_files_values_and_computes_their_produc
     dense = torch.cat([files[0][order], files[1]])
     assert sum(t.numel() * t.element_size() for t in fused.buffers()) == 2 * n * k * 210 // 256
     assert torch.equal(fused.dequantized(), dense)
-    for count in (1, 2, 5, 8, 9, 40, 130, 300):
-        x = torch.randn(count, k)
-        assert relative(fused(x), F.linear(x, dense, fused.bias)) < QUANTIZED_ACTIVATION_RTOL, count
+    x = torch.randn(5, k)
+    assert relative(fused(x), F.linear(x, dense, fused.bias)) < QUANTIZED_ACTIVATION_RTOL
 
 
 def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):
-    """GGUF's Q8_0 in lanes (kernels.h's Q8L): the same dequantized values, table rows and fused parts as in rows,
-    the layout round-trips, and every path's outputs match: the lanes kernel (below `LANES_GEMM_ROWS` rows) within
-    float rounding of the same integer products, the panels exactly."""
-    if not ops._has_vnni():
+    """GGUF's Q8_0 in lanes: the same dequantized values, table rows and fused parts as in rows, the layout
+    round-trips, and every path's outputs match the rows layout's."""
+    if not lanes_here():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
     from kettle.quantization import q8
     from kettle.quantization.q8 import Q8Linear
 
+    monkeypatch.setenv("KETTLE_TUNING", "batch-invariant=off")
     torch.manual_seed(4)
     n, k = 96, 576
     q, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
     lanes = Q8Linear(q, scales, torch.randn(n))
-    monkeypatch.setattr(ops, "_LANES", False)
-    rows = Q8Linear(q, scales, lanes.bias.data)
+    rows = with_lanes(False, lambda: Q8Linear(q, scales, lanes.bias.data))
     assert lanes.lanes and not rows.lanes
     assert all(torch.equal(a, b) for a, b in zip(q8.from_lanes(lanes.q, lanes.scales), (q, scales), strict=True))
     assert torch.equal(lanes.dequantized(), rows.dequantized())
     assert torch.equal(Q8Linear.concat([lanes, lanes], None).dequantized(), torch.cat([rows.dequantized()] * 2))
     ids = torch.tensor([0, 95, 17, 16, 15])
     assert torch.equal(lanes.embed(ids), rows.embed(ids))
-    monkeypatch.undo()
-    assert_lanes_products(lanes, rows, ops.Q8_FLOAT_ROWS)
+    assert_lanes_products(lanes, rows)
 
 
 def test_an_asymmetric_q4_weight_keeps_its_minimums():
@@ -282,20 +212,6 @@ def test_an_asymmetric_q4_weight_keeps_its_minimums():
     scales = torch.full((8, 2), 0.01)
     layer = Q4Linear.from_groups(pack_q4(q), scales, -7.5 * scales, 32)
     assert layer.mins is not None and torch.equal(layer.mins, (-7.5 * scales).half())
-
-
-@pytest.mark.parametrize("rows", [1, 4, 6])
-def test_q8_linear_is_its_dequantized_weight(monkeypatch, rows):
-    torch.manual_seed(rows)
-    q, scale = quantize_int8(torch.randn(64, 96))
-    x, bias = torch.randn(rows, 96), torch.randn(64)
-    expected = F.linear(x, q.float() * scale[:, None], bias)
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", False)
-    assert relative(ops.q8_linear(x, q, scale, bias), expected) < 1e-5
-    monkeypatch.setattr(ops, "QUANTIZED_ACTIVATIONS", True)
-    assert relative(ops.q8_linear(x, q, scale, bias), expected) < QUANTIZED_ACTIVATION_RTOL
-    monkeypatch.setattr(ops, "Q8_FLOAT_ROWS", 1)  # the float32 tiles
-    assert relative(ops.q8_linear(x, q, scale, bias), expected) < 1e-5
 
 
 # Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one. Contexts of 600
@@ -361,7 +277,7 @@ def test_rope_reads_a_view_of_the_fused_qkv_output():
     assert relative(RotaryEmbedding.apply(x, cos, sin), expected) < 1e-6
 
 
-def test_q4_dequantize_matches_the_unpacked_weight(monkeypatch):
+def test_q4_dequantize_matches_the_tensor_op_path(monkeypatch):
     layer = Q4Linear.from_weight(torch.randn(40, 192) * 0.05, group_size=64)
     fast = layer.dequantized()
     monkeypatch.setattr(ops, "available", lambda: False)  # the tensor-op path
@@ -441,7 +357,7 @@ def test_kernels_built_at_install_serve_a_first_start_with_an_empty_cache(tmp_pa
     assert build.built_folder() == folder
     assert (tmp_path / "calls").read_text().count(" -o ") == compiles  # nothing compiled for the server
     assert not (tmp_path / "cache" / "kernels").exists()
-    monkeypatch.setenv("KETTLE_INSTALLED_KERNELS", "0")
+    monkeypatch.setenv("KETTLE_TUNING", "installed-kernels=off")
     assert build.built_folder() == tmp_path / "cache" / "kernels" / folder.name
 
 
@@ -459,9 +375,10 @@ def test_table_rows_are_the_dequantized_weights_rows(symmetric):
     torch.testing.assert_close(table.embed(ids), table.dequantized()[ids], atol=0, rtol=0)
     q, q_scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01).half()
     dense = (q.float().view(n, -1, 32) * q_scales.float()[..., None]).view(n, k)
-    torch.testing.assert_close(ops.q8g_rows(q, q_scales, ids), dense[ids.reshape(-1)], atol=0, rtol=0)
+    q8_table = Q8Linear(q, q_scales)
+    torch.testing.assert_close(q8_table.embed(ids), dense[ids], atol=0, rtol=0)
     for bad in (torch.tensor([n]), torch.tensor([-1])):
         with pytest.raises(IndexError, match=r"token ids must be in \[0, 40\)"):
             table.embed(bad)
         with pytest.raises(IndexError):
-            ops.q8g_rows(q, q_scales, bad)
+            q8_table.embed(bad)

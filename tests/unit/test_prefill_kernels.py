@@ -17,13 +17,14 @@ pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F1
 AVX512 = "avx512f" in build._cpu_flags()
 
 
+FAST = "batch-invariant=off"
+
+
 @pytest.fixture(autouse=True)
-def fast_paths():
-    """These tests pick the panels by their row-count thresholds (ops.py), which only choose with batch invariance
+def fast_paths(monkeypatch):
+    """These tests pick the panels by their row-count thresholds (linear.c), which only choose with batch invariance
     off (tests/unit/test_batch_invariance.py holds the invariant paths)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "batch_invariant", lambda: False)  # as KETTLE_BATCH_INVARIANT=0 reads
-        yield
+    monkeypatch.setenv("KETTLE_TUNING", FAST)
 
 
 def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -31,10 +32,10 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.fixture(params=["avx2", "avx512"])
-def micro_kernel(request):
-    """Runs a test with each GEMM micro-kernel this CPU has."""
-    with vector_width("kettle_gemm_avx512", request.param == "avx512"), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "_INTEGER_GEMM", False)  # the float32 panels, not the integer ones (AVX-512 VNNI)
+def micro_kernel(request, monkeypatch):
+    """Runs a test with each GEMM micro-kernel this CPU has (the float32 panels, not the integer ones)."""
+    monkeypatch.setenv("KETTLE_TUNING", f"{FAST},integer-gemm=off")
+    with vector_width("kettle_gemm_avx512", request.param == "avx512"):
         yield request.param
 
 
@@ -52,7 +53,7 @@ def test_q4_gemm_is_its_dequantized_weight(micro_kernel, rows, out_features, gro
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(out_features, 192) * 0.05, torch.randn(out_features), torch.randn(rows, 192)
     layer = Q4Linear.from_weight(weight, bias, group_size)
-    assert rows >= ops.GEMM_ROWS
+    assert ops.path(layer.describe(), rows) == "gemm"
     assert relative(layer(x), F.linear(x, layer.dequantized(), bias)) < 1e-5
 
 
@@ -65,14 +66,14 @@ def test_q8_gemm_is_its_dequantized_weight(micro_kernel, rows):
 
 
 def test_gemm_rows_switch_keeps_the_float32_tiles(monkeypatch):
-    """`KETTLE_CPU_GEMM_ROWS=0` (never the GEMM) gives the same products through the float32 tiles (in rows: a
+    """`KETTLE_TUNING=gemm-rows=0` (never the GEMM) gives the same products through the float32 tiles (in rows: a
     weight in lanes keeps its quantized rows below the panels)."""
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)
-    monkeypatch.setattr(ops, "_LANES", False)
+    monkeypatch.setenv("KETTLE_TUNING", f"{FAST},integer-gemm=off,lanes=off")
     layer = Q4Linear.from_weight(torch.randn(64, 128) * 0.05, group_size=32)
     x = torch.randn(150, 128)
     fast = layer(x)
-    monkeypatch.setattr(ops, "GEMM_ROWS", 1 << 62)
+    monkeypatch.setenv("KETTLE_TUNING", f"{FAST},integer-gemm=off,lanes=off,gemm-rows=0")
+    assert ops.path(layer.describe(), 150) == "tiles"
     assert relative(fast, layer(x)) < 1e-5
 
 
@@ -93,19 +94,20 @@ LAYERS = {
 @pytest.mark.parametrize("rows", [10, 16, 23, 40])
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_integer_panels_are_the_int16_rows_of_one_row_decode(monkeypatch, kind, rows):
-    """The integer panels (prompt chunks and decode steps from `ops.panel_rows()` rows) quantize each row to int16
-    as one row of decode does (`linear_channel_qa`) and sum the same integer block products with the same scales:
+    """The integer panels (prompt chunks and decode steps from 10 rows) quantize each row to int16 as one row of
+    decode does (the table's `quantized_rows`) and sum the same integer block products with the same scales:
     row by row through the one-row path gives the same outputs, float32 rounding apart. 100 output channels end in
     a short group of channels; 10 rows fill part of one group of 16 lanes, 23 and 40 rows end in a group of 8 rows
     or fewer (the 8-lane micro-kernel)."""
     torch.manual_seed(rows)
     layer = LAYERS[kind](100, 192)
     x = torch.randn(rows, 192) * torch.linspace(0.1, 4.0, 192)  # uneven channels, as activations have
-    assert rows >= ops.panel_rows()
+    assert ops.path(layer.describe(), rows) == "int_gemm"
     one_row = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     assert relative(layer(x), one_row) < 2e-6
-    monkeypatch.setattr(ops, "_INTEGER_GEMM", False)  # the float32 panels, exact to the dequantized weight
-    monkeypatch.setattr(ops, "GEMM_ROWS", min(ops.GEMM_ROWS, rows))  # (which start at 16 rows by default)
+    # the float32 panels, exact to the dequantized weight (which start at 16 rows by default)
+    monkeypatch.setenv("KETTLE_TUNING", f"{FAST},integer-gemm=off,gemm-rows={min(16, rows)}")
+    assert ops.path(layer.describe(), rows) == "gemm"
     assert 1e-6 < relative(layer(x), one_row) < 1e-4
 
 
@@ -130,9 +132,9 @@ def test_integer_panels_eight_lane_groups_are_the_sixteen_lane_sums(kind):
 )
 @pytest.mark.parametrize("avx512", [False, True], ids=["avx2", "avx512"])
 def test_one_row_channels_are_the_tiles_sums(kind, k, avx512):
-    """One row of decode runs `q4_channel_one` / `q8g_channel_one` (scales combined before the loop, the minimums'
-    term in the same vector; in 256- or 512-bit vectors): the same integer block products and scales as the tiles'
-    kernel, summed in another order, so equal to float32 rounding; and both within the int16 activations' bound
+    """One row of decode runs kernels.h's `q4_channel_one` / `q8g_channel_one` (scales combined before the loop, the
+    minimums' term in the same vector; in 256- or 512-bit vectors): the same integer block products and scales as the
+    tiles' kernel, summed in another order, so equal to float32 rounding; and both within the int16 activations' bound
     of the dequantized weight."""
     if avx512 and not {"avx512bw", "avx512_vnni"} <= build._cpu_flags():
         pytest.skip("no AVX-512 VNNI here")

@@ -1,0 +1,188 @@
+/* The one matmul driver: y = x Wᵀ (+ bias) for every weight type (weight_types.c's table), on the path
+ * `choose_path` picks for the row count, the CPU and the tuning. The op-at-a-time entry (`kettle_linear`) and the
+ * fused decode step (decoder_step.c) both run a projection through `team_linear`, so a row computes the same bits
+ * on either, and the rules that pick a path are written once, here; kettle/kernels/ops.py asks `kettle_path` which
+ * path a call takes (for /info and the tests) instead of deciding it.
+ */
+#include <omp.h>
+
+#include "kernels.h"
+
+#define NEVER ((int64_t)1 << 62)
+/* From this many rows the panels beat the float32 tiles: at 16 rows the float32 panels beat them on the bundled
+ * model's shapes (down_proj 133 vs 170 us, the whole fused step 1.10x; equal at 8 rows). */
+#define GEMM_ROWS 16
+/* The integer panels pay for their 16 lanes from fewer rows: a group of 10-15 rows padded to 16 costs what 16 do,
+ * less than the few-row paths' passes (bundled model, Zen 4, 2 threads, the fused step at 12 and 14 sequences:
+ * 30.3 / 36.8-38.2 ms on the float32 tiles, 24.0 / 24.1-25.0 ms on the panels). */
+#define INTEGER_ROWS 10
+/* A weight in lanes keeps its own kernel up to here: the panels widen every weight again per call, which a batch of
+ * decode rows does not amortize (bundled model's layers op by op, 2 threads: 16 rows 2.8 against 4.3 ms on the
+ * panels, 64 rows 7.2 against 10.0, even at 128 and 256, 512 rows 81 against 72). */
+#define LANES_GEMM_ROWS 128
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Whether the panels are the integer ones: switched on, over int16 rows, on a CPU with AVX-512 VNNI. */
+static int integer_panels(const Tuning *t) {
+    return t->integer_gemm && t->quantized_activations && kettle_cpu_vnni512;
+}
+
+/* Rows from which the panels run (for a weight in lanes not before LANES_GEMM_ROWS). */
+static int64_t panel_rows(const Tuning *t, int lanes) {
+    const int64_t gemm = t->gemm_rows < 0 ? GEMM_ROWS : t->gemm_rows ? t->gemm_rows : NEVER;
+    const int64_t rows = integer_panels(t) ? min64(gemm, t->gemm_rows < 0 ? INTEGER_ROWS : gemm) : gemm;
+    return lanes && rows < LANES_GEMM_ROWS ? LANES_GEMM_ROWS : rows;
+}
+
+/* Rows from which the float32 tiles replace int16 rows for a weight in the rows layouts. */
+static int64_t float_rows(const Tuning *t, const WeightType *type) {
+    const int64_t rows = t->float_rows < 0 ? type->float_rows : t->float_rows;
+    return rows ? rows : NEVER;
+}
+
+/* The panels for `rows` rows: the integer ones where they run and the rows are whole blocks, else the float32 ones. */
+static int panels_path(const Linear *w, const Tuning *t) {
+    return integer_panels(t) && w->k % 32 == 0 ? PATH_INT_GEMM : PATH_GEMM;
+}
+
+/* Under batch invariance every row keeps one arithmetic whatever the row count, so the choice is between kernels of
+ * the same bits: a weight in lanes between its lanes kernel and the integer panels (both add a row's block sums in
+ * one order), a rows layout's decode rows each as alone, its prompt rows the prompt GEMM (whose sums for a row do not
+ * depend on how many rows a chunk has). Without it, each row count takes its fastest kernel. */
+int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
+    const WeightType *type = type_of(w);
+    const int int16 = t->quantized_activations && w->k % 32 == 0; /* whole blocks of int16 rows */
+    const int float32 = type->plain ? PATH_PLAIN : PATH_TILES;    /* float32 rows below the tiles */
+    if (!type->quantized) return PATH_TILES;
+    if (t->invariant) {
+        if (!int16) return type->lanes ? PATH_TILES : float32;
+        if (type->lanes) return rows >= panel_rows(t, 1) ? PATH_INT_GEMM : PATH_QUANTIZED;
+        return prompt ? panels_path(w, t) : PATH_INVARIANT;
+    }
+    const int64_t panels = panel_rows(t, type->lanes);
+    /* Lanes share each weight vector among 8 rows a pass for 16 channels at once: below the panels they beat
+     * dequantizing every weight to float32 at any row count (the bundled model's fused step at 8 rows: 15 against
+     * 25-35 ms in rows). */
+    const int64_t several = type->lanes ? (t->quantized_activations ? panels : 0) : min64(float_rows(t, type), panels);
+    if (rows >= several) return rows >= panels ? panels_path(w, t) : PATH_TILES;
+    return int16 ? PATH_QUANTIZED : float32;
+}
+
+int64_t path_buffer_floats(const Linear *w, int path, int64_t rows) {
+    int64_t floats = 0;
+    if (path == PATH_TILES) floats = TILE_CHANNELS * w->k;
+    if (path == PATH_GEMM || path == PATH_INT_GEMM) floats = gemm_buffer_floats(w->k);
+    if (path == PATH_INVARIANT && rows >= kettle_row_gemm_rows) floats = row_panel_floats(w->k);
+    return (floats + 15) / 16 * 16;
+}
+
+/* This thread's share [j0, j1) of w's output channels, in units of 16 for a weight in lanes, as `schedule(static)`
+ * splits a loop: one call of the type's kernel per thread and projection. */
+static void my_channels(const Linear *w, int64_t *j0, int64_t *j1) {
+    const int64_t unit = type_of(w)->lanes ? 16 : 1, units = (w->n + unit - 1) / unit;
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    *j0 = units * me / team * unit;
+    *j1 = min64(w->n, units * (me + 1) / team * unit);
+}
+
+void team_linear(const Linear *w, int path, const float *x, int64_t ldx, const QuantizedRows *xq, int64_t rows,
+                 float *y, int64_t ldy, float *buffer) {
+    const WeightType *type = type_of(w);
+    int64_t j0, j1;
+    my_channels(w, &j0, &j1);
+    switch (path) {
+    case PATH_PLAIN:
+        type->plain(w, x, ldx, rows, j0, j1, y, ldy);
+        break;
+    case PATH_TILES:
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (w->n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
+            linear_channels_f32(w, p, x, ldx, rows, y, ldy, buffer);
+        return; /* the loop's barrier */
+    case PATH_QUANTIZED:
+        type->quantized_rows(w, xq, rows, j0, j1, y, ldy);
+        break;
+    case PATH_INVARIANT:
+        if (rows >= kettle_row_gemm_rows) {
+            gemm_row_panels(w, xq, rows, y, ldy, buffer);
+            return;
+        }
+        type->invariant_rows(w, xq, rows, j0, j1, y, ldy);
+        break;
+    case PATH_GEMM:
+        gemm_panels(w, x, ldx, rows, y, ldy, buffer);
+        return;
+    default: /* PATH_INT_GEMM */
+        lay_out_lanes(xq, rows, w->k, w->group);
+        gemm_panels_int(w, xq, rows, y, ldy, buffer);
+        return;
+    }
+#pragma omp barrier
+}
+
+/* Whether `w` has the kernels of `path` (a path the chooser would not pick can still be asked for: the tests' matrix
+ * runs every type on every path it has). */
+static int path_runs(const Linear *w, int path) {
+    const WeightType *type = type_of(w);
+    switch (path) {
+    case PATH_PLAIN: return type->plain != NULL;
+    case PATH_TILES: case PATH_GEMM: return 1;
+    case PATH_QUANTIZED: return type->quantized_rows != NULL && w->k % 32 == 0;
+    case PATH_INVARIANT: return type->invariant_rows != NULL && w->k % 32 == 0;
+    case PATH_INT_GEMM: return type->widen != NULL && w->k % 32 == 0 && kettle_cpu_vnni512;
+    default: return 0;
+    }
+}
+
+/* Room for `rows` int16 rows of K = w->k as `path` reads them (lanes for the integer panels, the sums per 16 inputs
+ * for a type with sub-blocks); -1 when out of memory. */
+static int alloc_input(const Linear *w, int path, int64_t rows, QuantizedRows *xq) {
+    if (alloc_rows(rows, w->k, xq)) return -1;
+    if (path == PATH_INT_GEMM && alloc_lanes(rows, w->k, xq)) return -1;
+    return type_of(w)->sub_blocks ? alloc_halves(rows, w->k, xq) : 0;
+}
+
+/* y [rows, N] = x [rows, K] · Wᵀ (+ bias) for any weight type (rows ldx and ldy floats apart), on `path` (PATH_*) or
+ * on the chooser's pick for decode rows (PATH_DECODE_ROWS) or prompt rows (PATH_PROMPT_ROWS) under `tuning`. -1 when
+ * out of memory (nothing written). */
+int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
+                  const Tuning *tuning, int threads) {
+    if (path < 0) path = choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning);
+    if (!path_runs(w, path)) return -2;
+    const int int16 = reads_int16(path);
+    const int64_t per_thread = path_buffer_floats(w, path, rows);
+    QuantizedRows xq = {NULL, NULL, NULL, NULL, NULL};
+    float *buffers = per_thread ? aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread)) : NULL;
+    if ((per_thread && !buffers) || (int16 && alloc_input(w, path, rows, &xq))) return free(buffers), free_rows(&xq), -1;
+#pragma omp parallel num_threads(threads)
+    {
+        if (int16) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
+        }
+        team_linear(w, path, x, ldx, &xq, rows, y, ldy, buffers ? buffers + omp_get_thread_num() * per_thread : NULL);
+    }
+    free(buffers);
+    free_rows(&xq);
+    return 0;
+}
+
+/* The path `kettle_linear` takes for `rows` rows (prompt rows when `prompt`) under `tuning`. */
+int kettle_path(const Linear *w, int64_t rows, int prompt, const Tuning *tuning) {
+    return choose_path(w, rows, prompt, tuning);
+}
+
+/* Rows `ids` [count] of W (every row when ids is NULL) as float32 [count, K], with a per-channel scale applied: an
+ * embedding table's lookup, or the whole weight (the dense GEMM of large prefills, the tests' reference). */
+void kettle_dequantize(const Linear *w, const int64_t *ids, int64_t count, float *out, int threads) {
+    const WeightType *type = type_of(w);
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t j = ids ? ids[i] : i;
+        float *dst = out + i * w->k;
+        type->dequantize(w, j, dst);
+        if (type->channel_scale)
+            for (int64_t c = 0; c < w->k; c++) dst[c] *= ((const float *)w->scales)[j];
+    }
+}

@@ -1,0 +1,46 @@
+"""The base of the projections Kettle's CPU kernels multiply: each describes its weight to C once per call as one of
+kernels.h's weight types (`describe`), and the kernels do the rest for every type alike (kettle/kernels/linear.c
+picks the path, weight_types.c holds what differs between types).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kettle.kernels import ops
+from kettle.kernels.structs import Linear
+
+
+def pointer(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's address for a C description (None: NULL)."""
+    return None if tensor is None else tensor.data_ptr()
+
+
+class KernelWeight(nn.Module):
+    """A projection y = x Wᵀ (+ b) whose weight the CPU kernels read in place: subclasses hold the tensors in their
+    type's layout and say where they are (`describe`); the forward, the dense weight and an embedding lookup are the
+    same calls for every type."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def describe(self) -> Linear:
+        """The weight as kernels.h's `Linear` (its type, group, shape and tensor addresses)."""
+        raise NotImplementedError
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x Wᵀ (+ b) on the kernels, any leading shape, in x's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        y = ops.linear(rows.float(), self.describe())
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def kernel_dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (one parallel C pass)."""
+        return ops.dequantize(self.describe())
+
+    def kernel_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32, the values the kernels multiply by: the embedding lookup of a quantized table
+        (tied to the head or its own), which then needs no float32 copy."""
+        return ops.dequantize(self.describe(), ids).view(*ids.shape, self.in_features)

@@ -1,0 +1,155 @@
+"""One random weight of each of the CPU kernels' weight types (kettle/kernels/weight_types.c), with the dense float32
+values it stands for: gguf's own dequantization for the GGUF types, the float weight for float32."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_F32, Linear
+
+
+@dataclass
+class Weight:
+    """A weight's C description, the dense values it must multiply by and its bias; `keep` holds the tensors the
+    description points into."""
+
+    linear: Linear
+    dense: torch.Tensor
+    bias: torch.Tensor
+    keep: object
+
+
+def random_q4_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """Q4_K blocks [n, k/256 · 144 bytes] with random nibbles and 6-bit scales, and a d and dmin of its own for each
+    super-block (so a super-block read for the wrong one shows)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for at, top in ((0, 2e-3), (2, 3e-3)):  # d, dmin
+        blocks[..., at : at + 2] = (rng.random((n, k // 256, 1)) * top + 1e-4).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def random_q6_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """Q6_K blocks [n, k/256 · 210 bytes]: random low and high bits and int8 scales, a d of its own per super-block."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = (rng.random((n, k // 256, 1)) * 2e-4 + 1e-5).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def with_lanes(on: bool, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """A layer built with the lanes layouts switched on or off (`KETTLE_TUNING=lanes=off`; in tests the settings
+    follow the environment: tests/conftest.py), the environment restored."""
+    before = os.environ.get("KETTLE_TUNING")
+    os.environ["KETTLE_TUNING"] = ",".join(item for item in (before, "" if on else "lanes=off") if item)
+    try:
+        return build()
+    finally:
+        if before is None:
+            del os.environ["KETTLE_TUNING"]
+        else:
+            os.environ["KETTLE_TUNING"] = before
+
+
+def _gguf(data: np.ndarray, qtype) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(data, qtype)).float()
+
+
+def _q4(n: int, k: int, lanes: bool, symmetric: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    """GGUF's Q4_0 (symmetric: w = d · (q - 8)) or Q4_1 (w = d · q + m), groups of 32, scales in float16."""
+    from kettle.quantization.q4 import Q4Linear, pack_q4
+
+    scales = (torch.rand(n, k // 32) * 0.1 + 1e-3).half().float()
+    mins = -8 * scales if symmetric else (-torch.rand(n, k // 32) * 0.5).half().float()
+    q = torch.randint(0, 16, (n, k))
+    layer = with_lanes(lanes, lambda: Q4Linear.from_groups(pack_q4(q), scales, mins, 32, torch.randn(n)))
+    dense = q.float().view(n, -1, 32) * scales[..., None] + mins[..., None]
+    return layer, dense.view(n, k)
+
+
+def _q4_quantized(n: int, k: int, lanes: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    """`--quantize int4`'s: a float weight quantized in groups of 128, minimums stored."""
+    from kettle.quantization.q4 import Q4Linear, unpack_q4
+
+    layer = with_lanes(lanes, lambda: Q4Linear.from_weight(torch.randn(n, k) * 0.05, torch.randn(n), 128))
+    packed, scales, mins = layer.stored()
+    dense = unpack_q4(packed).float().view(n, -1, 128) * scales.float()[..., None] + mins.float()[..., None]
+    return layer, dense.view(n, k)
+
+
+def _q4_k(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.gguf_blocks import int4_groups
+    from kettle.quantization.gguf_scheme import int4_linear
+    from kettle.tensors.gguf_file import Blocks
+
+    data = random_q4_k_blocks(n, k, seed=5)
+    return int4_linear(int4_groups(Blocks(data, T.Q4_K, n, k, None)), torch.randn(n)), _gguf(data, T.Q4_K)
+
+
+def _q8_0(n: int, k: int, lanes: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    from kettle.quantization.q8 import Q8Linear
+
+    q, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+    layer = with_lanes(lanes, lambda: Q8Linear(q, scales, torch.randn(n)))
+    return layer, (q.float().view(n, -1, 32) * scales.float()[..., None]).view(n, k)
+
+
+def _q6_k(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.q6 import Q6Linear
+    from kettle.tensors.gguf_file import Blocks
+
+    data = random_q6_k_blocks(n, k, seed=6)
+    return Q6Linear.from_blocks([Blocks(data, T.Q6_K, n, k, None)], torch.randn(n)), _gguf(data, T.Q6_K)
+
+
+def _q8(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from kettle.quantization.int8 import Int8Linear
+
+    layer = Int8Linear.from_weight(torch.randn(n, k), torch.randn(n))
+    return layer, layer.q.float() * layer.scale[:, None]
+
+
+def _f32(n: int, k: int) -> Weight:
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    linear = Linear(LINEAR_F32, k, n, k, weight.data_ptr(), None, None, bias.data_ptr())
+    return Weight(linear, weight, bias, (weight, bias))
+
+
+# Each type's builder: name → (n, k) → Weight; the lanes types need AVX-512 VNNI (`ops.vnni()`).
+def build(name: str, n: int, k: int) -> Weight:
+    torch.manual_seed(0)
+    if name == "f32":
+        return _f32(n, k)
+    if name in ("q4", "q4 symmetric", "q4_lanes", "q4_lanes symmetric"):
+        layer, dense = _q4(n, k, lanes="lanes" in name, symmetric="symmetric" in name)
+    elif name in ("q4 g128", "q4_lanes g128"):
+        layer, dense = _q4_quantized(n, k, lanes="lanes" in name)
+    elif name == "q4_lanes q4_k":
+        layer, dense = _q4_k(n, k)
+    elif name in ("q8_0", "q8_0_lanes"):
+        layer, dense = _q8_0(n, k, lanes=name == "q8_0_lanes")
+    elif name == "q6_k_lanes":
+        layer, dense = _q6_k(n, k)
+    else:
+        layer, dense = _q8(n, k)
+    return Weight(layer.describe(), dense, layer.bias.data, layer)
+
+
+NAMES = ("q4", "q4 symmetric", "q4 g128", "q8", "q8_0", "f32")
+LANES_NAMES = ("q4_lanes", "q4_lanes symmetric", "q4_lanes g128", "q4_lanes q4_k", "q8_0_lanes", "q6_k_lanes")
+
+
+def lanes_here() -> bool:
+    return ops.available() and ops.vnni()

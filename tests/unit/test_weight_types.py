@@ -1,0 +1,175 @@
+"""The CPU kernels' weight-type table (kettle/kernels/weight_types.c) as one matrix: every weight type × row count ×
+path, each case against the weight's dense values (gguf's own dequantization for the GGUF types); the path chooser's
+picks (linear.c); and the Python description of the C structs and enums (kettle/kernels/structs.py) held to
+kernels.h."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kettle.kernels import decoder_step, ops, structs
+from tests.fixtures import kernels_buildable
+from tests.kernel_weights import LANES_NAMES, NAMES, Weight, build, lanes_here
+
+pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
+KERNELS = Path(ops.__file__).parent
+# int16 activations (per block of 32, absmax scaling): measured ≤ 6e-5 of the largest output on random data.
+INT16_RTOL = 2e-4
+FLOAT32_RTOL = 1e-5
+INT16_PATHS = {"quantized", "invariant", "int_gemm"}
+# The paths each kind of type has no kernel for: the rows layouts' one-pass float32 kernels are Q4's and Q8's only,
+# a row as alone is the rows layouts' (lanes are that already), float32 weights multiply float32 rows only.
+MISSING = {
+    "q8_0": {"plain"},
+    "f32": {"plain", "quantized", "invariant", "int_gemm"},
+    **{name: {"plain", "invariant"} for name in LANES_NAMES},
+}
+# 80 output channels: short last panels of every kernel (16, 24 and 32 channels, tiles of 3 and 12); 512 inputs: two
+# Q4_K/Q6_K super-blocks; the row counts cross every kernel's tile (1, 4, 8 rows a pass), the row panels (256 rows).
+N, K = 80, 512
+ROWS = (1, 3, 5, 9, 17, 300)
+_built: dict[str, Weight] = {}
+
+
+def weight(name: str) -> Weight:
+    if name in LANES_NAMES and not lanes_here():
+        pytest.skip("the lanes layouts need AVX-512 VNNI")
+    if name not in _built:
+        _built[name] = build(name, N, K)
+    return _built[name]
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("name", NAMES + LANES_NAMES)
+def test_each_type_dequantizes_to_its_reference_values(name):
+    """The table's `dequantize`: every row, and rows picked by id (an embedding lookup), exactly the reference."""
+    w = weight(name)
+    assert ops.weight_type(w.linear) == name.split()[0]
+    assert torch.equal(ops.dequantize(w.linear), w.dense)
+    ids = torch.tensor([N - 1, 0, 17, 16])
+    assert torch.equal(ops.dequantize(w.linear, ids), w.dense[ids])
+    with pytest.raises(IndexError, match=rf"token ids must be in \[0, {N}\)"):
+        ops.dequantize(w.linear, torch.tensor([N]))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("path", structs.PATHS)
+@pytest.mark.parametrize("name", NAMES + LANES_NAMES)
+def test_every_type_on_every_path_multiplies_by_its_dense_values(name, path, rows):
+    w = weight(name)
+    if path == "int_gemm" and not lanes_here():
+        pytest.skip("the integer panels need AVX-512 VNNI")
+    x = torch.randn(rows, K)
+    if path in MISSING.get(name, set()):
+        with pytest.raises(ValueError, match=f"has no {path} path"):
+            ops.linear_on(x, w.linear, path)
+        return
+    got = ops.linear_on(x, w.linear, path)
+    bound = INT16_RTOL if path in INT16_PATHS else FLOAT32_RTOL
+    assert relative(got, F.linear(x, w.dense, w.bias)) < bound
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES + LANES_NAMES if name != "f32"])
+def test_a_row_has_the_same_bits_whatever_else_shares_its_call(name):
+    """Batch invariance, by type: the paths the chooser takes under it for decode rows (a rows layout's `invariant`,
+    the row panels from 256 rows among them; a lanes layout's `quantized` and, from 128 rows, its integer panels)
+    compute each row as that row alone does."""
+    w = weight(name)
+    x = torch.randn(300, K)
+    alone = "quantized" if ops.in_lanes(w.linear) else "invariant"
+    for path in ("quantized", "int_gemm") if ops.in_lanes(w.linear) else ("invariant",):
+        for count in (9, 300):
+            together = ops.linear_on(x[:count], w.linear, path)
+            for r in (0, count // 2, count - 1):
+                assert torch.equal(together[r], ops.linear_on(x[r : r + 1], w.linear, alone)[0]), (path, count, r)
+
+
+@pytest.fixture
+def tune(monkeypatch):
+    """Sets KETTLE_TUNING for the test (the settings follow the environment in tests: tests/conftest.py)."""
+    return lambda value: monkeypatch.setenv("KETTLE_TUNING", value)
+
+
+def test_the_chooser_keeps_a_rows_arithmetic_by_default():
+    """Batch invariance on (the default): a rows layout's decode rows each as alone and its prompt rows on the panels,
+    a lanes layout on its kernel until the integer panels, float32 weights on the tiles."""
+    q4, f32 = weight("q4").linear, weight("f32").linear
+    panels = "int_gemm" if ops.integer_gemm() else "gemm"
+    assert [ops.path(q4, rows) for rows in (1, 8, 300)] == ["invariant"] * 3
+    assert ops.path(q4, 3, prompt=True) == panels
+    assert ops.path(f32, 1) == ops.path(f32, 300) == "tiles"
+    if lanes_here():
+        lanes = weight("q4_lanes").linear
+        assert [ops.path(lanes, rows) for rows in (1, 127, 128)] == ["quantized", "quantized", "int_gemm"]
+        assert ops.path(lanes, 3, prompt=True) == "quantized"
+
+
+def test_the_chooser_takes_the_fastest_path_per_row_count_when_told(tune):
+    """Batch invariance off: int16 rows below the float32 tiles (int4 from 8 rows, int8 from 32), the panels from 16
+    rows (the integer ones from 10), each threshold a tuning key; float32 rows without quantized activations."""
+    tune("batch-invariant=off")
+    q4, q8 = weight("q4").linear, weight("q8").linear
+    integer = ops.integer_gemm()
+    assert [ops.path(q4, rows) for rows in (7, 8, 9)] == ["quantized", "tiles", "tiles"]
+    assert ops.path(q4, 10) == ("int_gemm" if integer else "tiles")
+    assert [ops.path(q8, rows) for rows in (9, 10)] == ["quantized", "int_gemm" if integer else "quantized"]
+    assert ops.path(q4, 16) == ("int_gemm" if integer else "gemm")
+    tune("batch-invariant=off,integer-gemm=off")
+    assert [ops.path(q4, rows) for rows in (7, 8, 15, 16)] == ["quantized", "tiles", "tiles", "gemm"]
+    assert [ops.path(q8, rows) for rows in (15, 16)] == ["quantized", "gemm"]
+    tune("batch-invariant=off,integer-gemm=off,float-rows=2,gemm-rows=0")
+    assert [ops.path(q4, rows) for rows in (1, 2, 500)] == ["quantized", "tiles", "tiles"]
+    tune("batch-invariant=off,quantized-activations=off")
+    assert ops.path(q4, 1) == "plain" and ops.path(weight("q8_0").linear, 1) == "tiles"
+
+
+def _c_struct(source: str, name: str) -> list[str]:
+    """The field names of `typedef struct { ... } name;` in a C source, in order."""
+    body = re.search(r"typedef struct \{([^{}]*)\} " + name + ";", source).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    fields = []
+    for declaration in body.split(";"):
+        declaration = re.sub(r"\(\*(\w+)\)\(.*", r"\1", declaration.strip(), flags=re.S)  # a function pointer
+        for part in declaration.split(","):
+            words = re.findall(r"\w+", part)
+            if words:
+                fields.append(words[-1])
+    return fields
+
+
+def _c_enum(source: str, prefix: str) -> dict[str, int]:
+    return {name: int(value) for name, value in re.findall(rf"\b({prefix}\w+) = (-?\d+)", source)}
+
+
+def test_the_python_description_is_kernels_h():
+    """structs.py's ctypes structs name kernels.h's fields in order, decoder_step.py's decoder_step.c's, and the
+    type and path numbers are the enums' (the table's rows in weight_types.c name the same types)."""
+    header = (KERNELS / "kernels.h").read_text()
+    step = (KERNELS / "decoder_step.c").read_text()
+    for source, struct in [(header, structs.Linear), (header, structs.Tuning), (header, structs.Attention)]:
+        assert _c_struct(source, struct.__name__) == [f[0] for f in struct._fields_], struct.__name__
+    for struct in (
+        decoder_step.Norm,
+        decoder_step.Experts,
+        decoder_step.Layer,
+        decoder_step.Lora,
+        decoder_step.Decoder,
+    ):
+        assert _c_struct(step, struct.__name__) == [f[0] for f in struct._fields_], struct.__name__
+    kinds = _c_enum(header, "LINEAR_")
+    assert kinds == {name: getattr(structs, name) for name in kinds}
+    table = dict(re.findall(r"\[(LINEAR_\w+)\] = \{\.name = \"(\w+)\"", (KERNELS / "weight_types.c").read_text()))
+    assert {structs.WEIGHT_TYPES[kinds[kind]]: kind for kind in table} == {v: k for k, v in table.items()}
+    paths = {name: value for name, value in _c_enum(header, "PATH_").items() if name != "PATHS"}
+    assert paths == {name: getattr(structs, name) for name in paths}
+    assert [structs.PATHS[paths[f"PATH_{p.upper()}"]] for p in structs.PATHS] == list(structs.PATHS)
+    rows_ops = _c_enum((KERNELS / "cpu_kernels.c").read_text(), "ROWS_")
+    assert rows_ops == {name: getattr(structs, name) for name in rows_ops}
