@@ -52,7 +52,7 @@ BENCHMARKS = {
         "seconds from `kettle launch` to a healthy server, cache empty, then filled",
     ),
     "vision": (
-        "bench.vision:vision",
+        "bench.prefill:vision",
         "one image's encode time and time to first token (SmolVLM-256M's shape, random weights) against transformers",
     ),
     "gpu": (

@@ -66,7 +66,7 @@ PARSERS = {
     "memory": "bench.footprint:memory_parser",
     "startup": "bench.footprint:startup_parser",
     "gpu": "bench.gpu:parser",
-    "vision": "bench.vision:parser",
+    "vision": "bench.prefill:vision_parser",
 }
 
 
