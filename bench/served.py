@@ -41,8 +41,8 @@ Servers compared instead of the bare step (same prompts, greedy):
 - `--trees NAME=PATH ...`: each source tree (its kettle package on PYTHONPATH, e.g. an exported older commit)
   with each `--flags` (one configuration each), started one after the other (each timed to /health; with
   `--fresh-cache` from an empty KETTLE_CACHE: GGUF preparation and kernel build included), then served side by
-  side: `--requests` rounds each send one single-stream generation to every server in turn; medians and each
-  configuration's median same-round ratio to the first.
+  side: `--requests` rounds each send, for each of `--streams` (1), that many concurrent greedy generations to
+  every server in turn; per concurrency the medians and each configuration's median same-round ratio to the first.
 - `--shards 1,2`: one server per shard count (`--num-shard`), decode tok/s and ITL at `--streams` (1,4). On a CPU
   the shards split the cores and exchange activations twice per layer: this measures tensor parallelism's
   overhead there, not a speed-up.
@@ -165,7 +165,7 @@ def load(args: argparse.Namespace) -> None:
 
 def trees(args: argparse.Namespace) -> None:
     configs = [(t.split("=", 1), f.split()) for t in args.trees for f in (args.flags or [""])]
-    prompt = chat_prompts(model_path(None))[0]
+    prompts = chat_prompts(model_path(None))
     servers, rates = {}, {}
     try:
         for (name, tree), flags in configs:
@@ -174,23 +174,26 @@ def trees(args: argparse.Namespace) -> None:
             key = f"{name} {' '.join(flags) or '(no flags)'}"
             started = time.perf_counter()
             server = KettleServer(None, *flags, *args.server_args.split(), env=env, timeout=1200)
-            servers[key], rates[key] = (server, time.perf_counter() - started), []
+            servers[key] = (server, time.perf_counter() - started)
+            rates |= {(key, streams): [] for streams in args.streams}
             print(json.dumps({"tree": tree, "flags": flags, "ready_s": round(servers[key][1], 1)}), flush=True)
-            asyncio.run(run_load(server.url, [prompt], 1, 8))  # warm-up
-        for _ in range(args.requests):
-            for key, (server, _) in servers.items():
-                rates[key].append(
-                    asyncio.run(run_load(server.url, [prompt], 1, args.max_new_tokens)).decode_tokens_per_s
-                )
-            print(json.dumps({key: round(r[-1], 1) for key, r in rates.items()}), flush=True)
+            asyncio.run(run_load(server.url, prompts[:1], 1, 8))  # warm-up
+        for _ in range(args.requests):  # each round: every concurrency on every server in turn
+            for streams in args.streams:
+                for key, (server, _) in servers.items():
+                    load = run_load(server.url, prompts, streams, args.max_new_tokens)
+                    rates[key, streams].append(asyncio.run(load).decode_tokens_per_s)
+            print(json.dumps({f"{key} x{c}": round(r[-1], 1) for (key, c), r in rates.items()}), flush=True)
     finally:
         for server, _ in servers.values():
             server.stop()
-    first = next(iter(rates.values()))
-    for key, (_, ready) in servers.items():
-        median, ratios = statistics.median(rates[key]), ratio_summary(same_round(rates[key], first))
-        print(f"{key}: start-to-healthy {ready:.1f} s, decode median {median:.1f} tok/s ({len(rates[key])} requests), "
-              f"same-round ratio to the first {ratios}")  # fmt: skip
+    for streams in args.streams:
+        first = rates[next(iter(servers)), streams]
+        for key, (_, ready) in servers.items():
+            mine = rates[key, streams]
+            median, ratios = statistics.median(mine), ratio_summary(same_round(mine, first))
+            print(f"{key}, {streams} stream(s): start-to-healthy {ready:.1f} s, decode median {median:.1f} tok/s "
+                  f"({len(mine)} rounds), same-round ratio to the first {ratios}")  # fmt: skip
 
 
 def shards(args: argparse.Namespace) -> None:
