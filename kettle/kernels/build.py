@@ -55,7 +55,7 @@ LIBRARY = "libkettle_cpu.so"
 INSTALLED = Path(sys.prefix) / "share" / "kettle" / "kernels"
 # -ffp-contract=off: a multiply and an add the source writes apart stay two roundings wherever the compiler inlines
 # them (gcc's ISO C mode already does so; clang's default would fuse some): kernels written to one row's arithmetic
-# (kernels.h `linear_channel_rows`) then compute its bits, not a contraction that one inlining chose.
+# (weight_types.c's `invariant_rows`) then compute its bits, not a contraction that one inlining chose.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 OFF_SWITCH = "cpu-kernels=off"  # the KETTLE_TUNING item that turns the kernels off (kettle.settings)

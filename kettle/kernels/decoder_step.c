@@ -442,7 +442,7 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cach
 
 /* embedded [rows, hidden] (one new token per sequence) → out [rows, hidden], the final norm's output; writes each
  * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rows, rot_dim] (sin signed; NULL without
- * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_paged_decode`; loras [layers · 4] and
+ * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_attention`'s decode; loras [layers · 4] and
  * lora_slot [rows] when the step has adapter rows (else NULL). -1 when out of memory. */
 int kettle_decoder_step(
     const Decoder *m, void *const *k_caches, void *const *v_caches, const float *embedded, int64_t rows,

@@ -1,6 +1,8 @@
-/* Building blocks of Kettle's CPU kernels (AVX2 + FMA + F16C), shared by the op-at-a-time entry points
- * (cpu_kernels.c) and the fused decoder step (decoder_step.c). Everything here works on one row, one output
- * channel or one attention item: the callers own the loops, and with them the threads.
+/* Building blocks of Kettle's CPU kernels (AVX2 + FMA + F16C), shared by the op-at-a-time entry points (linear.c,
+ * cpu_kernels.c, decode_attention.c) and the fused decoder step (decoder_step.c): the weight layouts, the weight-type
+ * table's struct (its rows: weight_types.c), the path chooser's interface, the row-level kernels. Everything here
+ * works on one row, one output channel or one attention item: the callers own the loops, and with them the
+ * threads.
  *
  * Q4 layout (kettle/quantization/q4.py packs it): weight [N, K], K a multiple of 64, in chunks of 64 input
  * channels; chunk c of row n is 32 bytes at qw[n*K/2 + c*32], byte j = q[c*64 + j] | q[c*64 + 32 + j] << 4,

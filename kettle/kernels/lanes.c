@@ -1,6 +1,6 @@
 /* The lanes kernels: weights stored 16 output channels side by side (kernels.h's Q4L, Q8L and Q6L layouts) times a
  * few int16 activation rows, 16 channels advancing by two inputs per `vpdpwssd` (AVX-512 VNNI). Decode steps and
- * small batches run here, op by op (cpu_kernels.c) and in the fused step (decoder_step.c); one translation unit
+ * small batches run here, op by op (linear.c) and in the fused step (decoder_step.c); one translation unit
  * holds the tiles, so the library compiles them once. */
 
 #include "kernels.h"
