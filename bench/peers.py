@@ -378,6 +378,9 @@ SHAPES = {
     "tinyllama-1.1b": (2048, 22, 32, 4, 5632),
     "llama-3.2-1b": (2048, 16, 32, 8, 8192),
     "smollm2-360m": (960, 32, 15, 5, 2560),
+    "smollm2-1.7b": (2048, 24, 32, 32, 8192),
+    "llama-3.2-3b": (3072, 28, 24, 8, 8192),
+    "llama-3.1-8b": (4096, 32, 32, 8, 14336),
 }
 SETTLE_S = 1.0  # the other engine's idle threads (OpenMP's, llama.cpp's pool) spin a while after their last work
 

@@ -227,8 +227,11 @@ def _gguf_name(names, name: str) -> str:
     return found
 
 
-def write_gguf(model, path: Path, arch: str, qtype: T, embedding: T | None = None) -> Path:
-    """Writes `model`'s tensors into `path` / model.gguf and its config.json; returns the folder."""
+def write_gguf(
+    model, path: Path, arch: str, qtype: T, embedding: T | None = None, types: dict[str, T] | None = None
+) -> Path:
+    """Writes `model`'s tensors into `path` / model.gguf and its config.json; returns the folder. `types`: a GGUF
+    tensor name's own type where it is not `qtype` (as llama.cpp's mixes write some layers' tensors)."""
     import gguf
 
     path.mkdir(parents=True, exist_ok=True)
@@ -243,6 +246,7 @@ def write_gguf(model, path: Path, arch: str, qtype: T, embedding: T | None = Non
         is_embedding = name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
         wanted = embedding if is_embedding and embedding is not None else qtype  # T.F32 is 0: falsy
         gguf_name = _gguf_name(names, name)
+        wanted = (types or {}).get(gguf_name, wanted)
         if data.ndim == 2 and wanted != T.F32 and "wpe" not in name:
             writer.add_tensor(gguf_name, encode(data, wanted, seed), raw_dtype=wanted)
         else:

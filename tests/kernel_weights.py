@@ -142,6 +142,11 @@ def build(name: str, n: int, k: int) -> Weight:
         layer, dense = _q8_0(n, k, lanes=name == "q8_0_lanes")
     elif name == "q6_k_lanes":
         layer, dense = _q6_k(n, k)
+    elif name == "stacked q4_k q6_k":  # a Q4_K_M file's q/k/v with a Q6_K v: two types, one projection
+        from kettle.quantization.kernel_weight import StackedWeight
+
+        (first, top), (second, bottom) = _q4_k(n - 32, k), _q6_k(32, k)
+        layer, dense = StackedWeight([first, second]), torch.cat([top, bottom])
     else:
         layer, dense = _q8(n, k)
     return Weight(layer.describe(), dense, layer.bias.data, layer)
@@ -149,6 +154,7 @@ def build(name: str, n: int, k: int) -> Weight:
 
 NAMES = ("q4", "q4 symmetric", "q4 g128", "q8", "q8_0", "f32")
 LANES_NAMES = ("q4_lanes", "q4_lanes symmetric", "q4_lanes g128", "q4_lanes q4_k", "q8_0_lanes", "q6_k_lanes")
+LANES_NAMES += ("stacked q4_k q6_k",)
 
 
 def lanes_here() -> bool:

@@ -74,9 +74,11 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* The path projection `w` takes for the step's `rows` rows (linear.c, as op at a time). */
 static inline int path_of(const Decoder *m, const Linear *w, int64_t rows) { return choose_path(w, rows, 0, &m->tuning); }
 
-/* Whether `w`'s input rows are quantized to int16 (into xq) for `rows` rows. */
+/* Whether `w`'s input rows are quantized to int16 (into xq) for `rows` rows (for any part of a stacked one). */
 static inline int quantized_input(const Decoder *m, const Linear *w, int64_t rows) {
-    return reads_int16(path_of(m, w, rows));
+    for (; w; w = w->next)
+        if (reads_int16(path_of(m, w, rows))) return 1;
+    return 0;
 }
 
 /* ---- rows: norms, activations, RoPE ---- */
@@ -180,11 +182,13 @@ typedef struct {
 } Needs;
 
 static void need(const Decoder *m, const Linear *w, int64_t rows, int expert, Needs *needs) {
-    const int path = path_of(m, w, rows);
-    needs->buffer = max64(needs->buffer, path_buffer_floats(w, path, rows));
-    if (expert) needs->buffer = max64(needs->buffer, path_buffer_floats(w, PATH_TILES, rows));
-    needs->lanes |= path == PATH_INT_GEMM;
-    needs->halves |= type_of(w)->sub_blocks;
+    for (; w; w = w->next) {
+        const int path = path_of(m, w, rows);
+        needs->buffer = max64(needs->buffer, path_buffer_floats(w, path, rows));
+        if (expert) needs->buffer = max64(needs->buffer, path_buffer_floats(w, PATH_TILES, rows));
+        needs->lanes |= path == PATH_INT_GEMM;
+        needs->halves |= type_of(w)->sub_blocks;
+    }
 }
 
 static Needs step_needs(const Decoder *m, int64_t rows) {
@@ -269,9 +273,17 @@ static inline const Lora *lora_of(const Scratch *s, int64_t layer, int which) {
 
 /* y [rows, N] = x · Wᵀ (+ bias) on the path linear.c picks, run by the team (y complete for the next stage), with the
  * rows quantized in xq where the path reads them. `buffer`: this thread's share of the step's buffers. */
+/* A projection's outputs: a stacked one's parts side by side. */
+static inline int64_t outputs(const Linear *w) {
+    int64_t n = 0;
+    for (; w; w = w->next) n += w->n;
+    return n;
+}
+
 static void linear(const Decoder *m, const Linear *w, const float *x, const QuantizedRows *xq, int64_t rows, float *y,
                    float *buffer) {
-    team_linear(w, path_of(m, w, rows), x, w->k, xq, rows, y, w->n, buffer);
+    const int64_t n = outputs(w);
+    for (int64_t at = 0; w; at += w->n, w = w->next) team_linear(w, path_of(m, w, rows), x, w->k, xq, rows, y + at, n, buffer);
 }
 
 /* x = norm(h + a + b) per row, with h updated to the sum first (a, b: branch outputs or NULL; b is added to a
@@ -350,10 +362,10 @@ static void dense_mlp(const Decoder *m, const Layer *l, const Linear *up, const 
                       const float *x, int64_t rows, float *y, float *buffer, const Lora *lora_up, const Lora *lora_down) {
     quantize_for(m, x, m->hidden, up, &s->xq, rows);
     linear(m, up, x, &s->xq, rows, s->gate_up, buffer);
-    lora_delta(s, lora_up, x, m->hidden, rows, s->gate_up, up->n);
+    lora_delta(s, lora_up, x, m->hidden, rows, s->gate_up, outputs(up));
     activate(m, l, s, down, rows);
     linear(m, down, s->act, &s->xq, rows, y, buffer);
-    lora_delta(s, lora_down, s->act, m->inner, rows, y, down->n);
+    lora_delta(s, lora_down, s->act, m->inner, rows, y, outputs(down));
 }
 
 /* Each row's top-k experts and their weights (softmax over the router's logits, renormalised over the k). */
@@ -415,12 +427,12 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cach
     p.kv_dtype = (int)m->kv_dtype;
     add_norm(m, s, NULL, NULL, &l->input_norm, &l->qkv, rows);
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
-    lora_delta(s, lora_of(s, index, LORA_QKV), s->x, m->hidden, rows, s->qkv, l->qkv.n);
+    lora_delta(s, lora_of(s, index, LORA_QKV), s->x, m->hidden, rows, s->qkv, outputs(&l->qkv));
     rope_and_store(m, l, s, cos, sin, slots, k_cache, v_cache, rows);
     paged_attention(&p, s->q, rows, scores, s->attn);
     quantize_for(m, s->attn, heads, &l->o, &s->xq, rows);
     linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
-    lora_delta(s, lora_of(s, index, LORA_O), s->attn, heads, rows, s->out, l->o.n);
+    lora_delta(s, lora_of(s, index, LORA_O), s->attn, heads, rows, s->out, outputs(&l->o));
     if (l->parallel) {
         if (l->mlp_norm.kind) add_norm(m, s, NULL, NULL, &l->mlp_norm, NULL, rows); /* x = mlp_norm(h) */
     } else {

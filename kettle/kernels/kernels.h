@@ -62,13 +62,18 @@ enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L 
 
 /* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
  * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
-typedef struct {
+typedef struct Linear {
     int64_t kind, group, n, k; /* group: Q4's group size (Q8G: 32; Q8, F32: k) */
     const void *weight;        /* Q4: packed [N, K/2] uint8; Q8, Q8G: [N, K] int8; F32: [N, K] float */
     const void *scales;        /* Q4, Q8G: [N, K/group] float16; Q8: [N] float32; Q6L: int8 (the layouts above) */
     const uint16_t *mins;      /* Q4: [N, K/group] float16, or NULL for a symmetric weight (`Minimums`) */
     const float *bias;         /* [N] or NULL */
     const uint16_t *supers;    /* Q4L with Q4_K's scales: d and dmin; Q6L: d (the layouts above); else NULL */
+    /* The next part of a projection stacked along its outputs, or NULL: a fused q/k/v whose parts a file stores in
+     * different types (GGUF's Q4_K_M keeps some layers' v in Q6_K) keeps each part's own type, its outputs after
+     * this part's n. Every part reads the same input rows (int16 ones quantized once, in groups of the first part's
+     * group, which every part with minimums shares). */
+    const struct Linear *next;
 } Linear;
 
 /* How one projection multiplies (`choose_path`, linear.c, picks one for a row count; the op-at-a-time entry and the

@@ -148,6 +148,12 @@ static int alloc_input(const Linear *w, int path, int64_t rows, QuantizedRows *x
  * out of memory (nothing written). */
 int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
                   const Tuning *tuning, int threads) {
+    if (w->next) { /* a stacked projection: each part on its own path, its outputs after the part before */
+        Linear part = *w;
+        part.next = NULL;
+        const int failed = kettle_linear(&part, x, ldx, rows, y, ldy, path, tuning, threads);
+        return failed ? failed : kettle_linear(w->next, x, ldx, rows, y + w->n, ldy, path, tuning, threads);
+    }
     if (path < 0) path = choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning);
     if (!path_runs(w, path)) return -2;
     const int int16 = reads_int16(path);
@@ -176,13 +182,15 @@ int kettle_path(const Linear *w, int64_t rows, int prompt, const Tuning *tuning)
 /* Rows `ids` [count] of W (every row when ids is NULL) as float32 [count, K], with a per-channel scale applied: an
  * embedding table's lookup, or the whole weight (the dense GEMM of large prefills, the tests' reference). */
 void kettle_dequantize(const Linear *w, const int64_t *ids, int64_t count, float *out, int threads) {
-    const WeightType *type = type_of(w);
 #pragma omp parallel for num_threads(threads) schedule(static) if (count > 8)
     for (int64_t i = 0; i < count; i++) {
-        const int64_t j = ids ? ids[i] : i;
+        int64_t j = ids ? ids[i] : i;
+        const Linear *part = w; /* row j of a stacked projection: its part's row */
+        while (j >= part->n && part->next) j -= part->n, part = part->next;
+        const WeightType *type = type_of(part);
         float *dst = out + i * w->k;
-        type->dequantize(w, j, dst);
+        type->dequantize(part, j, dst);
         if (type->channel_scale)
-            for (int64_t c = 0; c < w->k; c++) dst[c] *= ((const float *)w->scales)[j];
+            for (int64_t c = 0; c < w->k; c++) dst[c] *= ((const float *)part->scales)[j];
     }
 }

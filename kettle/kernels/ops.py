@@ -40,6 +40,7 @@ from kettle.kernels.structs import (
     Attention,
     Linear,
     Tuning,
+    outputs,
 )
 
 # Activation rows the rows layouts' one-pass kernels take in one pass over the weights (kernels.h's MAX_TILE): a
@@ -218,7 +219,7 @@ def linear(x: torch.Tensor, weight: Linear) -> torch.Tensor:
         return _linear(x, weight, PATH_PROMPT_ROWS)
     if path(weight, 1, prompt=True) == path(weight, 1):
         return _linear(x, weight, PATH_DECODE_ROWS)
-    return _by_kind(x, weight.n, kinds, lambda part, prompt, out: _linear(part, weight, _how(prompt), out))
+    return _by_kind(x, outputs(weight), kinds, lambda part, prompt, out: _linear(part, weight, _how(prompt), out))
 
 
 def _how(prompt: bool) -> int:
@@ -229,11 +230,12 @@ def _linear(x: torch.Tensor, weight: Linear, how: int, out: torch.Tensor | None 
     """`linear` on `how` (a path, or the chooser's for decode or prompt rows), into `out` when given ([M, N]
     contiguous)."""
     rows, k = x.shape
+    n = outputs(weight)
     x = x.contiguous()
-    y = torch.empty(rows, weight.n, dtype=torch.float32) if out is None else out
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
     threads = torch.get_num_threads()
     status = library().kettle_linear(
-        ctypes.byref(weight), x.data_ptr(), k, rows, y.data_ptr(), weight.n, how, ctypes.byref(tuning()), threads
+        ctypes.byref(weight), x.data_ptr(), k, rows, y.data_ptr(), n, how, ctypes.byref(tuning()), threads
     )
     if status == -2:
         raise ValueError(f"CPU kernels: a {weight_type(weight)} weight has no {PATHS[how]} path")
@@ -250,8 +252,9 @@ def linear_on(x: torch.Tensor, weight: Linear, path_name: str) -> torch.Tensor:
 def dequantize(weight: Linear, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` of W (every row when None) as float32 [len(ids), K], exactly the values the kernels multiply by
     (a per-channel scale applied): an embedding table's lookup, or the whole weight."""
-    ids = None if ids is None else _row_ids(ids, weight.n)
-    count = weight.n if ids is None else ids.numel()
+    n = outputs(weight)
+    ids = None if ids is None else _row_ids(ids, n)
+    count = n if ids is None else ids.numel()
     out = torch.empty(count, weight.k, dtype=torch.float32)
     library().kettle_dequantize(ctypes.byref(weight), _ptr(ids), count, out.data_ptr(), torch.get_num_threads())
     return out

@@ -29,10 +29,22 @@ ROWS_RMS_NORM, ROWS_SILU_MUL, ROWS_GELU_TANH_MUL, ROWS_ROPE, ROWS_GREEDY = range
 class Linear(ctypes.Structure):
     """One projection: its weight type (`LINEAR_*`), the int4 group (Q8_0: 32, else K), shape [n, k], and the
     pointers of its tensors as kernels.h lays them out (`supers`: a Q4 weight's Q4_K super-block scales in lanes or a
-    Q6_K weight's d, else None)."""
+    Q6_K weight's d, else None); `next`: the next part of a projection stacked along its outputs, or NULL."""
 
-    _fields_ = [("kind", _int), ("group", _int), ("n", _int), ("k", _int)]
-    _fields_ += [("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("supers", _ptr)]
+
+Linear._fields_ = [
+    *[("kind", _int), ("group", _int), ("n", _int), ("k", _int)],
+    *[("weight", _ptr), ("scales", _ptr), ("mins", _ptr), ("bias", _ptr), ("supers", _ptr)],
+    ("next", ctypes.POINTER(Linear)),
+]
+
+
+def outputs(weight: Linear) -> int:
+    """A projection's output channels, every stacked part's."""
+    n, part = weight.n, weight.next
+    while part:
+        n, part = n + part.contents.n, part.contents.next
+    return n
 
 
 class Tuning(ctypes.Structure):

@@ -60,6 +60,7 @@ from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.blocks import DenseMLP, GatedMLP
 from kettle.models.decoder import Attention, BlockPlan
 from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.kernel_weight import StackedWeight
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
@@ -84,7 +85,7 @@ def _linear(module: nn.Module) -> Linear:
     while hasattr(module, "linear"):  # row-parallel and LoRA wrappers hold the projection itself
         module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
-    if isinstance(module, Q4Linear | Q8Linear | Q6Linear):
+    if isinstance(module, Q4Linear | Q8Linear | Q6Linear | StackedWeight):
         return module.describe()
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         return module.describe()
@@ -229,6 +230,7 @@ class DecoderStep:
         norms += [_norm(attn.q_norm), _norm(attn.k_norm)]
         projections = [_linear(attn.qkv), _linear(attn.o_proj)]
         gated, act, up, down, experts = self._mlp(plan.mlp)
+        self._keep += [*projections, up, down]  # a stacked projection's parts, which the copies below point to
         options = (attn.sliding_window or 0, int(plan.parallel), gated, act, attn.scale, attn.softcap or 0.0)
         return Layer(*norms, *projections, up, down, *options, experts)
 

@@ -8,7 +8,8 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
 - Q5_0, Q5_1, Q5_K (and Q6_K elsewhere) → int8 with one scale per output channel (`Int8Linear`), requantized from
   gguf's dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
 - F32, F16, BF16 → dense, as any float checkpoint.
-A fused projection (q/k/v, gate/up) whose parts mix types loads as per-channel int8.
+A fused projection (q/k/v, gate/up) whose parts mix types keeps each part's own type, the parts stacked along the
+outputs (`StackedWeight`; Q4_K_M stores some layers' v in Q6_K beside a Q4_K q and k).
 The LM head follows the same rule from its own tensor (the embedding's when tied), so a Q4 head stays exact. An
 embedding table in Q8_0 or a 4-bit type stays in its blocks, tied or not, its rows dequantized as they are looked
 up (`load_vocabulary`, `load_embedding`); one of the other quantized types is held in int8 per row, as the head
@@ -17,6 +18,7 @@ of that type is; a float table loads dense.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from kettle.quantization import q6
 from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.kernel_weight import KernelWeight, StackedWeight
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
@@ -118,7 +121,23 @@ class GgufScheme:
             return Q8Linear.concat([Q8Linear.from_blocks(self.gguf.blocks(name)) for name in names], bias)
         if all(qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)) for qtype, name in zip(qtypes, names, strict=True)):
             return Q6Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
+        if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
+            return self._stacked(names, qtypes, bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+
+    def _stacked(self, names: list[str], qtypes: list[T], bias: torch.Tensor | None) -> KernelWeight:
+        """A fused projection whose parts the file stores in different types (Q4_K_M's Q6_K v beside a Q4_K q and
+        k): each run of parts of one type loads as that type loads alone, and the runs stack along the outputs, so
+        every part keeps the file's values (int8 per channel for all of them, before, requantized the q and k)."""
+        parts, at = [], 0
+        for _, run in itertools.groupby(zip(names, qtypes, strict=True), key=lambda pair: pair[1]):
+            run_names = [name for name, _ in run]
+            rows = sum(self.gguf.shape(name)[0] for name in run_names)
+            parts.append(self._load(run_names, None if bias is None else bias[at : at + rows]))
+            at += rows
+        if not all(isinstance(part, KernelWeight) for part in parts):  # PyTorch's int4 for some part: one int8
+            return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+        return StackedWeight(parts)
 
 
 def gguf_scheme(gguf: GgufTensors) -> GgufScheme | None:

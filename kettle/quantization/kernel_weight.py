@@ -5,6 +5,9 @@ picks the path, weight_types.c holds what differs between types).
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+
 import torch
 from torch import nn
 
@@ -44,3 +47,33 @@ class KernelWeight(nn.Module):
         """Rows `ids` of W in float32, the values the kernels multiply by: the embedding lookup of a quantized table
         (tied to the head or its own), which then needs no float32 copy."""
         return ops.dequantize(self.describe(), ids).view(*ids.shape, self.in_features)
+
+
+class StackedWeight(KernelWeight):
+    """A projection fused along its outputs (q/k/v, gate/up) whose parts are of different weight types, each kept in
+    its own: a GGUF file's Q4_K_M stores some layers' v in Q6_K beside a Q4_K q and k, and one type for all three
+    would mean requantizing the file's values. The kernels run each part on its own path into its columns of one
+    output (kernels.h `Linear.next`), in the op-at-a-time calls and the fused decode step alike."""
+
+    def __init__(self, parts: list[KernelWeight]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        biases = [part.bias for part in parts]
+        self.bias = None if all(b is None for b in biases) else torch.cat([b.data for b in biases])
+
+    def describe(self) -> Linear:
+        descriptions = [part.describe() for part in self.parts]
+        for this, after in itertools.pairwise(descriptions):
+            this.next = ctypes.pointer(after)  # the pointer object keeps `after` alive with `this`
+        return descriptions[0]
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([part.dequantized() for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel_forward(x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, parts stacked along the outputs"

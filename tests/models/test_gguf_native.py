@@ -167,6 +167,43 @@ def test_q6_k_layers_run_in_the_fused_decode_step(tmp_path, monkeypatch):
     assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
 
 
+@pytest.mark.parametrize("activations", ["float32", "int16"])
+def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activations):
+    """llama.cpp's Q4_K_M stores some layers' attn_v (and ffn_down) in Q6_K beside Q4_K q and k: the fused q/k/v of
+    such a layer stacks a Q4_K part and a Q6_K part, each its file's values (no per-channel int8 requantization),
+    in the layer-by-layer forward and the fused decode step alike; its logits and greedy tokens are the file's."""
+    from kettle.bench.drive import decode_logits
+    from kettle.quantization.kernel_weight import StackedWeight
+
+    if not ops.available():
+        pytest.skip(EXACT_NEEDS_KERNELS)
+    add_tuning(monkeypatch, quantized_activations=activations == "int16")
+    model = tiny_model("llama", 256)
+    mix = {"blk.0.attn_v.weight": T.Q6_K, "blk.0.ffn_down.weight": T.Q6_K}
+    folder = write_gguf(model, tmp_path / "q4_k_m", "llama", T.Q4_K, types=mix)
+    reference = dequantized_reference(model, folder, "llama")
+    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+    qkv = loaded.layers[0].attn.qkv
+    assert isinstance(qkv, StackedWeight) and not isinstance(loaded.layers[1].attn.qkv, StackedWeight)
+    parts = [type(part) for part in qkv.parts]
+    assert parts == ([Q4Linear, Q6Linear] if ops.lanes() else [Q4Linear, Int8Linear])
+    if not ops.lanes():
+        return  # Q6_K on the nearest scheme without lanes: the tests above bound that
+    assert not any(isinstance(m, Int8Linear) for m in loaded.modules())
+    assert torch.equal(qkv.dequantized(), torch.cat([p.dequantized() for p in qkv.parts]))
+    expected, logits = reference_logits(reference), kettle_logits(loaded)
+    bound = Q6_K_QUANTIZED_RTOL if activations == "int16" else q4_k_rtol(loaded)
+    torch.testing.assert_close(logits, expected, atol=bound * float(expected.abs().max()), rtol=0)
+    if activations == "int16":  # the fused step reads the stacked parts as the layer-by-layer forward does
+        assert loaded.cpu_decoder_step is not None
+        fused, layers = (decode_logits(loaded, PROMPTS[:2], fused, steps=4) for fused in (True, False))
+        assert torch.equal(fused, layers)
+    reference.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
+    assert greedy(loaded, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
+
+
 def test_phi3_long_context_factors_come_from_the_file(tmp_path):
     """A Phi-3 128k-style file: longrope factors as tensors, the trained length (8 here) as metadata. The prompt of
     9 tokens runs on the long factors, the shorter ones on the short factors, in one batch."""
