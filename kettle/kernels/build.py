@@ -44,6 +44,7 @@ SOURCES = tuple(
         "lanes.c",
         "linear.c",
         "weight_types.c",
+        "gguf_pack.c",
         "prefill_attention.c",
         "decode_attention.c",
     )
@@ -69,10 +70,11 @@ _running: set[subprocess.Popen] = set()
 _int, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # The library's entry points (structs by pointer: kettle/kernels/structs.py, decoder_step.py) and their results.
 SIGNATURES = {
-    # weight, x, ldx, rows, y, ldy, path (or PATH_DECODE_ROWS / PATH_PROMPT_ROWS), tuning, threads -> status
+    # weight, x, ldx, rows, y (NULL: return the path), ldy, path (or PATH_DECODE_ROWS / PATH_PROMPT_ROWS), tuning,
+    # threads -> status, or the path
     "kettle_linear": ([_ptr, _ptr, _int, _int, _ptr, _int, _i32, _ptr, _i32], _i32),
-    # weight, rows, prompt, tuning -> the path kettle_linear takes
-    "kettle_path": ([_ptr, _int, _i32, _ptr], _i32),
+    # weight, source GGUF type, blocks, row bytes, order (NULL: as stored), threads -> status
+    "kettle_pack": ([_ptr, _i32, _ptr, _int, _ptr, _i32], _i32),
     # weight, ids (NULL: every row), count, out, threads
     "kettle_dequantize": ([_ptr, _ptr, _int, _ptr, _i32], None),
     # op, x, ldx, a, b, rows, width, heads, eps, out, out2, threads

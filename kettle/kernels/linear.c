@@ -1,8 +1,8 @@
 /* The one matmul driver: y = x Wᵀ (+ bias) for every weight type (weight_types.c's table), on the path
  * `choose_path` picks for the row count, the CPU and the tuning. The op-at-a-time entry (`kettle_linear`) and the
  * fused decode step (decoder_step.c) both run a projection through `team_linear`, so a row computes the same bits
- * on either, and the rules that pick a path are written once, here; kettle/kernels/ops.py asks `kettle_path` which
- * path a call takes (for /info and the tests) instead of deciding it.
+ * on either, and the rules that pick a path are written once, here; kettle/kernels/ops.py asks `kettle_linear`
+ * (with no output) which path a call takes (for /info and the tests) instead of deciding it.
  */
 #include <omp.h>
 
@@ -145,9 +145,11 @@ static int alloc_input(const Linear *w, int path, int64_t rows, QuantizedRows *x
 
 /* y [rows, N] = x [rows, K] · Wᵀ (+ bias) for any weight type (rows ldx and ldy floats apart), on `path` (PATH_*) or
  * on the chooser's pick for decode rows (PATH_DECODE_ROWS) or prompt rows (PATH_PROMPT_ROWS) under `tuning`. -1 when
- * out of memory (nothing written). */
+ * out of memory (nothing written), -2 for a path `w` has no kernel for. With y NULL nothing is computed: the call
+ * returns the path it would take (how Python asks, for /info and the tests). */
 int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
                   const Tuning *tuning, int threads) {
+    if (!y) return choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning); /* asked which path, nothing computed */
     if (w->next) { /* a stacked projection: each part on its own path, its outputs after the part before */
         Linear part = *w;
         part.next = NULL;
@@ -172,11 +174,6 @@ int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, fl
     free(buffers);
     free_rows(&xq);
     return 0;
-}
-
-/* The path `kettle_linear` takes for `rows` rows (prompt rows when `prompt`) under `tuning`. */
-int kettle_path(const Linear *w, int64_t rows, int prompt, const Tuning *tuning) {
-    return choose_path(w, rows, prompt, tuning);
 }
 
 /* Rows `ids` [count] of W (every row when ids is NULL) as float32 [count, K], with a per-channel scale applied: an

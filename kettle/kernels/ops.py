@@ -22,6 +22,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kettle import settings
@@ -117,7 +118,8 @@ def integer_gemm() -> bool:
 def path(weight: Linear, rows: int, prompt: bool = False) -> str:
     """The path `linear` takes for `weight` at `rows` rows (prompt rows: `prompt`), as linear.c names it in kernels.h:
     plain, tiles, quantized, invariant, gemm or int_gemm."""
-    return PATHS[library().kettle_path(ctypes.byref(weight), rows, int(prompt), ctypes.byref(tuning()))]
+    how = PATH_PROMPT_ROWS if prompt else PATH_DECODE_ROWS
+    return PATHS[library().kettle_linear(ctypes.byref(weight), None, 0, rows, None, 0, how, ctypes.byref(tuning()), 1)]
 
 
 def weight_type(weight: Linear) -> str:
@@ -258,6 +260,20 @@ def dequantize(weight: Linear, ids: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty(count, weight.k, dtype=torch.float32)
     library().kettle_dequantize(ctypes.byref(weight), _ptr(ids), count, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def pack(weight: Linear, source: int, blocks: np.ndarray, order: torch.Tensor | None = None) -> None:
+    """Fills `weight`'s tensors (allocated in its layout) from a GGUF tensor's blocks (`source`: its
+    GGMLQuantizationType; uint8 [rows, bytes a row], e.g. memory-mapped; row r of the weight is source row
+    `order[r]`, order None: r), over all threads (kettle/kernels/gguf_pack.c). ValueError where the kernels have no
+    packer from that type into the weight's."""
+    data = np.ascontiguousarray(blocks)
+    order = None if order is None else order.to(torch.int64).contiguous()
+    status = library().kettle_pack(
+        ctypes.byref(weight), source, data.ctypes.data, data.nbytes // len(data), _ptr(order), torch.get_num_threads()
+    )
+    if status:
+        raise ValueError(f"CPU kernels: no packer from GGUF type {source} into a {weight_type(weight)} weight")
 
 
 def _row_ids(ids: torch.Tensor, rows: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.kernel_weight import KernelWeight, StackedWeight
-from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q4 import SUPER_BLOCK, Q4Linear, lanes_fit
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from kettle.quantization.qparams import QParams
@@ -96,6 +96,8 @@ class GgufScheme:
             return None
         if qtype == T.Q8_0:
             return Q8Linear.from_blocks(self.gguf.blocks(name))
+        if qtype == T.Q4_K and self._packs_q4_k([name]):
+            return Q4Linear.from_q4_k_blocks([self.gguf.blocks(name)])
         if qtype in EXACT_INT4:
             table = int4_linear(int4_groups(self.gguf.blocks(name)), None)
             return table if isinstance(table, Q4Linear) else None
@@ -113,6 +115,8 @@ class GgufScheme:
         qtypes = [self.gguf.qtype(name) for name in names]
         if all(qtype in DENSE for qtype in qtypes):
             return None
+        if all(qtype == T.Q4_K for qtype in qtypes) and self._packs_q4_k(names):
+            return Q4Linear.from_q4_k_blocks([self.gguf.blocks(name) for name in names], bias)
         if all(qtype in EXACT_INT4 for qtype in qtypes):
             layer = int4_linear(_concat([int4_groups(self.gguf.blocks(name)) for name in names]), bias)
             if layer is not None:
@@ -124,6 +128,12 @@ class GgufScheme:
         if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
             return self._stacked(names, qtypes, bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+
+    def _packs_q4_k(self, names: list[str]) -> bool:
+        """Whether Q4_K tensors load into lanes with their own scales, packed by the kernels (each part's rows a
+        multiple of 16, whole super-blocks: `Q4Linear.from_q4_k_blocks`); else through `int4_groups`."""
+        shapes = [self.gguf.shape(name) for name in names]
+        return all(lanes_fit(rows, GROUP) and cols % SUPER_BLOCK == 0 for rows, cols in shapes)
 
     def _stacked(self, names: list[str], qtypes: list[T], bias: torch.Tensor | None) -> KernelWeight:
         """A fused projection whose parts the file stores in different types (Q4_K_M's Q6_K v beside a Q4_K q and

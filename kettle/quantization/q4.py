@@ -21,6 +21,8 @@ Used for `--quantize int4` (and GPTQ/AWQ checkpoints) on the CPU when the kernel
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -29,6 +31,9 @@ from kettle.kernels.structs import LINEAR_Q4, LINEAR_Q4L, Linear
 from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, DENSE_ROWS
 from kettle.quantization.int4 import kernel_group_size, native_group_size, quantize_int4
 from kettle.quantization.kernel_weight import KernelWeight, pointer
+
+if TYPE_CHECKING:
+    from kettle.tensors.gguf_file import Blocks
 
 BLOCK = 32  # input channels per activation block and the smallest group
 CHUNK = 64  # input channels per 32-byte load of packed weights
@@ -143,6 +148,37 @@ class Q4Linear(KernelWeight):
         self.register_buffer("mins", minimums, persistent=False)
         self.register_buffer("supers", supers, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_q4_k_blocks(cls, parts: list[Blocks], bias=None) -> Q4Linear:
+        """GGUF Q4_K tensors' blocks (a fused projection's parts stacked, rows in Hugging Face order), packed by the
+        kernels straight from the file's bytes into lanes with the file's own scales (`ops.pack`, one pass over all
+        threads; decoding and moving them in tensor ops took ~1.5 s of a 1.7B Q4_K_M file's load). The caller checks
+        `lanes_fit(n, 32)` and that the rows are whole super-blocks."""
+        n, k = sum(b.rows for b in parts), parts[0].cols
+        layer = cls.__new__(cls)
+        KernelWeight.__init__(layer)
+        layer.out_features, layer.in_features, layer.group_size = n, k, BLOCK
+        layer.dense_rows, layer.lanes = DENSE_ROWS, True
+        tables = {"packed": (k // 2, torch.uint8), "scales": (k // BLOCK, torch.uint8)}
+        tables |= {"mins": (k // BLOCK, torch.uint8), "supers": (k // SUPER_BLOCK * 2, torch.float16)}
+        for name, (width, dtype) in tables.items():
+            layer.register_buffer(name, torch.empty(n, width, dtype=dtype), persistent=False)
+        layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        first = 0
+        for part in parts:
+            ops.pack(layer.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
+            first += part.rows
+        return layer
+
+    def rows_of(self, first: int, count: int) -> Linear:
+        """Output channels first .. first + count - 1 (in lanes: multiples of 16) as a weight of their own, without
+        bias."""
+        rows = slice(first, first + count)
+        tensors = (self.packed[rows], self.scales[rows], None if self.mins is None else self.mins[rows], None)
+        supers = None if self.supers is None else self.supers[rows]
+        kind = LINEAR_Q4L if self.lanes else LINEAR_Q4
+        return Linear(kind, self.group_size, count, self.in_features, *map(pointer, tensors), pointer(supers))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias=None, group_size: int | None = 128) -> Q4Linear:

@@ -184,6 +184,38 @@ def test_a_q6_k_weight_in_lanes_holds_the_files_values_in_its_row_order():
     assert relative(fused(x), F.linear(x, dense, fused.bias)) < QUANTIZED_ACTIVATION_RTOL
 
 
+def test_the_kernels_pack_gguf_blocks_as_the_tensor_ops_lay_them_out():
+    """Q4_K and Q6_K tensors packed at load by gguf_pack.c (one pass over the file's bytes, 16 channels a unit of work)
+    hold the bytes the tensor-op layouts define (q4.py `to_lanes` over `int4_groups`, q6.py `to_lanes` over
+    `decode_blocks`), for a fused projection's parts stacked with a row order of their own; and a type the kernels do
+    not pack from is refused by name."""
+    if not lanes_here():
+        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization import q6
+    from kettle.quantization.gguf_blocks import int4_groups
+    from kettle.quantization.gguf_scheme import _concat, int4_linear
+    from kettle.tensors.gguf_file import Blocks
+
+    n, k = 48, 512
+    order = torch.randperm(n)
+    q4k = [Blocks(random_q4_k_blocks(n, k, seed), T.Q4_K, n, k, o) for seed, o in ((1, order), (2, None))]
+    packed = Q4Linear.from_q4_k_blocks(q4k)
+    moved = int4_linear(_concat([int4_groups(b) for b in q4k]), None)
+    for name in ("packed", "scales", "mins", "supers"):
+        assert torch.equal(getattr(packed, name), getattr(moved, name)), name
+    q6k = [Blocks(random_q6_k_blocks(n, k, seed), T.Q6_K, n, k, o) for seed, o in ((3, None), (4, order))]
+    fast = q6.Q6Linear.from_blocks(q6k)
+    decoded = [q6.decode_blocks(b.data, n, k) for b in q6k]
+    decoded[1] = tuple(t[order] for t in decoded[1])
+    slow = q6.Q6Linear(*(torch.cat(parts) for parts in zip(*decoded, strict=True)))
+    for name in ("weight_bytes", "scales", "d"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    with pytest.raises(ValueError, match="no packer from GGUF type 14 into a q4_lanes weight"):
+        ops.pack(packed.rows_of(0, 16), int(T.Q6_K), q6k[0].data)
+
+
 def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):
     """GGUF's Q8_0 in lanes: the same dequantized values, table rows and fused parts as in rows, the layout
     round-trips, and every path's outputs match the rows layout's."""

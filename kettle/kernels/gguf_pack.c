@@ -1,0 +1,123 @@
+/* GGUF blocks packed straight into the kernels' layouts at load, 16 output channels a unit of work over all threads:
+ * the table's `pack` (weight_types.c). A 1.7B Q4_K_M file's weights went through numpy and tensor-op reshuffles
+ * before (5.4 of its 6.6 s load here, one pass of the whole file's bytes per reshuffle); here each block is read once
+ * and each output byte written once.
+ *
+ * GGUF's blocks (gguf-py's quants.py, ggml-quants.c):
+ * - Q6_K, 210 bytes a 256 inputs: ql[128], qh[64], scales[16] int8, d float16. Inputs 128h + 32i + l (h, i in 0..1
+ *   .. 0..3, l in 0..31): low 4 bits in ql[64h + l + 32 (i % 2)] (low nibble for i < 2, high nibble else), high 2
+ *   bits at bit 2i of qh[32h + l]; input 16s .. 16s + 15 scaled by scales[s]. w = d · scale · (q - 32).
+ * - Q4_K, 144 bytes a 256 inputs: d, dmin float16, 12 bytes of 6-bit (sc, m) for 8 sub-blocks of 32, qs[128]:
+ *   inputs 64j + l in the low nibbles of qs[32j + l], 64j + 32 + l in the high ones. w = d · sc · q - dmin · m.
+ * The destination layouts are kernels.h's Q6L and Q4L (with Q4_K's own scales in `supers`).
+ */
+#include <omp.h>
+
+#include "kernels.h"
+
+enum { GGML_Q4_K = 12, GGML_Q6_K = 14 }; /* gguf's GGMLQuantizationType numbers */
+
+/* One channel's q (0..63) of Q6_K super-block `block`, its 16 scales and its d. */
+static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16], uint16_t *d) {
+    const uint8_t *ql = block, *qh = block + 128;
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t low0 = ql[64 * h + l], low1 = ql[64 * h + l + 32], high = qh[32 * h + l];
+            q[128 * h + l] = (uint8_t)((low0 & 0x0F) | (high & 3) << 4);
+            q[128 * h + l + 32] = (uint8_t)((low1 & 0x0F) | ((high >> 2) & 3) << 4);
+            q[128 * h + l + 64] = (uint8_t)((low0 >> 4) | ((high >> 4) & 3) << 4);
+            q[128 * h + l + 96] = (uint8_t)((low1 >> 4) | ((high >> 6) & 3) << 4);
+        }
+    memcpy(scales, block + 192, 16);
+    memcpy(d, block + 208, 2);
+}
+
+/* Q6_K rows → Q6L, channel groups [g0, g1) of 16: row r of the weight is source row order[r] (order NULL: r). */
+int pack_q6l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
+             int64_t g1) {
+    if (source != GGML_Q6_K) return -1;
+    const int64_t k = w->k, supers = k / 256;
+    uint8_t *weight = (uint8_t *)w->weight;
+    int8_t *scales = (int8_t *)w->scales;
+    uint16_t *d = (uint16_t *)w->supers;
+    uint8_t q[256];
+    int8_t sc[16];
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source = order ? order[row] : row;
+            for (int64_t s = 0; s < supers; s++) {
+                q6_k_unpack(blocks + source * row_bytes + s * 210, q, sc, d + (G * supers + s) * 16 + c);
+                for (int i = 0; i < 16; i++) scales[(G * (k / 16) + 16 * s + i) * 16 + c] = sc[i];
+                for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32 */
+                    const int64_t b = 8 * s + b8;
+                    uint8_t *unit = weight + (G * (k / 32) + b) * 384, *bits = unit + 256;
+                    const uint8_t *v = q + 32 * b8;
+                    for (int u = 0; u < 8; u++)
+                        for (int e = 0; e < 2; e++) {
+                            const int i = 2 * u + e;
+                            unit[32 * u + 2 * c + e] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
+                        }
+                    /* bits 2j of vector v8's byte 2c + e: the high bits of input 16 (j % 2) + 2 (2 v8 + j / 2) + e */
+                    for (int v8 = 0; v8 < 4; v8++)
+                        for (int e = 0; e < 2; e++) {
+                            uint8_t byte = 0;
+                            for (int j = 0; j < 4; j++) byte |= (uint8_t)((v[16 * (j % 2) + 2 * (2 * v8 + j / 2) + e] >> 4) << 2 * j);
+                            bits[32 * v8 + 2 * c + e] = byte;
+                        }
+                }
+            }
+        }
+    return 0;
+}
+
+/* Sub-block j's 6-bit scale and minimum of a Q4_K block's 12 bytes (ggml's get_scale_min_k4). */
+static inline void q4_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63, *m = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0x0F) | (s[j - 4] >> 6) << 4);
+        *m = (uint8_t)((s[j + 4] >> 4) | (s[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K rows → Q4L with Q4_K's own scales (sc, m as bytes, d and dmin in `supers`), as `pack_q6l`. */
+int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
+             int64_t g1) {
+    if (source != GGML_Q4_K || !w->supers) return -1;
+    const int64_t k = w->k, supers = k / 256;
+    uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
+    uint16_t *d = (uint16_t *)w->supers;
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source = order ? order[row] : row;
+            for (int64_t s = 0; s < supers; s++) {
+                const uint8_t *block = blocks + source * row_bytes + s * 144, *qs = block + 16;
+                memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);          /* d */
+                memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);  /* dmin */
+                for (int j = 0; j < 8; j++) {
+                    const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
+                    q4_k_scale_min(block + 4, j, scales + at, mins + at);
+                    /* sub-block j: qs[32 (j / 2) + l], low nibbles for even j, high for odd */
+                    uint8_t v[32];
+                    for (int l = 0; l < 32; l++) v[l] = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
+                    uint8_t *unit = weight + (G * (k / 32) + b) * 256;
+                    for (int u = 0; u < 8; u++)
+                        for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = (uint8_t)(v[2 * u + e] | v[16 + 2 * u + e] << 4);
+                }
+            }
+        }
+    return 0;
+}
+
+/* `w`'s tensors (allocated by the caller in its layout) from a GGUF tensor's rows of blocks (`source`: its
+ * GGMLQuantizationType; row_bytes apart; row r of the weight is source row order[r], order NULL: r), 16 output
+ * channels a unit of work across the threads. -1 where this library has no packer from that type into w's. */
+int kettle_pack(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
+                int threads) {
+    const WeightType *type = type_of(w);
+    if (!type->pack || type->pack(w, source, blocks, row_bytes, order, 0, 0)) return -1; /* (no groups: a check) */
+    const int64_t groups = w->n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t G = 0; G < groups; G++) type->pack(w, source, blocks, row_bytes, order, G, G + 1);
+    return 0;
+}
