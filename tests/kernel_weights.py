@@ -35,6 +35,16 @@ def random_q4_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def random_q5_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """Q5_K blocks [n, k/256 · 176 bytes]: random nibbles, fifth bits and 6-bit scales, a d and dmin of its own for
+    each super-block."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 176), dtype=np.uint8)
+    for at, top in ((0, 2e-3), (2, 3e-3)):  # d, dmin
+        blocks[..., at : at + 2] = (rng.random((n, k // 256, 1)) * top + 1e-4).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def random_q6_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
     """Q6_K blocks [n, k/256 · 210 bytes]: random low and high bits and int8 scales, a d of its own per super-block."""
     rng = np.random.default_rng(seed)
@@ -114,6 +124,16 @@ def _q6_k(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return Q6Linear.from_blocks([Blocks(data, T.Q6_K, n, k, None)], torch.randn(n)), _gguf(data, T.Q6_K)
 
 
+def _q5_k(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.q5 import Q5Linear
+    from kettle.tensors.gguf_file import Blocks
+
+    data = random_q5_k_blocks(n, k, seed=7)
+    return Q5Linear.from_blocks([Blocks(data, T.Q5_K, n, k, None)], torch.randn(n)), _gguf(data, T.Q5_K)
+
+
 def _q8(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
     from kettle.quantization.int8 import Int8Linear
 
@@ -142,6 +162,8 @@ def build(name: str, n: int, k: int) -> Weight:
         layer, dense = _q8_0(n, k, lanes=name == "q8_0_lanes")
     elif name == "q6_k_lanes":
         layer, dense = _q6_k(n, k)
+    elif name == "q5_k_lanes":
+        layer, dense = _q5_k(n, k)
     elif name == "stacked q4_k q6_k":  # a Q4_K_M file's q/k/v with a Q6_K v: two types, one projection
         from kettle.quantization.kernel_weight import StackedWeight
 
@@ -154,7 +176,7 @@ def build(name: str, n: int, k: int) -> Weight:
 
 NAMES = ("q4", "q4 symmetric", "q4 g128", "q8", "q8_0", "f32")
 LANES_NAMES = ("q4_lanes", "q4_lanes symmetric", "q4_lanes g128", "q4_lanes q4_k", "q8_0_lanes", "q6_k_lanes")
-LANES_NAMES += ("stacked q4_k q6_k",)
+LANES_NAMES += ("q5_k_lanes", "stacked q4_k q6_k")
 
 
 def lanes_here() -> bool:

@@ -260,6 +260,11 @@ VNNI void q6l_widen(const Linear *w, int64_t j, int16_t *dst) {
     }
 }
 
+/* Q5L's 0..31. */
+VNNI void q5l_widen(const Linear *w, int64_t j, int16_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepu8_epi16(q5l_block(w, j, b)));
+}
+
 /* Q4's 0..15. */
 VNNI void q4_widen(const Linear *w, int64_t j, int16_t *dst) {
     const int64_t k = w->k;

@@ -9,13 +9,15 @@
  *   bits at bit 2i of qh[32h + l]; input 16s .. 16s + 15 scaled by scales[s]. w = d · scale · (q - 32).
  * - Q4_K, 144 bytes a 256 inputs: d, dmin float16, 12 bytes of 6-bit (sc, m) for 8 sub-blocks of 32, qs[128]:
  *   inputs 64j + l in the low nibbles of qs[32j + l], 64j + 32 + l in the high ones. w = d · sc · q - dmin · m.
+ * - Q5_K, 176 bytes a 256 inputs: Q4_K's d, dmin and 12 scale bytes, qh[32], then Q4_K's qs[128]: the fifth bit of
+ *   input 32i + l (sub-block i) is bit i of qh[l]. q in 0..31.
  * The destination layouts are kernels.h's Q6L and Q4L (with Q4_K's own scales in `supers`).
  */
 #include <omp.h>
 
 #include "kernels.h"
 
-enum { GGML_Q4_K = 12, GGML_Q6_K = 14 }; /* gguf's GGMLQuantizationType numbers */
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 }; /* gguf's GGMLQuantizationType numbers */
 
 /* One channel's q (0..63) of Q6_K super-block `block`, its 16 scales and its d. */
 static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16], uint16_t *d) {
@@ -112,6 +114,46 @@ int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_byt
 /* `w`'s tensors (allocated by the caller in its layout) from a GGUF tensor's rows of blocks (`source`: its
  * GGMLQuantizationType; row_bytes apart; row r of the weight is source row order[r], order NULL: r), 16 output
  * channels a unit of work across the threads. -1 where this library has no packer from that type into w's. */
+/* Q5_K rows → Q5L, as `pack_q4l` (the caller zeroes the weight: channels OR their fifth bits into shared masks). */
+int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
+             int64_t g1) {
+    if (source != GGML_Q5_K) return -1;
+    const int64_t k = w->k, supers = k / 256;
+    uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
+    uint16_t *d = (uint16_t *)w->supers;
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
+            for (int64_t s = 0; s < supers; s++) {
+                const uint8_t *block = blocks + source_row * row_bytes + s * 176, *qh = block + 16, *qs = block + 48;
+                memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);
+                memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
+                    q4_k_scale_min(block + 4, j, scales + at, mins + at);
+                    uint8_t v[32];
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t nibble = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
+                        v[l] = (uint8_t)(nibble | ((qh[l] >> j) & 1) << 4);
+                    }
+                    uint8_t *unit = weight + (G * (k / 32) + b) * 320;
+                    for (int u = 0; u < 8; u++) {
+                        uint32_t masks[2];
+                        memcpy(masks, unit + 256 + 8 * u, 8);
+                        for (int e = 0; e < 2; e++) {
+                            const uint8_t first = v[2 * u + e], second = v[16 + 2 * u + e];
+                            unit[32 * u + 2 * c + e] = (uint8_t)((first & 0x0F) | (second & 0x0F) << 4);
+                            masks[0] |= (uint32_t)(first >> 4) << (2 * c + e);
+                            masks[1] |= (uint32_t)(second >> 4) << (2 * c + e);
+                        }
+                        memcpy(unit + 256 + 8 * u, masks, 8);
+                    }
+                }
+            }
+        }
+    return 0;
+}
+
 int kettle_pack(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                 int threads) {
     const WeightType *type = type_of(w);

@@ -34,6 +34,13 @@
  * holding in bits 2j, 2j + 1 those of unit 2v + j / 2's input 2(2v + j / 2) + e + 16 (j % 2) of channel 16G + c
  * (the two units one vector widened feeds). scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d);
  * 6.56 bits a weight as in the file. kettle/quantization/q6.py packs it.
+ *
+ * Q5L layout (LINEAR_Q5L: GGUF's Q5_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · sc · q - dmin · m,
+ * q in 0..31, Q4_K's scales (sc, m 6-bit per 32 inputs, d and dmin per 256) in Q4L's tables (scales, mins, supers).
+ * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then per unit u two 32-bit
+ * masks, bit 2c + e of the first the fifth bit of input 2u + e of channel 16G + c, of the second that of input
+ * 16 + 2u + e: lane by lane what a unit widened to 32 int16 needs (one masked add of 16). 5.5 bits a weight as in the
+ * file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
  */
 #ifndef KETTLE_KERNELS_H
 #define KETTLE_KERNELS_H
@@ -58,7 +65,16 @@
         for (int64_t m = 0; m < tile; m++) STORE(m);                                                          \
     }
 
-enum { LINEAR_Q4 = 1, LINEAR_Q8 = 2, LINEAR_F32 = 3, LINEAR_Q8G = 4, LINEAR_Q4L = 5, LINEAR_Q8L = 6, LINEAR_Q6L = 7 };
+enum {
+    LINEAR_Q4 = 1,
+    LINEAR_Q8 = 2,
+    LINEAR_F32 = 3,
+    LINEAR_Q8G = 4,
+    LINEAR_Q4L = 5,
+    LINEAR_Q8L = 6,
+    LINEAR_Q6L = 7,
+    LINEAR_Q5L = 8
+};
 
 /* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
  * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
@@ -659,6 +675,7 @@ static inline ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k
 INTERNAL void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
@@ -683,6 +700,7 @@ INTERNAL void q4l_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void q8_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void q8l_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void q6l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void q5l_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
@@ -692,6 +710,8 @@ INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *
 INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                       int64_t g0, int64_t g1);
 INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
+                      int64_t g0, int64_t g1);
+INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                       int64_t g0, int64_t g1);
 /* The row panels' widening per type (gemm.c). */
 INTERNAL void q4_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
@@ -811,6 +831,35 @@ static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
         const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
         __m256 v[4];
         q4_dequant(q, _mm256_set1_ps(d), _mm256_set1_ps(m), v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + b * 32 + 8 * i, v[i]);
+    }
+}
+
+/* Block b of channel j of a Q5L weight: its 32 values q (0..31) in input order, one a byte. */
+static inline __m256i q5l_block(const Linear *w, int64_t j, int64_t b) {
+    const uint8_t *base = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 320;
+    const __m128i bytes = strided_pairs(base + 2 * (j % 16)), mask = _mm_set1_epi8(0x0F);
+    uint8_t v[32];
+    _mm_storeu_si128((__m128i *)v, _mm_and_si128(bytes, mask));
+    _mm_storeu_si128((__m128i *)(v + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    for (int u = 0; u < 8; u++)
+        for (int e = 0; e < 2; e++) {
+            uint32_t low, high;
+            memcpy(&low, base + 256 + 8 * u, 4), memcpy(&high, base + 256 + 8 * u + 4, 4);
+            const int lane = 2 * (int)(j % 16) + e;
+            v[2 * u + e] |= (uint8_t)((low >> lane & 1) << 4);
+            v[16 + 2 * u + e] |= (uint8_t)((high >> lane & 1) << 4);
+        }
+    return _mm256_loadu_si256((const __m256i *)v);
+}
+
+/* Row j of a Q5L weight as K floats: q · (d · sc) - dmin · m, one fused multiply-add as `q4_dequant`. */
+static inline void q5l_dequant_row(const Linear *w, int64_t j, float *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        float d, m;
+        q4l_scale(w, j, b, &d, &m);
+        __m256 v[4];
+        q4_dequant(q5l_block(w, j, b), _mm256_set1_ps(d), _mm256_set1_ps(m), v);
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + b * 32 + 8 * i, v[i]);
     }
 }

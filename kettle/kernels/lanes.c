@@ -64,6 +64,44 @@ static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
+/* `q4l_tile` for a Q5L weight (Q4_K's scales): each unit's nibbles widened once, the fifth bits added lane by lane
+ * from the unit's two masks (one masked add of 16 each), then the same products and scales. */
+static inline __attribute__((always_inline)) ONE512 void q5l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+    const int64_t k = w->k, blocks = k / 32;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 320;
+    const __m512i mask = _mm512_set1_epi16(0x0F), sixteen = _mm512_set1_epi16(16);
+    __m512 out[LANES_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i acc[LANES_TILE];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        const uint8_t *block = qw + b * 320;
+        for (int u = 0; u < 8; u++) {
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + u * 32)));
+            uint32_t fifth[2];
+            memcpy(fifth, block + 256 + 8 * u, 8);
+            const __m512i nibbles = _mm512_and_si512(bytes, mask), upper = _mm512_srli_epi16(bytes, 4);
+            const __m512i low = _mm512_mask_add_epi16(nibbles, (__mmask32)fifth[0], nibbles, sixteen);
+            const __m512i high = _mm512_mask_add_epi16(upper, (__mmask32)fifth[1], upper, sixteen);
+            for (int r = 0; r < R; r++) {
+                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
+                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
+                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
+            }
+        }
+        __m512 d, m;
+        q4k_lanes(w, G, b, &d, &m);
+        for (int r = 0; r < R; r++) {
+            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
+            out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * blocks + b]), out[r]);
+        }
+    }
+    const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
+}
+
 /* `q4l_tile` for a Q8L weight: each pair's 32 bytes widened once, then one `vpdpwssd` per row. */
 static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                   int64_t r0, const int R, float *y, int64_t ldy) {
@@ -170,5 +208,10 @@ ONE512 void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int
 ONE512 void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                      int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q6l_tile)
+}
+
+ONE512 void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                     int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q5l_tile)
 }
 #undef LANES_PASSES

@@ -50,7 +50,7 @@ from kettle.kernels.decoder_step import (
     run,
     run_greedy,
 )
-from kettle.kernels.structs import LINEAR_F32, LINEAR_Q6L, LINEAR_Q8, LINEAR_Q8G, LINEAR_Q8L, Linear
+from kettle.kernels.structs import LINEAR_F32, LINEAR_Q5L, LINEAR_Q6L, LINEAR_Q8, LINEAR_Q8G, LINEAR_Q8L, Linear
 from kettle.layers import linear as dense
 from kettle.layers.activation import activation
 from kettle.layers.attention import AttentionMetadata
@@ -62,6 +62,7 @@ from kettle.models.decoder import Attention, BlockPlan
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.kernel_weight import StackedWeight
 from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q5 import Q5Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from kettle.tensors.kv_cache import KVCache
@@ -85,7 +86,7 @@ def _linear(module: nn.Module) -> Linear:
     while hasattr(module, "linear"):  # row-parallel and LoRA wrappers hold the projection itself
         module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
-    if isinstance(module, Q4Linear | Q8Linear | Q6Linear | StackedWeight):
+    if isinstance(module, Q4Linear | Q5Linear | Q6Linear | Q8Linear | StackedWeight):
         return module.describe()
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         return module.describe()
@@ -100,13 +101,13 @@ def _linear(module: nn.Module) -> Linear:
 
 def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     """The C descriptions of the input embedding (float32 rows, or a quantized table's) and of the LM head, for
-    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, a GGUF checkpoint's) or Q6_K (`Q6Linear`)
-    or a kernel-backed int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs as `compute_logits`
-    does."""
+    the greedy steps; None unless the head is GGUF's Q8_0 (`Q8Linear`, a GGUF checkpoint's), Q6_K (`Q6Linear`) or
+    Q5_K (`Q5Linear`) or a kernel-backed int8 one (`Int8Linear`, `--quantize int4|int8`'s), which the C loop runs
+    as `compute_logits` does."""
     head = getattr(model, "lm_head", None)
     try:
-        heads = (LINEAR_Q8G, LINEAR_Q8L, LINEAR_Q8, LINEAR_Q6L)
-        if not isinstance(head, Q8Linear | Q6Linear | Int8Linear) or _linear(head).kind not in heads:
+        heads = (LINEAR_Q8G, LINEAR_Q8L, LINEAR_Q8, LINEAR_Q6L, LINEAR_Q5L)
+        if not isinstance(head, Q8Linear | Q6Linear | Q5Linear | Int8Linear) or _linear(head).kind not in heads:
             return None
     except Unsupported:
         return None
@@ -115,7 +116,8 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     if embed_rows is not None:
         table = getattr(embed_rows, "__self__", None)  # the table's bound `embed` (a tied head's, or its own)
         try:
-            embedding = _linear(table) if isinstance(table, Q8Linear | Q4Linear | Q6Linear | Int8Linear) else None
+            kinds = Q8Linear | Q4Linear | Q5Linear | Q6Linear | Int8Linear
+            embedding = _linear(table) if isinstance(table, kinds) else None
         except Unsupported:  # an int8 table the kernels do not read (a row width not a multiple of 32)
             return None
     elif weight is not None and weight.dim() == 2 and _float32_rows(weight):

@@ -4,8 +4,9 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
 - Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py;
   Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
-- Q6_K → its own layout in lanes (`Q6Linear`), the file's values, where weights are held in lanes (AVX-512 VNNI);
-- Q5_0, Q5_1, Q5_K (and Q6_K elsewhere) → int8 with one scale per output channel (`Int8Linear`), requantized from
+- Q6_K and Q5_K → their own layouts in lanes (`Q6Linear`, `Q5Linear`), the file's values, packed from its blocks,
+  where weights are held in lanes (AVX-512 VNNI);
+- Q5_0, Q5_1 (and Q5_K, Q6_K elsewhere) → int8 with one scale per output channel (`Int8Linear`), requantized from
   gguf's dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
 - F32, F16, BF16 → dense, as any float checkpoint.
 A fused projection (q/k/v, gate/up) whose parts mix types keeps each part's own type, the parts stacked along the
@@ -28,12 +29,13 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.quantization import q6
+from kettle.quantization import q5, q6
 from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.kernel_weight import KernelWeight, StackedWeight
 from kettle.quantization.q4 import SUPER_BLOCK, Q4Linear, lanes_fit
+from kettle.quantization.q5 import Q5Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from kettle.quantization.qparams import QParams
@@ -103,6 +105,8 @@ class GgufScheme:
             return table if isinstance(table, Q4Linear) else None
         if qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)):
             return Q6Linear.from_blocks([self.gguf.blocks(name)])
+        if qtype == T.Q5_K and q5.fits(*self.gguf.shape(name)):
+            return Q5Linear.from_blocks([self.gguf.blocks(name)])
         return Int8Linear.from_weight(self.gguf.dense(name))
 
     def load_head(self, head: nn.Module) -> nn.Module:
@@ -125,6 +129,8 @@ class GgufScheme:
             return Q8Linear.concat([Q8Linear.from_blocks(self.gguf.blocks(name)) for name in names], bias)
         if all(qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)) for qtype, name in zip(qtypes, names, strict=True)):
             return Q6Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
+        if all(qtype == T.Q5_K and q5.fits(*self.gguf.shape(name)) for qtype, name in zip(qtypes, names, strict=True)):
+            return Q5Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
             return self._stacked(names, qtypes, bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)

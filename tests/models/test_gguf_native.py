@@ -24,6 +24,7 @@ from kettle.kernels import ops
 from kettle.models.registry import load_model
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
+from kettle.quantization.q5 import Q5Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
 from tests.fixtures import add_tuning
@@ -59,12 +60,14 @@ CASES = [
     ("llama", T.Q4_K),
     ("llama", T.Q8_0),
     ("llama", T.Q6_K),
+    ("llama", T.Q5_K),
     ("qwen2", T.Q4_1),
     ("qwen2", T.Q6_K),
     ("qwen2", T.Q8_0),
     ("qwen2", T.Q5_0),
     ("qwen3", T.Q4_0),
     ("qwen3", T.Q4_K),
+    ("qwen3", T.Q5_K),
     # Random Q4_K blocks make large weights: on the tiny LayerNorm models (StarCoder2, GPT-2) even float32
     # dequantized weights then differ from the reference by 2e-4 of the largest logit, the kernel's float16 scale
     # products by 2e-2. Q4_K runs on the RMSNorm families only (every 4-bit type takes the same path).
@@ -104,7 +107,7 @@ def reference_logits(model) -> torch.Tensor:
 
 
 def build(tmp_path, arch: str, qtype: T):
-    hidden = 256 if qtype in (T.Q4_K, T.Q6_K) else 64  # K-types' super-blocks are 256 wide
+    hidden = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 64  # K-types' super-blocks are 256 wide
     model = tiny_model(arch, hidden)
     folder = write_gguf(model, tmp_path / f"{arch}-{qtype.name}", arch, qtype)
     return folder, dequantized_reference(model, folder, arch)
@@ -122,16 +125,17 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
         assert float(kl.mean()) < NEAREST_KL
         return
-    if qtype == T.Q6_K and not ops.lanes():  # served on the nearest scheme, as Q5_0 is, without lanes
-        assert Int8Linear in kinds and Q6Linear not in kinds
+    if qtype in (T.Q5_K, T.Q6_K) and not ops.lanes():  # served on the nearest scheme, as Q5_0 is, without lanes
+        assert Int8Linear in kinds and not kinds & {Q5Linear, Q6Linear}
         return
     if qtype != T.F32 and not ops.available():
         pytest.skip(EXACT_NEEDS_KERNELS)
     if qtype == T.Q8_0:
         assert (Q8Linear in kinds) == ops.available()
-    elif qtype == T.Q6_K:  # in lanes: the file's own values, the vocabulary table's too
-        assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {Q6Linear}
-        assert isinstance(getattr(model.embed_rows, "__self__", None), Q6Linear)
+    elif qtype in (T.Q5_K, T.Q6_K):  # in lanes: the file's own values, the vocabulary table's too
+        kind = Q5Linear if qtype == T.Q5_K else Q6Linear
+        assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {kind}
+        assert isinstance(getattr(model.embed_rows, "__self__", None), kind)
     else:
         assert (Q4Linear in kinds) == (qtype != T.F32 and ops.available())
         # Q4_0 is symmetric (w = d · (q - 8)): its layers keep no minimums, the kernels read them off the scales.
@@ -139,7 +143,10 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert all((m.mins is None) == (qtype == T.Q4_0) for m in layers)
         # Q4_K in lanes keeps the file's 6-bit scales (as bytes) and super-block scales: its products exactly.
         assert all((m.supers is not None) == (qtype == T.Q4_K and m.lanes) for m in layers)
-    atol = q4_k_rtol(model) * float(expected.abs().max()) if qtype == T.Q4_K else EXACT_ATOL[qtype]
+    if qtype in (T.Q4_K, T.Q5_K):  # Q5_K in lanes: Q4_K's scales, its products gguf's
+        atol = (q4_k_rtol(model) if qtype == T.Q4_K else Q4_K_RTOL) * float(expected.abs().max())
+    else:
+        atol = EXACT_ATOL[qtype]
     torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
     reference.generation_config.eos_token_id = None  # Kettle's `greedy` runs its 8 tokens whatever they are
     with torch.inference_mode():
@@ -147,16 +154,17 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
 
 
-def test_q6_k_layers_run_in_the_fused_decode_step(tmp_path, monkeypatch):
-    """A Q6_K file with the kernels' int16 activations on: every projection, the table and the head run in the fused
-    CPU decode step (whose rows carry the sums Q6_K's kernel reads), and its logits and greedy tokens are the
-    file's."""
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K], ids=["Q6_K", "Q5_K"])
+def test_k_types_in_lanes_run_in_the_fused_decode_step(tmp_path, monkeypatch, qtype):
+    """A Q6_K or Q5_K file with the kernels' int16 activations on: every projection, the table and the head run in
+    the fused CPU decode step (whose rows carry the sums Q6_K's kernel reads), and its logits and greedy tokens are
+    the file's."""
     from kettle.models.decoder_step import DecoderStep
 
     if not ops.lanes():
-        pytest.skip("Q6_K's kernel needs the lanes layout (AVX-512 VNNI)")
+        pytest.skip("their kernels need the lanes layout (AVX-512 VNNI)")
     add_tuning(monkeypatch, quantized_activations=True)
-    folder, reference = build(tmp_path, "llama", T.Q6_K)
+    folder, reference = build(tmp_path, "llama", qtype)
     model = load_model(str(folder), torch.float32, torch.device("cpu"))
     assert model.cpu_decoder_step is not None, DecoderStep.why_not
     expected, logits = reference_logits(reference), kettle_logits(model)

@@ -1,0 +1,82 @@
+"""GGUF's Q5_K on Kettle's CPU kernels, from the file's own bits: w = d · sc · q - dmin · m, q in 0..31, with Q4_K's
+6-bit scales per 32 inputs and d, dmin per 256.
+
+The kernels hold it in lanes (kernels.h's Q5L: Q4_K's nibbles as Q4L lays them out, the fifth bits as two 32-bit
+masks per unit of 16 channels, Q4_K's scale tables) and pack it straight from the file's blocks at load
+(kettle/kernels/gguf_pack.c). Where lanes do not apply (no AVX-512 VNNI, or a shape that is not whole super-blocks
+of 16 channels) Q5_K keeps the nearest scheme, int8 per output channel (kettle/quantization/gguf_scheme.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q5L, Linear
+from kettle.quantization.config import DENSE_ROWS
+from kettle.quantization.kernel_weight import KernelWeight, pointer
+from kettle.quantization.q4 import BLOCK, LANES, SUPER_BLOCK
+
+if TYPE_CHECKING:
+    from kettle.tensors.gguf_file import Blocks
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether a Q5_K weight of n output channels and k inputs is held in lanes here (the only layout its kernel
+    reads)."""
+    return ops.lanes() and n % LANES == 0 and k % SUPER_BLOCK == 0
+
+
+class Q5Linear(KernelWeight):
+    """y = x Wᵀ (+ b) with W [out, in] in GGUF's Q5_K, in lanes on Kettle's CPU kernels; same call shape as
+    `Linear`."""
+
+    def __init__(self, n: int, k: int, bias: torch.Tensor | None = None) -> None:
+        """Room for an n × k weight (the caller checks `fits`), filled by `from_blocks`."""
+        super().__init__()
+        self.out_features, self.in_features, self.dense_rows = n, k, DENSE_ROWS
+        # 320 bytes a block of 32 inputs for 16 channels (nibbles and fifth-bit masks), zeroed: the packer ORs
+        # each channel's fifth bits into masks its unit's 16 channels share.
+        self.register_buffer("weight_bytes", torch.zeros(n, k * 5 // 8, dtype=torch.uint8), persistent=False)
+        self.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=torch.uint8), persistent=False)
+        self.register_buffer("mins", torch.empty(n, k // BLOCK, dtype=torch.uint8), persistent=False)
+        self.register_buffer("supers", torch.empty(n, k // SUPER_BLOCK * 2, dtype=torch.float16), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_blocks(cls, parts: list[Blocks], bias: torch.Tensor | None = None) -> Q5Linear:
+        """GGUF Q5_K tensors' blocks, rows in Hugging Face order (`Blocks.order`), as one projection (a fused one:
+        the parts' output channels stacked), packed by the kernels from the file's bytes."""
+        layer = cls(sum(b.rows for b in parts), parts[0].cols, bias)
+        first = 0
+        for part in parts:
+            ops.pack(layer.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
+            first += part.rows
+        return layer
+
+    def rows_of(self, first: int, count: int) -> Linear:
+        """Output channels first .. first + count - 1 (multiples of 16) as a weight of their own, without bias."""
+        rows = slice(first, first + count)
+        tensors = (self.weight_bytes[rows], self.scales[rows], self.mins[rows], None, self.supers[rows])
+        return Linear(LINEAR_Q5L, BLOCK, count, self.in_features, *map(pointer, tensors))
+
+    def describe(self) -> Linear:
+        tensors = (self.weight_bytes, self.scales, self.mins, self.bias, self.supers)
+        return Linear(LINEAR_Q5L, BLOCK, self.out_features, self.in_features, *map(pointer, tensors))
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
+        return self.kernel_dequantized()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32: the embedding lookup of a GGUF file's Q5_K table."""
+        return self.kernel_embed(ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel_forward(x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, q5_k, kernel=kettle, lanes"
