@@ -213,7 +213,7 @@ def _storage_key(tensor) -> int:
 
 
 # Buffers that hold quantized weights (kettle/quantization): read once per step like parameters.
-QUANTIZED_BUFFERS = {"packed", "scales", "mins", "q", "scale", "scale_zero"}
+QUANTIZED_BUFFERS = {"packed", "scales", "mins", "q", "scale", "scale_zero", "weight_bytes", "d", "supers"}
 
 
 def bytes_per_step(model, batch: int, context: int) -> int:

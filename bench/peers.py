@@ -75,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="measure every engine this many times; medians")
     p.add_argument("--shape", choices=sorted(SHAPES), help="Kettle against llama.cpp on a GGUF of this shape")
-    p.add_argument("--qtype", choices=["Q4_0", "Q4_K", "Q4_K_M"], default="Q4_0", help="with --shape")
+    qtypes = ["Q4_0", "Q4_K", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+    p.add_argument("--qtype", choices=qtypes, default="Q4_0", help="with --shape")
     p.add_argument("--untied", action="store_true", help="with --shape: an embedding in --qtype, a Q8_0 head")
     p.add_argument("--tokens", type=int, default=64, help="with --shape: decode steps timed per round")
     p.add_argument("--prompt", type=int, default=512, help="with --shape: prefill prompt length")
@@ -494,9 +495,10 @@ def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
 
     from kettle.hub import resolve_model
 
-    untied = untied or qtype_name == "Q4_K_M"
+    mix = qtype_name.endswith("_K_M")  # llama.cpp's mixes: untied, a Q6_K head, some layers' v and down in Q6_K
+    untied = untied or mix
     cache = Path.home() / ".cache" / "kettle" / "bench"
-    folder = cache / f"{shape}-{qtype_name}{'-untied' if untied and qtype_name != 'Q4_K_M' else ''}"
+    folder = cache / f"{shape}-{qtype_name}{'-untied' if untied and not mix else ''}"
     if (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -504,8 +506,8 @@ def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
     source = resolve_model(None).path
     writer = gguf.GGUFWriter(folder / "model.gguf", "llama")
     _metadata(writer, gguf.GGUFReader(source / "model.gguf"), SHAPES[shape], qtype_name)
-    rng, qtype = np.random.default_rng(0), T[qtype_name.removesuffix("_M")]
-    head_type = T.Q6_K if qtype_name == "Q4_K_M" else T.Q8_0  # llama.cpp's Q4_K_M head; gguf-py writes Q8_0
+    rng, qtype = np.random.default_rng(0), T[qtype_name.removesuffix("_M")]  # the mixes' main type: Q4_K, Q5_K
+    head_type = T.Q6_K if mix else T.Q8_0  # llama.cpp's Q4_K_M / Q5_K_M head; gguf-py writes Q8_0
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     embedding = rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.02
     if untied:
@@ -525,7 +527,7 @@ def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, np.float32))
         for name, rows, cols in projections:
-            more = qtype_name == "Q4_K_M" and name in ("attn_v", "ffn_down") and _more_bits(layer, layers)
+            more = mix and name in ("attn_v", "ffn_down") and _more_bits(layer, layers)
             kind = T.Q6_K if more else qtype
             writer.add_tensor(f"blk.{layer}.{name}.weight", _random_blocks(rng, rows, cols, kind), raw_dtype=kind)
         print(f"wrote layer {layer + 1}/{layers}", file=sys.stderr, flush=True)
@@ -558,7 +560,8 @@ def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_rope_freq_base(10000.0)
-    types = {"Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M"}
+    types = {"Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M", "Q5_K_M": "MOSTLY_Q5_K_M"}
+    types |= {"Q6_K": "MOSTLY_Q6_K", "Q8_0": "MOSTLY_Q8_0"}
     writer.add_file_type(gguf.LlamaFileType[types[qtype_name]])
     kinds = gguf.GGUFValueType
     for field in source.fields.values():
@@ -588,6 +591,11 @@ def _random_blocks(rng, rows: int, cols: int, qtype):
     if qtype == T.Q4_K:  # well-formed blocks: random nibbles and 6-bit scales, small float16 super-block scales
         blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
         blocks[..., 0:2] = np.full((rows, cols // 256, 1), 1.5e-3, np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.full((rows, cols // 256, 1), 2e-3, np.float16).view(np.uint8)
+        return blocks.reshape(rows, -1)
+    if qtype == T.Q5_K:  # Q4_K's with 32 bytes of fifth bits after the scales
+        blocks = rng.integers(0, 256, (rows, cols // 256, 176), dtype=np.uint8)
+        blocks[..., 0:2] = np.full((rows, cols // 256, 1), 1e-3, np.float16).view(np.uint8)
         blocks[..., 2:4] = np.full((rows, cols // 256, 1), 2e-3, np.float16).view(np.uint8)
         return blocks.reshape(rows, -1)
     if qtype == T.Q6_K:  # 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, a float16 scale
