@@ -55,10 +55,31 @@ class GgufScheme:
     gguf: GgufTensors = field(repr=False, compare=False)
     head: str | None = None  # `finish`'s generic head quantization stays off: `load_head` reads the file's
     group_size: int = GROUP
+    # Each GGUF type's tensors as they load: the kernels' weight types that serve them (`_record`)
+    served: dict[str, set[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def description(self) -> str:
-        return f"gguf {self.types} → {self.method}"
+        """What the file stores and how each of its types is served, e.g. `gguf Q4_K → q4_lanes, Q6_K → q6_k_lanes`
+        (int8 per channel: requantized, the nearest scheme), once the weights are loaded; before, the scheme."""
+        if not self.served:
+            return f"gguf {self.types} → {self.method}"
+        order = self.types.split("+")
+        served = sorted(self.served.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+        return "gguf " + ", ".join(f"{qtype} → {' + '.join(sorted(kinds))}" for qtype, kinds in served)
+
+    def _record(self, names: list[str], layer: nn.Module | None) -> nn.Module | None:
+        """`layer`, noted as what serves the file's types of `names` (a stacked one's parts are noted as they load)."""
+        if layer is not None and not isinstance(layer, StackedWeight):
+            if isinstance(layer, Int8Linear):
+                kind = "int8 per channel"
+            elif isinstance(layer, KernelWeight):
+                kind = ops.weight_type(layer.describe())
+            else:
+                kind = type(layer).__name__
+            for name in names:
+                self.served.setdefault(self.gguf.qtype(name).name, set()).add(kind)
+        return layer
 
     def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
         """The fused projections `prefixes` from the file's blocks; None leaves dense tensors to `Linear.load`."""
@@ -88,7 +109,10 @@ class GgufScheme:
         Q4_K table: 250 MiB against 40). None for a tied table or a float one."""
         return self._table(embed) if self.gguf.has(head) else None
 
-    def _table(self, name: str) -> Q4Linear | Q8Linear | Q6Linear | Int8Linear | None:
+    def _table(self, name: str) -> nn.Module | None:
+        return self._record([name], self._vocabulary(name))
+
+    def _vocabulary(self, name: str) -> Q4Linear | Q8Linear | Q6Linear | Int8Linear | None:
         """A vocabulary table from its blocks where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K; Q6_K
         in lanes), or requantized to int8 per row as this scheme serves those types' projections (Q5_*, Q6_K
         elsewhere: a quarter of the float32 table, within those types' own rounding). None for a float table, which
@@ -116,6 +140,9 @@ class GgufScheme:
         return self._load([name], None if bias is None else bias.data) or head
 
     def _load(self, names: list[str], bias: torch.Tensor | None) -> nn.Module | None:
+        return self._record(names, self._layer(names, bias))
+
+    def _layer(self, names: list[str], bias: torch.Tensor | None) -> nn.Module | None:
         qtypes = [self.gguf.qtype(name) for name in names]
         if all(qtype in DENSE for qtype in qtypes):
             return None
