@@ -124,14 +124,20 @@ def _q6_k(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return Q6Linear.from_blocks([Blocks(data, T.Q6_K, n, k, None)], torch.randn(n)), _gguf(data, T.Q6_K)
 
 
-def _q5_k(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+def _q5(n: int, k: int, qtype_name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A Q5_K, Q5_0 or Q5_1 tensor (the legacy types quantized by gguf-py from a random weight)."""
     from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
 
     from kettle.quantization.q5 import Q5Linear
     from kettle.tensors.gguf_file import Blocks
 
-    data = random_q5_k_blocks(n, k, seed=7)
-    return Q5Linear.from_blocks([Blocks(data, T.Q5_K, n, k, None)], torch.randn(n)), _gguf(data, T.Q5_K)
+    qtype = T[qtype_name]
+    if qtype == T.Q5_K:
+        data = random_q5_k_blocks(n, k, seed=7)
+    else:
+        data = quantize(np.random.default_rng(8).standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
+    return Q5Linear.from_blocks([Blocks(data, qtype, n, k, None)], torch.randn(n)), _gguf(data, qtype)
 
 
 def _q8(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -162,8 +168,8 @@ def build(name: str, n: int, k: int) -> Weight:
         layer, dense = _q8_0(n, k, lanes=name == "q8_0_lanes")
     elif name == "q6_k_lanes":
         layer, dense = _q6_k(n, k)
-    elif name == "q5_k_lanes":
-        layer, dense = _q5_k(n, k)
+    elif name.startswith("q5_lanes"):
+        layer, dense = _q5(n, k, name.split()[1].upper())
     elif name == "stacked q4_k q6_k":  # a Q4_K_M file's q/k/v with a Q6_K v: two types, one projection
         from kettle.quantization.kernel_weight import StackedWeight
 
@@ -176,7 +182,7 @@ def build(name: str, n: int, k: int) -> Weight:
 
 NAMES = ("q4", "q4 symmetric", "q4 g128", "q8", "q8_0", "f32")
 LANES_NAMES = ("q4_lanes", "q4_lanes symmetric", "q4_lanes g128", "q4_lanes q4_k", "q8_0_lanes", "q6_k_lanes")
-LANES_NAMES += ("q5_k_lanes", "stacked q4_k q6_k")
+LANES_NAMES += ("q5_lanes q5_k", "q5_lanes q5_0", "q5_lanes q5_1", "stacked q4_k q6_k")
 
 
 def lanes_here() -> bool:

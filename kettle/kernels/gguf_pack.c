@@ -11,13 +11,16 @@
  *   inputs 64j + l in the low nibbles of qs[32j + l], 64j + 32 + l in the high ones. w = d · sc · q - dmin · m.
  * - Q5_K, 176 bytes a 256 inputs: Q4_K's d, dmin and 12 scale bytes, qh[32], then Q4_K's qs[128]: the fifth bit of
  *   input 32i + l (sub-block i) is bit i of qh[l]. q in 0..31.
+ * - Q5_0 (22 bytes a 32 inputs: d float16, qh 4 bytes, qs[16]; w = d · (q - 16)) and Q5_1 (24 bytes: d, m float16,
+ *   qh, qs; w = d · q + m): input l < 16 in the low nibble of qs[l], 16 + l in its high one, the fifth bit of input
+ *   i bit i of qh (little-endian).
  * The destination layouts are kernels.h's Q6L and Q4L (with Q4_K's own scales in `supers`).
  */
 #include <omp.h>
 
 #include "kernels.h"
 
-enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 }; /* gguf's GGMLQuantizationType numbers */
+enum { GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 }; /* GGMLQuantizationType */
 
 /* One channel's q (0..63) of Q6_K super-block `block`, its 16 scales and its d. */
 static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16], uint16_t *d) {
@@ -114,10 +117,56 @@ int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_byt
 /* `w`'s tensors (allocated by the caller in its layout) from a GGUF tensor's rows of blocks (`source`: its
  * GGMLQuantizationType; row_bytes apart; row r of the weight is source row order[r], order NULL: r), 16 output
  * channels a unit of work across the threads. -1 where this library has no packer from that type into w's. */
-/* Q5_K rows → Q5L, as `pack_q4l` (the caller zeroes the weight: channels OR their fifth bits into shared masks). */
+/* Block b's 32 values q (0..31) of channel c into Q5L's unit bytes and fifth-bit masks (zeroed by the caller). */
+static void put_q5l_block(uint8_t *unit, int c, const uint8_t v[32]) {
+    for (int u = 0; u < 8; u++) {
+        uint8_t *low = unit + 256 + 8 * u, *high = low + 4; /* the masks' bytes, little-endian */
+        for (int e = 0; e < 2; e++) {
+            const uint8_t first = v[2 * u + e], second = v[16 + 2 * u + e];
+            const int lane = 2 * c + e;
+            unit[32 * u + lane] = (uint8_t)((first & 0x0F) | (second & 0x0F) << 4);
+            low[lane / 8] |= (uint8_t)((first >> 4) << (lane % 8));
+            high[lane / 8] |= (uint8_t)((second >> 4) << (lane % 8));
+        }
+    }
+}
+
+/* Q5_0 / Q5_1 rows → Q5L with float16 scales and minimums per block, as `pack_q5l`. */
+static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes,
+                           const int64_t *order, int64_t g0, int64_t g1) {
+    const int64_t k = w->k, size = source == GGML_Q5_1 ? 24 : 22;
+    uint8_t *weight = (uint8_t *)w->weight;
+    uint16_t *scales = (uint16_t *)w->scales, *mins = (uint16_t *)w->mins;
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
+            for (int64_t b = 0; b < k / 32; b++) {
+                const uint8_t *block = blocks + source_row * row_bytes + b * size;
+                const uint8_t *qh = block + size - 20, *qs = block + size - 16;
+                uint32_t high;
+                memcpy(&high, qh, 4);
+                const int64_t at = (G * (k / 32) + b) * 16 + c;
+                memcpy(scales + at, block, 2);
+                if (source == GGML_Q5_1) memcpy(mins + at, block + 2, 2);
+                else mins[at] = _cvtss_sh(-16.0f * _cvtsh_ss(scales[at]), _MM_FROUND_TO_NEAREST_INT); /* exact */
+                uint8_t v[32];
+                for (int l = 0; l < 16; l++) {
+                    v[l] = (uint8_t)((qs[l] & 0x0F) | ((high >> l) & 1) << 4);
+                    v[16 + l] = (uint8_t)((qs[l] >> 4) | ((high >> (16 + l)) & 1) << 4);
+                }
+                put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
+            }
+        }
+    return 0;
+}
+
+/* Q5_K rows → Q5L, as `pack_q4l` (the caller zeroes the weight: channels OR their fifth bits into shared masks);
+ * Q5_0 and Q5_1 rows into a Q5L weight without `supers`. */
 int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
              int64_t g1) {
-    if (source != GGML_Q5_K) return -1;
+    if ((source == GGML_Q5_0 || source == GGML_Q5_1) && !w->supers)
+        return pack_q5l_legacy(w, source, blocks, row_bytes, order, g0, g1);
+    if (source != GGML_Q5_K || !w->supers) return -1;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
     uint16_t *d = (uint16_t *)w->supers;
@@ -136,18 +185,7 @@ int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_byt
                         const uint8_t nibble = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
                         v[l] = (uint8_t)(nibble | ((qh[l] >> j) & 1) << 4);
                     }
-                    uint8_t *unit = weight + (G * (k / 32) + b) * 320;
-                    for (int u = 0; u < 8; u++) {
-                        uint32_t masks[2];
-                        memcpy(masks, unit + 256 + 8 * u, 8);
-                        for (int e = 0; e < 2; e++) {
-                            const uint8_t first = v[2 * u + e], second = v[16 + 2 * u + e];
-                            unit[32 * u + 2 * c + e] = (uint8_t)((first & 0x0F) | (second & 0x0F) << 4);
-                            masks[0] |= (uint32_t)(first >> 4) << (2 * c + e);
-                            masks[1] |= (uint32_t)(second >> 4) << (2 * c + e);
-                        }
-                        memcpy(unit + 256 + 8 * u, masks, 8);
-                    }
+                    put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
                 }
             }
         }

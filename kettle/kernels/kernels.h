@@ -35,8 +35,10 @@
  * (the two units one vector widened feeds). scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d);
  * 6.56 bits a weight as in the file. kettle/quantization/q6.py packs it.
  *
- * Q5L layout (LINEAR_Q5L: GGUF's Q5_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · sc · q - dmin · m,
- * q in 0..31, Q4_K's scales (sc, m 6-bit per 32 inputs, d and dmin per 256) in Q4L's tables (scales, mins, supers).
+ * Q5L layout (LINEAR_Q5L: GGUF's Q5_K, Q5_0 and Q5_1 in lanes, N a multiple of 16, AVX-512 VNNI): q in 0..31, with
+ * Q4_K's scales (w = d · sc · q - dmin · m; sc, m 6-bit per 32 inputs, d and dmin per 256, K a multiple of 256) in
+ * Q4L's tables (scales, mins, supers), or without `supers` a float16 scale and minimum per 32 inputs in Q4L's tables
+ * (w = q · scale + minimum: Q5_1's d and m, Q5_0's d and -16 · d, exact in float16).
  * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then per unit u two 32-bit
  * masks, bit 2c + e of the first the fifth bit of input 2u + e of channel 16G + c, of the second that of input
  * 16 + 2u + e: lane by lane what a unit widened to 32 int16 needs (one masked add of 16). 5.5 bits a weight as in the

@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for a Q5L weight (Q4_K's scales): each unit's nibbles widened once, the fifth bits added lane by lane
+/* `q4l_tile` for a Q5L weight (Q4_K's scales, or Q5_0's and Q5_1's per block): each unit's nibbles widened once, the fifth bits added lane by lane
  * from the unit's two masks (one masked add of 16 each), then the same products and scales. */
 static inline __attribute__((always_inline)) ONE512 void q5l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                   int64_t r0, const int R, float *y, int64_t ldy) {
@@ -91,7 +91,12 @@ static inline __attribute__((always_inline)) ONE512 void q5l_tile(const Linear *
             }
         }
         __m512 d, m;
-        q4k_lanes(w, G, b, &d, &m);
+        if (w->supers) {
+            q4k_lanes(w, G, b, &d, &m);
+        } else { /* Q5_0, Q5_1: a float16 scale and minimum per block */
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scales + (G * blocks + b) * 16)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + (G * blocks + b) * 16)));
+        }
         for (int r = 0; r < R; r++) {
             const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
             out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);

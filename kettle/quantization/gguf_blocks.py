@@ -9,8 +9,8 @@ store as is. Q4_K keeps its own 6-bit scales (as bytes) and super-block d and dm
 in lanes reads those, its products exactly gguf's; elsewhere its products d · sc and dmin · m are rounded once to
 float16 (relative error ≤ 2⁻¹¹ on a scale).
 
-The other types GGUF files carry are either dense (F32, F16, BF16: dequantized, kept in the model dtype) or
-served on the nearest scheme (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: dequantized, then int8 per output channel).
+The other types GGUF files carry are dense (F32, F16, BF16: dequantized, kept in the model dtype) or have layouts of
+their own (Q8_0; in lanes Q5_0, Q5_1, Q5_K and Q6_K, packed from the blocks: kettle/quantization/gguf_scheme.py).
 """
 
 from __future__ import annotations

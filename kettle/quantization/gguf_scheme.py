@@ -4,10 +4,10 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
 - Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py;
   Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
-- Q6_K and Q5_K → their own layouts in lanes (`Q6Linear`, `Q5Linear`), the file's values, packed from its blocks,
-  where weights are held in lanes (AVX-512 VNNI);
-- Q5_0, Q5_1 (and Q5_K, Q6_K elsewhere) → int8 with one scale per output channel (`Int8Linear`), requantized from
-  gguf's dequantization: Kettle has no kernel for their grids, and 8 bits per channel is the nearest scheme it has;
+- Q6_K, Q5_K, Q5_0 and Q5_1 → their own layouts in lanes (`Q6Linear`, `Q5Linear`), the file's values, packed from
+  its blocks, where weights are held in lanes (AVX-512 VNNI);
+- elsewhere (no lanes) those → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
+  dequantization: 8 bits per channel is the nearest scheme the rows layouts have;
 - F32, F16, BF16 → dense, as any float checkpoint.
 A fused projection (q/k/v, gate/up) whose parts mix types keeps each part's own type, the parts stacked along the
 outputs (`StackedWeight`; Q4_K_M stores some layers' v in Q6_K beside a Q4_K q and k).
@@ -43,6 +43,7 @@ from kettle.tensors.gguf_file import DENSE, EXACT_INT4, GgufTensors
 from kettle.tensors.weights import Weights
 
 logger = logging.getLogger(__name__)
+FIVE_BITS = (T.Q5_K, T.Q5_0, T.Q5_1)  # `Q5Linear`'s, from the file's own bits where weights sit in lanes
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class GgufScheme:
             return table if isinstance(table, Q4Linear) else None
         if qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)):
             return Q6Linear.from_blocks([self.gguf.blocks(name)])
-        if qtype == T.Q5_K and q5.fits(*self.gguf.shape(name)):
+        if qtype in FIVE_BITS and self._fits_q5(name):
             return Q5Linear.from_blocks([self.gguf.blocks(name)])
         return Int8Linear.from_weight(self.gguf.dense(name))
 
@@ -156,11 +157,14 @@ class GgufScheme:
             return Q8Linear.concat([Q8Linear.from_blocks(self.gguf.blocks(name)) for name in names], bias)
         if all(qtype == T.Q6_K and q6.fits(*self.gguf.shape(name)) for qtype, name in zip(qtypes, names, strict=True)):
             return Q6Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
-        if all(qtype == T.Q5_K and q5.fits(*self.gguf.shape(name)) for qtype, name in zip(qtypes, names, strict=True)):
+        if len(set(qtypes)) == 1 and qtypes[0] in FIVE_BITS and all(self._fits_q5(name) for name in names):
             return Q5Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
             return self._stacked(names, qtypes, bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+
+    def _fits_q5(self, name: str) -> bool:
+        return q5.fits(*self.gguf.shape(name), k_quant=self.gguf.qtype(name) == T.Q5_K)
 
     def _packs_q4_k(self, names: list[str]) -> bool:
         """Whether Q4_K tensors load into lanes with their own scales, packed by the kernels (each part's rows a

@@ -32,7 +32,7 @@ from tests.gguf_files import FROM_METADATA, dequantized_reference, tiny_model, w
 
 PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 95, 20]]
 # Q6_K in lanes: measured 3.2-3.4e-5 on llama, qwen2 and qwen3 (the int16 activations' rounding).
-EXACT_ATOL = {T.F32: 1e-4, T.Q4_0: 1e-4, T.Q4_1: 1e-4, T.Q8_0: 1e-4, T.Q6_K: 1e-4}
+EXACT_ATOL = {T.F32: 1e-4, T.Q4_0: 1e-4, T.Q4_1: 1e-4, T.Q5_0: 1e-4, T.Q5_1: 1e-4, T.Q8_0: 1e-4, T.Q6_K: 1e-4}
 # Without Kettle's kernels (no gcc or AVX2, or KETTLE_TUNING=cpu-kernels=off) quantized GGUF tensors run PyTorch's
 # packed kernels, which compute in bfloat16: the exact mapping these tests check is the kernels'.
 EXACT_NEEDS_KERNELS = "the exact mapping runs on Kettle's CPU kernels (switched off or not built here)"
@@ -65,6 +65,7 @@ CASES = [
     ("qwen2", T.Q6_K),
     ("qwen2", T.Q8_0),
     ("qwen2", T.Q5_0),
+    ("llama", T.Q5_1),
     ("qwen3", T.Q4_0),
     ("qwen3", T.Q4_K),
     ("qwen3", T.Q5_K),
@@ -119,7 +120,7 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     model = load_model(str(folder), torch.float32, torch.device("cpu"))
     expected, logits = reference_logits(reference), kettle_logits(model)
     kinds = {type(m) for m in model.modules()}
-    if qtype == T.Q5_0:
+    if qtype in (T.Q5_0, T.Q5_1) and not ops.lanes():  # the nearest scheme without lanes
         assert Int8Linear in kinds
         kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
         assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
@@ -132,8 +133,8 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         pytest.skip(EXACT_NEEDS_KERNELS)
     if qtype == T.Q8_0:
         assert (Q8Linear in kinds) == ops.available()
-    elif qtype in (T.Q5_K, T.Q6_K):  # in lanes: the file's own values, the vocabulary table's too
-        kind = Q5Linear if qtype == T.Q5_K else Q6Linear
+    elif qtype in (T.Q5_K, T.Q5_0, T.Q5_1, T.Q6_K):  # in lanes: the file's own values, the vocabulary table's too
+        kind = Q6Linear if qtype == T.Q6_K else Q5Linear
         assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {kind}
         assert isinstance(getattr(model.embed_rows, "__self__", None), kind)
     else:
@@ -305,7 +306,7 @@ VOCABULARY_CASES = [
     ("llama", False, T.Q4_K, T.Q4_K),
     ("qwen2", False, T.Q4_1, T.Q8_0),
     ("llama", False, T.Q8_0, T.Q4_0),
-    ("qwen2", True, T.Q4_0, T.Q5_0),  # no kernel on its grid: int8 per row, as a head of that type
+    ("qwen2", True, T.Q4_0, T.Q5_0),  # its own bits in lanes; elsewhere int8 per row, as a head of that type
     ("llama", False, T.Q8_0, T.Q5_0),
     ("llama", True, T.Q4_K, T.Q6_K),  # a small Q4_K_M file's tied table: Q6_K's kernel where lanes are, else int8
 ]
@@ -332,7 +333,8 @@ def test_a_quantized_vocabulary_table_loads_without_a_float_copy(tmp_path, monke
     monkeypatch.setattr(GgufTensors, "dense", lambda self, name: read.append(name) or dense(self, name))
     kettle = load_model(str(folder), torch.float32, torch.device("cpu"))
     rows_from = getattr(kettle.embed_rows, "__self__", None)
-    kind = {T.Q8_0: Q8Linear, T.Q5_0: Int8Linear, T.Q6_K: Q6Linear if ops.lanes() else Int8Linear}.get(table, Q4Linear)
+    in_lanes = {T.Q5_0: Q5Linear, T.Q6_K: Q6Linear}
+    kind = {T.Q8_0: Q8Linear, **{t: c if ops.lanes() else Int8Linear for t, c in in_lanes.items()}}.get(table, Q4Linear)
     assert kettle.embed_tokens is None and isinstance(rows_from, kind)
     assert (rows_from is kettle.lm_head) == tied
     # Neither is read dense, but for a type without a kernel, whose table is requantized from gguf's values.
@@ -340,7 +342,7 @@ def test_a_quantized_vocabulary_table_loads_without_a_float_copy(tmp_path, monke
     assert [name for name in read if name.endswith(vocabulary)] == (
         ["model.embed_tokens.weight"] if kind is Int8Linear else []
     )
-    if layers == T.Q8_0 or kind is Q6Linear:  # a Q8_0 or Q6_K head: the greedy steps run in one C call, embedding
+    if layers == T.Q8_0 or kind in (Q5Linear, Q6Linear):  # such a head: the greedy steps run in one C call, embedding
         assert _embedding_and_head(kettle) is not None  # from the table
     reference = dequantized_reference(model, folder, arch)
     expected, logits = reference_logits(reference), kettle_logits(kettle)
