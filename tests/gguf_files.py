@@ -159,6 +159,14 @@ def random_q5_k(rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def random_iq4_xs(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Well-formed IQ4_XS blocks: random grid indices and 6-bit scales, a small float16 d per super-block."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 136), dtype=np.uint8)
+    blocks[..., 0:2] = np.full((rows, cols // 256, 1), 1e-4, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def random_q6_k(rows: int, cols: int, seed: int) -> np.ndarray:
     """Well-formed Q6_K blocks: random 6-bit values and int8 scales, a small float16 d of its own per super-block."""
     rng = np.random.default_rng(seed)
@@ -176,6 +184,8 @@ def encode(weight: np.ndarray, qtype: T, seed: int) -> np.ndarray:
         return random_q6_k(*weight.shape, seed)
     if qtype == T.Q5_K:
         return random_q5_k(*weight.shape, seed)
+    if qtype == T.IQ4_XS:
+        return random_iq4_xs(*weight.shape, seed)
     return quants.quantize(weight, qtype)
 
 

@@ -45,6 +45,14 @@ def random_q5_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def random_iq4_xs_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """IQ4_XS blocks [n, k/256 · 136 bytes]: random indices and 6-bit scales, a d of its own per super-block."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 136), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.random((n, k // 256, 1)) * 2e-4 + 1e-5).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def random_q6_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
     """Q6_K blocks [n, k/256 · 210 bytes]: random low and high bits and int8 scales, a d of its own per super-block."""
     rng = np.random.default_rng(seed)
@@ -140,6 +148,16 @@ def _q5(n: int, k: int, qtype_name: str) -> tuple[torch.nn.Module, torch.Tensor]
     return Q5Linear.from_blocks([Blocks(data, qtype, n, k, None)], torch.randn(n)), _gguf(data, qtype)
 
 
+def _iq4_xs(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.iq4 import IQ4Linear
+    from kettle.tensors.gguf_file import Blocks
+
+    data = random_iq4_xs_blocks(n, k, seed=9)
+    return IQ4Linear.from_blocks([Blocks(data, T.IQ4_XS, n, k, None)], torch.randn(n)), _gguf(data, T.IQ4_XS)
+
+
 def _q8(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor]:
     from kettle.quantization.int8 import Int8Linear
 
@@ -168,6 +186,8 @@ def build(name: str, n: int, k: int) -> Weight:
         layer, dense = _q8_0(n, k, lanes=name == "q8_0_lanes")
     elif name == "q6_k_lanes":
         layer, dense = _q6_k(n, k)
+    elif name == "iq4_xs_lanes":
+        layer, dense = _iq4_xs(n, k)
     elif name.startswith("q5_lanes"):
         layer, dense = _q5(n, k, name.split()[1].upper())
     elif name == "stacked q4_k q6_k":  # a Q4_K_M file's q/k/v with a Q6_K v: two types, one projection
@@ -182,7 +202,7 @@ def build(name: str, n: int, k: int) -> Weight:
 
 NAMES = ("q4", "q4 symmetric", "q4 g128", "q8", "q8_0", "f32")
 LANES_NAMES = ("q4_lanes", "q4_lanes symmetric", "q4_lanes g128", "q4_lanes q4_k", "q8_0_lanes", "q6_k_lanes")
-LANES_NAMES += ("q5_lanes q5_k", "q5_lanes q5_0", "q5_lanes q5_1", "stacked q4_k q6_k")
+LANES_NAMES += ("q5_lanes q5_k", "q5_lanes q5_0", "q5_lanes q5_1", "iq4_xs_lanes", "stacked q4_k q6_k")
 
 
 def lanes_here() -> bool:

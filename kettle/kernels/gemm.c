@@ -265,6 +265,11 @@ VNNI void q5l_widen(const Linear *w, int64_t j, int16_t *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepu8_epi16(q5l_block(w, j, b)));
 }
 
+/* IQ4L's grid values. */
+VNNI void iq4l_widen(const Linear *w, int64_t j, int16_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(iq4l_block(w, j, b)));
+}
+
 /* Q4's 0..15. */
 VNNI void q4_widen(const Linear *w, int64_t j, int16_t *dst) {
     const int64_t k = w->k;
@@ -311,6 +316,11 @@ void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
 void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     (void)minimum;
     for (int64_t b = 0; b < w->k / 32; b++) scale[b] = ((const float *)w->scales)[j];
+}
+
+void iq4l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    (void)minimum;
+    for (int64_t b = 0; b < w->k / 32; b++) scale[b] = iq4l_scale(w, j, b);
 }
 
 void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {

@@ -14,13 +14,16 @@
  * - Q5_0 (22 bytes a 32 inputs: d float16, qh 4 bytes, qs[16]; w = d · (q - 16)) and Q5_1 (24 bytes: d, m float16,
  *   qh, qs; w = d · q + m): input l < 16 in the low nibble of qs[l], 16 + l in its high one, the fifth bit of input
  *   i bit i of qh (little-endian).
+ * - IQ4_XS, 136 bytes a 256 inputs: d float16, scales_h (uint16), scales_l[4], qs[128]: sub-block i's 6-bit scale
+ *   ls = (scales_l[i / 2] >> 4 (i % 2)) & 15 | ((scales_h >> 2i) & 3) << 4; its input l < 16 the low nibble of
+ *   qs[16i + l], 16 + l its high nibble, each an index into IQ4_VALUES. w = d · (ls - 32) · value.
  * The destination layouts are kernels.h's Q6L and Q4L (with Q4_K's own scales in `supers`).
  */
 #include <omp.h>
 
 #include "kernels.h"
 
-enum { GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 }; /* GGMLQuantizationType */
+enum { GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_XS = 23 };
 
 /* One channel's q (0..63) of Q6_K super-block `block`, its 16 scales and its d. */
 static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16], uint16_t *d) {
@@ -186,6 +189,38 @@ int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_byt
                         v[l] = (uint8_t)(nibble | ((qh[l] >> j) & 1) << 4);
                     }
                     put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
+                }
+            }
+        }
+    return 0;
+}
+
+/* IQ4_XS rows → IQ4L, as `pack_q4l`. */
+int pack_iq4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
+              int64_t g1) {
+    if (source != GGML_IQ4_XS) return -1;
+    const int64_t k = w->k, supers = k / 256;
+    uint8_t *weight = (uint8_t *)w->weight;
+    int8_t *scales = (int8_t *)w->scales;
+    uint16_t *d = (uint16_t *)w->supers;
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
+            for (int64_t s = 0; s < supers; s++) {
+                const uint8_t *block = blocks + source_row * row_bytes + s * 136, *low = block + 4, *qs = block + 8;
+                uint16_t high;
+                memcpy(&high, block + 2, 2);
+                memcpy(d + (G * supers + s) * 16 + c, block, 2);
+                for (int i = 0; i < 8; i++) {
+                    const int64_t b = 8 * s + i;
+                    const int ls = ((low[i / 2] >> 4 * (i % 2)) & 15) | ((high >> 2 * i) & 3) << 4;
+                    scales[(G * (k / 32) + b) * 16 + c] = (int8_t)(ls - 32);
+                    uint8_t *unit = weight + (G * (k / 32) + b) * 256;
+                    for (int u = 0; u < 8; u++)
+                        for (int e = 0; e < 2; e++) {
+                            const int l = 2 * u + e; /* input l (low nibble) and 16 + l (high) of the block */
+                            unit[32 * u + 2 * c + e] = qs[16 * i + l];
+                        }
                 }
             }
         }

@@ -43,6 +43,11 @@
  * masks, bit 2c + e of the first the fifth bit of input 2u + e of channel 16G + c, of the second that of input
  * 16 + 2u + e: lane by lane what a unit widened to 32 int16 needs (one masked add of 16). 5.5 bits a weight as in the
  * file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
+ *
+ * IQ4L layout (LINEAR_IQ4L: GGUF's IQ4_XS in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · (ls - 32) ·
+ * IQ4_VALUES[q], q in 0..15 an index into a fixed non-uniform grid, ls a 6-bit scale per 32 inputs, d a float16 per
+ * 256. weight [N/16][K/32][256] bytes of indices laid out as Q4L's units; scales [N/16][K/32][16] int8 (ls - 32),
+ * supers [N/16][K/256][16] float16 (d); no minimums. 4.25 bits a weight as in the file. gguf_pack.c packs it.
  */
 #ifndef KETTLE_KERNELS_H
 #define KETTLE_KERNELS_H
@@ -75,8 +80,12 @@ enum {
     LINEAR_Q4L = 5,
     LINEAR_Q8L = 6,
     LINEAR_Q6L = 7,
-    LINEAR_Q5L = 8
+    LINEAR_Q5L = 8,
+    LINEAR_IQ4L = 9
 };
+
+/* IQ4_NL's and IQ4_XS's grid (ggml's kvalues_iq4nl): the value each 4-bit index stands for. */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* One projection y = x Wᵀ (+ bias): quantized, or float32 (the fused decode step's dense weights). Q8G is
  * GGUF's Q8_0: int8 weights with one float16 scale per block of 32 inputs, W = q · d exactly. */
@@ -678,6 +687,7 @@ INTERNAL void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, i
 INTERNAL void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
@@ -703,6 +713,8 @@ INTERNAL void q8_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void q8l_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void q6l_widen(const Linear *w, int64_t j, int16_t *dst);
 INTERNAL void q5l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void iq4l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void iq4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
@@ -715,6 +727,8 @@ INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *blocks, int64_
                       int64_t g0, int64_t g1);
 INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                       int64_t g0, int64_t g1);
+INTERNAL int pack_iq4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
+                       int64_t g0, int64_t g1);
 /* The row panels' widening per type (gemm.c). */
 INTERNAL void q4_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
 INTERNAL void q8_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
@@ -863,6 +877,34 @@ static inline void q5l_dequant_row(const Linear *w, int64_t j, float *dst) {
         __m256 v[4];
         q4_dequant(q5l_block(w, j, b), _mm256_set1_ps(d), _mm256_set1_ps(m), v);
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + b * 32 + 8 * i, v[i]);
+    }
+}
+
+/* Channel j's weight scale of block b of an IQ4L weight: d · (ls - 32), exact in float32. */
+static inline float iq4l_scale(const Linear *w, int64_t j, int64_t b) {
+    const int8_t sc = ((const int8_t *)w->scales)[(j / 16 * (w->k / 32) + b) * 16 + j % 16];
+    return _cvtsh_ss(w->supers[(j / 16 * (w->k / 256) + b / 8) * 16 + j % 16]) * (float)sc;
+}
+
+/* Block b of channel j of an IQ4L weight: its 32 grid values in input order, as int8. */
+static inline __m256i iq4l_block(const Linear *w, int64_t j, int64_t b) {
+    const __m128i bytes = q4l_block(w, j, b), mask = _mm_set1_epi8(0x0F);
+    const __m128i grid = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    const __m128i low = _mm_shuffle_epi8(grid, _mm_and_si128(bytes, mask));
+    const __m128i high = _mm_shuffle_epi8(grid, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    return _mm256_set_m128i(high, low);
+}
+
+/* Row j of an IQ4L weight as K floats: (d · (ls - 32)) · value, gguf's products bit for bit (each exact). */
+static inline void iq4l_dequant_row(const Linear *w, int64_t j, float *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const __m256i v = iq4l_block(w, j, b);
+        const __m256 scale = _mm256_set1_ps(iq4l_scale(w, j, b));
+        for (int h = 0; h < 2; h++) {
+            const __m128i bytes = h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+            _mm256_storeu_ps(dst + b * 32 + h * 16, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+            _mm256_storeu_ps(dst + b * 32 + h * 16 + 8, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))));
+        }
     }
 }
 

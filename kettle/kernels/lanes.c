@@ -107,6 +107,42 @@ static inline __attribute__((always_inline)) ONE512 void q5l_tile(const Linear *
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
+/* `q4l_tile` for an IQ4L weight: each unit's indices widened once and looked up in the grid (`vpermw`, 32 int16
+ * entries: the 16 values twice), then the same products; the block's scale d · (ls - 32) for 16 channels at once. */
+static inline __attribute__((always_inline)) ONE512 void iq4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                   int64_t r0, const int R, float *y, int64_t ldy) {
+    const int64_t k = w->k, blocks = k / 32;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
+    const int8_t *sc = (const int8_t *)w->scales + G * blocks * 16;
+    const uint16_t *d = w->supers + G * (k / 256) * 16;
+    const __m512i mask = _mm512_set1_epi16(0x0F);
+    const __m512i grid = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
+    __m512 out[LANES_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i acc[LANES_TILE];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; u++) {
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 256 + u * 32)));
+            const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, mask), grid);
+            const __m512i high = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), grid);
+            for (int r = 0; r < R; r++) {
+                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
+                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
+                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
+            }
+        }
+        const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16))),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + b * 16)))));
+        for (int r = 0; r < R; r++) {
+            const __m512 combined = _mm512_mul_ps(scale, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
+        }
+    }
+    const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
+}
+
 /* `q4l_tile` for a Q8L weight: each pair's 32 bytes widened once, then one `vpdpwssd` per row. */
 static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                   int64_t r0, const int R, float *y, int64_t ldy) {
@@ -218,5 +254,10 @@ ONE512 void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int
 ONE512 void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                      int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q5l_tile)
+}
+
+ONE512 void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+                      int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(iq4l_tile)
 }
 #undef LANES_PASSES

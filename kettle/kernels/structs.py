@@ -12,9 +12,9 @@ import ctypes
 _int, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 # kernels.h's LINEAR_* in order (0 unused): the rows layouts, float32, then the lanes layouts of the same bits.
-WEIGHT_TYPES = (None, "q4", "q8", "f32", "q8_0", "q4_lanes", "q8_0_lanes", "q6_k_lanes", "q5_lanes")
-LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L, LINEAR_Q5L = range(1, 9)
-LANES_TYPES = frozenset({LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L, LINEAR_Q5L})
+WEIGHT_TYPES = (None, "q4", "q8", "f32", "q8_0", "q4_lanes", "q8_0_lanes", "q6_k_lanes", "q5_lanes", "iq4_xs_lanes")
+LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L, LINEAR_Q5L, LINEAR_IQ4L = range(1, 10)
+LANES_TYPES = frozenset({LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L, LINEAR_Q5L, LINEAR_IQ4L})
 
 # kernels.h's PATH_*: how one projection multiplies (linear.c `choose_path` picks one per call).
 PATHS = ("plain", "tiles", "quantized", "invariant", "gemm", "int_gemm")

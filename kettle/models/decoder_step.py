@@ -60,6 +60,7 @@ from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.blocks import DenseMLP, GatedMLP
 from kettle.models.decoder import Attention, BlockPlan
 from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.iq4 import IQ4Linear
 from kettle.quantization.kernel_weight import StackedWeight
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q5 import Q5Linear
@@ -86,7 +87,7 @@ def _linear(module: nn.Module) -> Linear:
     while hasattr(module, "linear"):  # row-parallel and LoRA wrappers hold the projection itself
         module = module.linear
     bias = _ptr_of(getattr(module, "bias", None))
-    if isinstance(module, Q4Linear | Q5Linear | Q6Linear | Q8Linear | StackedWeight):
+    if isinstance(module, Q4Linear | Q5Linear | Q6Linear | Q8Linear | IQ4Linear | StackedWeight):
         return module.describe()
     if isinstance(module, Int8Linear) and module.cpu_kernel and module.in_features % 32 == 0:
         return module.describe()
@@ -116,7 +117,7 @@ def _embedding_and_head(model: nn.Module) -> tuple[Linear, Linear] | None:
     if embed_rows is not None:
         table = getattr(embed_rows, "__self__", None)  # the table's bound `embed` (a tied head's, or its own)
         try:
-            kinds = Q8Linear | Q4Linear | Q5Linear | Q6Linear | Int8Linear
+            kinds = Q8Linear | Q4Linear | Q5Linear | Q6Linear | IQ4Linear | Int8Linear
             embedding = _linear(table) if isinstance(table, kinds) else None
         except Unsupported:  # an int8 table the kernels do not read (a row width not a multiple of 32)
             return None

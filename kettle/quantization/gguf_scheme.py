@@ -4,8 +4,8 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
 - Q4_0, Q4_1, Q4_K → int4 with groups of 32 (`Q4Linear`), the file's own values (kettle/quantization/gguf_blocks.py;
   Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
-- Q6_K, Q5_K, Q5_0 and Q5_1 → their own layouts in lanes (`Q6Linear`, `Q5Linear`), the file's values, packed from
-  its blocks, where weights are held in lanes (AVX-512 VNNI);
+- Q6_K, Q5_K, Q5_0, Q5_1 and IQ4_XS → their own layouts in lanes (`Q6Linear`, `Q5Linear`, `IQ4Linear`), the file's
+  values, packed from its blocks, where weights are held in lanes (AVX-512 VNNI);
 - elsewhere (no lanes) those → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
   dequantization: 8 bits per channel is the nearest scheme the rows layouts have;
 - F32, F16, BF16 → dense, as any float checkpoint.
@@ -29,10 +29,11 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.quantization import q5, q6
+from kettle.quantization import iq4, q5, q6
 from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.iq4 import IQ4Linear
 from kettle.quantization.kernel_weight import KernelWeight, StackedWeight
 from kettle.quantization.q4 import SUPER_BLOCK, Q4Linear, lanes_fit
 from kettle.quantization.q5 import Q5Linear
@@ -132,6 +133,8 @@ class GgufScheme:
             return Q6Linear.from_blocks([self.gguf.blocks(name)])
         if qtype in FIVE_BITS and self._fits_q5(name):
             return Q5Linear.from_blocks([self.gguf.blocks(name)])
+        if qtype == T.IQ4_XS and iq4.fits(*self.gguf.shape(name)):
+            return IQ4Linear.from_blocks([self.gguf.blocks(name)])
         return Int8Linear.from_weight(self.gguf.dense(name))
 
     def load_head(self, head: nn.Module) -> nn.Module:
@@ -159,6 +162,8 @@ class GgufScheme:
             return Q6Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         if len(set(qtypes)) == 1 and qtypes[0] in FIVE_BITS and all(self._fits_q5(name) for name in names):
             return Q5Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
+        if set(qtypes) == {T.IQ4_XS} and all(iq4.fits(*self.gguf.shape(name)) for name in names):
+            return IQ4Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
             return self._stacked(names, qtypes, bias)
         return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)

@@ -23,6 +23,7 @@ from kettle.hub.gguf import NATIVE_ARCHITECTURES
 from kettle.kernels import ops
 from kettle.models.registry import load_model
 from kettle.quantization.int8 import Int8Linear
+from kettle.quantization.iq4 import IQ4Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q5 import Q5Linear
 from kettle.quantization.q6 import Q6Linear
@@ -61,6 +62,7 @@ CASES = [
     ("llama", T.Q8_0),
     ("llama", T.Q6_K),
     ("llama", T.Q5_K),
+    ("llama", T.IQ4_XS),
     ("qwen2", T.Q4_1),
     ("qwen2", T.Q6_K),
     ("qwen2", T.Q8_0),
@@ -69,6 +71,7 @@ CASES = [
     ("qwen3", T.Q4_0),
     ("qwen3", T.Q4_K),
     ("qwen3", T.Q5_K),
+    ("qwen3", T.IQ4_XS),
     # Random Q4_K blocks make large weights: on the tiny LayerNorm models (StarCoder2, GPT-2) even float32
     # dequantized weights then differ from the reference by 2e-4 of the largest logit, the kernel's float16 scale
     # products by 2e-2. Q4_K runs on the RMSNorm families only (every 4-bit type takes the same path).
@@ -108,7 +111,7 @@ def reference_logits(model) -> torch.Tensor:
 
 
 def build(tmp_path, arch: str, qtype: T):
-    hidden = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 64  # K-types' super-blocks are 256 wide
+    hidden = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS) else 64  # K-types' super-blocks are 256 wide
     model = tiny_model(arch, hidden)
     folder = write_gguf(model, tmp_path / f"{arch}-{qtype.name}", arch, qtype)
     return folder, dequantized_reference(model, folder, arch)
@@ -126,15 +129,15 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
         assert float(kl.mean()) < NEAREST_KL
         return
-    if qtype in (T.Q5_K, T.Q6_K) and not ops.lanes():  # served on the nearest scheme, as Q5_0 is, without lanes
-        assert Int8Linear in kinds and not kinds & {Q5Linear, Q6Linear}
+    if qtype in (T.Q5_K, T.Q6_K, T.IQ4_XS) and not ops.lanes():  # the nearest scheme, as Q5_0, without lanes
+        assert Int8Linear in kinds and not kinds & {Q5Linear, Q6Linear, IQ4Linear}
         return
     if qtype != T.F32 and not ops.available():
         pytest.skip(EXACT_NEEDS_KERNELS)
     if qtype == T.Q8_0:
         assert (Q8Linear in kinds) == ops.available()
-    elif qtype in (T.Q5_K, T.Q5_0, T.Q5_1, T.Q6_K):  # in lanes: the file's own values, the vocabulary table's too
-        kind = Q6Linear if qtype == T.Q6_K else Q5Linear
+    elif qtype in (T.Q5_K, T.Q5_0, T.Q5_1, T.Q6_K, T.IQ4_XS):  # in lanes: the file's values, the table's too
+        kind = {T.Q6_K: Q6Linear, T.IQ4_XS: IQ4Linear}.get(qtype, Q5Linear)
         assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {kind}
         assert isinstance(getattr(model.embed_rows, "__self__", None), kind)
     else:
@@ -144,7 +147,7 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert all((m.mins is None) == (qtype == T.Q4_0) for m in layers)
         # Q4_K in lanes keeps the file's 6-bit scales (as bytes) and super-block scales: its products exactly.
         assert all((m.supers is not None) == (qtype == T.Q4_K and m.lanes) for m in layers)
-    if qtype in (T.Q4_K, T.Q5_K):  # Q5_K in lanes: Q4_K's scales, its products gguf's
+    if qtype in (T.Q4_K, T.Q5_K, T.IQ4_XS):  # in lanes: their products gguf's (random blocks: large logits)
         atol = (q4_k_rtol(model) if qtype == T.Q4_K else Q4_K_RTOL) * float(expected.abs().max())
     else:
         atol = EXACT_ATOL[qtype]
@@ -155,7 +158,7 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
 
 
-@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K], ids=["Q6_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K, T.IQ4_XS], ids=["Q6_K", "Q5_K", "IQ4_XS"])
 def test_k_types_in_lanes_run_in_the_fused_decode_step(tmp_path, monkeypatch, qtype):
     """A Q6_K or Q5_K file with the kernels' int16 activations on: every projection, the table and the head run in
     the fused CPU decode step (whose rows carry the sums Q6_K's kernel reads), and its logits and greedy tokens are
