@@ -89,11 +89,16 @@ def load_model(
 def load_transformers_model(
     path: str, config, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
 ) -> CausalLM:
-    """The fallback for `config`: the seq2seq path for encoder-decoder models, the causal one otherwise."""
+    """The fallback for `config`: the seq2seq path for encoder-decoder models, the causal one otherwise (with its
+    vision tower for an image-text-to-text model)."""
     if getattr(config, "is_encoder_decoder", False):
         from kettle.models.seq2seq import TransformersSeq2SeqLM
 
         return TransformersSeq2SeqLM.from_pretrained(path, dtype, device, trust_remote_code)
+    from kettle.models import transformers_vision
+
+    if transformers_vision.serves(config):
+        return transformers_vision.TransformersVisionLM.from_pretrained(path, dtype, device, trust_remote_code)
     from kettle.models.transformers_fallback import TransformersCausalLM
 
     return TransformersCausalLM.from_pretrained(path, dtype, device, trust_remote_code)

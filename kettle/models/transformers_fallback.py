@@ -62,6 +62,7 @@ class TransformersCausalLM:
     """A transformers causal LM behind the shard's model interface (driven by `FallbackRunner`)."""
 
     execution_path = "transformers"
+    position_offset = 0  # added to every position fed to the forward (`transformers_vision.py`: PaliGemma's 1)
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.model = model

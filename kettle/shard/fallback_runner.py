@@ -9,6 +9,9 @@ request id) and the step re-pads them together once.
 
 Models whose cache is not plain per-layer K/V (sliding-window or recurrent layers), or whose forward takes no
 `position_ids`, run one request per forward instead (`KETTLE_TUNING=fallback-padding=off`: everywhere).
+
+A vision-language model (`images`: `fallback_images.py`) computes a prompt with images whole, in a forward of its
+own group that carries its pixel values and token types.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class FallbackRunner(TransformersRunner):
         self.padding = settings.current().fallback_padding and _plain_cache(model)
         self._own: dict[int, _Own] = {}
         self._padded: _Padded | None = None
+        self.images = None  # FallbackImages of a vision-language model (set by the server)
 
     # --- state ----------------------------------------------------------------------------------------
 
@@ -86,13 +90,15 @@ class FallbackRunner(TransformersRunner):
     # --- forward --------------------------------------------------------------------------------------
 
     def _logits(self, requests: list[RequestState], ends: list[int]) -> StepLogits:
+        if self.images is not None:  # a prompt with images waits for the chunk that completes it
+            requests, ends = self.images.ready(requests, ends)
         pasts = [self._past(r.id) for r in requests]
         tokens = [r.all_ids[past:end] for r, past, end in zip(requests, pasts, ends, strict=True)]
         prompt = [self._wants_prompt_logprobs(r, p, e) for r, p, e in zip(requests, pasts, ends, strict=True)]
         if self.padding:
             rows = self._grouped_forward(requests, pasts, tokens, keep_all=any(prompt))
         else:
-            rows = [self._single_forward(r.id, past, t) for r, past, t in zip(requests, pasts, tokens, strict=True)]
+            rows = [self._single_forward(r, past, t) for r, past, t in zip(requests, pasts, tokens, strict=True)]
         result = StepLogits({r.id: row[-1] for r, row in zip(requests, rows, strict=True)}, {})
         for request, row, wanted in zip(requests, rows, prompt, strict=True):
             if wanted:
@@ -100,14 +106,16 @@ class FallbackRunner(TransformersRunner):
         return result
 
     def _grouped_forward(self, requests, pasts: list[int], tokens: list[list[int]], keep_all: bool) -> list:
-        """New prompts in one padded forward, continuing requests in one per query length.
+        """New prompts in one padded forward (those with images in another), continuing requests in one per query
+        length.
 
         Within a group every row's real tokens stay contiguous at the right ([pads][past][new]): padding never
         sits between a past and its new tokens, so position-indexed masks (local windows) stay exact.
         """
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, bool], list[int]] = {}
         for i, (past, query) in enumerate(zip(pasts, tokens, strict=True)):
-            groups.setdefault(0 if past == 0 else len(query), []).append(i)
+            key = (0, bool(requests[i].images)) if past == 0 else (len(query), False)
+            groups.setdefault(key, []).append(i)
         rows: list = [None] * len(requests)
         for members in groups.values():
             picked = [requests[i] for i in members]
@@ -128,12 +136,18 @@ class FallbackRunner(TransformersRunner):
         device = self.device
         input_ids = torch.tensor([[self.model.pad_token_id] * (width - len(t)) + t for t in tokens], device=device)
         new_mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in tokens], device=device)
+        start = self.model.position_offset
         positions = torch.tensor(
-            [[1] * (width - len(t)) + list(range(p, p + len(t))) for p, t in zip(pasts, tokens, strict=True)],
+            [
+                [1] * (width - len(t)) + list(range(start + p, start + p + len(t)))
+                for p, t in zip(pasts, tokens, strict=True)
+            ],
             device=device,
         )
         mask = torch.cat([self._padded.mask, new_mask], dim=1)
         kwargs = {"position_ids": positions} if self.model.takes_positions else {}
+        if self.images is not None:
+            kwargs |= self.images.inputs(requests, pasts, tokens, width)
         if not keep_all and self.model.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         out = self.model.model(
@@ -165,13 +179,15 @@ class FallbackRunner(TransformersRunner):
             layers.append((keys, values))
         return _Padded(ids, DynamicCache(layers, config=self.model.config), mask, list(pasts))
 
-    def _single_forward(self, request_id: int, past: int, tokens: list[int]) -> torch.Tensor:
+    def _single_forward(self, request: RequestState, past: int, tokens: list[int]) -> torch.Tensor:
         """One request alone through the model and its own cache object (no padding to get wrong)."""
+        request_id = request.id
         own = self._own.get(request_id)
         input_ids = torch.tensor([tokens], device=self.device)
-        kwargs = {}
+        kwargs = {} if self.images is None else self.images.inputs([request], [past], [tokens], len(tokens))
         if self.model.takes_positions:
-            kwargs["position_ids"] = torch.arange(past, past + len(tokens), device=self.device).unsqueeze(0)
+            start = past + self.model.position_offset
+            kwargs["position_ids"] = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
         out = self.model.model(
             input_ids=input_ids,
             attention_mask=torch.ones((1, past + len(tokens)), dtype=torch.long, device=self.device),

@@ -44,7 +44,12 @@ def _native_runner(model, vocab: Vocab, device: torch.device, watermark, graph_b
 def _fallback_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
     from kettle.shard.fallback_runner import FallbackRunner
 
-    return FallbackRunner(model, vocab, device, watermark)  # padded batches: no decode graphs
+    runner = FallbackRunner(model, vocab, device, watermark)  # padded batches: no decode graphs
+    if hasattr(model, "token_types"):  # a vision-language model through transformers: its prompts take images
+        from kettle.shard.fallback_images import FallbackImages
+
+        runner.images = FallbackImages.load(model)
+    return runner
 
 
 def _seq2seq_runner(model, vocab: Vocab, device: torch.device, watermark, graph_buckets) -> Runner:
