@@ -11,6 +11,9 @@
  *   inputs 64j + l in the low nibbles of qs[32j + l], 64j + 32 + l in the high ones. w = d · sc · q - dmin · m.
  * - Q5_K, 176 bytes a 256 inputs: Q4_K's d, dmin and 12 scale bytes, qh[32], then Q4_K's qs[128]: the fifth bit of
  *   input 32i + l (sub-block i) is bit i of qh[l]. q in 0..31.
+ * - Q4_0 (18 bytes a 32 inputs: d float16, qs[16]; w = d · (q - 8)) and Q4_1 (20 bytes: d, m float16, qs; w = d · q
+ *   + m): input l < 16 in the low nibble of qs[l], 16 + l in its high one, exactly a Q4L unit's byte pair order.
+ * - Q8_0 (34 bytes a 32 inputs: d float16, qs[32] int8; w = d · q).
  * - Q5_0 (22 bytes a 32 inputs: d float16, qh 4 bytes, qs[16]; w = d · (q - 16)) and Q5_1 (24 bytes: d, m float16,
  *   qh, qs; w = d · q + m): input l < 16 in the low nibble of qs[l], 16 + l in its high one, the fifth bit of input
  *   i bit i of qh (little-endian).
@@ -23,7 +26,17 @@
 
 #include "kernels.h"
 
-enum { GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_XS = 23 };
+enum {
+    GGML_Q4_0 = 2,
+    GGML_Q4_1 = 3,
+    GGML_Q5_0 = 6,
+    GGML_Q5_1 = 7,
+    GGML_Q8_0 = 8,
+    GGML_Q4_K = 12,
+    GGML_Q5_K = 13,
+    GGML_Q6_K = 14,
+    GGML_IQ4_XS = 23
+}; /* gguf's GGMLQuantizationType numbers */
 
 /* One channel's q (0..63) of Q6_K super-block `block`, its 16 scales and its d. */
 static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16], uint16_t *d) {
@@ -88,9 +101,34 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t 
     }
 }
 
-/* Q4_K rows → Q4L with Q4_K's own scales (sc, m as bytes, d and dmin in `supers`), as `pack_q6l`. */
+/* Q4_0 / Q4_1 rows → Q4L with float16 scales (and Q4_1's minimums; Q4_0's are none: -8 · scale, `Minimums`). */
+static int pack_q4l_legacy(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes,
+                           const int64_t *order, int64_t g0, int64_t g1) {
+    const int64_t k = w->k, size = source == GGML_Q4_1 ? 20 : 18;
+    uint8_t *weight = (uint8_t *)w->weight;
+    uint16_t *scales = (uint16_t *)w->scales, *mins = (uint16_t *)w->mins;
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
+            for (int64_t b = 0; b < k / 32; b++) {
+                const uint8_t *block = blocks + source_row * row_bytes + b * size, *qs = block + size - 16;
+                const int64_t at = (G * (k / 32) + b) * 16 + c;
+                memcpy(scales + at, block, 2);
+                if (mins) memcpy(mins + at, block + 2, 2);
+                uint8_t *unit = weight + (G * (k / 32) + b) * 256;
+                for (int u = 0; u < 8; u++)
+                    for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = qs[2 * u + e];
+            }
+        }
+    return 0;
+}
+
+/* Q4_K rows → Q4L with Q4_K's own scales (sc, m as bytes, d and dmin in `supers`), as `pack_q6l`; Q4_0 and Q4_1
+ * rows into a Q4L weight without `supers` (groups of 32; minimums only for Q4_1). */
 int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
              int64_t g1) {
+    if (!w->supers && w->group == 32 && ((source == GGML_Q4_0 && !w->mins) || (source == GGML_Q4_1 && w->mins)))
+        return pack_q4l_legacy(w, source, blocks, row_bytes, order, g0, g1);
     if (source != GGML_Q4_K || !w->supers) return -1;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
@@ -222,6 +260,26 @@ int pack_iq4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_by
                             unit[32 * u + 2 * c + e] = qs[16 * i + l];
                         }
                 }
+            }
+        }
+    return 0;
+}
+
+/* Q8_0 rows → Q8L, as `pack_q6l`. */
+int pack_q8l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
+             int64_t g1) {
+    if (source != GGML_Q8_0) return -1;
+    const int64_t k = w->k;
+    uint8_t *weight = (uint8_t *)w->weight;
+    uint16_t *scales = (uint16_t *)w->scales;
+    for (int64_t G = g0; G < g1; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
+            for (int64_t b = 0; b < k / 32; b++) {
+                const uint8_t *block = blocks + source_row * row_bytes + b * 34, *qs = block + 2;
+                memcpy(scales + (G * (k / 32) + b) * 16 + c, block, 2);
+                uint8_t *pairs = weight + (G * (k / 32) + b) * 512; /* pair p: q[2p + e] of channel c at 2c + e */
+                for (int p = 0; p < 16; p++) pairs[32 * p + 2 * c] = qs[2 * p], pairs[32 * p + 2 * c + 1] = qs[2 * p + 1];
             }
         }
     return 0;

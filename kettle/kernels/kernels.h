@@ -725,6 +725,8 @@ INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_
                       int64_t g0, int64_t g1);
 INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                       int64_t g0, int64_t g1);
+INTERNAL int pack_q8l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
+                      int64_t g0, int64_t g1);
 INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                       int64_t g0, int64_t g1);
 INTERNAL int pack_iq4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,

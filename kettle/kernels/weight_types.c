@@ -166,7 +166,7 @@ const WeightType WEIGHT_TYPES[] = {
     [LINEAR_Q4L] = {.name = "q4_lanes", .lanes = 1, .quantized = 1, .minimums = 1, .dequantize = q4l_dequant_row,
                     .quantized_rows = q4l_rows, .widen = q4l_widen, .scales = q4l_scales, .pack = pack_q4l},
     [LINEAR_Q8L] = {.name = "q8_0_lanes", .lanes = 1, .quantized = 1, .dequantize = q8l_dequant_row,
-                    .quantized_rows = q8l_rows, .widen = q8l_widen, .scales = q8l_scales},
+                    .quantized_rows = q8l_rows, .widen = q8l_widen, .scales = q8l_scales, .pack = pack_q8l},
     [LINEAR_Q5L] = {.name = "q5_lanes", .lanes = 1, .quantized = 1, .minimums = 1, .dequantize = q5l_dequant_row,
                     .quantized_rows = q5l_rows, .widen = q5l_widen, .scales = q4l_scales, .pack = pack_q5l},
     [LINEAR_IQ4L] = {.name = "iq4_xs_lanes", .lanes = 1, .quantized = 1, .dequantize = iq4l_dequant_row,

@@ -29,13 +29,13 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from kettle.kernels import ops
-from kettle.quantization import iq4, q5, q6
+from kettle.quantization import iq4, q5, q6, q8
 from kettle.quantization.gguf_blocks import GROUP, Int4Groups, int4_groups
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.iq4 import IQ4Linear
 from kettle.quantization.kernel_weight import KernelWeight, StackedWeight
-from kettle.quantization.q4 import SUPER_BLOCK, Q4Linear, lanes_fit
+from kettle.quantization.q4 import CHUNK, SUPER_BLOCK, Q4Linear, lanes_fit
 from kettle.quantization.q5 import Q5Linear
 from kettle.quantization.q6 import Q6Linear
 from kettle.quantization.q8 import Q8Linear
@@ -122,10 +122,12 @@ class GgufScheme:
         qtype = self.gguf.qtype(name)
         if not ops.available() or qtype in DENSE:
             return None
+        if qtype == T.Q8_0 and q8.fits(*self.gguf.shape(name)):
+            return Q8Linear.from_packed_blocks([self.gguf.blocks(name)])
         if qtype == T.Q8_0:
             return Q8Linear.from_blocks(self.gguf.blocks(name))
-        if qtype == T.Q4_K and self._packs_q4_k([name]):
-            return Q4Linear.from_q4_k_blocks([self.gguf.blocks(name)])
+        if qtype in EXACT_INT4 and self._packs_q4([name]):
+            return Q4Linear.from_blocks([self.gguf.blocks(name)])
         if qtype in EXACT_INT4:
             table = int4_linear(int4_groups(self.gguf.blocks(name)), None)
             return table if isinstance(table, Q4Linear) else None
@@ -150,8 +152,10 @@ class GgufScheme:
         qtypes = [self.gguf.qtype(name) for name in names]
         if all(qtype in DENSE for qtype in qtypes):
             return None
-        if all(qtype == T.Q4_K for qtype in qtypes) and self._packs_q4_k(names):
-            return Q4Linear.from_q4_k_blocks([self.gguf.blocks(name) for name in names], bias)
+        if len(set(qtypes)) == 1 and qtypes[0] in EXACT_INT4 and self._packs_q4(names):
+            return Q4Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
+        if set(qtypes) == {T.Q8_0} and all(q8.fits(*self.gguf.shape(name)) for name in names):
+            return Q8Linear.from_packed_blocks([self.gguf.blocks(name) for name in names], bias)
         if all(qtype in EXACT_INT4 for qtype in qtypes):
             layer = int4_linear(_concat([int4_groups(self.gguf.blocks(name)) for name in names]), bias)
             if layer is not None:
@@ -171,11 +175,12 @@ class GgufScheme:
     def _fits_q5(self, name: str) -> bool:
         return q5.fits(*self.gguf.shape(name), k_quant=self.gguf.qtype(name) == T.Q5_K)
 
-    def _packs_q4_k(self, names: list[str]) -> bool:
-        """Whether Q4_K tensors load into lanes with their own scales, packed by the kernels (each part's rows a
-        multiple of 16, whole super-blocks: `Q4Linear.from_q4_k_blocks`); else through `int4_groups`."""
+    def _packs_q4(self, names: list[str]) -> bool:
+        """Whether 4-bit tensors load into lanes packed by the kernels (each part's rows a multiple of 16, Q4_K's
+        whole super-blocks, the others' whole chunks of 64: `Q4Linear.from_blocks`); else through `int4_groups`."""
+        width = SUPER_BLOCK if self.gguf.qtype(names[0]) == T.Q4_K else CHUNK
         shapes = [self.gguf.shape(name) for name in names]
-        return all(lanes_fit(rows, GROUP) and cols % SUPER_BLOCK == 0 for rows, cols in shapes)
+        return ops.available() and all(lanes_fit(rows, GROUP) and cols % width == 0 for rows, cols in shapes)
 
     def _stacked(self, names: list[str], qtypes: list[T], bias: torch.Tensor | None) -> KernelWeight:
         """A fused projection whose parts the file stores in different types (Q4_K_M's Q6_K v beside a Q4_K q and

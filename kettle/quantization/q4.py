@@ -150,20 +150,24 @@ class Q4Linear(KernelWeight):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     @classmethod
-    def from_q4_k_blocks(cls, parts: list[Blocks], bias=None) -> Q4Linear:
-        """GGUF Q4_K tensors' blocks (a fused projection's parts stacked, rows in Hugging Face order), packed by the
-        kernels straight from the file's bytes into lanes with the file's own scales (`ops.pack`, one pass over all
-        threads; decoding and moving them in tensor ops took ~1.5 s of a 1.7B Q4_K_M file's load). The caller checks
-        `lanes_fit(n, 32)` and that the rows are whole super-blocks."""
-        n, k = sum(b.rows for b in parts), parts[0].cols
+    def from_blocks(cls, parts: list[Blocks], bias=None) -> Q4Linear:
+        """GGUF Q4_K, Q4_0 or Q4_1 tensors' blocks, all of one type (a fused projection's parts stacked, rows in
+        Hugging Face order), packed by the kernels straight from the file's bytes into lanes (`ops.pack`, one pass
+        over all threads; decoding and moving them in tensor ops took ~1.5 s of a 1.7B Q4_K_M file's load): Q4_K
+        with the file's own scales, Q4_0 with no minimums (`Minimums`), Q4_1 with its own. The caller checks
+        `lanes_fit(n, 32)` and, for Q4_K, that the rows are whole super-blocks."""
+        n, k, qtype = sum(b.rows for b in parts), parts[0].cols, parts[0].qtype.name
         layer = cls.__new__(cls)
         KernelWeight.__init__(layer)
         layer.out_features, layer.in_features, layer.group_size = n, k, BLOCK
         layer.dense_rows, layer.lanes = DENSE_ROWS, True
-        tables = {"packed": (k // 2, torch.uint8), "scales": (k // BLOCK, torch.uint8)}
-        tables |= {"mins": (k // BLOCK, torch.uint8), "supers": (k // SUPER_BLOCK * 2, torch.float16)}
-        for name, (width, dtype) in tables.items():
-            layer.register_buffer(name, torch.empty(n, width, dtype=dtype), persistent=False)
+        table = torch.uint8 if qtype == "Q4_K" else torch.float16
+        tables = {"packed": (k // 2, torch.uint8), "scales": (k // BLOCK, table)}
+        tables |= {"mins": (k // BLOCK, table) if qtype != "Q4_0" else None}
+        tables |= {"supers": (k // SUPER_BLOCK * 2, torch.float16) if qtype == "Q4_K" else None}
+        for name, shape in tables.items():
+            tensor = None if shape is None else torch.empty(n, shape[0], dtype=shape[1])
+            layer.register_buffer(name, tensor, persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         first = 0
         for part in parts:

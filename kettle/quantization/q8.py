@@ -25,6 +25,14 @@ from kettle.quantization.q4 import LANES, table_from_lanes, table_to_lanes
 from kettle.tensors.gguf_file import Blocks
 
 BLOCK = 32  # input channels per scale
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether a Q8_0 weight of n output channels and k inputs is held in lanes here (packed by the kernels at load:
+    `Q8Linear.from_packed_blocks`)."""
+    return ops.lanes() and n % LANES == 0 and k % BLOCK == 0
+
+
 BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
 
 
@@ -69,6 +77,25 @@ class Q8Linear(KernelWeight):
         if blocks.order is not None:
             q, scales = q[blocks.order], scales[blocks.order]
         return cls(q, scales, bias)
+
+    @classmethod
+    def from_packed_blocks(cls, parts: list[Blocks], bias: torch.Tensor | None = None) -> Q8Linear:
+        """Q8_0 tensors' blocks (a fused projection's parts stacked, rows in Hugging Face order) packed by the kernels
+        straight from the file's bytes into lanes (`ops.pack`, over all threads); the caller checks `fits`."""
+        n, k = sum(b.rows for b in parts), parts[0].cols
+        layer = cls.__new__(cls)
+        KernelWeight.__init__(layer)
+        layer.out_features, layer.in_features, layer.lanes = n, k, True
+        layer.register_buffer("q", torch.empty(n, k, dtype=torch.int8), persistent=False)
+        layer.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=torch.float16), persistent=False)
+        layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        first = 0
+        for part in parts:
+            rows = slice(first, first + part.rows)
+            description = Linear(LINEAR_Q8L, BLOCK, part.rows, k, *map(pointer, (layer.q[rows], layer.scales[rows])))
+            ops.pack(description, int(part.qtype), part.data, part.order)
+            first += part.rows
+        return layer
 
     @classmethod
     def concat(cls, parts: list[Q8Linear], bias: torch.Tensor | None) -> Q8Linear:

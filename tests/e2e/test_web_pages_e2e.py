@@ -157,7 +157,7 @@ def test_the_page_asks_for_the_key_then_streams_answers_with_their_speed(server,
     open_page(browser, server, "/chat", key=None, system="You are a helpful assistant.", **{"max-tokens": "120"})
     # The header shows the model from /info, and the key field is there before anything is sent.
     assert browser.find_element(By.ID, "model-name").text == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert "int4" in browser.find_element(By.ID, "model-quantization").text
+    assert "gguf Q4_1 → q4" in browser.find_element(By.ID, "model-quantization").text  # /info's, as served
     assert browser.find_element(By.ID, "model-decode").text.startswith("decode: ")
     assert browser.find_element(By.ID, "api-key").is_displayed()
 

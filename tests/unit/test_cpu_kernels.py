@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -185,10 +186,10 @@ def test_a_q6_k_weight_in_lanes_holds_the_files_values_in_its_row_order():
 
 
 def test_the_kernels_pack_gguf_blocks_as_the_tensor_ops_lay_them_out():
-    """Q4_K and Q6_K tensors packed at load by gguf_pack.c (one pass over the file's bytes, 16 channels a unit of work)
-    hold the bytes the tensor-op layouts define (q4.py `to_lanes` over `int4_groups`, q6.py `to_lanes` over
-    `decode_blocks`), for a fused projection's parts stacked with a row order of their own; and a type the kernels do
-    not pack from is refused by name."""
+    """Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 tensors packed at load by gguf_pack.c (one pass over the file's bytes, 16
+    channels a unit of work) hold the bytes the tensor-op layouts define (q4.py `to_lanes` over `int4_groups`, q6.py
+    `to_lanes` over `decode_blocks`, q8.py `to_lanes`), for a fused projection's parts stacked with a row order of their
+    own; and a type the kernels do not pack from is refused by name."""
     if not lanes_here():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
     from gguf import GGMLQuantizationType as T
@@ -201,7 +202,7 @@ def test_the_kernels_pack_gguf_blocks_as_the_tensor_ops_lay_them_out():
     n, k = 48, 512
     order = torch.randperm(n)
     q4k = [Blocks(random_q4_k_blocks(n, k, seed), T.Q4_K, n, k, o) for seed, o in ((1, order), (2, None))]
-    packed = Q4Linear.from_q4_k_blocks(q4k)
+    packed = Q4Linear.from_blocks(q4k)
     moved = int4_linear(_concat([int4_groups(b) for b in q4k]), None)
     for name in ("packed", "scales", "mins", "supers"):
         assert torch.equal(getattr(packed, name), getattr(moved, name)), name
@@ -214,6 +215,29 @@ def test_the_kernels_pack_gguf_blocks_as_the_tensor_ops_lay_them_out():
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name
     with pytest.raises(ValueError, match="no packer from GGUF type 14 into a q4_lanes weight"):
         ops.pack(packed.rows_of(0, 16), int(T.Q6_K), q6k[0].data)
+    from gguf.quants import quantize
+
+    from kettle.quantization.q8 import Q8Linear
+
+    rng = np.random.default_rng(5)
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        parts = [
+            Blocks(quantize(rng.standard_normal((n, k), dtype=np.float32), qtype), qtype, n, k, o)
+            for o in (order, None)
+        ]
+        if qtype == T.Q8_0:
+            fast, slow = (
+                Q8Linear.from_packed_blocks(parts),
+                Q8Linear.concat([Q8Linear.from_blocks(b) for b in parts], None),
+            )
+            names = ("q", "scales")
+        else:
+            fast, slow = Q4Linear.from_blocks(parts), int4_linear(_concat([int4_groups(b) for b in parts]), None)
+            names = ("packed", "scales", "mins")
+            assert (fast.mins is None) == (qtype == T.Q4_0)
+        for name in names:
+            a, b = getattr(fast, name), getattr(slow, name)
+            assert (a is None and b is None) or torch.equal(a, b), (qtype, name)
 
 
 def test_a_q8_0_weight_in_lanes_holds_the_files_values_and_computes_its_products(monkeypatch):
