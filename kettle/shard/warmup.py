@@ -21,9 +21,10 @@ from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 DEFAULT_MAX_KV_TOKENS = 1 << 17
 # Enough rows for every kernel path a prompt takes (the panel GEMMs from 16 rows, the prefill attention's 16-token
-# tiles); a longer one proves nothing more and costs start-up time that grows with the model: 512 tokens took
-# 5.9 s of a 1.1B model's 16 s start here (0.5 s on the bundled model).
-DEFAULT_CPU_WARMUP_TOKENS = 64
+# tiles and a tail); a longer one proves nothing more and costs start-up time that grows with the model: 512 tokens
+# took 5.9 s of a 1.1B model's 16 s start here (0.5 s on the bundled model), 64 tokens 0.9 s of a 1.7B Q4_K_M
+# file's 3.7 s start (24 tokens: 0.3-0.4 s, the start 3.2-3.3 s).
+DEFAULT_CPU_WARMUP_TOKENS = 24
 
 
 @dataclass(frozen=True)
