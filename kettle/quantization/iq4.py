@@ -47,10 +47,7 @@ class IQ4Linear(KernelWeight):
         """GGUF IQ4_XS tensors' blocks, rows in Hugging Face order (`Blocks.order`), as one projection (a fused one:
         the parts' output channels stacked), packed by the kernels from the file's bytes."""
         layer = cls(sum(b.rows for b in parts), parts[0].cols, bias)
-        first = 0
-        for part in parts:
-            ops.pack(layer.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
-            first += part.rows
+        layer.pack_parts(parts)
         return layer
 
     def rows_of(self, first: int, count: int) -> Linear:
@@ -62,17 +59,6 @@ class IQ4Linear(KernelWeight):
     def describe(self) -> Linear:
         tensors = (self.weight_bytes, self.scales, None, self.bias, self.supers)
         return Linear(LINEAR_IQ4L, BLOCK, self.out_features, self.in_features, *map(pointer, tensors))
-
-    def dequantized(self) -> torch.Tensor:
-        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
-        return self.kernel_dequantized()
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W in float32: the embedding lookup of a GGUF file's IQ4_XS table."""
-        return self.kernel_embed(ids)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel_forward(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, iq4_xs, kernel=kettle, lanes"

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kettle.kernels import ops
 from kettle.kernels.structs import Linear
+
+if TYPE_CHECKING:
+    from kettle.tensors.gguf_file import Blocks
 
 
 def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -48,6 +52,31 @@ class KernelWeight(nn.Module):
         (tied to the head or its own), which then needs no float32 copy."""
         return ops.dequantize(self.describe(), ids).view(*ids.shape, self.in_features)
 
+    def rows_of(self, first: int, count: int) -> Linear:
+        """Output channels first .. first + count - 1 as a weight of their own, without bias (a type packed from GGUF
+        blocks says where its rows are)."""
+        raise NotImplementedError
+
+    def pack_parts(self, parts: list[Blocks]) -> None:
+        """The weight's tensors (allocated in its layout) filled from GGUF tensors' blocks by the kernels, each part
+        into its rows (a fused projection's parts stacked, each with its row order)."""
+        first = 0
+        for part in parts:
+            ops.pack(self.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
+            first += part.rows
+
+    # The types that only exist on the kernels (the lanes layouts packed from GGUF blocks) compute through them.
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel_forward(x)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
+        return self.kernel_dequantized()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32: the embedding lookup of a GGUF file's table of this type."""
+        return self.kernel_embed(ids)
+
 
 class StackedWeight(KernelWeight):
     """A projection fused along its outputs (q/k/v, gate/up) whose parts are of different weight types, each kept in
@@ -71,9 +100,6 @@ class StackedWeight(KernelWeight):
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([part.dequantized() for part in self.parts])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel_forward(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, parts stacked along the outputs"

@@ -169,10 +169,7 @@ class Q4Linear(KernelWeight):
             tensor = None if shape is None else torch.empty(n, shape[0], dtype=shape[1])
             layer.register_buffer(name, tensor, persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
-        first = 0
-        for part in parts:
-            ops.pack(layer.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
-            first += part.rows
+        layer.pack_parts(parts)
         return layer
 
     def rows_of(self, first: int, count: int) -> Linear:

@@ -55,10 +55,7 @@ class Q5Linear(KernelWeight):
         projection (a fused one: the parts' output channels stacked), packed by the kernels from the file's bytes."""
         k_quant = parts[0].qtype.name == "Q5_K"
         layer = cls(sum(b.rows for b in parts), parts[0].cols, bias, k_quant)
-        first = 0
-        for part in parts:
-            ops.pack(layer.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
-            first += part.rows
+        layer.pack_parts(parts)
         return layer
 
     def rows_of(self, first: int, count: int) -> Linear:
@@ -71,17 +68,6 @@ class Q5Linear(KernelWeight):
     def describe(self) -> Linear:
         tensors = (self.weight_bytes, self.scales, self.mins, self.bias, self.supers)
         return Linear(LINEAR_Q5L, BLOCK, self.out_features, self.in_features, *map(pointer, tensors))
-
-    def dequantized(self) -> torch.Tensor:
-        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
-        return self.kernel_dequantized()
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W in float32: the embedding lookup of a GGUF file's Q5_K table."""
-        return self.kernel_embed(ids)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel_forward(x)
 
     def extra_repr(self) -> str:
         kind = "q5_k" if self.supers is not None else "q5_0/q5_1"

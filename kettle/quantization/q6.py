@@ -92,10 +92,7 @@ class Q6Linear(KernelWeight):
         layer.register_buffer("scales", torch.empty(n, k // 16, dtype=torch.int8), persistent=False)
         layer.register_buffer("d", torch.empty(n, k // SUPER_BLOCK, dtype=torch.float16), persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
-        first = 0
-        for part in parts:
-            ops.pack(layer.rows_of(first, part.rows), int(part.qtype), part.data, part.order)
-            first += part.rows
+        layer.pack_parts(parts)
         return layer
 
     def rows_of(self, first: int, count: int) -> Linear:
@@ -104,21 +101,9 @@ class Q6Linear(KernelWeight):
         tensors = (self.weight_bytes[rows], self.scales[rows], None, None, self.d[rows])
         return Linear(LINEAR_Q6L, 32, count, self.in_features, *map(pointer, tensors))
 
-    def dequantized(self) -> torch.Tensor:
-        """W as a dense float32 [out, in] tensor, exactly what the kernels multiply by (gguf's values)."""
-        return self.kernel_dequantized()
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W in float32: the embedding lookup of a GGUF file's Q6_K table (tied to the head or its
-        own), which then needs no float32 copy."""
-        return self.kernel_embed(ids)
-
     def describe(self) -> Linear:
         tensors = (self.weight_bytes, self.scales, None, self.bias, self.d)
         return Linear(LINEAR_Q6L, 32, self.out_features, self.in_features, *map(pointer, tensors))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel_forward(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, q6_k, kernel=kettle, lanes"

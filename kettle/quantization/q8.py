@@ -89,13 +89,14 @@ class Q8Linear(KernelWeight):
         layer.register_buffer("q", torch.empty(n, k, dtype=torch.int8), persistent=False)
         layer.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=torch.float16), persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
-        first = 0
-        for part in parts:
-            rows = slice(first, first + part.rows)
-            description = Linear(LINEAR_Q8L, BLOCK, part.rows, k, *map(pointer, (layer.q[rows], layer.scales[rows])))
-            ops.pack(description, int(part.qtype), part.data, part.order)
-            first += part.rows
+        layer.pack_parts(parts)
         return layer
+
+    def rows_of(self, first: int, count: int) -> Linear:
+        """Output channels first .. first + count - 1 (in lanes: multiples of 16) as a weight of their own."""
+        rows = slice(first, first + count)
+        kind = LINEAR_Q8L if self.lanes else LINEAR_Q8G
+        return Linear(kind, BLOCK, count, self.in_features, *map(pointer, (self.q[rows], self.scales[rows])))
 
     @classmethod
     def concat(cls, parts: list[Q8Linear], bias: torch.Tensor | None) -> Q8Linear:
