@@ -42,6 +42,7 @@ SOURCES = tuple(
         "decoder_step.c",
         "gemm.c",
         "lanes.c",
+        "lanes_avx2.c",
         "linear.c",
         "weight_types.c",
         "gguf_pack.c",

@@ -255,6 +255,10 @@ typedef struct {
     /* y[:, j0 .. j1) for the rows quantized in xq, one pass over the weights. */
     void (*quantized_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                            int64_t ldy);
+    /* The same on AVX2 CPUs for a lanes layout (lanes_avx2.c, the same bits), or NULL: the type is held in lanes only
+     * where the CPU has AVX-512 VNNI. */
+    void (*quantized_rows_avx2)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1,
+                                float *y, int64_t ldy);
     /* The same with each row's bits those of the row alone (lanes: `quantized_rows` is that already, NULL here). */
     void (*invariant_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                            int64_t ldy);
@@ -688,6 +692,12 @@ INTERNAL void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, i
 INTERNAL void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+/* Their AVX2 tiles (lanes_avx2.c), and whether the lanes tiles run in 512-bit vectors: `kettle_lanes_avx512` (-1: the
+ * CPU's answer; tests set 0 to run the AVX2 ones here). */
+INTERNAL void q5l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void iq4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+extern int kettle_lanes_avx512;
+static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }

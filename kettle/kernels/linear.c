@@ -57,6 +57,9 @@ int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
     if (!type->quantized) return PATH_TILES;
     if (t->invariant) {
         if (!int16) return type->lanes ? PATH_TILES : float32;
+        /* without the integer panels (an AVX2 CPU) a lanes type's prompt rows take the float32 ones, whose sums for a
+         * row do not depend on the chunk, and its decode rows its tiles, as the rows layouts split them */
+        if (type->lanes && !kettle_cpu_vnni512) return prompt ? PATH_GEMM : PATH_QUANTIZED;
         if (type->lanes) return rows >= panel_rows(t, 1) ? PATH_INT_GEMM : PATH_QUANTIZED;
         return prompt ? panels_path(w, t) : PATH_INVARIANT;
     }
@@ -101,7 +104,7 @@ void team_linear(const Linear *w, int path, const float *x, int64_t ldx, const Q
             linear_channels_f32(w, p, x, ldx, rows, y, ldy, buffer);
         return; /* the loop's barrier */
     case PATH_QUANTIZED:
-        type->quantized_rows(w, xq, rows, j0, j1, y, ldy);
+        (type->lanes && !lanes_avx512() ? type->quantized_rows_avx2 : type->quantized_rows)(w, xq, rows, j0, j1, y, ldy);
         break;
     case PATH_INVARIANT:
         if (rows >= kettle_row_gemm_rows) {
@@ -128,7 +131,8 @@ static int path_runs(const Linear *w, int path) {
     switch (path) {
     case PATH_PLAIN: return type->plain != NULL;
     case PATH_TILES: case PATH_GEMM: return 1;
-    case PATH_QUANTIZED: return type->quantized_rows != NULL && w->k % 32 == 0;
+    case PATH_QUANTIZED:
+        return w->k % 32 == 0 && (type->lanes && !lanes_avx512() ? type->quantized_rows_avx2 : type->quantized_rows);
     case PATH_INVARIANT: return type->invariant_rows != NULL && w->k % 32 == 0;
     case PATH_INT_GEMM: return type->widen != NULL && w->k % 32 == 0 && kettle_cpu_vnni512;
     default: return 0;

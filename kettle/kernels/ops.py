@@ -28,6 +28,7 @@ import torch
 from kettle import settings
 from kettle.kernels.build import library
 from kettle.kernels.structs import (
+    AVX2_LANES_TYPES,
     LANES_TYPES,
     PATH_DECODE_ROWS,
     PATH_PROMPT_ROWS,
@@ -103,10 +104,13 @@ def vnni() -> bool:
     return bool(ctypes.c_int.in_dll(library(), "kettle_cpu_vnni512").value)
 
 
-def lanes() -> bool:
-    """Whether int4, Q8_0 and Q6_K weights (with a multiple of 16 output channels) are stored in lanes here
-    (kernels.h's layouts: AVX-512 VNNI, and not switched off by `KETTLE_TUNING=lanes=off`)."""
-    return available() and settings.current().cpu_lanes and vnni()
+def lanes(kind: int | None = None) -> bool:
+    """Whether weights (with a multiple of 16 output channels) are stored in lanes here (kernels.h's layouts, not
+    switched off by `KETTLE_TUNING=lanes=off`): every lanes type where the CPU has AVX-512 VNNI; with `kind`, whether
+    that type is, which the types with AVX2 tiles (`AVX2_LANES_TYPES`) are on any CPU the kernels run on."""
+    if not (available() and settings.current().cpu_lanes):
+        return False
+    return vnni() or kind in AVX2_LANES_TYPES
 
 
 def integer_gemm() -> bool:

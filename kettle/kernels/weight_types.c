@@ -168,9 +168,11 @@ const WeightType WEIGHT_TYPES[] = {
     [LINEAR_Q8L] = {.name = "q8_0_lanes", .lanes = 1, .quantized = 1, .dequantize = q8l_dequant_row,
                     .quantized_rows = q8l_rows, .widen = q8l_widen, .scales = q8l_scales, .pack = pack_q8l},
     [LINEAR_Q5L] = {.name = "q5_lanes", .lanes = 1, .quantized = 1, .minimums = 1, .dequantize = q5l_dequant_row,
-                    .quantized_rows = q5l_rows, .widen = q5l_widen, .scales = q4l_scales, .pack = pack_q5l},
+                    .quantized_rows = q5l_rows, .quantized_rows_avx2 = q5l_rows_avx2, .widen = q5l_widen,
+                    .scales = q4l_scales, .pack = pack_q5l},
     [LINEAR_IQ4L] = {.name = "iq4_xs_lanes", .lanes = 1, .quantized = 1, .dequantize = iq4l_dequant_row,
-                     .quantized_rows = iq4l_rows, .widen = iq4l_widen, .scales = iq4l_scales, .pack = pack_iq4l},
+                     .quantized_rows = iq4l_rows, .quantized_rows_avx2 = iq4l_rows_avx2, .widen = iq4l_widen,
+                     .scales = iq4l_scales, .pack = pack_iq4l},
     [LINEAR_Q6L] = {.name = "q6_k_lanes", .lanes = 1, .quantized = 1, .sub_blocks = 1, .dequantize = q6l_dequant_row,
                     .quantized_rows = q6l_rows, .widen = q6l_widen, .scales = q6l_panel_scales, .pack = pack_q6l},
 };

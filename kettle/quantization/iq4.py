@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def fits(n: int, k: int) -> bool:
     """Whether an IQ4_XS weight of n output channels and k inputs is held in lanes here."""
-    return ops.lanes() and n % LANES == 0 and k % SUPER_BLOCK == 0
+    return ops.lanes(LINEAR_IQ4L) and n % LANES == 0 and k % SUPER_BLOCK == 0
 
 
 class IQ4Linear(KernelWeight):

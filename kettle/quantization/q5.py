@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def fits(n: int, k: int, k_quant: bool = True) -> bool:
     """Whether a Q5_K (`k_quant`) or Q5_0/Q5_1 weight of n output channels and k inputs is held in lanes here (the only
     layout its kernel reads)."""
-    return ops.lanes() and n % LANES == 0 and k % (SUPER_BLOCK if k_quant else BLOCK) == 0
+    return ops.lanes(LINEAR_Q5L) and n % LANES == 0 and k % (SUPER_BLOCK if k_quant else BLOCK) == 0
 
 
 class Q5Linear(KernelWeight):

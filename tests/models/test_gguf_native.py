@@ -216,6 +216,32 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     assert greedy(loaded, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
 
 
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.IQ4_XS, T.Q5_0], ids=["Q5_K", "IQ4_XS", "Q5_0"])
+def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_path, monkeypatch, qtype):
+    """On a CPU without AVX-512 VNNI (this one, told so: `kettle_cpu_vnni512` 0, which Python's `ops.vnni` reads too)
+    Q5_K, Q5_0, Q5_1 and IQ4_XS still sit in lanes, on the AVX2 tiles (lanes_avx2.c): the file's values, its logits
+    and transformers' greedy tokens, prompts on the float32 panels, decode rows on the tiles, the fused step too."""
+    from tests.fixtures import kernel_switch
+
+    if not ops.available():
+        pytest.skip(EXACT_NEEDS_KERNELS)
+    add_tuning(monkeypatch, quantized_activations=True)
+    folder, reference = build(tmp_path, "llama", qtype)
+    with kernel_switch("kettle_cpu_vnni512", 0):
+        assert not ops.vnni() and not ops.lanes()
+        model = load_model(str(folder), torch.float32, torch.device("cpu"))
+        kind = IQ4Linear if qtype == T.IQ4_XS else Q5Linear
+        assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {kind}
+        expected, logits = reference_logits(reference), kettle_logits(model)
+        atol = Q6_K_QUANTIZED_RTOL * float(expected.abs().max())
+        torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+        assert model.cpu_decoder_step is not None
+        reference.generation_config.eos_token_id = None
+        with torch.inference_mode():
+            hf = reference.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False)
+        assert greedy(model, PROMPTS[:1], 8)[0] == hf[0, len(PROMPTS[0]) :].tolist()
+
+
 def test_phi3_long_context_factors_come_from_the_file(tmp_path):
     """A Phi-3 128k-style file: longrope factors as tensors, the trained length (8 here) as metadata. The prompt of
     9 tokens runs on the long factors, the shorter ones on the short factors, in one batch."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kettle.kernels import decoder_step, ops, structs
-from tests.fixtures import kernels_buildable
+from tests.fixtures import kernel_switch, kernels_buildable
 from tests.kernel_weights import LANES_NAMES, NAMES, Weight, build, lanes_here
 
 pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
@@ -90,6 +90,21 @@ def test_a_row_has_the_same_bits_whatever_else_shares_its_call(name):
             together = ops.linear_on(x[:count], w.linear, path)
             for r in (0, count // 2, count - 1):
                 assert torch.equal(together[r], ops.linear_on(x[r : r + 1], w.linear, alone)[0]), (path, count, r)
+
+
+@pytest.mark.parametrize("name", ["q5_lanes q5_k", "q5_lanes q5_0", "q5_lanes q5_1", "iq4_xs_lanes"])
+def test_the_avx2_lanes_tiles_compute_the_avx512_tiles_bits(name):
+    """The lanes types with AVX2 tiles (lanes_avx2.c) are held in lanes on any AVX2 CPU: their tiles, run here with
+    AVX-512 switched off for them (`kettle_lanes_avx512`), give every row the bits of the AVX-512 tiles (the same
+    integer sums, the same float operations lane by lane), at every row count of a pass and beyond."""
+    w = weight(name)
+    x = torch.randn(11, K)
+    wide = ops.linear_on(x, w.linear, "quantized")
+    with kernel_switch("kettle_lanes_avx512", 0):
+        narrow = ops.linear_on(x, w.linear, "quantized")
+        assert torch.equal(ops.linear_on(x[:1], w.linear, "quantized"), wide[:1])
+    assert torch.equal(narrow, wide)
+    assert relative(narrow, F.linear(x, w.dense, w.bias)) < INT16_RTOL
 
 
 @pytest.fixture
@@ -173,3 +188,6 @@ def test_the_python_description_is_kernels_h():
     assert [structs.PATHS[paths[f"PATH_{p.upper()}"]] for p in structs.PATHS] == list(structs.PATHS)
     rows_ops = _c_enum((KERNELS / "cpu_kernels.c").read_text(), "ROWS_")
     assert rows_ops == {name: getattr(structs, name) for name in rows_ops}
+    table_text = (KERNELS / "weight_types.c").read_text()
+    rows = dict(re.findall(r"\[(LINEAR_\w+)\] = \{(.*?)\},\n", table_text, re.S))
+    assert {kinds[k] for k, row in rows.items() if ".quantized_rows_avx2" in row} == set(structs.AVX2_LANES_TYPES)
