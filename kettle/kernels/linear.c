@@ -103,8 +103,9 @@ void team_linear(const Linear *w, int path, const float *x, int64_t ldx, const Q
         for (int64_t p = 0; p < (w->n + TILE_CHANNELS - 1) / TILE_CHANNELS; p++)
             linear_channels_f32(w, p, x, ldx, rows, y, ldy, buffer);
         return; /* the loop's barrier */
-    case PATH_QUANTIZED:
-        (type->lanes && !lanes_avx512() ? type->quantized_rows_avx2 : type->quantized_rows)(w, xq, rows, j0, j1, y, ldy);
+    case PATH_QUANTIZED: /* a lanes type on its AVX2 tiles where the CPU (or a test) says no AVX-512 */
+        if (type->quantized_rows_avx2 && !lanes_avx512()) type->quantized_rows_avx2(w, xq, rows, j0, j1, y, ldy);
+        else type->quantized_rows(w, xq, rows, j0, j1, y, ldy);
         break;
     case PATH_INVARIANT:
         if (rows >= kettle_row_gemm_rows) {
@@ -132,7 +133,7 @@ static int path_runs(const Linear *w, int path) {
     case PATH_PLAIN: return type->plain != NULL;
     case PATH_TILES: case PATH_GEMM: return 1;
     case PATH_QUANTIZED:
-        return w->k % 32 == 0 && (type->lanes && !lanes_avx512() ? type->quantized_rows_avx2 : type->quantized_rows);
+        return w->k % 32 == 0 && type->quantized_rows != NULL;
     case PATH_INVARIANT: return type->invariant_rows != NULL && w->k % 32 == 0;
     case PATH_INT_GEMM: return type->widen != NULL && w->k % 32 == 0 && kettle_cpu_vnni512;
     default: return 0;
