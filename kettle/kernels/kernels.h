@@ -694,7 +694,6 @@ INTERNAL void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, i
 INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 /* Their AVX2 tiles (lanes_avx2.c), and whether the lanes tiles run in 512-bit vectors: `kettle_lanes_avx512` (-1: the
  * CPU's answer; tests set 0 to run the AVX2 ones here). */
-INTERNAL void q5l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void iq4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
