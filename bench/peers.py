@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="measure every engine this many times; medians")
     p.add_argument("--shape", choices=sorted(SHAPES), help="Kettle against llama.cpp on a GGUF of this shape")
-    qtypes = ["Q4_0", "Q4_K", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+    qtypes = ["Q4_0", "Q4_K", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS"]
     p.add_argument("--qtype", choices=qtypes, default="Q4_0", help="with --shape")
     p.add_argument("--untied", action="store_true", help="with --shape: an embedding in --qtype, a Q8_0 head")
     p.add_argument("--tokens", type=int, default=64, help="with --shape: decode steps timed per round")
@@ -561,7 +561,7 @@ def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_rope_freq_base(10000.0)
     types = {"Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M", "Q5_K_M": "MOSTLY_Q5_K_M"}
-    types |= {"Q6_K": "MOSTLY_Q6_K", "Q8_0": "MOSTLY_Q8_0"}
+    types |= {"Q6_K": "MOSTLY_Q6_K", "Q8_0": "MOSTLY_Q8_0", "IQ4_XS": "MOSTLY_IQ4_XS"}
     writer.add_file_type(gguf.LlamaFileType[types[qtype_name]])
     kinds = gguf.GGUFValueType
     for field in source.fields.values():
@@ -592,6 +592,10 @@ def _random_blocks(rng, rows: int, cols: int, qtype):
         blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
         blocks[..., 0:2] = np.full((rows, cols // 256, 1), 1.5e-3, np.float16).view(np.uint8)
         blocks[..., 2:4] = np.full((rows, cols // 256, 1), 2e-3, np.float16).view(np.uint8)
+        return blocks.reshape(rows, -1)
+    if qtype == T.IQ4_XS:  # d, 6-bit scales, 128 bytes of grid indices
+        blocks = rng.integers(0, 256, (rows, cols // 256, 136), dtype=np.uint8)
+        blocks[..., 0:2] = np.full((rows, cols // 256, 1), 2e-4, np.float16).view(np.uint8)
         return blocks.reshape(rows, -1)
     if qtype == T.Q5_K:  # Q4_K's with 32 bytes of fifth bits after the scales
         blocks = rng.integers(0, 256, (rows, cols // 256, 176), dtype=np.uint8)
