@@ -291,6 +291,7 @@ static void linear(const Decoder *m, const Linear *w, const float *x, const Quan
 static void add_norm(const Decoder *m, Scratch *s, float *a, const float *b, const Norm *norm, const Linear *next,
                      int64_t rows) {
     const int64_t dim = m->hidden;
+    const int quantize = next && quantized_input(m, next, rows); /* the path, chosen once for every row */
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *h = s->h + r * dim, *x = s->x + r * dim, *ar = a ? a + r * dim : NULL;
@@ -300,7 +301,7 @@ static void add_norm(const Decoder *m, Scratch *s, float *a, const float *b, con
             if (ar) for (int64_t i = 0; i < dim; i++) h[i] += ar[i];
             if (norm->kind != NORM_NONE) norm_row(norm, h, dim, x);
         }
-        if (next && quantized_input(m, next, rows)) quantize_row(x, dim, next->group, &s->xq, r);
+        if (quantize) quantize_row(x, dim, next->group, &s->xq, r);
     }
 }
 
@@ -349,11 +350,12 @@ static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Li
 /* act(fc(x)) or act(gate) · up for each row, quantized for the down projection when it takes quantized rows. */
 static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear *next, int64_t rows) {
     const int64_t inner = m->inner, width = l->gated ? 2 * inner : inner;
+    const int quantize = quantized_input(m, next, rows);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *in = s->gate_up + r * width;
         activate_row(l->act, in, l->gated ? in + inner : NULL, inner, s->act + r * inner);
-        if (quantized_input(m, next, rows)) quantize_row(s->act + r * inner, inner, next->group, &s->xq, r);
+        if (quantize) quantize_row(s->act + r * inner, inner, next->group, &s->xq, r);
     }
 }
 
