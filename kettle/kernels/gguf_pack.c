@@ -53,41 +53,41 @@ static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16],
     memcpy(d, block + 208, 2);
 }
 
-/* Q6_K rows → Q6L, channel groups [g0, g1) of 16: row r of the weight is source row order[r] (order NULL: r). */
-int pack_q6l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
-             int64_t g1) {
+/* Each packer writes channel c of group G (16 channels) of `w` from that channel's row of blocks in the file (`row`),
+ * and returns -1 for a source type it does not pack into `w`'s layout; with `row` NULL it only answers that. The
+ * channels of one group share bytes (Q5L's masks), so one thread packs a whole group (`kettle_pack`). */
+
+/* Q6_K → Q6L. */
+int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
     if (source != GGML_Q6_K) return -1;
+    if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight;
     int8_t *scales = (int8_t *)w->scales;
     uint16_t *d = (uint16_t *)w->supers;
     uint8_t q[256];
     int8_t sc[16];
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source = order ? order[row] : row;
-            for (int64_t s = 0; s < supers; s++) {
-                q6_k_unpack(blocks + source * row_bytes + s * 210, q, sc, d + (G * supers + s) * 16 + c);
-                for (int i = 0; i < 16; i++) scales[(G * (k / 16) + 16 * s + i) * 16 + c] = sc[i];
-                for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32 */
-                    const int64_t b = 8 * s + b8;
-                    uint8_t *unit = weight + (G * (k / 32) + b) * 384, *bits = unit + 256;
-                    const uint8_t *v = q + 32 * b8;
-                    for (int u = 0; u < 8; u++)
-                        for (int e = 0; e < 2; e++) {
-                            const int i = 2 * u + e;
-                            unit[32 * u + 2 * c + e] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
-                        }
-                    /* bits 2j of vector v8's byte 2c + e: the high bits of input 16 (j % 2) + 2 (2 v8 + j / 2) + e */
-                    for (int v8 = 0; v8 < 4; v8++)
-                        for (int e = 0; e < 2; e++) {
-                            uint8_t byte = 0;
-                            for (int j = 0; j < 4; j++) byte |= (uint8_t)((v[16 * (j % 2) + 2 * (2 * v8 + j / 2) + e] >> 4) << 2 * j);
-                            bits[32 * v8 + 2 * c + e] = byte;
-                        }
+    for (int64_t s = 0; s < supers; s++) {
+        q6_k_unpack(row + s * 210, q, sc, d + (G * supers + s) * 16 + c);
+        for (int i = 0; i < 16; i++) scales[(G * (k / 16) + 16 * s + i) * 16 + c] = sc[i];
+        for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32 */
+            const int64_t b = 8 * s + b8;
+            uint8_t *unit = weight + (G * (k / 32) + b) * 384, *bits = unit + 256;
+            const uint8_t *v = q + 32 * b8;
+            for (int u = 0; u < 8; u++)
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * u + e;
+                    unit[32 * u + 2 * c + e] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
                 }
-            }
+            /* bits 2j of vector v8's byte 2c + e: the high bits of input 16 (j % 2) + 2 (2 v8 + j / 2) + e */
+            for (int v8 = 0; v8 < 4; v8++)
+                for (int e = 0; e < 2; e++) {
+                    uint8_t byte = 0;
+                    for (int j = 0; j < 4; j++) byte |= (uint8_t)((v[16 * (j % 2) + 2 * (2 * v8 + j / 2) + e] >> 4) << 2 * j);
+                    bits[32 * v8 + 2 * c + e] = byte;
+                }
         }
+    }
     return 0;
 }
 
@@ -101,63 +101,52 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t 
     }
 }
 
-/* Q4_0 / Q4_1 rows → Q4L with float16 scales (and Q4_1's minimums; Q4_0's are none: -8 · scale, `Minimums`). */
-static int pack_q4l_legacy(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes,
-                           const int64_t *order, int64_t g0, int64_t g1) {
+/* Q4_0 / Q4_1 → Q4L with float16 scales (and Q4_1's minimums; Q4_0's are none: -8 · scale, `Minimums`). */
+static int pack_q4l_legacy(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+    if (!row) return 0;
     const int64_t k = w->k, size = source == GGML_Q4_1 ? 20 : 18;
     uint8_t *weight = (uint8_t *)w->weight;
     uint16_t *scales = (uint16_t *)w->scales, *mins = (uint16_t *)w->mins;
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
-            for (int64_t b = 0; b < k / 32; b++) {
-                const uint8_t *block = blocks + source_row * row_bytes + b * size, *qs = block + size - 16;
-                const int64_t at = (G * (k / 32) + b) * 16 + c;
-                memcpy(scales + at, block, 2);
-                if (mins) memcpy(mins + at, block + 2, 2);
-                uint8_t *unit = weight + (G * (k / 32) + b) * 256;
-                for (int u = 0; u < 8; u++)
-                    for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = qs[2 * u + e];
-            }
-        }
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *block = row + b * size, *qs = block + size - 16;
+        const int64_t at = (G * (k / 32) + b) * 16 + c;
+        memcpy(scales + at, block, 2);
+        if (mins) memcpy(mins + at, block + 2, 2);
+        uint8_t *unit = weight + (G * (k / 32) + b) * 256;
+        for (int u = 0; u < 8; u++)
+            for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = qs[2 * u + e];
+    }
     return 0;
 }
 
-/* Q4_K rows → Q4L with Q4_K's own scales (sc, m as bytes, d and dmin in `supers`), as `pack_q6l`; Q4_0 and Q4_1
- * rows into a Q4L weight without `supers` (groups of 32; minimums only for Q4_1). */
-int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
-             int64_t g1) {
+/* Q4_K → Q4L with Q4_K's own scales (sc, m as bytes, d and dmin in `supers`); Q4_0 and Q4_1 into a Q4L weight without
+ * `supers` (groups of 32; minimums only for Q4_1). */
+int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
     if (!w->supers && w->group == 32 && ((source == GGML_Q4_0 && !w->mins) || (source == GGML_Q4_1 && w->mins)))
-        return pack_q4l_legacy(w, source, blocks, row_bytes, order, g0, g1);
+        return pack_q4l_legacy(w, source, row, G, c);
     if (source != GGML_Q4_K || !w->supers) return -1;
+    if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
     uint16_t *d = (uint16_t *)w->supers;
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source = order ? order[row] : row;
-            for (int64_t s = 0; s < supers; s++) {
-                const uint8_t *block = blocks + source * row_bytes + s * 144, *qs = block + 16;
-                memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);          /* d */
-                memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);  /* dmin */
-                for (int j = 0; j < 8; j++) {
-                    const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
-                    q4_k_scale_min(block + 4, j, scales + at, mins + at);
-                    /* sub-block j: qs[32 (j / 2) + l], low nibbles for even j, high for odd */
-                    uint8_t v[32];
-                    for (int l = 0; l < 32; l++) v[l] = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
-                    uint8_t *unit = weight + (G * (k / 32) + b) * 256;
-                    for (int u = 0; u < 8; u++)
-                        for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = (uint8_t)(v[2 * u + e] | v[16 + 2 * u + e] << 4);
-                }
-            }
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *block = row + s * 144, *qs = block + 16;
+        memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);          /* d */
+        memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);  /* dmin */
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
+            q4_k_scale_min(block + 4, j, scales + at, mins + at);
+            /* sub-block j: qs[32 (j / 2) + l], low nibbles for even j, high for odd */
+            uint8_t v[32];
+            for (int l = 0; l < 32; l++) v[l] = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
+            uint8_t *unit = weight + (G * (k / 32) + b) * 256;
+            for (int u = 0; u < 8; u++)
+                for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = (uint8_t)(v[2 * u + e] | v[16 + 2 * u + e] << 4);
         }
+    }
     return 0;
 }
 
-/* `w`'s tensors (allocated by the caller in its layout) from a GGUF tensor's rows of blocks (`source`: its
- * GGMLQuantizationType; row_bytes apart; row r of the weight is source row order[r], order NULL: r), 16 output
- * channels a unit of work across the threads. -1 where this library has no packer from that type into w's. */
 /* Block b's 32 values q (0..31) of channel c into Q5L's unit bytes and fifth-bit masks (zeroed by the caller). */
 static void put_q5l_block(uint8_t *unit, int c, const uint8_t v[32]) {
     for (int u = 0; u < 8; u++) {
@@ -172,125 +161,115 @@ static void put_q5l_block(uint8_t *unit, int c, const uint8_t v[32]) {
     }
 }
 
-/* Q5_0 / Q5_1 rows → Q5L with float16 scales and minimums per block, as `pack_q5l`. */
-static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes,
-                           const int64_t *order, int64_t g0, int64_t g1) {
+/* Q5_0 / Q5_1 → Q5L with float16 scales and minimums per block. */
+static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+    if (!row) return 0;
     const int64_t k = w->k, size = source == GGML_Q5_1 ? 24 : 22;
     uint8_t *weight = (uint8_t *)w->weight;
     uint16_t *scales = (uint16_t *)w->scales, *mins = (uint16_t *)w->mins;
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
-            for (int64_t b = 0; b < k / 32; b++) {
-                const uint8_t *block = blocks + source_row * row_bytes + b * size;
-                const uint8_t *qh = block + size - 20, *qs = block + size - 16;
-                uint32_t high;
-                memcpy(&high, qh, 4);
-                const int64_t at = (G * (k / 32) + b) * 16 + c;
-                memcpy(scales + at, block, 2);
-                if (source == GGML_Q5_1) memcpy(mins + at, block + 2, 2);
-                else mins[at] = _cvtss_sh(-16.0f * _cvtsh_ss(scales[at]), _MM_FROUND_TO_NEAREST_INT); /* exact */
-                uint8_t v[32];
-                for (int l = 0; l < 16; l++) {
-                    v[l] = (uint8_t)((qs[l] & 0x0F) | ((high >> l) & 1) << 4);
-                    v[16 + l] = (uint8_t)((qs[l] >> 4) | ((high >> (16 + l)) & 1) << 4);
-                }
-                put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
-            }
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *block = row + b * size;
+        const uint8_t *qh = block + size - 20, *qs = block + size - 16;
+        uint32_t high;
+        memcpy(&high, qh, 4);
+        const int64_t at = (G * (k / 32) + b) * 16 + c;
+        memcpy(scales + at, block, 2);
+        if (source == GGML_Q5_1) memcpy(mins + at, block + 2, 2);
+        else mins[at] = _cvtss_sh(-16.0f * _cvtsh_ss(scales[at]), _MM_FROUND_TO_NEAREST_INT); /* exact */
+        uint8_t v[32];
+        for (int l = 0; l < 16; l++) {
+            v[l] = (uint8_t)((qs[l] & 0x0F) | ((high >> l) & 1) << 4);
+            v[16 + l] = (uint8_t)((qs[l] >> 4) | ((high >> (16 + l)) & 1) << 4);
         }
+        put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
+    }
     return 0;
 }
 
-/* Q5_K rows → Q5L, as `pack_q4l` (the caller zeroes the weight: channels OR their fifth bits into shared masks);
- * Q5_0 and Q5_1 rows into a Q5L weight without `supers`. */
-int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
-             int64_t g1) {
+/* Q5_K → Q5L (the caller zeroes the weight: channels OR their fifth bits into shared masks); Q5_0 and Q5_1 into a
+ * Q5L weight without `supers`. */
+int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
     if ((source == GGML_Q5_0 || source == GGML_Q5_1) && !w->supers)
-        return pack_q5l_legacy(w, source, blocks, row_bytes, order, g0, g1);
+        return pack_q5l_legacy(w, source, row, G, c);
     if (source != GGML_Q5_K || !w->supers) return -1;
+    if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
     uint16_t *d = (uint16_t *)w->supers;
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
-            for (int64_t s = 0; s < supers; s++) {
-                const uint8_t *block = blocks + source_row * row_bytes + s * 176, *qh = block + 16, *qs = block + 48;
-                memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);
-                memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);
-                for (int j = 0; j < 8; j++) {
-                    const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
-                    q4_k_scale_min(block + 4, j, scales + at, mins + at);
-                    uint8_t v[32];
-                    for (int l = 0; l < 32; l++) {
-                        const uint8_t nibble = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
-                        v[l] = (uint8_t)(nibble | ((qh[l] >> j) & 1) << 4);
-                    }
-                    put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
-                }
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *block = row + s * 176, *qh = block + 16, *qs = block + 48;
+        memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);
+        memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
+            q4_k_scale_min(block + 4, j, scales + at, mins + at);
+            uint8_t v[32];
+            for (int l = 0; l < 32; l++) {
+                const uint8_t nibble = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
+                v[l] = (uint8_t)(nibble | ((qh[l] >> j) & 1) << 4);
             }
+            put_q5l_block(weight + (G * (k / 32) + b) * 320, c, v);
         }
+    }
     return 0;
 }
 
-/* IQ4_XS rows → IQ4L, as `pack_q4l`. */
-int pack_iq4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
-              int64_t g1) {
+/* IQ4_XS → IQ4L. */
+int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
     if (source != GGML_IQ4_XS) return -1;
+    if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight;
     int8_t *scales = (int8_t *)w->scales;
     uint16_t *d = (uint16_t *)w->supers;
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
-            for (int64_t s = 0; s < supers; s++) {
-                const uint8_t *block = blocks + source_row * row_bytes + s * 136, *low = block + 4, *qs = block + 8;
-                uint16_t high;
-                memcpy(&high, block + 2, 2);
-                memcpy(d + (G * supers + s) * 16 + c, block, 2);
-                for (int i = 0; i < 8; i++) {
-                    const int64_t b = 8 * s + i;
-                    const int ls = ((low[i / 2] >> 4 * (i % 2)) & 15) | ((high >> 2 * i) & 3) << 4;
-                    scales[(G * (k / 32) + b) * 16 + c] = (int8_t)(ls - 32);
-                    uint8_t *unit = weight + (G * (k / 32) + b) * 256;
-                    for (int u = 0; u < 8; u++)
-                        for (int e = 0; e < 2; e++) {
-                            const int l = 2 * u + e; /* input l (low nibble) and 16 + l (high) of the block */
-                            unit[32 * u + 2 * c + e] = qs[16 * i + l];
-                        }
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *block = row + s * 136, *low = block + 4, *qs = block + 8;
+        uint16_t high;
+        memcpy(&high, block + 2, 2);
+        memcpy(d + (G * supers + s) * 16 + c, block, 2);
+        for (int i = 0; i < 8; i++) {
+            const int64_t b = 8 * s + i;
+            const int ls = ((low[i / 2] >> 4 * (i % 2)) & 15) | ((high >> 2 * i) & 3) << 4;
+            scales[(G * (k / 32) + b) * 16 + c] = (int8_t)(ls - 32);
+            uint8_t *unit = weight + (G * (k / 32) + b) * 256;
+            for (int u = 0; u < 8; u++)
+                for (int e = 0; e < 2; e++) {
+                    const int l = 2 * u + e; /* input l (low nibble) and 16 + l (high) of the block */
+                    unit[32 * u + 2 * c + e] = qs[16 * i + l];
                 }
-            }
         }
+    }
     return 0;
 }
 
-/* Q8_0 rows → Q8L, as `pack_q6l`. */
-int pack_q8l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order, int64_t g0,
-             int64_t g1) {
+/* Q8_0 → Q8L. */
+int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
     if (source != GGML_Q8_0) return -1;
+    if (!row) return 0;
     const int64_t k = w->k;
     uint8_t *weight = (uint8_t *)w->weight;
     uint16_t *scales = (uint16_t *)w->scales;
-    for (int64_t G = g0; G < g1; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c, source_row = order ? order[row] : row;
-            for (int64_t b = 0; b < k / 32; b++) {
-                const uint8_t *block = blocks + source_row * row_bytes + b * 34, *qs = block + 2;
-                memcpy(scales + (G * (k / 32) + b) * 16 + c, block, 2);
-                uint8_t *pairs = weight + (G * (k / 32) + b) * 512; /* pair p: q[2p + e] of channel c at 2c + e */
-                for (int p = 0; p < 16; p++) pairs[32 * p + 2 * c] = qs[2 * p], pairs[32 * p + 2 * c + 1] = qs[2 * p + 1];
-            }
-        }
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *block = row + b * 34, *qs = block + 2;
+        memcpy(scales + (G * (k / 32) + b) * 16 + c, block, 2);
+        uint8_t *pairs = weight + (G * (k / 32) + b) * 512; /* pair p: q[2p + e] of channel c at 2c + e */
+        for (int p = 0; p < 16; p++) pairs[32 * p + 2 * c] = qs[2 * p], pairs[32 * p + 2 * c + 1] = qs[2 * p + 1];
+    }
     return 0;
 }
 
+/* `w`'s tensors (allocated by the caller in its layout) from a GGUF tensor's rows of blocks (`source`: its
+ * GGMLQuantizationType; row_bytes apart; row r of the weight is source row order[r], order NULL: r), a group of 16
+ * output channels a unit of work across the threads. -1 where this library has no packer from that type into w's. */
 int kettle_pack(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                 int threads) {
     const WeightType *type = type_of(w);
-    if (!type->pack || type->pack(w, source, blocks, row_bytes, order, 0, 0)) return -1; /* (no groups: a check) */
-    const int64_t groups = w->n / 16;
+    if (!type->pack || type->pack(w, source, NULL, 0, 0)) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t G = 0; G < groups; G++) type->pack(w, source, blocks, row_bytes, order, G, G + 1);
+    for (int64_t G = 0; G < w->n / 16; G++)
+        for (int c = 0; c < 16; c++) {
+            const int64_t row = 16 * G + c;
+            type->pack(w, source, blocks + (order ? order[row] : row) * row_bytes, G, c);
+        }
     return 0;
 }

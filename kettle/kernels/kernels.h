@@ -268,10 +268,9 @@ typedef struct {
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
     /* The row panels (invariant rows from `kettle_row_gemm_rows` on): channel j as K int16, its scales per block. */
     void (*widen_row)(const Linear *w, int64_t j, int16_t *dst, float *scale);
-    /* At load: output channels 16 g0 .. 16 g1 - 1 from a GGUF tensor's blocks of type `source` (gguf_pack.c); -1 for
-     * a source type it does not pack. */
-    int (*pack)(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
-                int64_t g0, int64_t g1);
+    /* At load: channel c of group G (16 channels) from its row of a GGUF tensor's blocks of type `source`
+     * (gguf_pack.c); -1 for a source type it does not pack (`row` NULL: only that answer). */
+    int (*pack)(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
 } WeightType;
 
 #define INTERNAL __attribute__((visibility("hidden")))
@@ -730,16 +729,11 @@ INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum
 INTERNAL void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 /* GGUF blocks into the lanes layouts (gguf_pack.c). */
-INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
-                      int64_t g0, int64_t g1);
-INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
-                      int64_t g0, int64_t g1);
-INTERNAL int pack_q8l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
-                      int64_t g0, int64_t g1);
-INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
-                      int64_t g0, int64_t g1);
-INTERNAL int pack_iq4l(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
-                       int64_t g0, int64_t g1);
+INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
+INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
+INTERNAL int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
+INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
+INTERNAL int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
 /* The row panels' widening per type (gemm.c). */
 INTERNAL void q4_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
 INTERNAL void q8_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
