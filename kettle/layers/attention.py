@@ -8,13 +8,18 @@ every layer, so a layer costs one cache write plus the attention kernels.
 
 Sequences with one new token (decodes) are attended together in one batched call; the others (prefills,
 whole or chunked) one call each. The kernels live behind `AttentionBackend`, chosen by `KETTLE_TUNING=attention=`.
+
+A prefill may hold spans of positions whose tokens attend to each other both ways (Gemma 3's image tokens:
+`attend_both_ways`); its mask then un-masks each span, and only such a prefill leaves the causal kernels for a
+masked one. The span must lie whole within the sequence's context once the step's tokens are in (the scheduler
+never ends a chunk inside one); its part before the chunk is in the cache, already visible causally.
 """
 
 from __future__ import annotations
 
 import importlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from typing import Protocol
@@ -24,12 +29,19 @@ import torch
 from kettle import settings
 
 
-def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean mask (True = attend): causal, and within the last `window` positions when one is set.
+def window_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, spans: Sequence[tuple[int, int]] = ()
+) -> torch.Tensor:
+    """Boolean mask (True = attend): causal, and within the last `window` positions when one is set; within each
+    of `spans` ([start, end) positions) every query also sees the span's later keys.
 
-    The window matches Hugging Face's sliding attention: a query at p sees keys at p - window + 1 .. p.
+    The window matches Hugging Face's sliding attention: a query at p sees keys at p - window + 1 .. p; a span
+    is Hugging Face's bidirectional block (its `blockwise_overlay`), OR-ed with the causal mask before the
+    window's lower bound applies.
     """
     mask = key_pos <= query_pos
+    for start, end in spans:
+        mask = mask | ((query_pos >= start) & (query_pos < end) & (key_pos >= start) & (key_pos < end))
     if window is not None:
         mask &= key_pos > query_pos - window
     return mask
@@ -38,10 +50,12 @@ def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | No
 class _WindowMasks:
     """Plans with `query_positions`, `key_positions` and a `masks` dict: one mask per window size per step."""
 
+    spans: Sequence[tuple[int, int]] = ()  # positions attended both ways (a prefill's; never a decode's)
+
     def mask(self, window: int | None) -> torch.Tensor:
         """The boolean mask (decode: [Nd, 1, 1, L]; prefill: [L, context]), built on first use in a step."""
         if window not in self.masks:
-            self.masks[window] = window_mask(self.query_positions, self.key_positions, window)
+            self.masks[window] = window_mask(self.query_positions, self.key_positions, window, self.spans)
         return self.masks[window]
 
 
@@ -69,10 +83,11 @@ class PrefillPlan(_WindowMasks):
     query_positions: torch.Tensor  # [L, 1]
     key_positions: torch.Tensor  # [1, context] (context = cache_len + L)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) positions attended both ways
 
     def needs_mask(self, window: int | None) -> bool:
         """Whether plain causal attention over the new tokens alone would be wrong."""
-        return self.cache_len > 0 or (window is not None and self.end - self.start > window)
+        return self.cache_len > 0 or bool(self.spans) or (window is not None and self.end - self.start > window)
 
 
 @dataclass
@@ -102,6 +117,17 @@ class AttentionMetadata:
     def prompt_ranges(self) -> list[tuple[int, int]]:
         """The [start, end) ranges in T of the prefills' tokens (every other token is a decode row)."""
         return [(plan.start, plan.end) for plan in self.prefills]
+
+    def attend_both_ways(self, flagged: torch.Tensor) -> None:
+        """Marks each run of consecutive `flagged` tokens ([T] bool) within one prefill's new tokens as a span
+        attended both ways (`window_mask`), as Hugging Face's token types mark an image's tokens. A run at the
+        start of a chunk may continue an image whose first tokens are cached: those are visible causally anyway,
+        so the span's part in the chunk gives the same mask."""
+        flags = flagged.tolist() if self.prefills else []
+        for plan in self.prefills:
+            runs = _runs(flags[plan.start : plan.end])
+            plan.spans = [(plan.cache_len + start, plan.cache_len + end) for start, end in runs if end - start > 1]
+            plan.masks.clear()
 
     def seq_lens_per_token(self) -> torch.Tensor:
         """[T] the context length (cache + new) of each token's sequence (dynamic-NTK RoPE needs it)."""
@@ -146,6 +172,17 @@ class AttentionMetadata:
                 if query_lens[i] > 1 or prompts[i]
             ],
         )
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in `flags`."""
+    runs: list[tuple[int, int]] = []
+    for i, flag in enumerate(flags):
+        if flag and runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        elif flag:
+            runs.append((i, i + 1))
+    return runs
 
 
 def long_tensor(values: Iterable[int]) -> torch.Tensor:

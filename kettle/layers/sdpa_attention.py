@@ -135,9 +135,11 @@ class SdpaBackend:
         softcap: float | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One sequence's new tokens → [L, H, D]; causal over its whole context (cached prefix included). The CPU
-        kernel writes into `out` (contiguous [L, H, D]) when given; the other paths return a new tensor."""
-        if alibi_slopes is None and softcap is None and _prefill_kernel_fits(q, k_cache, v_cache, block_size):
+        """One sequence's new tokens → [L, H, D]; causal over its whole context (cached prefix included), its
+        `spans` both ways (SDPA with the plan's mask). The CPU kernel writes into `out` (contiguous [L, H, D]) when
+        given; the other paths return a new tensor."""
+        plain = alibi_slopes is None and softcap is None and not plan.spans  # spans: the masked path below
+        if plain and _prefill_kernel_fits(q, k_cache, v_cache, block_size):
             # Kettle's flash-style kernel reads the context in place: no gathered copy, no [L, context] mask.
             return ops.paged_prefill(
                 q[plan.start : plan.end], k_cache, v_cache, plan.block_ids, plan.cache_len, block_size, scale,
@@ -199,7 +201,7 @@ def modified_attention(q, k, v, plan: DecodePlan | PrefillPlan, window, scale, s
     Without soft-capping, SDPA takes the ALiBi bias as a float mask; soft-capping needs the scores
     themselves, so that path computes them explicitly (softmax in float32, like Hugging Face's eager path).
     """
-    allowed = window_mask(plan.query_positions, plan.key_positions, window)
+    allowed = window_mask(plan.query_positions, plan.key_positions, window, plan.spans)
     bias = None
     if slopes is not None:
         distance = (plan.key_positions - plan.query_positions).to(slopes.dtype)
