@@ -3,6 +3,8 @@ and an LM head (tied or not, with or without a bias; vocabulary-parallel under t
 
 A family subclass reads its checkpoint names and config facts in `__init__` (`load_embeddings`, then `spec`,
 `layers`, `norm` and, with RoPE, `rotary`) and inherits `from_pretrained`, the forward and the float32 logits.
+A model whose layers rotate with different RoPE settings (Gemma 3's local and global bases) also has
+`layer_rotary`, each layer's table (`load_rotary` builds both from one settings dict per layer).
 `CausalLM` drives layers that add their own residuals; `DecoderLM` drives layers that carry the residual
 stream to the next norm (kettle/models/decoder.py). Hooks: `embed` (learned positions, scaling, a norm) and
 `finish` (what follows the last layer). `load_llama_layout` and `llama_block` build the parts that
@@ -12,7 +14,7 @@ families saved in Llama's naming share.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -77,6 +79,11 @@ class CausalLM(nn.Module):
 
     spec: ModelSpec
     rotary: RotaryEmbedding | None = None  # None: no RoPE (learned positions or ALiBi)
+    # Each layer's table where the layers rotate with different settings (the shared `rotary` is then the first
+    # layer's); None: every layer rotates with `rotary`.
+    layer_rotary: list[RotaryEmbedding] | None = None
+    # A token whose contiguous runs in a prompt attend to each other both ways (Gemma 3's image tokens); None: none.
+    both_ways_token: int | None = None
     embed_scale: torch.Tensor | None = None  # Gemma multiplies embeddings by sqrt(hidden)
     lora_rows: LoraRows | None = None  # set when LoRA adapters are attached (kettle/models/lora_adapters.py)
     # A vision-language model's image embeddings for its next forward, put in place of its image tokens' rows
@@ -113,22 +120,41 @@ class CausalLM(nn.Module):
         self,
         config,
         weights: Weights,
-        rope: dict,
+        rope: dict | Sequence[dict],
         windows: list[int | None] | None = None,
         head_bias: str | None = None,
     ) -> None:
         """Embeddings, spec, RoPE and layers of a checkpoint laid out like Llama's ("model.embed_tokens",
         "lm_head", "model.layers.{i}"); each layer comes from the family's `load_layer(weights, prefix, config,
-        window)`. The family then loads its final `norm`. `windows`: each layer's sliding window (default none)."""
+        window)`. The family then loads its final `norm`. `rope`: the RoPE settings, or each layer's
+        (`load_rotary`); `windows`: each layer's sliding window (default none)."""
         windows = windows or [None] * config.num_hidden_layers
         tied = getattr(config, "tie_word_embeddings", True)
         vocab = self.load_embeddings(weights, "model.embed_tokens.weight", "lm_head.weight", tied, head_bias)
         # Under tensor parallelism the spec counts this rank's heads (the KV cache is sized from it).
         self.spec = shard_heads(decoder_spec(config, weights.dtype, vocab, windows), weights.tp)
-        self.rotary = rotary_embedding(self.spec, rope, weights)
+        self.load_rotary(rope, weights)
         self.layers = nn.ModuleList(
             self.load_layer(weights, f"model.layers.{i}", config, window) for i, window in enumerate(windows)
         )
+
+    def load_rotary(self, rope: dict | Sequence[dict], weights: Weights) -> None:
+        """`rotary` from one dict of RoPE settings; from one per layer, a table per distinct dict and
+        `layer_rotary` (when they differ). The layers keep one rotation function, the shared table's: every table
+        rotates the same part of the head in the same layout, only the angles differ, and they come per layer with
+        the step's cos and sin (`layer_ropes`)."""
+        if isinstance(rope, dict):
+            self.rotary = rotary_embedding(self.spec, rope, weights)
+            return
+        distinct: list[tuple[dict, RotaryEmbedding]] = []
+        for params in rope:
+            if not any(params == seen for seen, _ in distinct):
+                distinct.append((params, rotary_embedding(self.spec, params, weights)))
+        self.rotary = distinct[0][1]
+        if len(distinct) > 1:
+            if len({(table.rotary_dim, table.interleaved) for _, table in distinct}) > 1:
+                raise ValueError("per-layer RoPE settings that rotate different parts of the head are not supported")
+            self.layer_rotary = [next(table for seen, table in distinct if seen == params) for params in rope]
 
     def load_layer(self, weights: Weights, prefix: str, config, window: int | None) -> nn.Module:
         """One layer under `prefix` (families that use `load_llama_layout` say how)."""
@@ -155,6 +181,24 @@ class CausalLM(nn.Module):
     def rope(self, positions: torch.Tensor, meta: AttentionMetadata):
         """(cos, sin) for the step's positions, or (None, None) without RoPE."""
         return (None, None) if self.rotary is None else self.rotary(positions, meta)
+
+    def layer_ropes(self, positions: torch.Tensor, meta: AttentionMetadata) -> list[tuple]:
+        """Each layer's (cos, sin) for the step: `rope`'s for every layer, or with `layer_rotary` each table's,
+        gathered once per step whatever the number of layers that share it."""
+        if self.layer_rotary is None:
+            return [self.rope(positions, meta)] * len(self.layers)
+        gathered: dict[int, tuple] = {}
+        for table in self.layer_rotary:
+            if id(table) not in gathered:
+                gathered[id(table)] = table(positions, meta)
+        return [gathered[id(table)] for table in self.layer_rotary]
+
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """What every forward starts with: the first layer's input and each layer's (cos, sin); the prompt runs
+        of `both_ways_token` are marked in `meta`, so that prefill attention un-masks them both ways."""
+        if self.both_ways_token is not None and meta.prefills:
+            meta.attend_both_ways(input_ids == self.both_ways_token)
+        return self.embed(input_ids, positions), self.layer_ropes(positions, meta)
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
         """The last layer's output → final hidden states."""
@@ -199,12 +243,12 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
-        h, (cos, sin) = self.embed(input_ids, positions), self.rope(positions, meta)
-        fused = self.fused_decode(h, cos, sin, kv_cache, meta)
+        h, ropes = self.prepare(input_ids, positions, meta)
+        fused = self.fused_decode(h, *ropes[0], kv_cache, meta)  # None with per-layer tables (`DecoderStep`)
         if fused is not None:
             return fused
         with ops.row_kinds(meta.num_tokens, meta.prompt_ranges):  # prompt rows on the prompt GEMM (ops.py)
-            for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            for layer, (cos, sin), k_cache, v_cache in zip(self.layers, ropes, kv_cache.k, kv_cache.v, strict=True):
                 h = layer(h, cos, sin, k_cache, v_cache, meta)
         return self.finish(h)
 
@@ -238,11 +282,11 @@ class DecoderLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
-        h, residual, (cos, sin) = self.embed(input_ids, positions), None, self.rope(positions, meta)
-        fused = self.fused_decode(h, cos, sin, kv_cache, meta)
+        (h, ropes), residual = self.prepare(input_ids, positions, meta), None
+        fused = self.fused_decode(h, *ropes[0], kv_cache, meta)  # None with per-layer tables (`DecoderStep`)
         if fused is not None:
             return fused
         with ops.row_kinds(meta.num_tokens, meta.prompt_ranges):  # prompt rows on the prompt GEMM (ops.py)
-            for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            for layer, (cos, sin), k_cache, v_cache in zip(self.layers, ropes, kv_cache.k, kv_cache.v, strict=True):
                 h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
         return self.norm.add_forward(h, residual)[0]

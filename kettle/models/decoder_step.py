@@ -12,7 +12,7 @@ pairs, or none (learned positions); per-head q/k norms; score soft-capping; slid
 MLPs (SiLU, tanh-GELU, erf-GELU, ReLU) and top-k mixtures of gated experts. That covers Llama, Mistral, Qwen2,
 Qwen3, Gemma, Gemma 2, Phi, Phi-3, StarCoder2, GPT-NeoX, GPT-J, Falcon (RoPE layouts), Mixtral, GPT-2,
 GPT-BigCode. Not described: ALiBi (BLOOM, MPT, Falcon-ALiBi), qkv clipping, post-norm blocks, OPT's final
-projection.
+projection, RoPE tables that differ between layers (Gemma 3's local and global bases).
 
 It applies to a CPU float32 model whose every projection is a `Q4Linear`, a `Q8Linear` (GGUF Q8_0), a
 `Q6Linear` (GGUF Q6_K), a kernel-backed `Int8Linear` or a float32 `Linear` stored dense
@@ -215,6 +215,9 @@ class DecoderStep:
             raise Unsupported("the CPU kernels (or their quantized activations) are off")
         if model.tp.sharded:
             raise Unsupported("tensor parallelism")
+        if getattr(model, "layer_rotary", None) is not None:
+            # The C step takes one cos/sin table per step for every layer.
+            raise Unsupported("per-layer rotary tables (RoPE settings that differ between layers)")
         norm = getattr(model, "norm", None)
         if model.spec.dtype != torch.float32 or norm is None or norm.weight.device.type != "cpu":
             raise Unsupported("a model that is not float32 on the CPU")

@@ -18,6 +18,16 @@ def rope_parameters(config) -> dict:
     return params
 
 
+def layer_rope_parameters(config) -> dict | list[dict]:
+    """`rope_parameters`, or each layer's where the config keys them by layer type (transformers 5's Gemma 3:
+    `{"sliding_attention": {...}, "full_attention": {...}}` beside `layer_types`)."""
+    params = rope_parameters(config)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types or not all(isinstance(params.get(kind), dict) for kind in set(layer_types)):
+        return params
+    return [dict(params[kind]) for kind in layer_types]
+
+
 def layer_windows(config) -> list[int | None]:
     """Each layer's sliding window: everywhere when `sliding_window` is set without `layer_types` (Mistral),
     else where `layer_types` say (Qwen2, Qwen3); Llama configs carry the field but never use it."""

@@ -144,9 +144,9 @@ class DecodeGraphs:
             self._graphs[n] = _Captured(graph, hidden, logits)
             bar.update()
         bar.close()
-        # The graphs read the RoPE table they were captured with: keep it alive if the model ever regrows it.
-        rotary = getattr(self.model, "rotary", None)
-        self._pinned = (getattr(rotary, "cos", None), getattr(rotary, "sin", None))
+        # The graphs read the RoPE tables they were captured with: keep them alive if the model ever regrows them.
+        tables = getattr(self.model, "layer_rotary", None) or [getattr(self.model, "rotary", None)]
+        self._pinned = [(getattr(rotary, "cos", None), getattr(rotary, "sin", None)) for rotary in tables]
         torch.cuda.synchronize()
         logger.info(
             "captured decode CUDA graphs for batch sizes %s (contexts up to %d) in %.1f s",
