@@ -52,6 +52,7 @@ NATIVE: dict[str, Family] = {
     "RefinedWeb": _FALCON,
     "RefinedWebModel": _FALCON,
     "gemma2": Family("gemma2", "Gemma2ForCausalLM"),
+    "gemma3_text": Family("gemma3", "Gemma3ForCausalLM"),
     "mixtral": Family("mixtral", "MixtralForCausalLM"),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM"),
     "gemma": Family("gemma", "GemmaForCausalLM"),

@@ -20,7 +20,7 @@ from kettle.models.blocks import GatedMLP, load_attention_projections
 from kettle.models.decoder import Attention, BlockPlan
 from kettle.models.decoder_lm import CausalLM
 from kettle.models.gemma import gemma_norm
-from kettle.models.hf_config import rope_parameters
+from kettle.models.hf_config import layer_rope_parameters
 from kettle.models.spec import ModelSpec
 from kettle.tensors.weights import Weights
 
@@ -34,15 +34,18 @@ def layer_windows(config) -> list[int | None]:
 
 
 class Gemma2DecoderLayer(nn.Module):
-    """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
+    """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))); `qk_norms`: per-head
+    norms of the queries and keys before RoPE (Gemma 3's)."""
 
-    def __init__(self, weights: Weights, prefix: str, config, spec: ModelSpec, window: int | None, rotate) -> None:
+    def __init__(
+        self, weights: Weights, prefix: str, config, spec: ModelSpec, window: int | None, rotate, qk_norms=None
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_norm = gemma_norm(weights, f"{prefix}.input_layernorm.weight", eps)
         qkv, o_proj = load_attention_projections(weights, f"{prefix}.self_attn", spec.head_dim)
         self.attn = Attention(
-            qkv, o_proj, spec, rotate, sliding_window=window, scale=config.query_pre_attn_scalar**-0.5,
+            qkv, o_proj, spec, rotate, window, qk_norms, scale=config.query_pre_attn_scalar**-0.5,
             softcap=config.attn_logit_softcapping,
         )  # fmt: skip
         self.post_attention_norm = gemma_norm(weights, f"{prefix}.post_attention_layernorm.weight", eps)
@@ -68,7 +71,7 @@ class Gemma2ForCausalLM(CausalLM):
         # The factor is rounded to the model dtype before the multiply, as in transformers.
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=weights.dtype, device=weights.device)
         self.final_softcap = config.final_logit_softcapping
-        self.load_llama_layout(config, weights, rope_parameters(config), layer_windows(config))
+        self.load_llama_layout(config, weights, layer_rope_parameters(config), layer_windows(config))
         self.norm = gemma_norm(weights, "model.norm.weight", config.rms_norm_eps)
 
     def load_layer(self, weights: Weights, prefix: str, config, window: int | None) -> Gemma2DecoderLayer:

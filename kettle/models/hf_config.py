@@ -58,6 +58,7 @@ JSON_CONFIGS: dict[str, dict[str, str]] = {
     "mixtral": {"num_experts": "num_local_experts"},
     "gemma": {},
     "gemma2": {},
+    "gemma3_text": {},
     "phi": {},
     "phi3": {},
     "starcoder2": {},

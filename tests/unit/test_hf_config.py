@@ -27,6 +27,9 @@ VARIANTS: dict[str, list[dict]] = {
     "qwen2": [{"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, "num_hidden_layers": 4}],
     "gpt2": [{"n_embd": 64, "n_head": 4, "add_cross_attention": False, "scale_attn_by_inverse_layer_idx": True}],
     "phi3": [{"sliding_window": 128, "num_key_value_heads": 8, "partial_rotary_factor": 0.5}],
+    "gemma3_text": [{"num_hidden_layers": 12, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}],
 }  # fmt: skip
 
 
