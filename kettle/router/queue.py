@@ -4,7 +4,8 @@
 budget, the batch size and the KV block allocator allow. The first entry that does not fit ends the batch and
 keeps its place (it is never dropped, and nothing behind it jumps ahead, so a large request cannot starve).
 With chunked prefill, the first entry whose prompt exceeds what is left of the prefill budget is taken anyway
-with a first chunk of exactly that much; the scheduler sends the rest of its prompt in the following steps.
+with a first chunk of exactly that much (less, or more when that would end inside an image its model computes
+whole: chunk_spans.py); the scheduler sends the rest of its prompt in the following steps.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kettle.proto import generate_pb2
 from kettle.router.blocks import Allocation, Allocator
+from kettle.router.chunk_spans import chunk_length
 from kettle.router.metrics import PREFIX_CACHE_HIT_TOKENS, QUEUE_SIZE
 from kettle.router.types import InferError, InferEvent, TokenEvent, ValidGenerateRequest
 
@@ -72,6 +74,12 @@ class Entry:
     def remaining_prompt(self) -> int:
         """Prompt tokens not yet in the KV cache."""
         return self.request.input_length - self.prefilled_len
+
+    def next_chunk(self, budget: int) -> int:
+        """Prompt tokens its next forward computes out of `budget` (> 0): what remains, at most `budget`, never
+        ending inside an image its model computes whole (`chunk_spans.chunk_length`)."""
+        spans = [(i.start, i.start + i.length) for i in self.request.images if i.whole]
+        return chunk_length(self.prefilled_len, min(self.remaining_prompt, budget), spans)
 
     @property
     def total_tokens(self) -> int:
@@ -285,13 +293,19 @@ class Queue:
             if prompt > room and not (self._chunked and room > 0):
                 self._allocator.free(allocation)
                 break
+            entry.prefilled_len = allocation.cache_len
+            chunk = entry.next_chunk(room) if self._chunked else prompt
+            if chunk > room and taken:  # only a step's first chunk may pass the budget (to hold a whole image)
+                entry.prefilled_len = 0
+                self._allocator.free(allocation)
+                break
             self._entries.popleft()
-            entry.allocation, entry.prefilled_len = allocation, allocation.cache_len
-            # Chunked: every entry says its chunk explicitly; the one that overflows the budget ends the batch.
-            entry.chunk_len = min(prompt, room) if self._chunked else 0
+            entry.allocation = allocation
+            # Chunked: every entry says its chunk explicitly; the one that does not finish its prompt ends the batch.
+            entry.chunk_len = chunk if self._chunked else 0
             taken.append(entry)
-            prefill_tokens, total_tokens = prefill_tokens + min(prompt, room), total_tokens + entry.total_tokens
-            if prompt > room:
+            prefill_tokens, total_tokens = prefill_tokens + chunk, total_tokens + entry.total_tokens
+            if chunk < prompt:
                 break
         return taken
 

@@ -179,9 +179,11 @@ class Scheduler:
         chunks: dict[int, int] = {}
         for entry in self._running.values():
             if entry.in_prefill:
-                entry.chunk_len = min(entry.remaining_prompt, budget)
+                entry.chunk_len = entry.next_chunk(budget)
                 assert entry.chunk_len > 0, "a running prefill got no tokens of the budget"
                 chunks[entry.id], budget = entry.chunk_len, budget - entry.chunk_len
+                if entry.chunk_len < entry.remaining_prompt:
+                    budget = 0  # a chunk cut before an image: nothing new joins until this prompt completes
         return budget, chunks
 
     def _schedule_chunks(self, prefill_budget: int) -> NextBatch | None:

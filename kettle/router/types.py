@@ -54,6 +54,8 @@ class PromptImage:
     digest: bytes
     start: int
     length: int
+    # Its tokens attend to each other both ways (Gemma 3): a prefill chunk holds all of them (chunk_spans.py).
+    whole: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class ImageReader:
             raise ValidationError("the prompt's image tokens do not match its images (truncated into an image?)")
         found, at = [], 0
         for image, length in zip(images, lengths, strict=True):
-            found.append(PromptImage(image.data, image.digest, where[at], length))
+            found.append(PromptImage(image.data, image.digest, where[at], length, self.tokens.whole))
             at += length
         return tuple(found)
 

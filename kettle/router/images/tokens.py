@@ -36,6 +36,8 @@ class ImageTokens:
     # The whole text of an image, for families whose image tokens are not one run (Idefics3's tiles); None: the
     # run of `count` image tokens between `before` and `after`.
     layout: Callable[[int, int], str] | None = None
+    # The model attends an image's tokens to each other both ways (Gemma 3): a prefill chunk never ends inside one.
+    whole: bool = False
 
     def expand(self, width: int, height: int) -> str:
         if self.layout is not None:
@@ -148,6 +150,7 @@ def _gemma3(config: dict, processor: dict, preprocessor: dict) -> ImageTokens:
         lambda w, h: n,
         before="\n\n<start_of_image>",
         after="<end_of_image>\n\n",
+        whole=True,
     )
 
 
