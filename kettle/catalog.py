@@ -63,6 +63,7 @@ NATIVE: dict[str, Family] = {
     "idefics3": Family("idefics3", "Idefics3ForConditionalGeneration"),  # the same: the tower whole on every rank
     "llava_next": Family("llava_next", "LlavaNextForConditionalGeneration"),  # the same
     "qwen2_vl": Family("qwen2_vl", "Qwen2VLForConditionalGeneration"),  # the same
+    "gemma3": Family("gemma3_vlm", "Gemma3ForConditionalGeneration"),  # the same
     "qwen2_5_vl": Family("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),  # the same
     "gpt_neox": Family("gpt_neox", "GPTNeoXForCausalLM"),
     "starcoder2": Family("starcoder2", "Starcoder2ForCausalLM"),

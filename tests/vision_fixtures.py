@@ -273,3 +273,55 @@ def qwen2_vl_inputs(folder: Path, text: str, files: list[bytes]) -> dict:
     inputs["input_ids"], inputs["attention_mask"] = ids, torch.ones_like(ids)
     inputs["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
     return inputs
+
+
+# SigLIP on 32 x 32 images in 8 x 8 patches (Gemma 3's tower, PaliGemma's).
+SIGLIP_32 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+SIGLIP_32 |= dict(image_size=32, patch_size=8)
+GEMMA3_IMAGE_TOKENS = 4  # the 4 x 4 patches pooled 2 x 2
+GEMMA3_CHAT_TEMPLATE = IMAGE_CHATML_TEMPLATE.replace("<image>", "<start_of_image>")
+
+
+def make_gemma3_folder(path: Path, *, weights: bool = False, seed: int = 0, sliding_window: int = 8) -> Path:
+    """A tiny Gemma 3 (image-text-to-text) in `path` with its tokenizer, processor and chat template: SigLIP's 16
+    patches pooled to 4 image tokens between `<start_of_image>` and `<end_of_image>`, a sliding layer (window
+    `sliding_window`) then a full one, their RoPE bases apart; random weights with `weights`."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor
+
+    tokenizer = make_tokenizer(path, chat_template=GEMMA3_CHAT_TEMPLATE)
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer._set_model_specific_special_tokens(special_tokens=names)  # what Gemma 3's tokenizer_config declares
+    tokenizer.save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = Gemma3Processor(images, tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS)
+    processor.chat_template = GEMMA3_CHAT_TEMPLATE
+    processor.save_pretrained(path)
+    text = tiny_config(tokenizer) | dict(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text |= dict(head_dim=16, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])
+    text |= dict(eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    text.pop("model_type", None)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=SIGLIP_32,
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        image_token_id=tokenizer.image_token_id,
+        boi_token_id=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_id=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    if weights:
+        import torch
+        from transformers import Gemma3ForConditionalGeneration
+
+        torch.manual_seed(seed)
+        model = Gemma3ForConditionalGeneration(config).eval()
+        with torch.no_grad():  # biases and norm weights start at 0 and 1: perturbed, they must really be read
+            for param in model.parameters():
+                if param.ndim == 1:
+                    param.add_(torch.randn_like(param) * 0.2)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        (path / "config.json").write_text(json.dumps(config.to_dict()))
+    return path

@@ -1,11 +1,11 @@
 """Vision-language models with no native family, run through transformers' `AutoModelForImageTextToText`.
 
-PaliGemma, Gemma 3, Aya Vision, Llama 4 ... : the causal fallback's model (`TransformersCausalLM`, driven by
-`FallbackRunner`) loaded with its vision tower and projector, plus what the shard needs to hand it images
-(`kettle/shard/fallback_images.py`): the folder its image processor is read from, the image token, and how the
-model's own processor would write the prompt's token types. Everything a forward does with the pixel values
-(the tower, the projector, placing the features at the image tokens, bidirectional attention over an image) is
-transformers' own code.
+PaliGemma, Aya Vision, Llama 4 ... (Gemma 3 has a native family now: gemma3_vlm.py): the causal fallback's model
+(`TransformersCausalLM`, driven by `FallbackRunner`) loaded with its vision tower and projector, plus what the
+shard needs to hand it images (`kettle/shard/fallback_images.py`): the folder its image processor is read from, the
+image token, and how the model's own processor would write the prompt's token types. Everything a forward does
+with the pixel values (the tower, the projector, placing the features at the image tokens, bidirectional attention
+over an image) is transformers' own code.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ as the embedding rows of the step's image tokens (`ImageRows`).
 An image is encoded by the first step whose prompt chunk reaches its tokens, and its rows are kept with the
 request (`RequestState.image_rows`) until a chunk has taken the last of them: a prefill chunked inside an image
 encodes it once. A prefix read from the cache that ends inside an image leaves only the rows after it to place.
+A model whose image tokens attend to each other both ways (`both_ways_token`: Gemma 3) needs the rest of an image
+in one chunk: a chunk that ends inside one is refused (the router never sends one).
 
 A model with multimodal rotary positions (`rope_positions`: Qwen2-VL's M-RoPE) also gets every token's three
 position components for each step of a request with images: the prompt's, computed once per request from its
@@ -69,6 +71,8 @@ class ImageInputs:
             (request, request.cache_len, request.cache_len + len(query) if request.in_prefill else 0)
             for request, query in zip(requests, queries, strict=True)
         ]
+        if getattr(self.model, "both_ways_token", None) is not None:
+            _check_whole(spans)
         self._encode(spans)
         rows, values, offset = [], [], 0
         for (request, low, high), query in zip(spans, queries, strict=True):
@@ -150,3 +154,14 @@ class ImageInputs:
                     f"{request.images[index].length} image tokens for it"
                 )
             request.image_rows[index] = rows
+
+
+def _check_whole(spans: list[tuple[RequestState, int, int]]) -> None:
+    """Raises when a prompt chunk [low, high) ends inside an image: its tokens would miss the image's later ones."""
+    for request, low, high in spans:
+        for index, image in enumerate(request.images):
+            if low < high < request.prompt_len and image.start < high < image.start + image.length:
+                raise ValueError(
+                    f"request {request.id}: a prefill chunk ends inside image {index} (tokens {image.start} to "
+                    f"{image.start + image.length - 1}), whose tokens the model attends both ways: send it whole"
+                )

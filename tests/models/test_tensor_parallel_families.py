@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 
 from kettle.bench.process import free_port
 from tests.models.family_parity import save_tiny, tiny_settings
+from tests.models.test_gemma3 import make_gemma3_text
 from tests.models.test_gpt_families import build, gpt2_names
-from tests.vision_fixtures import make_idefics3_folder, make_llava_folder, make_qwen2_vl_folder
+from tests.vision_fixtures import make_gemma3_folder, make_idefics3_folder, make_llava_folder, make_qwen2_vl_folder
 
 # gloo on the CPU: with CUDA the shards would run NCCL, which needs a GPU per rank.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) tensor-parallel test")
@@ -67,6 +68,7 @@ CASES = {
     "starcoder2": _transformers("Starcoder2", pad_token_id=0),
     "mixtral": _transformers("Mixtral", num_local_experts=4, num_experts_per_tok=2),
     "gemma2": _gpt_case("gemma2"),
+    "gemma3_text": make_gemma3_text,
     "gpt_neox": _gpt_neox,
     "gptj": _gptj,
     "phi": _transformers("Phi", num_key_value_heads=4, qk_layernorm=True),
@@ -84,6 +86,7 @@ CASES = {
     "idefics3": lambda path: make_idefics3_folder(path, weights=True),
     "qwen2_vl": lambda path: make_qwen2_vl_folder(path, weights=True),
     "qwen2_5_vl": lambda path: make_qwen2_vl_folder(path, weights=True, kind="qwen2_5_vl"),
+    "gemma3": lambda path: make_gemma3_folder(path, weights=True),  # its image's 4 tokens attended both ways
 }
 INT8_CASES = ["phi3", "starcoder2"]
 
