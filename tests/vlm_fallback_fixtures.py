@@ -1,11 +1,9 @@
-"""Tiny vision-language models Kettle has no native family for, served through the transformers fallback: a Gemma 3
-and a PaliGemma over the tiny BPE of tests/fixtures.py, each with its own processor (PIL backends) saved beside it.
+"""A tiny vision-language model Kettle has no native family for, served through the transformers fallback: a
+PaliGemma over the tiny BPE of tests/fixtures.py, with its own processor (PIL backend) saved beside it.
 
-Both towers are SigLIP's on 32 x 32 images in 8 x 8 patches. Gemma 3 pools the 16 patches to 4 image tokens between
-its begin and end tokens (the chat template writes `<start_of_image>`), attends both ways within an image, and has a
-sliding-window layer (so the fallback runs it one request per forward); PaliGemma takes all 16, writes its images
-first, then BOS, the prompt and a newline, attends both ways over that whole prompt and counts positions from 1
-(the fallback pads its batches)."""
+Its tower is SigLIP's on 32 x 32 images in 8 x 8 patches; it takes all 16 patches as image tokens, writes its
+images first, then BOS, the prompt and a newline, attends both ways over that whole prompt and counts positions
+from 1 (the fallback pads its batches)."""
 
 from __future__ import annotations
 
@@ -13,13 +11,9 @@ import io
 from pathlib import Path
 
 from tests.fixtures import make_tokenizer, tiny_config
-from tests.vision_fixtures import IMAGE_CHATML_TEMPLATE
+from tests.vision_fixtures import SIGLIP_32
 
-GEMMA3_IMAGE_TOKENS = 4
 PALIGEMMA_IMAGE_TOKENS = 16
-GEMMA3_CHAT_TEMPLATE = IMAGE_CHATML_TEMPLATE.replace("<image>", "<start_of_image>")
-_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-_VISION |= dict(image_size=32, patch_size=8)
 
 
 def _save(model_cls, config, path: Path, seed: int) -> None:
@@ -32,43 +26,6 @@ def _save(model_cls, config, path: Path, seed: int) -> None:
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path, safe_serialization=True)
-
-
-def make_gemma3_folder(path: Path, seed: int = 0) -> Path:
-    """A tiny random Gemma 3 (image-text-to-text) with its tokenizer, processor and chat template."""
-    from transformers import (
-        AutoTokenizer,
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessorPil,
-        Gemma3Processor,
-    )
-
-    tokenizer = make_tokenizer(path, chat_template=GEMMA3_CHAT_TEMPLATE)
-    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-    tokenizer._set_model_specific_special_tokens(special_tokens=names)  # what Gemma 3's tokenizer_config declares
-    tokenizer.save_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-    processor = Gemma3Processor(images, tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS)
-    processor.chat_template = GEMMA3_CHAT_TEMPLATE
-    processor.save_pretrained(path)
-    text = tiny_config(tokenizer) | dict(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
-    text |= dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    text |= dict(eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    text.pop("model_type", None)
-    config = Gemma3Config(
-        text_config=text,
-        vision_config=_VISION,
-        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
-        image_token_id=tokenizer.image_token_id,
-        boi_token_id=tokenizer.convert_tokens_to_ids("<start_of_image>"),
-        eoi_token_id=tokenizer.convert_tokens_to_ids("<end_of_image>"),
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    _save(Gemma3ForConditionalGeneration, config, path, seed)
-    return path
 
 
 def make_paligemma_folder(path: Path, seed: int = 0) -> Path:
@@ -91,7 +48,7 @@ def make_paligemma_folder(path: Path, seed: int = 0) -> Path:
     text |= dict(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = PaliGemmaConfig(
         text_config=text,
-        vision_config=_VISION | dict(projection_dim=64),
+        vision_config=SIGLIP_32 | dict(projection_dim=64),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         projection_dim=64,
         hidden_size=64,

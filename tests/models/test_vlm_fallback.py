@@ -1,54 +1,63 @@
-"""Vision-language models with no native family (Gemma 3, PaliGemma) through the transformers fallback with their
-images: the shard's engine, driven as the router drives it (image bytes and token runs in pb.Request.images), gives
-transformers' greedy tokens for a prompt with an image, for image and text requests in one batch, and for a prompt
-with an image that the router sends in chunks ending inside the image."""
+"""A vision-language model with no native family (PaliGemma) through the transformers fallback with its images,
+in padded batches and one request per forward (`KETTLE_TUNING=fallback-padding=off`, the path of models whose
+cache has sliding-window layers): the shard's engine, driven as the router drives it (image bytes and token runs in
+pb.Request.images), gives transformers' greedy tokens for a prompt with an image, for image and text requests in
+one batch, and for a prompt with an image that the router sends in chunks ending inside the image."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+from kettle import settings
 from kettle.models.registry import ARCHITECTURES
 from kettle.proto import generate_pb2 as pb
-from kettle.router.images import tokens as image_tokens
 from kettle.shard.fallback_runner import FallbackRunner
 from tests.models.engine_driver import make_batch, run_to_end, warm_engine
 from tests.vision_fixtures import image_bytes
-from tests.vlm_fallback_fixtures import (
-    GEMMA3_IMAGE_TOKENS,
-    PALIGEMMA_IMAGE_TOKENS,
-    make_gemma3_folder,
-    make_paligemma_folder,
-    processed,
-)
+from tests.vlm_fallback_fixtures import PALIGEMMA_IMAGE_TOKENS, make_paligemma_folder, processed
 
 NEW_TOKENS = 6
-FAMILIES = {  # model type → (folder builder, image tokens, prompts with one image each, padded batches)
-    "gemma3": (
-        make_gemma3_folder,
-        GEMMA3_IMAGE_TOKENS,
-        [
-            "<|im_start|>user\nWhat is in<start_of_image><|im_end|>\n<|im_start|>assistant\n",
-            "Describe <start_of_image> in a few words",
-        ],
-        False,  # a sliding-window layer: one request per forward
-    ),
-    "paligemma": (make_paligemma_folder, PALIGEMMA_IMAGE_TOKENS, ["<image>What is in", "<image>caption en"], True),
-}
+MODES = {"padded": True, "one request per forward": False}  # KETTLE_TUNING's fallback-padding
+PROMPTS = ["<image>What is in", "<image>caption en"]  # one image each
 TEXT_PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    build, count, prompts, padded = FAMILIES[request.param]
-    folder = build(tmp_path_factory.mktemp(request.param))
-    engine, info = warm_engine(folder)
-    reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return dict(type=request.param, folder=folder, engine=engine, info=info, reference=reference, count=count,
-                prompts=prompts, padded=padded)  # fmt: skip
+@contextmanager
+def fallback_padding(on: bool) -> Iterator[None]:
+    """`KETTLE_TUNING=fallback-padding=` inside the block (the runner reads it when it is built)."""
+    before = os.environ.get(settings.TUNING_VARIABLE)
+    os.environ[settings.TUNING_VARIABLE] = settings.merge_tuning(before, {"fallback-padding": on})
+    getattr(settings.current, "cache_clear", lambda: None)()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(settings.TUNING_VARIABLE)
+        else:
+            os.environ[settings.TUNING_VARIABLE] = before
+        getattr(settings.current, "cache_clear", lambda: None)()
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory):
+    folder = make_paligemma_folder(tmp_path_factory.mktemp("paligemma"))
+    return folder, AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def family(request, paligemma):
+    folder, reference = paligemma
+    with fallback_padding(MODES[request.param]):
+        engine, info = warm_engine(folder)
+    return dict(type="paligemma", folder=folder, engine=engine, info=info, reference=reference,
+                count=PALIGEMMA_IMAGE_TOKENS, prompts=PROMPTS, padded=MODES[request.param])  # fmt: skip
 
 
 def image_case(family, text: str, data: bytes):
@@ -74,7 +83,7 @@ def test_served_through_transformers_and_taking_images(family):
     assert info.execution_path == "transformers" and info.takes_images and info.requires_padding
     assert isinstance(engine.runner, FallbackRunner) and engine.runner.images is not None
     assert engine.runner.padding == family["padded"]
-    assert engine.runner.model.position_offset == (1 if family["type"] == "paligemma" else 0)
+    assert engine.runner.model.position_offset == 1  # PaliGemma counts positions from 1
 
 
 def test_a_prompt_with_an_image_answers_as_transformers(family):
@@ -111,7 +120,7 @@ def test_a_prompt_sent_in_chunks_that_end_inside_its_image(family):
 
 
 def test_prompt_logprobs_read_the_image_as_transformers_does(family):
-    """Every prompt position's logprob, image tokens included (Gemma 3 attends both ways within an image: its token
+    """Every prompt position's logprob, image tokens included (PaliGemma attends both ways over its prompt: its token
     types reach the forward), as transformers' forward with the processor's inputs gives them."""
     text, data = family["prompts"][1], image_bytes("PNG", (40, 30), seed=6)
     ids, image, _, _ = image_case(family, text, data)
@@ -122,18 +131,6 @@ def test_prompt_logprobs_read_the_image_as_transformers_does(family):
         logits = family["reference"](**processed(family["folder"], text, [data])).logits[0]
     expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(torch.tensor(list(generation.prefill_tokens.logprobs)[1:]), expected, atol=1e-4, rtol=0)
-
-
-def test_the_routers_gemma3_image_tokens_are_its_processors(tmp_path):
-    """The router (no processor, no torch) writes a Gemma 3 image as the processor does, so its ids are the ones the
-    shard's model reads."""
-    folder = make_gemma3_folder(tmp_path)
-    tokens = image_tokens.for_model(folder)
-    text = "Describe <start_of_image> please"
-    expanded = text.replace(tokens.marker, tokens.expand(40, 30))
-    ids = AutoTokenizer.from_pretrained(folder)(expanded)["input_ids"]
-    assert ids == processed(folder, text, [image_bytes("PNG", (40, 30))])["input_ids"][0].tolist()
-    assert tokens.count(40, 30) == GEMMA3_IMAGE_TOKENS
 
 
 def test_a_text_only_fallback_model_takes_no_images(tmp_path):
