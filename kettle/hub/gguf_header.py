@@ -3,8 +3,9 @@
 `gguf.GGUFReader` builds a NumPy view for every item of every metadata array; the bundled model's tokenizer
 arrays (49,152 tokens, 48,900 merges) make that 6 s a parse on a busy 2-core machine, paid on every start.
 The model needs none of those arrays (the tokenizer is prepared once, by transformers), so this reader steps
-over them by their lengths and keeps only scalars and the tensor table: ~0.1 s. Torch-free (the launcher reads
-the architecture with it). Little-endian files only, as llama.cpp writes them.
+over them by their lengths and keeps only scalars, short arrays of numbers (a projector's image mean and std,
+Qwen2-VL's rotary sections: `SHORT_ARRAY` items at most) and the tensor table: ~0.1 s. Torch-free (the launcher
+reads the architecture with it). Little-endian files only, as llama.cpp writes them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 # GGUF value types → struct format of a scalar (8: string and 9: array are read by hand).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+SHORT_ARRAY = 64  # arrays of numbers up to this long are read as lists; longer ones are stepped over
 DEFAULT_ALIGNMENT = 32
 
 
@@ -54,7 +56,7 @@ class _Cursor:
         return bytes(self.data[self.pos - size : self.pos]).decode("utf-8", errors="replace")
 
     def value(self, kind: int):
-        """A scalar or string; an array is stepped over (None)."""
+        """A scalar, a string or a short array of numbers (a list); any other array is stepped over (None)."""
         if kind == _STRING:
             return self.string()
         if kind != _ARRAY:
@@ -62,6 +64,10 @@ class _Cursor:
                 raise _Unreadable(f"its header holds a value of unknown type {kind} (corrupt, or a newer GGUF)")
             return self.take(_SCALARS[kind])
         item, count = self.take("I"), self.take("Q")
+        if item in _SCALARS and count <= SHORT_ARRAY:
+            values = struct.unpack_from(f"<{count}{_SCALARS[item]}", self.data, self.pos)
+            self.pos += count * struct.calcsize(_SCALARS[item])
+            return list(values)
         if item in _SCALARS:
             self.pos += count * struct.calcsize(_SCALARS[item])
         elif item == _STRING:  # a vocabulary: ~100,000 strings stepped over by their lengths, none decoded

@@ -66,6 +66,16 @@ class Blocks:
     order: torch.Tensor | None
 
 
+def raw_rows(mapped: np.ndarray, tensor: TensorInfo) -> np.ndarray:
+    """A tensor's bytes as uint8 [rows, bytes a row], a view of the file's map (gguf's dequantize takes this)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[T(tensor.qtype)]
+    row_bytes = tensor.dims[0] // block * size
+    rows = int(np.prod(tensor.dims[1:], dtype=np.int64))
+    return mapped[tensor.offset : tensor.offset + rows * row_bytes].reshape(rows, row_bytes)
+
+
 def folder_gguf(folder: Path) -> Path | None:
     """The GGUF file a prepared model folder reads its weights from, if it is one."""
     link = folder / GGUF_LINK
@@ -119,13 +129,7 @@ class GgufTensors:
         return tensor
 
     def _raw(self, tensor: TensorInfo) -> np.ndarray:
-        """The tensor's bytes as uint8 [rows, bytes a row], a view of the map (gguf's dequantize takes this)."""
-        from gguf import GGML_QUANT_SIZES
-
-        block, size = GGML_QUANT_SIZES[T(tensor.qtype)]
-        row_bytes = tensor.dims[0] // block * size
-        rows = int(np.prod(tensor.dims[1:], dtype=np.int64))
-        return self.map[tensor.offset : tensor.offset + rows * row_bytes].reshape(rows, row_bytes)
+        return raw_rows(self.map, tensor)
 
     def shape(self, name: str) -> list[int]:
         """[out, in] (GGUF lists dimensions innermost first)."""
