@@ -6,7 +6,9 @@ the size of the model in its target dtype, never two copies of the checkpoint.
 
 A folder prepared from a GGUF file (config, tokenizer and a `model.gguf` link) is read through
 `kettle/tensors/gguf_file.py` instead: the same names and calls, with `weights.gguf` exposing the file's
-quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.py).
+quantized blocks to the load-time quantization (kettle/quantization/gguf_scheme.py). A vision-language GGUF's
+folder also links its projector file (`mmproj.gguf`), whose vision tensors answer to the family's Hugging Face
+names, dense (kettle/tensors/mmproj_file.py).
 
 Loading shows its progress in distinct tensors read (`kettle/progress.py`: a bar on a terminal, a log line every
 tenth otherwise), on the first rank only, so tensor-parallel shards do not draw over each other.
@@ -27,6 +29,7 @@ from torch import nn
 from kettle.progress import progress_bar
 from kettle.tensors import distributed
 from kettle.tensors.gguf_file import GgufTensors, folder_gguf
+from kettle.tensors.mmproj_file import MmprojTensors, folder_mmproj
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -127,6 +130,8 @@ class Weights:
         # A GGUF model folder: its tensors come from the (memory-mapped) file, by Hugging Face name.
         self.gguf = None if gguf is None else GgufTensors(gguf)
         self._files = {} if self.gguf is not None else checkpoint_files(self.folder)
+        mmproj = folder_mmproj(self.folder)
+        self.vision = None if mmproj is None else MmprojTensors(mmproj)
         self._stored: dict[str, str] = {}  # another name a tensor answers to → its name in the file (`alias`)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
@@ -152,7 +157,8 @@ class Weights:
 
     @property
     def names(self) -> list[str]:
-        return self.gguf.names if self.gguf is not None else sorted(self._files)
+        names = self.gguf.names if self.gguf is not None else sorted(self._files)
+        return names + (self.vision.names if self.vision is not None else [])
 
     def alias(self, rename: Callable[[str], str | None]) -> None:
         """Lets each stored tensor also answer to `rename(name)` (None: no other name), so a loader written for
@@ -165,6 +171,8 @@ class Weights:
                 self._stored[other] = name
 
     def has(self, name: str) -> bool:
+        if self.vision is not None and self.vision.has(name):
+            return True
         return self.gguf.has(name) if self.gguf is not None else name in self._files
 
     def _handle(self, file: Path):
@@ -189,6 +197,9 @@ class Weights:
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, converted to the target dtype (if floating point) and device."""
+        if self.vision is not None and self.vision.has(name):
+            self.progress.read(name)
+            return self.vision.dense(name).to(device=self.device, dtype=self.dtype)
         if self.gguf is not None:
             tensor = self.gguf.dense(name).to(device=self.device, dtype=self.dtype)
             self.progress.read(name)
@@ -202,6 +213,8 @@ class Weights:
 
     def shape(self, name: str) -> list[int]:
         """A tensor's shape, from the file header (nothing is read)."""
+        if self.vision is not None and self.vision.has(name):
+            return self.vision.shape(name)
         if self.gguf is not None:
             return self.gguf.shape(name)
         if name not in self._files:
@@ -210,7 +223,7 @@ class Weights:
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) `start:stop` of a tensor, reading only that part of the file."""
-        if self.gguf is not None:  # blocks run along rows: dequantize, then slice
+        if self.gguf is not None or (self.vision is not None and self.vision.has(name)):  # dequantize, then slice
             tensor = self.get(name)
             return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
         if name not in self._files:
