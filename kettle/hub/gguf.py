@@ -5,6 +5,10 @@ written: config.json, generation_config.json, the tokenizer and its chat templat
 the `gguf` package), plus a symbolic link `model.gguf` to the file itself. The shard then reads the weights
 straight from the GGUF (kettle/tensors/gguf_file.py), still quantized: no float copy is ever written.
 
+A vision-language model's projector file (`mmproj`, beside the GGUF or named by `--mmproj`) is linked too
+(`mmproj.gguf`), and config.json becomes the vision family's (kettle/hub/mmproj_config.py); its vision tensors
+are read from that file by kettle/tensors/mmproj_file.py.
+
 Other architectures are converted as before: transformers dequantizes every weight and the result is saved
 as a float32 safetensors folder. Everything torch or transformers is imported inside the functions, so
 importing this module is free.
@@ -92,13 +96,22 @@ def check_complete(gguf_path: Path) -> None:
         )
 
 
-def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:
-    """Writes config.json, generation_config.json, the tokenizer files and a `model.gguf` link into `out_dir`."""
-    with _metadata_read_once():
+def prepare_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False, mmproj: Path | None = None) -> None:
+    """Writes config.json, generation_config.json, the tokenizer files and a `model.gguf` link into `out_dir`; with
+    `mmproj`, the vision-language model's config and image processor settings, and a `mmproj.gguf` link."""
+    from kettle.hub.gguf_alias import read_as_alias
+    from kettle.hub.mmproj import MMPROJ_LINK
+
+    with _metadata_read_once(), read_as_alias():
         config = save_config(gguf_path, out_dir, trust_remote_code)
         _save_tokenizer(gguf_path, out_dir, trust_remote_code, context_length=_context_length(config))
     _add_legacy_config_keys(out_dir / "config.json")
     (out_dir / GGUF_LINK).symlink_to(gguf_path.resolve())
+    if mmproj is not None:
+        from kettle.hub.mmproj_config import write_vision_config
+
+        write_vision_config(gguf_path, mmproj, out_dir)
+        (out_dir / MMPROJ_LINK).symlink_to(mmproj.resolve())
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, trust_remote_code: bool = False) -> None:

