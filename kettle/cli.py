@@ -141,6 +141,10 @@ def download_weights(
         str | None,
         typer.Option(envvar="GGUF_FILE", help="The GGUF file of the repository (or folder) to download, only that."),
     ] = None,
+    mmproj: Annotated[
+        str | None,
+        typer.Option(envvar="MMPROJ", help="A GGUF model's projector file (mmproj-*.gguf) to prepare its images with."),
+    ] = None,
     huggingface_hub_cache: Annotated[str | None, typer.Option(envvar="HUGGINGFACE_HUB_CACHE")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's code.")] = False,
     json_output: o.JsonOutput = False,
@@ -151,7 +155,7 @@ def download_weights(
 
     setup_logging(json_output)
     try:
-        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code, gguf_file)
+        model = resolve_model(model_id, revision, huggingface_hub_cache, trust_remote_code, gguf_file, mmproj)
     except PreparationError as error:
         log.error("%s", error)
         raise typer.Exit(1) from None

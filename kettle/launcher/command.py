@@ -48,6 +48,15 @@ GgufFile = Annotated[
         MODEL,
     ),
 ]
+Mmproj = Annotated[
+    str | None,
+    option(
+        "--mmproj",
+        "A vision-language GGUF's projector file (llama.cpp's `mmproj-*.gguf`) to serve the model's images with; "
+        "without it, the mmproj file beside the model's GGUF (in its folder or Hub repository) is used.",
+        MODEL,
+    ),
+]
 Sharded = Annotated[
     str | None,
     option("--sharded", "Split the model across shards: true or false (true alone: one shard per GPU).", MODEL),
@@ -219,6 +228,7 @@ def launch(
     model_id: ModelId = None,
     revision: Revision = None,
     gguf_file: GgufFile = None,
+    mmproj: Mmproj = None,
     sharded: Sharded = None,
     num_shard: NumShard = None,
     quantize: Quantize = None,

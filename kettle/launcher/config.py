@@ -59,6 +59,7 @@ class LauncherConfig(ServingFlags):
     model_id: str | None = None
     revision: str | None = None
     gguf_file: str | None = None
+    mmproj: str | None = None
     sharded: bool | None = None
     num_shard: int | None = None
     quantize: str | None = None
@@ -96,6 +97,7 @@ class LauncherConfig(ServingFlags):
         self._check_quantize()
         AdapterSource.parse_list(self.lora_adapters)  # a malformed list fails here, before any process starts
         self._check_gguf_file()
+        self._check_mmproj()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("port", "master_port"):
@@ -142,6 +144,14 @@ class LauncherConfig(ServingFlags):
             raise ValueError(f"--gguf-file names a .gguf file, got {self.gguf_file!r}")
         if self.model_id is None and self.weights_cache_override is None:
             raise ValueError("--gguf-file names a file of the --model-id repository (or folder): give --model-id too")
+
+    def _check_mmproj(self) -> None:
+        if self.mmproj is None:
+            return
+        if not self.mmproj.endswith(".gguf"):
+            raise ValueError(f"--mmproj names a projector .gguf file (llama.cpp's mmproj-*.gguf), got {self.mmproj!r}")
+        if self.model_id is None and self.weights_cache_override is None:
+            raise ValueError("--mmproj serves the images of a GGUF --model-id: give --model-id too")
 
     def _check_quantize(self) -> None:
         from kettle.catalog import check_scheme

@@ -60,6 +60,7 @@ class ModelRequest:
     hub_cache: str | None = None
     trust_remote_code: bool = False
     gguf_file: str | None = None
+    mmproj: str | None = None
     weights_cache_override: str | None = None
 
     @classmethod
@@ -71,6 +72,7 @@ class ModelRequest:
             hub_cache=config.huggingface_hub_cache,
             trust_remote_code=config.trust_remote_code,
             gguf_file=config.gguf_file,
+            mmproj=config.mmproj,
             weights_cache_override=config.weights_cache_override,
         )
 
@@ -80,12 +82,16 @@ def resolve(request: ModelRequest) -> ResolvedModel:
     --weights-cache-override the local folder it names, served under --model-id's name. Runs in the child."""
     trust = request.trust_remote_code
     if request.weights_cache_override is None:
-        return resolve_model(request.model_id, request.revision, request.hub_cache, trust, request.gguf_file)
+        return resolve_model(
+            request.model_id, request.revision, request.hub_cache, trust, request.gguf_file, request.mmproj
+        )
     if not os.path.exists(request.weights_cache_override):
         raise ModelNotFound(
             f"--weights-cache-override {request.weights_cache_override!r} does not exist on this machine"
         )
-    local = resolve_model(request.weights_cache_override, None, request.hub_cache, trust, request.gguf_file)
+    local = resolve_model(
+        request.weights_cache_override, None, request.hub_cache, trust, request.gguf_file, request.mmproj
+    )
     return dataclasses.replace(local, display_id=request.model_id or local.display_id)
 
 
