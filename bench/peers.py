@@ -22,13 +22,13 @@ shape with random weights (speed does not depend on the values), written once to
 bundled tokenizer, timed in this process round by round: decode (greedy steps after a 16-token prompt) and a
 `--prompt`-token prefill, each engine on the largest `--threads`:
 
-    .venv/bin/python -m bench peers --shape tinyllama-1.1b --qtype Q4_0 --rounds 3
-    .venv/bin/python -m bench peers --shape tinyllama-1.1b --qtype Q4_K_M --rounds 5    # llama.cpp's Q4_K_M layout
+    .venv/bin/python -m bench peers --shape smollm2-1.7b --qtype Q4_K_M --rounds 3
+    .venv/bin/python -m bench peers --shape llama-3.1-8b --qtype Q4_K_M --rounds 3
 
-`--qtype Q4_K` blocks are random but well formed (gguf-py cannot quantize to Q4_K); the embedding, tied to the
-head, is Q8_0 as in llama.cpp's own Q4 files of small models. `--untied` writes the embedding in the layers' type
-and a Q8_0 head of its own; `--qtype Q4_K_M` lays the file out as llama.cpp's Q4_K_M does (untied; Q4_K layers
-and embedding, Q6_K head and Q6_K `attn_v`/`ffn_down` in the layers its rule gives more bits).
+With llama-cpp-python installed the file is the one a user downloads: a float16 file of the shape (kept beside,
+`<shape>-F16.gguf`) quantized by llama.cpp's own quantizer into `--qtype`, with its mix rules (Q4_K_M's Q6_K
+`attn_v`/`ffn_down` in some layers and Q6_K head, a tied head as the real model has). Without it, random but well
+formed blocks written by gguf-py in the same layouts (`--untied`: an embedding in --qtype and a Q8_0 head).
 """
 
 from __future__ import annotations
@@ -383,6 +383,9 @@ SHAPES = {
     "llama-3.2-3b": (3072, 28, 24, 8, 8192),
     "llama-3.1-8b": (4096, 32, 32, 8, 14336),
 }
+# Whether the real model ties its head to the embedding (the files llama.cpp's quantizer writes follow it).
+TIED = {"tinyllama-1.1b": False, "llama-3.2-1b": True, "smollm2-360m": True, "smollm2-1.7b": True,
+        "llama-3.2-3b": True, "llama-3.1-8b": False}  # fmt: skip
 SETTLE_S = 1.0  # the other engine's idle threads (OpenMP's, llama.cpp's pool) spin a while after their last work
 
 
@@ -487,63 +490,140 @@ def file_step_bytes(path: Path) -> int:
 
 
 def write_model(shape: str, qtype_name: str, untied: bool = False) -> Path:
-    """The GGUF and its Kettle folder for `shape` in `qtype_name` (written once, ~0.6-1 GB, a minute), with a
-    config.json and the bundled model's tokenizer, so Kettle loads the folder as it loads any GGUF folder."""
+    """The GGUF and its Kettle folder for `shape` in `qtype_name` (written once: ~0.6-5 GB, minutes), with a
+    config.json and the bundled model's tokenizer, so Kettle loads the folder as it loads any GGUF folder.
+
+    With llama-cpp-python installed the file is what a user downloads: a float16 file of random weights quantized by
+    llama.cpp's own `llama_model_quantize` into `qtype_name`, its mix rules and all (which tensors keep more bits, the
+    head's type, tied or not as the real model is). Without it, random blocks in gguf-py's layouts as those mixes
+    lay them out (the speed of a step does not depend on the values)."""
+    import importlib.util
+
+    from kettle.hub import resolve_model
+
+    by_llama_cpp = importlib.util.find_spec("llama_cpp") is not None and not untied
+    tied = TIED[shape] if by_llama_cpp else not (untied or qtype_name.endswith("_K_M"))
+    cache = Path.home() / ".cache" / "kettle" / "bench"
+    suffix = "" if by_llama_cpp else "-gguf-py" + ("-untied" if untied else "")
+    folder = cache / f"{shape}-{qtype_name}{suffix}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(None).path
+    if by_llama_cpp:
+        _quantize(_float16_file(shape, source, cache), folder / "model.gguf", qtype_name)
+    else:
+        _write_random_blocks(folder / "model.gguf", shape, qtype_name, source, tied)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(source / name, folder / name)
+    hidden, layers, heads, kv_heads, inner = SHAPES[shape]
+    config = json.loads((source / "config.json").read_text())
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, head_dim=hidden // heads,
+                  num_key_value_heads=kv_heads, intermediate_size=inner, max_position_embeddings=4096,
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rope_theta=10000.0,
+                  tie_word_embeddings=tied)  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def _float16_file(shape: str, source: Path, cache: Path) -> Path:
+    """`shape` in float16 with random weights (N(0, 0.02²), norms at 1), the input of llama.cpp's quantizer; written
+    once per shape, tensor by tensor (an 8B file is 16 GB: never whole in memory)."""
+    import gguf
+    import numpy as np
+
+    path = cache / f"{shape}-F16.gguf"
+    if path.exists():
+        return path
+    hidden, layers = SHAPES[shape][:2]
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    tensors = [("token_embd.weight", (vocab, hidden))] + ([] if TIED[shape] else [("output.weight", (vocab, hidden))])
+    tensors.append(("output_norm.weight", (hidden,)))
+    for layer in range(layers):
+        tensors += [(f"blk.{layer}.{name}.weight", dims) for name, dims in _layer_tensors(SHAPES[shape])]
+    writer = gguf.GGUFWriter(cache / f"{shape}-F16.partial", "llama")
+    _metadata(writer, gguf.GGUFReader(source / "model.gguf"), SHAPES[shape], "F16")
+    for name, dims in tensors:
+        dtype = np.float32 if len(dims) == 1 else np.float16  # llama.cpp keeps norms in float32
+        writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for i, (_, dims) in enumerate(tensors):
+        if len(dims) == 1:
+            writer.write_tensor_data(np.ones(dims, np.float32))
+        else:
+            writer.write_tensor_data((rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16))
+        print(f"\rwrote {i + 1}/{len(tensors)} float16 tensors", end="", file=sys.stderr, flush=True)
+    writer.close()
+    print(file=sys.stderr)
+    (cache / f"{shape}-F16.partial").rename(path)
+    return path
+
+
+def _quantize(source: Path, out: Path, qtype_name: str) -> None:
+    """llama.cpp's own quantizer, as `llama-quantize source out TYPE` runs it, on every core."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{'Q4_K_S' if qtype_name == 'Q4_K' else qtype_name}")
+    params.nthread = os.cpu_count() or 1
+    started = time.perf_counter()
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {qtype_name}")
+    took = time.perf_counter() - started
+    print(f"llama.cpp quantized {source.name} to {qtype_name} in {took:.0f} s", file=sys.stderr)
+
+
+def _layer_tensors(shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """A llama layer's tensors and their (rows, columns), norms first."""
+    hidden, _, heads, kv_heads, inner = shape
+    kv = kv_heads * (hidden // heads)
+    norms = [("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]
+    return [*norms, ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+            ("attn_output", (hidden, hidden)), ("ffn_gate", (inner, hidden)), ("ffn_up", (inner, hidden)),
+            ("ffn_down", (hidden, inner))]  # fmt: skip
+
+
+def _write_random_blocks(path: Path, shape: str, qtype_name: str, source: Path, tied: bool) -> None:
+    """Random but well-formed blocks (gguf-py cannot quantize to the K types), laid out as llama.cpp's mixes do:
+    a `_K_M` file untied, its head Q6_K, the `use_more_bits` layers' attn_v and ffn_down in Q6_K."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as T
 
-    from kettle.hub import resolve_model
-
-    mix = qtype_name.endswith("_K_M")  # llama.cpp's mixes: untied, a Q6_K head, some layers' v and down in Q6_K
-    untied = untied or mix
-    cache = Path.home() / ".cache" / "kettle" / "bench"
-    folder = cache / f"{shape}-{qtype_name}{'-untied' if untied and not mix else ''}"
-    if (folder / "config.json").exists():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    hidden, layers, heads, kv_heads, inner = SHAPES[shape]
-    source = resolve_model(None).path
-    writer = gguf.GGUFWriter(folder / "model.gguf", "llama")
+    mix = qtype_name.endswith("_K_M")
+    hidden, layers = SHAPES[shape][:2]
+    writer = gguf.GGUFWriter(path, "llama")
     _metadata(writer, gguf.GGUFReader(source / "model.gguf"), SHAPES[shape], qtype_name)
     rng, qtype = np.random.default_rng(0), T[qtype_name.removesuffix("_M")]  # the mixes' main type: Q4_K, Q5_K
-    head_type = T.Q6_K if mix else T.Q8_0  # llama.cpp's Q4_K_M / Q5_K_M head; gguf-py writes Q8_0
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     embedding = rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.02
-    if untied:
+    if not tied:
         writer.add_tensor("token_embd.weight", _random_blocks(rng, vocab, hidden, qtype), raw_dtype=qtype)
-        if head_type == T.Q6_K:
+        if mix:
             writer.add_tensor("output.weight", _random_blocks(rng, vocab, hidden, T.Q6_K), raw_dtype=T.Q6_K)
         else:
             writer.add_tensor("output.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
     else:
         writer.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, T.Q8_0), raw_dtype=T.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    kv = kv_heads * (hidden // heads)
-    projections = [("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
-                   ("attn_output", hidden, hidden), ("ffn_gate", inner, hidden), ("ffn_up", inner, hidden),
-                   ("ffn_down", hidden, inner)]  # fmt: skip
     for layer in range(layers):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, np.float32))
-        for name, rows, cols in projections:
+        for name, dims in _layer_tensors(SHAPES[shape]):
+            if len(dims) == 1:
+                writer.add_tensor(f"blk.{layer}.{name}.weight", np.ones(dims, np.float32))
+                continue
             more = mix and name in ("attn_v", "ffn_down") and _more_bits(layer, layers)
             kind = T.Q6_K if more else qtype
-            writer.add_tensor(f"blk.{layer}.{name}.weight", _random_blocks(rng, rows, cols, kind), raw_dtype=kind)
+            writer.add_tensor(f"blk.{layer}.{name}.weight", _random_blocks(rng, *dims, kind), raw_dtype=kind)
         print(f"wrote layer {layer + 1}/{layers}", file=sys.stderr, flush=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(source / name, folder / name)
-    config = json.loads((source / "config.json").read_text())
-    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, head_dim=hidden // heads,
-                  num_key_value_heads=kv_heads, intermediate_size=inner, max_position_embeddings=4096,
-                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rope_theta=10000.0,
-                  tie_word_embeddings=not untied)  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder
 
 
 def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
@@ -560,8 +640,8 @@ def _metadata(writer, source, shape: tuple[int, ...], qtype_name: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_rope_freq_base(10000.0)
-    types = {"Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M", "Q5_K_M": "MOSTLY_Q5_K_M"}
-    types |= {"Q6_K": "MOSTLY_Q6_K", "Q8_0": "MOSTLY_Q8_0", "IQ4_XS": "MOSTLY_IQ4_XS"}
+    types = {"F16": "MOSTLY_F16", "Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M"}
+    types |= {"Q5_K_M": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K", "Q8_0": "MOSTLY_Q8_0", "IQ4_XS": "MOSTLY_IQ4_XS"}
     writer.add_file_type(gguf.LlamaFileType[types[qtype_name]])
     kinds = gguf.GGUFValueType
     for field in source.fields.values():
