@@ -41,3 +41,17 @@ def test_a_loaded_model_uses_the_scaled_frequencies(tiny_llama_path, monkeypatch
     scaled = load_model(str(tiny_llama_path), torch.float32, "cpu")
     assert (plain.rotary.rope_type, scaled.rotary.rope_type) == ("default", "linear")
     torch.testing.assert_close(scaled.rotary.inv_freq, plain.rotary.inv_freq / 2)
+
+
+def test_per_layer_type_settings_scale_the_global_layers():
+    """Gemma 3's settings per layer type: the override scales the full-attention layers, as transformers applies a
+    config's `rope_scaling`, and the local layers keep theirs."""
+    from transformers import Gemma3TextConfig
+
+    from kettle.models.hf_config import layer_rope_parameters
+
+    config = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    assert apply_rope_override(config, {"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "2"})
+    local, full = layer_rope_parameters(config)
+    assert local == {"rope_type": "default", "rope_theta": 10000.0}
+    assert full == {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000000.0}
