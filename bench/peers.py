@@ -80,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--untied", action="store_true", help="with --shape: an embedding in --qtype, a Q8_0 head")
     p.add_argument("--tokens", type=int, default=64, help="with --shape: decode steps timed per round")
     p.add_argument("--prompt", type=int, default=512, help="with --shape: prefill prompt length")
+    p.add_argument("--served", action="store_true", help="with --shape: Kettle served (HTTP) as a user runs it")
     p.add_argument("--worker", choices=list(PEER_PACKAGES), help=argparse.SUPPRESS)
     p.add_argument("--worker-streams", type=int, default=1, help=argparse.SUPPRESS)
     return p
@@ -91,7 +92,8 @@ def peers(argv: list[str]) -> None:
     if args.worker:
         return run_worker(args, threads[0])
     if args.shape:
-        return larger_model(args, max(t or os.cpu_count() for t in threads))
+        run = served_model if args.served else larger_model
+        return run(args, max(t or os.cpu_count() for t in threads))
     engines = args.engines.split(",")
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -413,6 +415,77 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
     for kind in ("decode", "prefill"):
         ratios = [a / b for a, b in zip(results["kettle"][kind], results["llama.cpp"][kind], strict=True)]
         print(f"Kettle / llama.cpp, {kind}: {ratio_summary(ratios)}")
+
+
+SERVED_COLUMNS = ("start s", "RSS MiB", "decode 1", "decode 4", "prefill 512", "prefill 2048")
+
+
+def served_model(args: argparse.Namespace, threads: int) -> None:
+    """`--served`: each round Kettle is started as a user starts it (`kettle launch --model-id <folder>`, no flags;
+    the KV cache capped at 4,096 tokens, llama.cpp's context) and measured over HTTP (start until /health answers,
+    the resident memory of its processes, decode tok/s of 1 and 4 streams, prefill tok/s of 512- and 2,048-token
+    prompts as the time to a first token), then llama.cpp loads the same file in this process and is measured alike
+    (its Python API decodes one sequence: no 4-stream column)."""
+    folder = write_model(args.shape, args.qtype, args.untied)
+    results: dict[str, list[dict[str, float]]] = {"kettle": [], "llama.cpp": []}
+    for round_ in range(args.rounds):
+        for name in ("kettle", "llama.cpp")[:: -1 if round_ % 2 else 1]:
+            time.sleep(SETTLE_S)
+            run = served_kettle if name == "kettle" else in_process_llama_cpp
+            results[name].append(run(folder, threads, args.tokens, round_))
+            print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
+    print(f"\n{args.shape} {args.qtype} (llama.cpp's file), {threads} threads, medians of {args.rounds} rounds")
+    print("| engine | " + " | ".join(SERVED_COLUMNS) + " |")
+    print("|---" * (len(SERVED_COLUMNS) + 1) + "|")
+    for name, rounds in results.items():
+        cells = [statistics.median(r[c] for r in rounds) if c in rounds[0] else None for c in SERVED_COLUMNS]
+        print(f"| {name} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + " |")
+    for column in ("start s", "decode 1", "prefill 512", "prefill 2048"):
+        ratios = [a[column] / b[column] for a, b in zip(results["kettle"], results["llama.cpp"], strict=True)]
+        print(
+            f"Kettle / llama.cpp, {column}: {ratio_summary(ratios)}"
+            + (" (lower is better)" if column == "start s" else "")
+        )
+
+
+def served_kettle(folder: Path, threads: int, tokens: int, trial: int) -> dict[str, float]:
+    import httpx
+    import psutil
+
+    from kettle.bench.loadgen import measure, prompt_of_tokens
+    from kettle.bench.process import KettleServer
+
+    started = time.perf_counter()
+    server = KettleServer(str(folder), "--num-threads", str(threads), max_kv_tokens=4096, poll=0.05)
+    row = {"start s": time.perf_counter() - started}
+    try:
+        loads = measure(server.url, chat_prompts(str(folder)), [1, 4], tokens)
+        row |= {"decode 1": loads[1].decode_tokens_per_s, "decode 4": loads[4].decode_tokens_per_s}
+        for size in (512, 2048):
+            body = {"inputs": prompt_of_tokens(server.url, size, trial), "parameters": {"max_new_tokens": 1}}
+            sent = time.perf_counter()
+            httpx.post(f"{server.url}/generate", json=body, timeout=600).raise_for_status()
+            row[f"prefill {size}"] = size / (time.perf_counter() - sent)
+        launcher = psutil.Process(server.process.pid)  # after the longest prompt: its activations counted
+        row["RSS MiB"] = sum(p.memory_info().rss for p in [launcher, *launcher.children(recursive=True)]) / 2**20
+    finally:
+        server.stop()
+    return row
+
+
+def in_process_llama_cpp(folder: Path, threads: int, tokens: int, trial: int) -> dict[str, float]:
+    import psutil
+
+    before = psutil.Process().memory_info().rss
+    started = time.perf_counter()
+    runner = LlamaCppRunner(folder, threads)
+    row = {"start s": time.perf_counter() - started}
+    runner.decode(4)  # its first-call paths, as Kettle's warm-up does
+    row["decode 1"] = runner.decode(tokens)
+    row |= {f"prefill {size}": runner.prefill(size) for size in (512, 2048)}
+    row["RSS MiB"] = (psutil.Process().memory_info().rss - before) / 2**20  # what loading and running it added
+    runner.llm.close()
+    return row
 
 
 class KettleRunner:
