@@ -860,18 +860,25 @@ static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
 static inline __m256i q5l_block(const Linear *w, int64_t j, int64_t b) {
     const uint8_t *base = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 320;
     const __m128i bytes = strided_pairs(base + 2 * (j % 16)), mask = _mm_set1_epi8(0x0F);
-    uint8_t v[32];
-    _mm_storeu_si128((__m128i *)v, _mm_and_si128(bytes, mask));
-    _mm_storeu_si128((__m128i *)(v + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    for (int u = 0; u < 8; u++)
-        for (int e = 0; e < 2; e++) {
-            uint32_t low, high;
-            memcpy(&low, base + 256 + 8 * u, 4), memcpy(&high, base + 256 + 8 * u + 4, 4);
-            const int lane = 2 * (int)(j % 16) + e;
-            v[2 * u + e] |= (uint8_t)((low >> lane & 1) << 4);
-            v[16 + 2 * u + e] |= (uint8_t)((high >> lane & 1) << 4);
-        }
-    return _mm256_loadu_si256((const __m256i *)v);
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+    /* The fifth bits, in vectors rather than bit by bit (the panels widen every block of every channel per call):
+     * word t of the unit's 64 bytes is L_u (t = 2u) or H_u (t = 2u + 1); its bits 2c and 2c + 1 (c = j % 16) are
+     * the fifth bits of inputs 2u, 2u + 1 (L) or 16 + 2u, 17 + 2u (H). Each word's two bits become a byte of B
+     * (packs leave B in the order t = 0-3, 8-11, 4-7, 12-15), then input i takes its word's byte and tests its bit. */
+    const __m128i count = _mm_cvtsi32_si128(2 * (int)(j % 16));
+    const __m256i three = _mm256_set1_epi32(3);
+    const __m256i a = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(base + 256)), count), three);
+    const __m256i c = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(base + 288)), count), three);
+    const __m256i packed = _mm256_packus_epi16(_mm256_packus_epi32(a, c), _mm256_setzero_si256());
+    const __m128i order = _mm_unpacklo_epi64(_mm256_castsi256_si128(packed), _mm256_extracti128_si256(packed, 1));
+    /* input i's byte of B: t = i & ~1 (i < 16) or ((i - 16) & ~1) + 1, at its place in the packed order */
+    const __m256i source = _mm256_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 4, 4, 6, 6, 12, 12, 14, 14,
+                                            1, 1, 3, 3, 9, 9, 11, 11, 5, 5, 7, 7, 13, 13, 15, 15);
+    const __m256i bit = _mm256_setr_epi8(1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2,
+                                         1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2);
+    const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(order), source), bit);
+    const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(nibbles, fifth);
 }
 
 /* Row j of a Q5L weight as K floats: q · (d · sc) - dmin · m, one fused multiply-add as `q4_dequant`. */
