@@ -2,7 +2,7 @@
 
 Each projection (and the embedding) is quantized with `gguf.quants` (Q4_K and Q6_K, which gguf-py cannot
 quantize, get random well-formed blocks), norms stay F32. The file is laid out as llama.cpp's converter writes it,
-quirks included (`to_gguf`): llama's q/k rows permuted, Gemma 2's norms stored as 1 + w, GPT-2's Conv1D weights
+quirks included (`to_gguf`): llama's q/k rows permuted, Gemma 2's and 3's norms stored as 1 + w, GPT-2's Conv1D weights
 transposed, Falcon's and BLOOM's fused q/k/v rows regrouped into [q | k | v]; `from_gguf` undoes them, as
 transformers' GGUF loader does. The metadata carries what that loader reads back into a config.
 The folder holds the transformers config.json and the file as `model.gguf`, the layout Kettle prepares.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
@@ -22,6 +23,7 @@ ARCHES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "falcon": "FalconForCausalLM",
@@ -33,6 +35,7 @@ CONFIGS = {
     "qwen3": "Qwen3Config",
     "phi3": "Phi3Config",
     "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
     "starcoder2": "Starcoder2Config",
     "gpt2": "GPT2Config",
     "falcon": "FalconConfig",
@@ -40,7 +43,13 @@ CONFIGS = {
 }
 VOCAB = 96
 # Architectures whose tiny config is written from the GGUF's metadata by transformers, as `prepare_gguf` does.
-FROM_METADATA = ("phi3", "gemma2", "starcoder2", "gpt2", "falcon", "bloom")
+FROM_METADATA = ("phi3", "gemma2", "gemma3", "starcoder2", "gpt2", "falcon", "bloom")
+# Gemma 3: six layers, llama.cpp's pattern (the sixth global), a window shorter than the prompts, the global RoPE
+# base and its linear scaling off the local table's (transformers' defaults are the published models').
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
 
 
 def _config_kwargs(arch: str, hidden: int) -> dict:
@@ -63,6 +72,10 @@ def _config_kwargs(arch: str, hidden: int) -> dict:
         | tied
         | {"head_dim": hidden // 4, "query_pre_attn_scalar": hidden // 4, "sliding_window": 4, "pad_token_id": 0}
         | {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0},
+        "gemma3": llama_like
+        | tied
+        | {"head_dim": hidden // 4, "query_pre_attn_scalar": hidden // 4, "sliding_window": 4, "pad_token_id": 0}
+        | {"num_hidden_layers": 6, "rope_parameters": GEMMA3_ROPE},
         "starcoder2": llama_like | tied | {"norm_epsilon": 1e-5, "rope_theta": 1e5},
         "gpt2": tied | {"n_embd": hidden, "n_layer": 2, "n_head": 4, "n_positions": 1024},
         "falcon": heads | tied | {"hidden_size": hidden},
@@ -104,8 +117,8 @@ def to_gguf(arch: str, name: str, data: np.ndarray, config) -> np.ndarray:
     heads, kv_heads = _heads(config)
     if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
         return llama_permute(data, heads if "q_proj" in name else kv_heads)
-    if arch == "gemma2" and name.endswith("norm.weight"):
-        return data + 1  # Gemma's RMSNorm scales by 1 + w: llama.cpp stores the sum
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        return data + 1  # Gemma's RMSNorm scales by 1 + w: llama.cpp stores the sum (Gemma 3's q/k norms too)
     if arch == "gpt2" and data.ndim == 2 and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
         return np.ascontiguousarray(data.T)  # Conv1D [in, out] → [out, in]
     if arch == "falcon" and "query_key_value" in name:
@@ -126,7 +139,7 @@ def from_gguf(arch: str, name: str, data: np.ndarray, config) -> np.ndarray:
     if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
         n = heads if "q_proj" in name else kv_heads
         return data.reshape(n, data.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(data.shape)
-    if arch == "gemma2" and name.endswith("norm.weight"):
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         return data - 1
     if arch == "gpt2" and data.ndim == 2 and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
         return np.ascontiguousarray(data.T)
@@ -227,10 +240,27 @@ def _write_metadata(writer, arch: str, config) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":
+        _gemma3_metadata(writer, config)
     # transformers takes the vocabulary size from the token list where the metadata has no vocab_size.
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     if getattr(config, "pad_token_id", None) is not None:
         writer.add_pad_token_id(config.pad_token_id)
+
+
+def _gemma3_metadata(writer, config) -> None:
+    """Gemma3Model.set_gguf_parameters: the head size, the window, the global RoPE base and its linear scaling (the
+    local base and the layer pattern are llama.cpp's own constants, not written)."""
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    full = config.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
 def gguf_names(arch: str, layers: int):

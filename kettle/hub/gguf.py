@@ -27,11 +27,19 @@ from kettle.hub.types import PreparationError
 
 # GGUF architectures whose weights Kettle's native families read straight from the file (tested in
 # tests/models/test_gguf_native.py); the others are converted to a float32 safetensors folder.
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "starcoder2", "falcon", "gpt2", "bloom")
+NATIVE_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "starcoder2", "falcon", "gpt2", "bloom",
+)  # fmt: skip
+# The layer count of each Gemma generation's 27B model, the one trained with queries scaled by hidden / heads.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# What llama.cpp fixes for every Gemma 3 file (no metadata key): one global layer in 6, the sliding layers' RoPE
+# base; and the converter's global base where a config has none.
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_GLOBAL_BASE = 6, 10_000.0, 1_000_000.0
 GGUF_LINK = "model.gguf"  # the name under which a prepared folder points at its GGUF file
 # Metadata llama.cpp's converter writes that transformers' GGUF reader leaves out of the config (transformers
 # 5.x), which would otherwise keep its class default: StarCoder2's RoPE base (1e5 or more in the published
-# models, default 1e4), Phi-3's sliding window, Gemma 2's soft caps, GPT-2's number of positions.
+# models, default 1e4), Phi-3's sliding window, Gemma 2's soft caps (Gemma 3's final one, where a file sets it),
+# GPT-2's number of positions.
 UNMAPPED_METADATA = {
     "starcoder2": {"rope.freq_base": "rope_theta"},
     "phi3": {"attention.sliding_window": "sliding_window"},
@@ -39,6 +47,7 @@ UNMAPPED_METADATA = {
         "attn_logit_softcapping": "attn_logit_softcapping",
         "final_logit_softcapping": "final_logit_softcapping",
     },
+    "gemma3": {"final_logit_softcapping": "final_logit_softcapping"},
     "gpt2": {"context_length": "n_positions"},
 }
 
@@ -247,10 +256,12 @@ def _add_unmapped_metadata(gguf_path: Path, config) -> None:
         config.num_ln_in_parallel_attn = 2 if two_norms else 1
     if arch == "phi3":
         _add_long_context_factors(gguf_path, header, config)
-    if arch == "gemma2":
+    if arch in GEMMA_27B_LAYERS:
         config.query_pre_attn_scalar = gemma2_query_scalar(
-            config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim
+            config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim, arch
         )
+    if arch == "gemma3":
+        _add_gemma3_layers(gguf_path, fields, config)
     for key, attribute in UNMAPPED_METADATA.get(arch, {}).items():
         value = fields.get(f"{arch}.{key}")
         if value is None:
@@ -263,11 +274,36 @@ def _add_unmapped_metadata(gguf_path: Path, config) -> None:
             setattr(config, attribute, value)
 
 
-def gemma2_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
-    """What Gemma 2 divides queries by (the square root of it): the head size, except for the 27B model, trained
-    with hidden / heads (144, its head size being 128). The metadata has no key for it, so llama.cpp tells the 27B
-    by its 46 layers; transformers' reader leaves the class default (256, right for the 2B and 9B only)."""
-    return hidden / heads if layers == 46 else head_dim
+def gemma2_query_scalar(layers: int, hidden: int, heads: int, head_dim: int, arch: str = "gemma2") -> float:
+    """What Gemma 2 and 3 divide queries by (the square root of it): the head size, except for the 27B models,
+    trained with hidden / heads (Gemma 2's 144, Gemma 3's 168; their head size is 128). The metadata has no key for
+    it, so llama.cpp tells a 27B by its layers (`GEMMA_27B_LAYERS`); transformers' reader leaves the class default
+    (256, right for the smaller models only)."""
+    return hidden / heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
+
+
+def _add_gemma3_layers(gguf_path: Path, fields: dict, config) -> None:
+    """Gemma 3's layer types and its two RoPE tables, as llama.cpp reads the file: the metadata has neither the
+    sliding-window pattern nor the local base, which llama.cpp fixes (every 6th layer global, the others sliding;
+    local base 10,000, unscaled), and transformers' reader maps only the global base; the file's linear scaling
+    (factor 8 in the 4B-27B models) applies to the global layers only."""
+    window = fields.get("gemma3.attention.sliding_window")
+    config.layer_types = [
+        "full_attention" if not window or i % GEMMA3_PATTERN == GEMMA3_PATTERN - 1 else "sliding_attention"
+        for i in range(config.num_hidden_layers)
+    ]
+    full = {"rope_type": "default", "rope_theta": float(fields.get("gemma3.rope.freq_base", GEMMA3_GLOBAL_BASE))}
+    factor = fields.get("gemma3.rope.scaling.factor") or fields.get("gemma3.rope.scale_linear")
+    if factor and float(factor) != 1.0:
+        kind = fields.get("gemma3.rope.scaling.type", "linear")
+        if kind not in ("linear", "none"):  # llama.cpp scales Gemma 3's positions linearly whatever else is set
+            raise PreparationError(
+                f"Cannot prepare the model: {gguf_path} sets RoPE scaling {kind!r} on Gemma 3, which is served with "
+                "linear scaling only (the published models'); pass another model"
+            )
+        full |= {"rope_type": "linear", "factor": float(factor)}
+    local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_BASE}
+    config.rope_parameters = {"full_attention": full, "sliding_attention": local}
 
 
 def _add_long_context_factors(gguf_path: Path, header, config) -> None:

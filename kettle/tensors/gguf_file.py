@@ -9,8 +9,9 @@ The converter also changes some tensors on the way; reading them back undoes wha
 - Llama's q and k rows are permuted (its RoPE pairs neighbouring channels, Hugging Face's pairs halves): the
   permutation is undone on whole rows, which is exact for quantized rows too (their blocks run along the input
   channels), so they stay quantized;
-- Gemma 2's RMSNorm weights are stored as 1 + w (what llama.cpp multiplies by): 1 is taken off again, since
-  the Gemma families add it themselves;
+- Gemma 2's and Gemma 3's RMSNorm weights (every name ending in `norm.weight`: Gemma 3's per-head q and k norms
+  too) are stored as 1 + w (what llama.cpp multiplies by): 1 is taken off again, since the Gemma families add it
+  themselves;
 - Falcon's query_key_value with several KV heads (40B, 180B, 11B), grouped per KV head in Hugging Face's
   layout, is regrouped into [q heads | k heads | v heads]: its rows are moved back (for the 7B's single KV
   head both layouts are the same);
@@ -36,7 +37,7 @@ from kettle.hub.gguf_header import TensorInfo, read_header
 # Architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor undoes the same).
 PERMUTED_QK = ("llama",)
 # Architectures whose RMSNorm weights the converter stored as 1 + w (transformers' Gemma2TensorProcessor).
-NORMS_PLUS_ONE = ("gemma2",)
+NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # Architectures whose converter strips this prefix from every name before mapping it.
 STRIPPED_PREFIX = {"bloom": "transformer."}
 # What Kettle serves: dense floats, 4-bit types on the int4 kernel exactly, the 5-8-bit types in layouts of their own

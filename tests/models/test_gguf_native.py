@@ -1,6 +1,6 @@
 """GGUF files read natively: Kettle's logits against transformers running gguf's own dequantization of the file.
 
-Tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma 2, StarCoder2, Falcon, GPT-2 and BLOOM models are written with
+Tiny random Llama, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, StarCoder2, Falcon, GPT-2 and BLOOM models are written with
 `gguf.GGUFWriter` in F32, Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K, laid out as llama.cpp's converter lays them out
 (tests/gguf_files.py). That layout is checked against transformers' own GGUF loader: reading the F32 file, it
 must give the original model's logits. With no `quantize`, Kettle serves the file's own quantization: the 4-bit
@@ -82,6 +82,8 @@ CASES = [
     ("gemma2", T.F32),
     ("gemma2", T.Q4_1),
     ("gemma2", T.Q4_K),
+    ("gemma3", T.F32),
+    ("gemma3", T.Q8_0),
     ("starcoder2", T.F32),
     ("starcoder2", T.Q4_0),
     ("falcon", T.F32),
@@ -264,6 +266,8 @@ def test_gemma2_27b_scales_queries_by_hidden_over_heads():
 
     assert gemma2_query_scalar(46, 4608, 32, 128) == 144  # the 27B
     assert gemma2_query_scalar(42, 3584, 16, 256) == 256  # the 9B (and the 2B, 26 layers)
+    assert gemma2_query_scalar(62, 5376, 32, 128, "gemma3") == 168  # Gemma 3's 27B
+    assert gemma2_query_scalar(34, 2560, 8, 256, "gemma3") == 256  # its 4B (and the 1B, 12B)
 
 
 @pytest.mark.parametrize("arch", FROM_METADATA)
