@@ -9,7 +9,8 @@
  * One description covers the families' blocks (kettle/models/decoder.py `BlockPlan`): RMSNorm or LayerNorm;
  * sequential or parallel residuals (the MLP reading the attention's normed input or a norm of its own);
  * Gemma 2's norms of each branch output; RoPE over the whole head or its first `rot_dim` dimensions, in
- * halves or interleaved pairs, or none; per-head q/k norms; soft-capped scores; a gated or plain MLP with
+ * halves or interleaved pairs, or none, each layer from its own table of the step's cos/sin (Gemma 3's local and
+ * global bases); per-head q/k norms; soft-capped scores; a gated or plain MLP with
  * SiLU, tanh-GELU, erf-GELU or ReLU; or a top-k mixture of gated experts. Where a stage exists op at a time
  * (kernels.h) the step runs the same code in the same order, so Llama-family models compute the same numbers
  * on both paths. kettle/models/decoder_step.py fills the description through kettle/kernels/decoder_step.py.
@@ -43,6 +44,7 @@ typedef struct {
     Norm q_norm, k_norm;              /* per head over head_dim before RoPE (Qwen3, Phi), or NONE */
     Linear qkv, o, up, down;          /* qkv rows: [q heads; k heads; v heads]; up: [gate; up] when gated, else fc */
     int64_t window, parallel, gated, act;
+    int64_t rope_table; /* which of the step's cos/sin tables this layer rotates with (Decoder.rope_tables) */
     float scale, softcap;
     const Experts *experts; /* non-NULL: the MLP is this mixture (gated experts), `up`/`down` unused */
 } Layer;
@@ -61,6 +63,9 @@ enum { LORA_QKV = 0, LORA_O = 1, LORA_UP = 2, LORA_DOWN = 3, LORA_PER_LAYER = 4 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inner, block_size;
     int64_t rot_dim, interleaved; /* RoPE over the first rot_dim of each head (0: no RoPE) */
+    /* The step's cos/sin tables (0 without RoPE): one per distinct RoPE setting of the layers, every table the same
+     * rot_dim and layout, only the angles differ (Gemma 3's sliding layers a local base, its full layers a global) */
+    int64_t rope_tables;
     const Layer *layers;
     Norm final_norm;
     int64_t kv_dtype; /* the cache's KV_* element type (kernels.h), set per step from the cache */
@@ -424,13 +429,15 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cach
                        float *scores, float *buffer, int64_t rows) {
     const Layer *l = m->layers + index;
     const int64_t heads = m->heads * m->head_dim;
+    /* The layer's own table: cos/sin hold every table's rows, one table after another. */
+    const int64_t table = l->rope_table * rows * m->rot_dim;
     PagedDecode p = *shape;
     p.k_cache = k_cache, p.v_cache = v_cache, p.window = l->window, p.scale = l->scale, p.softcap = l->softcap;
     p.kv_dtype = (int)m->kv_dtype;
     add_norm(m, s, NULL, NULL, &l->input_norm, &l->qkv, rows);
     linear(m, &l->qkv, s->x, &s->xq, rows, s->qkv, buffer);
     lora_delta(s, lora_of(s, index, LORA_QKV), s->x, m->hidden, rows, s->qkv, outputs(&l->qkv));
-    rope_and_store(m, l, s, cos, sin, slots, k_cache, v_cache, rows);
+    rope_and_store(m, l, s, cos ? cos + table : NULL, sin ? sin + table : NULL, slots, k_cache, v_cache, rows);
     paged_attention(&p, s->q, rows, scores, s->attn);
     quantize_for(m, s->attn, heads, &l->o, &s->xq, rows);
     linear(m, &l->o, s->attn, &s->xq, rows, s->out, buffer);
@@ -455,8 +462,8 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cach
 }
 
 /* embedded [rows, hidden] (one new token per sequence) → out [rows, hidden], the final norm's output; writes each
- * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rows, rot_dim] (sin signed; NULL without
- * RoPE), tables [rows, max_blocks], positions [rows] as for `kettle_attention`'s decode; loras [layers · 4] and
+ * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rope_tables, rows, rot_dim] (sin signed; NULL
+ * without RoPE; layer l reads table layers[l].rope_table), tables [rows, max_blocks], positions [rows] as for `kettle_attention`'s decode; loras [layers · 4] and
  * lora_slot [rows] when the step has adapter rows (else NULL). -1 when out of memory. */
 int kettle_decoder_step(
     const Decoder *m, void *const *k_caches, void *const *v_caches, const float *embedded, int64_t rows,
@@ -503,7 +510,8 @@ static void embed_row(const Linear *table, int64_t token, float *dst) {
  * between steps (kettle/shard/greedy_window.py says which). Each step embeds the rows' last tokens (`tokens`,
  * updated in place) from `embedding`, runs `kettle_decoder_step`, the `head` (`kettle_linear` on the chooser's path)
  * and the greedy choice (`kettle_rows`): the functions, and so the numbers, of as many one-step calls. Step s reads cos/sin
- * [rows, rot_dim], slots and positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the
+ * [rope_tables, rows, rot_dim] at s · rope_tables · rows · rot_dim (cos/sin [steps, rope_tables, rows, rot_dim]: a
+ * step's tables side by side, as one step takes them), slots and positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the
  * choices. The window ends early after a step in which some row chose one of `stop_ids` (its EOS ids): the host
  * then stops that row before the next. Returns the steps run, or -1 when out of memory. */
 int kettle_greedy_steps(
@@ -512,15 +520,15 @@ int kettle_greedy_steps(
     const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *positions,
     const int64_t *stop_ids, int64_t stops, int64_t *ids, float *logprobs, int threads
 ) {
-    const int64_t dim = m->hidden, rot = m->rot_dim;
+    const int64_t dim = m->hidden, rope = m->rope_tables * rows * m->rot_dim; /* a step's cos (or sin) floats */
     float *embedded = malloc(sizeof(float) * (size_t)(rows * dim)), *hidden = malloc(sizeof(float) * (size_t)(rows * dim));
     float *logits = malloc(sizeof(float) * (size_t)(rows * head->n));
     int64_t done = 0, stopped = 0;
     while (embedded && hidden && logits && done < steps && !stopped) {
-        const int64_t at = done * rows;
+        const int64_t at = done * rows, angles = done * rope;
         for (int64_t r = 0; r < rows; r++) embed_row(embedding, tokens[r], embedded + r * dim);
-        if (kettle_decoder_step(m, k_caches, v_caches, embedded, rows, cos ? cos + at * rot : NULL,
-                                sin ? sin + at * rot : NULL, slots + at, tables, max_blocks, positions + at, hidden,
+        if (kettle_decoder_step(m, k_caches, v_caches, embedded, rows, cos ? cos + angles : NULL,
+                                sin ? sin + angles : NULL, slots + at, tables, max_blocks, positions + at, hidden,
                                 threads, NULL, NULL) ||
             kettle_linear(head, hidden, dim, rows, logits, head->n, PATH_DECODE_ROWS, &m->tuning, threads))
             break;

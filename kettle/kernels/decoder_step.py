@@ -35,12 +35,13 @@ class Experts(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     """One block: its norms (NORM_NONE where absent), four projections, sliding window (0: none), residual
-    shape (parallel or not), MLP kind and activation, attention scale and soft-cap (0: none), experts or None."""
+    shape (parallel or not), MLP kind and activation, the step's RoPE table it rotates with (an index), attention
+    scale and soft-cap (0: none), experts or None."""
 
     _fields_ = [(name, Norm) for name in ("input_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm")]
     _fields_ += [("q_norm", Norm), ("k_norm", Norm)]
     _fields_ += [(name, Linear) for name in ("qkv", "o", "up", "down")]
-    _fields_ += [(name, _int) for name in ("window", "parallel", "gated", "act")]
+    _fields_ += [(name, _int) for name in ("window", "parallel", "gated", "act", "rope_table")]
     _fields_ += [("scale", _float), ("softcap", _float), ("experts", ctypes.POINTER(Experts))]
 
 
@@ -55,19 +56,21 @@ LORA_PER_LAYER = 4  # qkv, o, gate_up (or fc), down: the order of a layer's entr
 
 
 class Decoder(ctypes.Structure):
-    """The whole stack: shapes, the rotary layout, the layers, the final norm, the KV cache's element type
-    (ops.KV_DTYPES) and the path chooser's tuning (ops.tuning), the last two set per step."""
+    """The whole stack: shapes, the rotary layout and the number of RoPE tables a step passes, the layers, the final
+    norm, the KV cache's element type (ops.KV_DTYPES) and the path chooser's tuning (ops.tuning), the last two set
+    per step."""
 
     _fields_ = [(name, _int) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inner")]
-    _fields_ += [("block_size", _int), ("rot_dim", _int), ("interleaved", _int)]
+    _fields_ += [("block_size", _int), ("rot_dim", _int), ("interleaved", _int), ("rope_tables", _int)]
     _fields_ += [("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("kv_dtype", _int), ("tuning", Tuning)]
 
 
 @dataclass
 class StepRows:
-    """Where a step's rows go: cos/sin [rows, rot_dim] (None without RoPE), each row's cache slot and position
-    (int64), and the block tables `block_ids` [S · max_blocks] (int64) of its S sequences. A greedy window's rows
-    are its steps' rows one step after another (`run_greedy`)."""
+    """Where a step's rows go: cos/sin [tables, rows, rot_dim], every RoPE table's rows (None without RoPE), each
+    row's cache slot and position (int64), and the block tables `block_ids` [S · max_blocks] (int64) of its S
+    sequences. A greedy window's rows are its steps' rows one step after another (`run_greedy`): cos/sin
+    [steps, tables, S, rot_dim]."""
 
     cos: torch.Tensor | None
     sin: torch.Tensor | None
@@ -77,7 +80,7 @@ class StepRows:
     positions: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.cos is not None:  # the C step reads rot_dim floats per row
+        if self.cos is not None:  # the C step reads rot_dim floats per row, one table's rows after another
             self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
 
     def pointers(self) -> tuple:

@@ -213,12 +213,13 @@ class CausalLM(nn.Module):
             return None
         return DecoderStep.build(self)
 
-    def fused_decode(self, h: torch.Tensor, cos, sin, kv_cache: KVCache, meta: AttentionMetadata):
-        """The final hidden states from the fused CPU decode step, or None where it does not run this step."""
+    def fused_decode(self, h: torch.Tensor, ropes: list[tuple], kv_cache: KVCache, meta: AttentionMetadata):
+        """The final hidden states from the fused CPU decode step (given each layer's (cos, sin)), or None where it
+        does not run this step."""
         step = self.cpu_decoder_step
         if step is None or not step.fits(kv_cache, meta):
             return None
-        return step(h, cos, sin, kv_cache, meta, self.lora_rows)  # every layer (and LoRA delta) in one C call
+        return step(h, ropes, kv_cache, meta, self.lora_rows)  # every layer (and LoRA delta) in one C call
 
     @torch.inference_mode()
     def greedy_steps(
@@ -232,11 +233,11 @@ class CausalLM(nn.Module):
         step = self.cpu_decoder_step
         plain = type(self).embed is CausalLM.embed and type(self).compute_logits is CausalLM.compute_logits
         # Dynamic NTK picks each step's frequencies from its sequence lengths, which the window's metadata lacks.
-        dynamic = self.rotary is not None and self.rotary.rope_type == "dynamic"
+        dynamic = any(table.rope_type == "dynamic" for table in self.layer_rotary or [self.rotary] if table is not None)
         if step is None or not plain or dynamic or self.embed_scale is not None or not step.fits(kv_cache, meta):
             return None
         positions = (meta.positions.unsqueeze(0) + torch.arange(1 - steps, 1).unsqueeze(1)).reshape(-1)
-        return step.greedy(tokens, (positions, *self.rope(positions, meta)), kv_cache, meta, stop_ids)
+        return step.greedy(tokens, positions, self.layer_ropes(positions, meta), kv_cache, meta, stop_ids)
 
     @torch.inference_mode()
     def forward(
@@ -244,7 +245,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         h, ropes = self.prepare(input_ids, positions, meta)
-        fused = self.fused_decode(h, *ropes[0], kv_cache, meta)  # None with per-layer tables (`DecoderStep`)
+        fused = self.fused_decode(h, ropes, kv_cache, meta)
         if fused is not None:
             return fused
         with ops.row_kinds(meta.num_tokens, meta.prompt_ranges):  # prompt rows on the prompt GEMM (ops.py)
@@ -283,7 +284,7 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden]; writes the step's K/V into `kv_cache`."""
         (h, ropes), residual = self.prepare(input_ids, positions, meta), None
-        fused = self.fused_decode(h, *ropes[0], kv_cache, meta)  # None with per-layer tables (`DecoderStep`)
+        fused = self.fused_decode(h, ropes, kv_cache, meta)
         if fused is not None:
             return fused
         with ops.row_kinds(meta.num_tokens, meta.prompt_ranges):  # prompt rows on the prompt GEMM (ops.py)

@@ -2,17 +2,19 @@
 
 `DecoderStep.build(model)` describes a loaded `CausalLM` to the C step once, from each layer's `plan()`
 (kettle/models/decoder.py `BlockPlan`: norms, attention, MLP, residual shape) and the model's rotary
-embedding; `step(embedded, cos, sin, kv_cache, meta)` then runs every layer of a decode-only step and returns
-the final norm's output, as the model's own forward would, but without ~10 Python-level ops and OpenMP
-fork/joins per layer (the measurement is in decoder_step.c).
+embeddings (one table, or with `layer_rotary` one per distinct RoPE setting, each layer naming its own);
+`step(embedded, ropes, kv_cache, meta)` then runs every layer of a decode-only step from each layer's (cos, sin)
+(`CausalLM.layer_ropes`, each table gathered once) and returns the final norm's output, as the model's own
+forward would, but without ~10 Python-level ops and OpenMP fork/joins per layer (the measurement is in
+decoder_step.c).
 
 What the C step has kernels for: RMSNorm and LayerNorm (with or without bias); sequential and parallel
 residuals; branch-output norms (Gemma 2); RoPE over the whole head or a leading part, halves or interleaved
-pairs, or none (learned positions); per-head q/k norms; score soft-capping; sliding windows; gated or plain
-MLPs (SiLU, tanh-GELU, erf-GELU, ReLU) and top-k mixtures of gated experts. That covers Llama, Mistral, Qwen2,
-Qwen3, Gemma, Gemma 2, Phi, Phi-3, StarCoder2, GPT-NeoX, GPT-J, Falcon (RoPE layouts), Mixtral, GPT-2,
-GPT-BigCode. Not described: ALiBi (BLOOM, MPT, Falcon-ALiBi), qkv clipping, post-norm blocks, OPT's final
-projection, RoPE tables that differ between layers (Gemma 3's local and global bases).
+pairs, or none (learned positions), each layer from its own table (Gemma 3's local and global bases); per-head
+q/k norms; score soft-capping; sliding windows; gated or plain MLPs (SiLU, tanh-GELU, erf-GELU, ReLU) and top-k
+mixtures of gated experts. That covers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi, Phi-3,
+StarCoder2, GPT-NeoX, GPT-J, Falcon (RoPE layouts), Mixtral, GPT-2, GPT-BigCode. Not described: ALiBi (BLOOM,
+MPT, Falcon-ALiBi), qkv clipping, post-norm blocks, OPT's final projection.
 
 It applies to a CPU float32 model whose every projection is a `Q4Linear`, a `Q8Linear` (GGUF Q8_0), a
 `Q6Linear` (GGUF Q6_K), a kernel-backed `Int8Linear` or a float32 `Linear` stored dense
@@ -179,10 +181,12 @@ class DecoderStep:
         self._keep: list = []  # ctypes arrays the description points into
         self.inner: int | None = None
         self._rotate = None if rotary is None else (RotaryEmbedding.apply, rotary.apply_halves, rotary.rotate)
-        layers = [self._layer(layer) for layer in model.layers]
+        indices = self._rope_tables(model)
+        layers = [self._layer(layer, index) for layer, index in zip(model.layers, indices, strict=True)]
         self._layers = (Layer * len(layers))(*layers)
         shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.inner)
-        rope = (0, 0) if rotary is None else (rotary.rotary_dim, int(rotary.interleaved))
+        tables = len(self._firsts)
+        rope = (0, 0, 0) if rotary is None else (rotary.rotary_dim, int(rotary.interleaved), tables)
         # block_size (0 here), the cache's type and the tuning are set at each step.
         self.decoder = Decoder(*shape, 0, *rope, self._layers, _norm(model.norm))
         quantized = (m for m in model.modules() if isinstance(m, Q4Linear | Int8Linear))
@@ -215,15 +219,36 @@ class DecoderStep:
             raise Unsupported("the CPU kernels (or their quantized activations) are off")
         if model.tp.sharded:
             raise Unsupported("tensor parallelism")
-        if getattr(model, "layer_rotary", None) is not None:
-            # The C step takes one cos/sin table per step for every layer.
-            raise Unsupported("per-layer rotary tables (RoPE settings that differ between layers)")
         norm = getattr(model, "norm", None)
         if model.spec.dtype != torch.float32 or norm is None or norm.weight.device.type != "cpu":
             raise Unsupported("a model that is not float32 on the CPU")
 
-    def _layer(self, layer: nn.Module) -> Layer:
-        """The C description of one block."""
+    def _rope_tables(self, model: nn.Module) -> list[int]:
+        """Each layer's RoPE table as an index into the step's tables (numbered by first use), and in `_firsts` each
+        table's first layer, whose (cos, sin) the step passes for the table. No RoPE: no tables."""
+        rotary = model.rotary
+        per_layer = getattr(model, "layer_rotary", None) or [rotary] * len(model.layers)
+        numbers: dict[int, int] = {}
+        self._firsts: list[int] = []
+        for i, table in enumerate(per_layer if rotary is not None else []):
+            # One rot_dim and layout for every table (`CausalLM.load_rotary` holds them to it): the C step has one.
+            if (table.rotary_dim, table.interleaved) != (rotary.rotary_dim, rotary.interleaved):
+                raise Unsupported("RoPE tables that rotate different parts of the head")
+            if id(table) not in numbers:
+                numbers[id(table)] = len(self._firsts)
+                self._firsts.append(i)
+        return [numbers.get(id(table), 0) for table in per_layer]
+
+    def _angles(self, ropes: list[tuple]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's cos and sin [tables, rows, rot_dim] from each layer's (cos, sin): each table's once."""
+        if not self._firsts:
+            return None, None
+        cos = torch.stack([ropes[i][0].reshape(-1, self.decoder.rot_dim) for i in self._firsts])
+        sin = torch.stack([ropes[i][1].reshape(-1, self.decoder.rot_dim) for i in self._firsts])
+        return cos, sin
+
+    def _layer(self, layer: nn.Module, rope_table: int) -> Layer:
+        """The C description of one block, rotating with the step's table `rope_table`."""
         plan: BlockPlan | None = layer.plan() if hasattr(layer, "plan") else None
         if plan is None or not isinstance(plan.attn, Attention):
             raise Unsupported(f"a {type(layer).__name__} block")
@@ -237,8 +262,8 @@ class DecoderStep:
         projections = [_linear(attn.qkv), _linear(attn.o_proj)]
         gated, act, up, down, experts = self._mlp(plan.mlp)
         self._keep += [*projections, up, down]  # a stacked projection's parts, which the copies below point to
-        options = (attn.sliding_window or 0, int(plan.parallel), gated, act, attn.scale, attn.softcap or 0.0)
-        return Layer(*norms, *projections, up, down, *options, experts)
+        options = (attn.sliding_window or 0, int(plan.parallel), gated, act, rope_table)
+        return Layer(*norms, *projections, up, down, *options, attn.scale, attn.softcap or 0.0, experts)
 
     def _mlp(self, mlp: nn.Module) -> tuple:
         """(gated, activation, up, down, experts or None) of a block's MLP."""
@@ -284,36 +309,44 @@ class DecoderStep:
     def __call__(
         self,
         embedded: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
+        ropes: list[tuple],
         kv_cache: KVCache,
         meta: AttentionMetadata,
         lora: LoraRows | None = None,
     ) -> torch.Tensor:
-        """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V. With `lora`
-        active, each row also gets its adapter's deltas on the projections the adapters touch."""
+        """embedded [S, hidden] float32 → the final norm's output [S, hidden]; writes the step's K/V. `ropes`: each
+        layer's (cos, sin) for the step (`CausalLM.layer_ropes`; (None, None) without RoPE). With `lora` active,
+        each row also gets its adapter's deltas on the projections the adapters touch."""
         self._per_step(meta.block_size, kv_cache)
         plan = meta.decode
-        rows = StepRows(cos, sin, meta.slots, plan.block_ids, plan.num_blocks, meta.positions)
+        rows = StepRows(*self._angles(ropes), meta.slots, plan.block_ids, plan.num_blocks, meta.positions)
         loras, slot = (self._lora_array(lora.present), lora.slot) if lora is not None and lora.active else (None, None)
         return run(self.decoder, self._cache_pointers(kv_cache), embedded, rows, loras, slot)
 
     def greedy(
-        self, tokens: torch.Tensor, rope: tuple, kv_cache: KVCache, meta: AttentionMetadata, stop_ids: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        ropes: list[tuple],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        stop_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Greedy decode steps from `tokens` [S] (each sequence's last token) in one C call, for the positions of
-        `rope` (positions [steps · S], step s at s·S .. s·S + S, and their cos and sin); `meta` is the window's
-        last step (its block tables cover every step). Returns the chosen ids and logprobs [n, S] of the n steps
-        run (fewer when one chose a `stop_ids` token), or None where the embedding or the head has no C
+        """Greedy decode steps from `tokens` [S] (each sequence's last token) in one C call, for `positions`
+        [steps · S] (step s at s·S .. s·S + S) and each layer's (cos, sin) of them (`CausalLM.layer_ropes`); `meta`
+        is the window's last step (its block tables cover every step). Returns the chosen ids and logprobs [n, S] of
+        the n steps run (fewer when one chose a `stop_ids` token), or None where the embedding or the head has no C
         description."""
         if self._ends is None:
             return None
-        positions, cos, sin = rope
         seqs, plan, block = tokens.shape[0], meta.decode, meta.block_size
         self._per_step(block, kv_cache)
         grid = positions.view(-1, seqs)
         tables = plan.block_ids.view(seqs, plan.num_blocks)
         slots = (tables[torch.arange(seqs), grid // block] * block + grid % block).reshape(-1)
+        cos, sin = self._angles(ropes)  # [tables, steps · S, rot_dim] → [steps, tables, S, rot_dim]: a step's tables
+        if cos is not None:  # side by side, as a single step passes them
+            cos, sin = (t.view(t.shape[0], -1, seqs, t.shape[-1]).transpose(0, 1) for t in (cos, sin))
         rows = StepRows(cos, sin, slots, plan.block_ids, plan.num_blocks, positions)
         caches = self._cache_pointers(kv_cache)
         return run_greedy(self.decoder, caches, self._ends, tokens, rows, stop_ids)
