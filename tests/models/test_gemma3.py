@@ -1,7 +1,8 @@
 """Gemma 3's language model natively (`gemma3_text`, Gemma3ForCausalLM) against transformers (float32): logits of
 prompts of different lengths in one batch, a window of 4 tokens that they and their greedy continuations exceed,
 greedy tokens equal to `generate`'s, a prefill continued over the cache then decoded, each layer rotating with its
-own RoPE table, and the fused CPU decode step declined with its reason."""
+own RoPE table, and the fused CPU decode step running each layer on its own table (equal to the layer-by-layer
+forward, and to transformers)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kettle.bench import drive
 from kettle.bench.drive import new_cache, scattered_tables, step
 from kettle.models import decoder_step
 from kettle.models.hf_config import layer_rope_parameters
 from kettle.models.registry import load_model
-from tests.models.family_parity import _prompts, _reference, assert_parity, save_tiny, tiny_settings
+from tests.fixtures import torch_threads, tune
+from tests.models.family_parity import NEW_TOKENS, _prompts, _reference, assert_parity, save_tiny, tiny_settings
 from tests.models.test_gpt_families import common
 
 # The local and global bases far apart, and the global table linearly scaled as in the 4B-27B checkpoints: a layer
@@ -78,12 +81,45 @@ def test_each_layer_rotates_with_its_own_table(gemma3_text):
     assert model.layers[1].attn.sliding_window is None and model.layers[1].attn.q_norm is not None
 
 
-def test_the_fused_decode_step_is_declined_with_its_reason(gemma3_text):
-    """The C step takes one RoPE table for every layer: Gemma 3 decodes layer by layer, even where every other part
-    of it (int4 projections, q/k norms, branch norms, windows) is one the step has."""
+def test_the_fused_decode_step_runs_each_layer_on_its_own_table(gemma3_text, monkeypatch):
+    """Every part of Gemma 3 is one the C step has (int4 projections, q/k norms, branch norms, a window of 4 that the
+    contexts pass), its two RoPE tables too: each step's cos/sin of both, the sliding layer reading the local one,
+    the full layer the global one. Its decode logits are the layer-by-layer forward's, bit for bit (two threads:
+    the split of the work between them exercised); the full layer put on the local table gives others."""
     model = load_model(str(gemma3_text), torch.float32, "cpu", quantize="int4")
-    assert model.cpu_decoder_step is None
-    assert "per-layer rotary tables" in decoder_step.DecoderStep.why_not
+    fused_step = model.cpu_decoder_step
+    assert fused_step is not None, decoder_step.DecoderStep.why_not
+    assert fused_step.decoder.rope_tables == 2 and [layer.rope_table for layer in fused_step._layers] == [0, 1]
+    prompts = _prompts(gemma3_text)
+    with torch_threads(2):
+        fused, layer_by_layer = drive.decode_logits(model, prompts, True), drive.decode_logits(model, prompts, False)
+        assert torch.equal(fused, layer_by_layer)
+        tables = decoder_step.DecoderStep._rope_tables
+        monkeypatch.setattr(decoder_step.DecoderStep, "_rope_tables", lambda self, m: [0] * len(tables(self, m)))
+        one_table = drive.decode_logits(model, prompts, True)
+    assert (one_table - fused).abs().max() > 1e-2
+
+
+def test_the_fused_decode_step_matches_transformers(gemma3_text, monkeypatch):
+    """The checkpoint's float32 weights read as rows (`cpu-linear=dense`), so that the fused step runs on them:
+    greedy tokens equal to `generate`'s, and every decode step's logits within 1e-4 of transformers' forward over
+    the whole sequence. Every decode step ran fused."""
+    tune(monkeypatch, "cpu-linear=dense")
+    model = load_model(str(gemma3_text), torch.float32, "cpu")
+    assert model.cpu_decoder_step is not None, decoder_step.DecoderStep.why_not
+    calls = []
+    run = decoder_step.DecoderStep.__call__
+    monkeypatch.setattr(decoder_step.DecoderStep, "__call__", lambda *a, **k: calls.append(1) or run(*a, **k))
+    prompts, reference = _prompts(gemma3_text), _reference(gemma3_text)
+    logits = drive.decode_logits(model, prompts, True, steps=NEW_TOKENS)  # [steps, S, V]
+    assert len(calls) == NEW_TOKENS
+    reference.generation_config.eos_token_id = None
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS + 1, do_sample=False)
+            expected = reference(out[:, :-1]).logits[0, len(prompt) :]
+        assert logits[:, i].argmax(-1).tolist() == out[0, len(prompt) + 1 :].tolist()
+        torch.testing.assert_close(logits[:, i], expected, atol=1e-4, rtol=0)
 
 
 def test_older_configs_name_the_bases_apart():

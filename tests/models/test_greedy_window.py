@@ -4,7 +4,8 @@ logprobs and K/V of the same steps run one at a time.
 On the model: tiny GGUF Llamas (Q4_0 layers with the tied Q8_0 embedding as head, as the bundled model has; Q8_0
 layers and head with a float32, a Q4_0 or a Q5_0 (int8) embedding) and a tiny Llama under `--quantize int4` (an
 int8 head), three sequences over scattered blocks of 4 tokens, windows crossing block boundaries, against single
-forward + LM head + greedy choice steps; an EOS id ends the window after the step that chose it. On the bundled
+forward + LM head + greedy choice steps; an EOS id ends the window after the step that chose it; and the first of
+them with its layers on two RoPE tables (Gemma 3's layout), each step's cos/sin of both. On the bundled
 model's engine: Decode calls of up to 8 steps against the same steps called one at a time, through a stop string
 and EOS inside a window, a length that is no multiple of the window and a sampled request joining (which takes
 single steps), with and without `--speculate`.
@@ -19,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 from kettle.bench.drive import BLOCK_SIZE, new_cache, scattered_tables, step
 from kettle.kernels import ops
 from kettle.layers.attention import AttentionMetadata
+from kettle.layers.rotary import RotaryEmbedding
 from kettle.models.registry import load_model
 from kettle.proto import generate_pb2 as pb
 from kettle.quantization.int8 import Int8Linear
@@ -36,12 +38,30 @@ PROMPTS = [[1, 5, 9, 33, 2, 70, 41], [3, 4, 88, 12], [60, 61, 62, 7, 7, 30, 11, 
 STEPS = 9
 
 
+def two_tables(model):
+    """`model` with its second layer on a RoPE table of its own (another base, linearly scaled), as Gemma 3's full
+    layers are (`CausalLM.layer_rotary`)."""
+    rotary, spec = model.rotary, model.spec
+    params = {"rope_type": "linear", "factor": 4.0, "rope_theta": 100.0}
+    options = {"rotary_dim": rotary.rotary_dim, "interleaved": rotary.interleaved}
+    other = RotaryEmbedding(spec.head_dim, params, spec.max_position_embeddings, torch.float32, "cpu", **options)
+    model.layer_rotary = [rotary, other]
+    model.__dict__.pop("cpu_decoder_step", None)  # described again, with both tables
+    return model
+
+
 @pytest.fixture(
-    scope="module", params=["tied Q8_0 head", "float32 embedding", "4-bit embedding", "int8 embedding", "int8 head"]
+    scope="module",
+    params=["tied Q8_0 head", "float32 embedding", "4-bit embedding", "int8 embedding", "int8 head", "two RoPE tables"],
 )
 def gguf_model(request, tmp_path_factory):
     """The model each window runs on: its fused step, embedding and head kind as named."""
     folder = tmp_path_factory.mktemp("model")
+    if request.param == "two RoPE tables":
+        reference = tiny_model("llama", 64, tie_word_embeddings=True)
+        return two_tables(
+            load_model(write_gguf(reference, folder, "llama", T.Q4_0, embedding=T.Q8_0), torch.float32, "cpu")
+        )
     if request.param == "int8 head":  # `--quantize int4` of a safetensors checkpoint: an int8 head
         model = load_model(make_tiny_llama(folder), torch.float32, "cpu", quantize="int4")
         assert isinstance(model.lm_head, Int8Linear)
@@ -102,6 +122,18 @@ def test_a_window_ends_after_the_step_that_chose_a_stop_id(gguf_model):
     window_ids, window_logprobs, _ = window(gguf_model, STEPS, [stop, 10**6])
     assert torch.equal(window_ids, ids[: first + 1])
     assert torch.equal(window_logprobs, logprobs[: first + 1])
+
+
+def test_a_window_rotates_each_layer_with_its_own_table(tmp_path):
+    """Both tables reach the C loop (which the "two RoPE tables" cases above hold to single steps): the window over
+    the model with two tables gives other logprobs than over the same model on one table."""
+    reference = tiny_model("llama", 64, tie_word_embeddings=True)
+    path = write_gguf(reference, tmp_path, "llama", T.Q4_0, embedding=T.Q8_0)
+    model = two_tables(load_model(path, torch.float32, "cpu"))
+    assert model.cpu_decoder_step.decoder.rope_tables == 2
+    _, logprobs, _ = window(model, STEPS, [])
+    _, one_table, _ = window(load_model(path, torch.float32, "cpu"), STEPS, [])
+    assert not torch.allclose(logprobs, one_table, atol=1e-3)
 
 
 def test_a_head_wider_than_the_embedding_table_takes_no_window(tmp_path):
