@@ -8,8 +8,8 @@ from the config:
   `rope_parameters["sliding_attention"]`), full layers with the global one and its own scaling (linear, factor 8
   in the 4B-27B checkpoints), each layer given its table's cos and sin (`CausalLM.layer_rotary`);
 - no soft-capping unless the config sets it (`attn_logit_softcapping`, `final_logit_softcapping` are None).
-Two RoPE tables keep Gemma 3 off the fused CPU decode step, which takes one table per step: it decodes layer by
-layer (the shard's log and /info say why).
+The fused CPU decode step takes both tables each step, each layer rotating with its own
+(kettle/models/decoder_step.py).
 """
 
 from __future__ import annotations
