@@ -282,10 +282,13 @@ GEMMA3_IMAGE_TOKENS = 4  # the 4 x 4 patches pooled 2 x 2
 GEMMA3_CHAT_TEMPLATE = IMAGE_CHATML_TEMPLATE.replace("<image>", "<start_of_image>")
 
 
-def make_gemma3_folder(path: Path, *, weights: bool = False, seed: int = 0, sliding_window: int = 8) -> Path:
+def make_gemma3_folder(
+    path: Path, *, weights: bool = False, seed: int = 0, sliding_window: int = 8, text: dict | None = None
+) -> Path:
     """A tiny Gemma 3 (image-text-to-text) in `path` with its tokenizer, processor and chat template: SigLIP's 16
     patches pooled to 4 image tokens between `<start_of_image>` and `<end_of_image>`, a sliding layer (window
-    `sliding_window`) then a full one, their RoPE bases apart; random weights with `weights`."""
+    `sliding_window`) then a full one, their RoPE bases apart (`text`: other language model settings); random
+    weights with `weights`."""
     from transformers import AutoTokenizer, Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor
 
     tokenizer = make_tokenizer(path, chat_template=GEMMA3_CHAT_TEMPLATE)
@@ -297,12 +300,12 @@ def make_gemma3_folder(path: Path, *, weights: bool = False, seed: int = 0, slid
     processor = Gemma3Processor(images, tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS)
     processor.chat_template = GEMMA3_CHAT_TEMPLATE
     processor.save_pretrained(path)
-    text = tiny_config(tokenizer) | dict(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
-    text |= dict(head_dim=16, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])
-    text |= dict(eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    text.pop("model_type", None)
+    settings = tiny_config(tokenizer) | dict(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    settings |= dict(head_dim=16, sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])
+    settings |= dict(eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False) | (text or {})
+    settings.pop("model_type", None)
     config = Gemma3Config(
-        text_config=text,
+        text_config=settings,
         vision_config=SIGLIP_32,
         mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
         image_token_id=tokenizer.image_token_id,
@@ -321,6 +324,8 @@ def make_gemma3_folder(path: Path, *, weights: bool = False, seed: int = 0, slid
             for param in model.parameters():
                 if param.ndim == 1:
                     param.add_(torch.randn_like(param) * 0.2)
+            # transformers initialises the projection to zeros, which would make every image row 0
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
         model.save_pretrained(path, safe_serialization=True)
     else:
         (path / "config.json").write_text(json.dumps(config.to_dict()))
