@@ -241,14 +241,14 @@ def _write_metadata(writer, arch: str, config) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma3":
-        _gemma3_metadata(writer, config)
+        gemma3_metadata(writer, config)
     # transformers takes the vocabulary size from the token list where the metadata has no vocab_size.
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     if getattr(config, "pad_token_id", None) is not None:
         writer.add_pad_token_id(config.pad_token_id)
 
 
-def _gemma3_metadata(writer, config) -> None:
+def gemma3_metadata(writer, config) -> None:
     """Gemma3Model.set_gguf_parameters: the head size, the window, the global RoPE base and its linear scaling (the
     local base and the layer pattern are llama.cpp's own constants, not written)."""
     writer.add_key_length(config.head_dim)

@@ -6,8 +6,9 @@ The projector follows the converter that writes each family's published files, t
 - LLaVA: the older convert_image_encoder_to_gguf.py (the one llama.cpp's LLaVA-1.5 projectors come from): the
   layers after the feature layer dropped, the final norm dropped, fc1 named `ffn_down` and fc2 `ffn_up`, the
   patch kernel in F16 (`feature_layer` non-negative);
-- Idefics3 / SmolVLM and Qwen2-VL / Qwen2.5-VL: convert_hf_to_gguf.py's MmprojModel classes, names from gguf's
-  own `TensorNameMap`, Qwen's fused qkv split into q, k and v and its Conv3d patch kernel split into two frames.
+- Idefics3 / SmolVLM, Gemma 3 and Qwen2-VL / Qwen2.5-VL: convert_hf_to_gguf.py's MmprojModel classes, names from
+  gguf's own `TensorNameMap`, Gemma 3's projector norm stored as 1 + w and its projection matrix in F16, Qwen's
+  fused qkv split into q, k and v and its Conv3d patch kernel split into two frames.
 Qwen2.5-VL's window (which published files leave to llama.cpp's default, the models' 112 pixels) is written as
 `clip.vision.window_size`, since the tiny model's is 16.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.gguf_files import gguf_names, to_gguf
+from tests.gguf_files import gemma3_metadata, gguf_names, to_gguf
 
 # Where each family keeps its language model, in transformers 5's layout.
 TEXT_PREFIXES = ("model.text_model.", "model.language_model.")
@@ -51,7 +52,7 @@ def write_language_gguf(model, folder: Path, path: Path, arch: str) -> Path:
     for name, tensor in text_state(model).items():
         if name == "lm_head.weight" and tied:
             continue
-        data = to_gguf(arch, name, tensor.float().numpy(), text)  # Llama's q/k permutation
+        data = to_gguf(arch, name, tensor.float().numpy(), text)  # Llama's q/k permutation, Gemma's 1 + w norms
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(data))
     _finish(writer)
     return path
@@ -65,6 +66,9 @@ def _text_metadata(writer, arch: str, text) -> None:
     writer.add_head_count(text.num_attention_heads)
     writer.add_head_count_kv(text.num_key_value_heads)
     writer.add_layer_norm_rms_eps(text.rms_norm_eps)
+    if arch == "gemma3":  # its RoPE keys (and head size, window) are its own
+        gemma3_metadata(writer, text)
+        return
     rope = text.rope_parameters or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     if arch == "llama":
@@ -137,7 +141,7 @@ def write_mmproj(model, folder: Path, path: Path, kind: str) -> Path:
 
     writer = gguf.GGUFWriter(path, "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
-    write = {"mlp": _llava, "idefics3": _idefics3, "qwen2vl_merger": _qwen, "qwen2.5vl_merger": _qwen}[kind]
+    write = {"mlp": _llava, "idefics3": _idefics3, "gemma3": _gemma3}.get(kind, _qwen)  # else Qwen's two mergers
     write(writer, model, _preprocessor(folder), kind)
     _finish(writer)
     return path
@@ -197,6 +201,33 @@ def _idefics3(writer, model, preprocessor: dict, kind: str) -> None:
         if name.startswith(("model.vision_model.", "model.connector.")):
             stored = names.get_name(name, try_suffixes=(".weight", ".bias"))
             writer.add_tensor(stored, np.ascontiguousarray(tensor.float().numpy()))
+
+
+def _gemma3(writer, model, preprocessor: dict, kind: str) -> None:
+    """Gemma3VisionModel: the checkpoint's names (`vision_tower.vision_model.*`) through gguf's name map, SigLIP's
+    attention-pooling head left out, the pooling written only where it is not clip.cpp's default 4, the projector's
+    norm stored as 1 + w and its matrix forced to F16 (the embeddings stay F32)."""
+    import gguf
+
+    config = model.config
+    vision = config.vision_config.to_dict()
+    _vision_metadata(writer, kind, vision, preprocessor, config.text_config.hidden_size)
+    writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
+    writer.add_vision_use_gelu(True)
+    scale = vision["image_size"] // vision["patch_size"] // int(config.mm_tokens_per_image**0.5)
+    if scale != 4:
+        writer.add_vision_projector_scale_factor(scale)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in model.state_dict().items():
+        name, data = name.removeprefix("model."), tensor.float().numpy()
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.head."):
+            name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        elif name.startswith("multi_modal_projector."):
+            name = name.replace("_weight", ".weight")
+            data = data + 1 if "soft_emb_norm" in name else data.astype(np.float16)
+        else:
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(data))
 
 
 def _qwen(writer, model, preprocessor: dict, kind: str) -> None:

@@ -35,6 +35,7 @@ class Projector:
 PROJECTORS: dict[str, Projector] = {
     "mlp": Projector("llava", ("llama",)),
     "idefics3": Projector("idefics3", ("llama",)),
+    "gemma3": Projector("gemma3", ("gemma3",)),
     "qwen2vl_merger": Projector("qwen2_vl", ("qwen2vl", "qwen2")),
     "qwen2.5vl_merger": Projector("qwen2_5_vl", ("qwen2vl", "qwen2")),
 }

@@ -26,6 +26,7 @@ VISION = "clip.vision."
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 QWEN_WINDOW = 112  # Qwen2.5-VL's attention window in pixels (every published model's config)
 QWEN_MROPE_SECTION = [16, 24, 24]
+GEMMA3_POOL = 4  # clip.cpp's pooling kernel for Gemma 3 where the file states none (every published model's)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,31 @@ def _idefics3(tower: Tower, text: dict, token_id, language: dict):
     return config, images, processor
 
 
+def _gemma3(tower: Tower, text: dict, token_id, language: dict):
+    """Gemma 3: a SigLIP tower on square images of `image_size` (pan-and-scan off, the processor's default), its
+    patch grid pooled by `scale_factor` (clip.cpp's default 4 where the converter wrote none: 896 / 14 / 4 = 64 →
+    256 image tokens), the soft tokens between `<start_of_image>` and `<end_of_image>`."""
+    from transformers import Gemma3Config, Gemma3ImageProcessorPil
+
+    scale = int(tower.get("projector.scale_factor", GEMMA3_POOL))
+    vision = tower.common() | {"model_type": "siglip_vision_model", "hidden_act": "gelu_pytorch_tanh"}
+    vision["vision_use_head"] = False  # as Gemma 3's own config: the file holds no pooling head
+    side, patch = vision["image_size"], vision["patch_size"]
+    tokens = (side // patch // scale) ** 2
+    config = Gemma3Config(
+        text_config=_text(text),
+        vision_config=vision,
+        mm_tokens_per_image=tokens,
+        image_token_index=token_id("<image_soft_token>"),
+        boi_token_index=token_id("<start_of_image>"),
+        eoi_token_index=token_id("<end_of_image>"),
+        tie_word_embeddings=text.get("tie_word_embeddings", True),
+    )
+    images = Gemma3ImageProcessorPil(size={"height": side, "width": side}, **tower.mean_std)
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
+    return config, images, processor
+
+
 def _qwen2_vl(tower: Tower, text: dict, token_id, language: dict):
     """Qwen2-VL and Qwen2.5-VL: the merger's output width from `mm.2`, Qwen2.5-VL's full-attention blocks from
     `n_wa_pattern` (every n-th block, llama.cpp's rule), the language model's M-RoPE sections from its file."""
@@ -238,6 +264,7 @@ def _qwen2_vl(tower: Tower, text: dict, token_id, language: dict):
 FAMILIES: dict[str, Callable] = {
     "mlp": _llava,
     "idefics3": _idefics3,
+    "gemma3": _gemma3,
     "qwen2vl_merger": _qwen2_vl,
     "qwen2.5vl_merger": _qwen2_vl,
 }

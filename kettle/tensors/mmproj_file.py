@@ -9,6 +9,9 @@ convert_image_encoder_to_gguf.py that wrote the LLaVA projectors still published
 - their fused `attn.qkv` is split into `attn_q`, `attn_k` and `attn_v`: the rows are joined again;
 - the older converter named each CLIP layer's fc1 `ffn_down` and fc2 `ffn_up`: a layer whose `ffn_down` reads
   the tower's width (what fc1 reads) is taken as swapped back, as llama.cpp's own loader does (clip.cpp);
+- Gemma 3's projector norm (`mm.soft_emb_norm`, a Gemma RMSNorm scaling by 1 + w) is stored as 1 + w: 1 is
+  taken off again (its SigLIP tower's LayerNorms are stored as they are); its `mm_input_projection_weight`, a
+  plain [vision, text] matrix that clip.cpp transposes itself, is stored untransposed and read back as it is;
 - quantized tensors (rare in projector files) are dequantized by gguf's own dequantization.
 No q/k permutation is applied to any of these towers by the converters, so none is undone.
 """
@@ -26,9 +29,10 @@ from kettle.hub.gguf_header import TensorInfo, read_header
 from kettle.hub.mmproj import MMPROJ_LINK, PROJECTOR_TYPE
 from kettle.tensors.gguf_file import check_supported, raw_rows
 
-# (the Hugging Face name after the family's tower prefix, as a pattern; llama.cpp's name(s) for it; how several
-# parts join: "rows" stacks them as rows, "frames" as the two frames of a Conv3d kernel). Of a name's rules, the
-# first whose parts the file all has applies.
+# (the Hugging Face name after the family's tower prefix, as a pattern; llama.cpp's name(s) for it; how the stored
+# parts become the tensor: "rows" stacks them as rows, "frames" as the two frames of a Conv3d kernel, "less_one"
+# takes off the 1 the converter added to a Gemma norm). Of a name's rules, the first whose parts the file all has
+# applies.
 Rule = tuple[str, tuple[str, ...], str | None]
 
 _VIT: tuple[Rule, ...] = (  # the CLIP and SigLIP encoders (LLaVA's, Idefics3's)
@@ -48,6 +52,10 @@ _LLAVA: tuple[Rule, ...] = (  # the two-layer projector: linear_1, GELU, linear_
     (r"multi_modal_projector\.linear_2\.(weight|bias)", (r"mm.2.\1",), None),
 )
 _IDEFICS3: tuple[Rule, ...] = ((r"connector\.modality_projection\.proj\.weight", ("mm.model.fc.weight",), None),)
+_GEMMA3: tuple[Rule, ...] = (
+    (r"multi_modal_projector\.mm_soft_emb_norm\.weight", ("mm.soft_emb_norm.weight",), "less_one"),
+    (r"multi_modal_projector\.mm_input_projection_weight", ("mm.input_projection.weight",), None),
+)
 _QWEN: tuple[Rule, ...] = (
     (r"patch_embed\.proj\.weight", ("v.patch_embd.weight", "v.patch_embd.weight.1"), "frames"),
     (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", tuple(rf"v.blk.\1.attn_{p}.\2" for p in "qkv"), "rows"),
@@ -64,11 +72,12 @@ _QWEN: tuple[Rule, ...] = (
 FAMILIES: dict[str, tuple[str, tuple[Rule, ...]]] = {
     "mlp": ("vision_tower.", _VIT),
     "idefics3": ("vision_model.", _VIT),
+    "gemma3": ("vision_tower.", _VIT),
     "qwen2vl_merger": ("visual.", _QWEN),
     "qwen2.5vl_merger": ("visual.", _QWEN),
 }
 # Rules outside the tower's prefix (the projector's own module).
-PROJECTOR_RULES: dict[str, tuple[Rule, ...]] = {"mlp": _LLAVA, "idefics3": _IDEFICS3}
+PROJECTOR_RULES: dict[str, tuple[Rule, ...]] = {"mlp": _LLAVA, "idefics3": _IDEFICS3, "gemma3": _GEMMA3}
 _FFN = re.compile(r"v\.blk\.(\d+)\.ffn_(up|down)\.(weight|bias)")
 
 
@@ -155,6 +164,8 @@ class MmprojTensors:
             return torch.cat(values)
         if join == "frames":  # two Conv2d kernels [out, in, P, P] → one Conv3d [out, in, 2, P, P]
             return torch.stack(values, dim=2)
+        if join == "less_one":  # the family adds the 1 back (gemma_norm)
+            return values[0] - 1.0
         return values[0]
 
     def _values(self, tensor: TensorInfo) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Vision-language GGUF pairs natively: a language model's GGUF with its projector file (`mmproj`), as llama.cpp
 publishes them, prepared by Kettle into the native family's folder and served against transformers' model of the
 same weights (float32): LLaVA (`mlp`, the older converter's layout: truncated layers, fc1/fc2 named the other way
-round, an F16 patch kernel), Idefics3/SmolVLM (`idefics3`), Qwen2-VL (`qwen2vl_merger`) and Qwen2.5-VL
+round, an F16 patch kernel), Idefics3/SmolVLM (`idefics3`), Gemma 3 (`gemma3`: a gemma3 language file, the
+projector's norm stored as 1 + w, its matrix in F16, the pooling stated), Qwen2-VL (`qwen2vl_merger`) and Qwen2.5-VL
 (`qwen2.5vl_merger`: split qkv, the Conv3d kernel split in two frames). For each: the logits of a prompt with an
 image beside a text-only one within 1e-4, the shard engine's greedy tokens transformers' own, the router's image
 token count the processor's, and the text tensors still read from the language GGUF.
@@ -26,6 +27,7 @@ from tests.mmproj_files import write_pair
 from tests.models.family_parity import LOGITS_ATOL
 from tests.vision_fixtures import (
     image_bytes,
+    make_gemma3_folder,
     make_idefics3_folder,
     make_llava_folder,
     make_qwen2_vl_folder,
@@ -37,6 +39,7 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 FAMILIES = {
     "llava": (make_llava_folder, "LlavaForConditionalGeneration", "llama", "mlp", "<image>"),
     "idefics3": (make_idefics3_folder, "Idefics3ForConditionalGeneration", "llama", "idefics3", "<image>"),
+    "gemma3": (make_gemma3_folder, "Gemma3ForConditionalGeneration", "gemma3", "gemma3", "<start_of_image>"),
     "qwen2_vl": (make_qwen2_vl_folder, "Qwen2VLForConditionalGeneration", "qwen2vl", "qwen2vl_merger", QWEN_IMAGE),
     "qwen2_5_vl": (
         make_qwen2_vl_folder,
@@ -46,6 +49,11 @@ FAMILIES = {
         QWEN_IMAGE,
     ),
 }
+# Gemma 3's language model as llama.cpp reads a gemma3 file: six layers, the sixth global (the window of 3 shorter
+# than the prompts), queries scaled by the head size.
+GEMMA3_TEXT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+GEMMA3_TEXT |= {"query_pre_attn_scalar": 16}
+MAKE_EXTRA = {"gemma3": {"text": GEMMA3_TEXT, "sliding_window": 3}}
 SIZES = [(40, 30), (64, 20)]
 NEW_TOKENS = 6
 
@@ -58,14 +66,17 @@ def pair(request, tmp_path_factory):
     family = request.param
     make, cls, arch, kind, _ = FAMILIES[family]
     root = tmp_path_factory.mktemp(family)
-    extra = {"kind": family} if family.startswith("qwen") else {}
+    extra = {"kind": family} if family.startswith("qwen") else MAKE_EXTRA.get(family, {})
     folder = make(root / "hf", weights=True, **extra)
     reference = getattr(transformers, cls).from_pretrained(folder, dtype=torch.float32).eval()
     language, mmproj = write_pair(reference, folder, root / "gguf", arch, kind)
-    if family == "llava":  # the older converter keeps the patch kernel in F16: so does the reference
-        patch = reference.model.vision_tower.embeddings.patch_embedding.weight
+    # The converters' F16 tensors: the older LLaVA converter's patch kernel, Gemma 3's projection matrix.
+    rounded = {"llava": "vision_tower.embeddings.patch_embedding.weight"}
+    rounded["gemma3"] = "multi_modal_projector.mm_input_projection_weight"
+    if family in rounded:
+        weight = reference.model.get_parameter(rounded[family])
         with torch.no_grad():
-            patch.copy_(patch.half().float())
+            weight.copy_(weight.half().float())
     prepared = root / "prepared"
     prepared.mkdir()
     prepare_gguf(language, prepared, mmproj=mmproj)

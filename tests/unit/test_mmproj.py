@@ -107,12 +107,15 @@ def write_projector(path, kind: str):
 def test_a_projector_type_kettle_does_not_serve_is_refused_in_one_line(files, tmp_path):
     (language,) = copy(files[:1], tmp_path / "model")
     pixtral = write_projector(tmp_path / "mmproj-pixtral.gguf", "pixtral")
-    supported = r"supported: mlp \(llava\), idefics3 \(idefics3\), qwen2vl_merger \(qwen2_vl\), qwen2.5vl_merger"
+    supported = r"supported: mlp \(llava\), idefics3 \(idefics3\), gemma3 \(gemma3\), qwen2vl_merger \(qwen2_vl\)"
     with pytest.raises(PreparationError, match=rf"projector type 'pixtral' is not one Kettle serves.*{supported}"):
         resolve_model(str(language), mmproj=str(pixtral))
     qwen = write_projector(tmp_path / "mmproj-qwen.gguf", "qwen2vl_merger")
     with pytest.raises(PreparationError, match="a 'qwen2vl_merger' projector goes with a qwen2vl or qwen2 language"):
         resolve_model(str(language), mmproj=str(qwen))
+    gemma = write_projector(tmp_path / "mmproj-gemma.gguf", "gemma3")
+    with pytest.raises(PreparationError, match="a 'gemma3' projector goes with a gemma3 language model"):
+        resolve_model(str(language), mmproj=str(gemma))
 
 
 def test_an_unserved_projector_beside_the_model_leaves_its_text_served(files, tmp_path, caplog):
