@@ -10,10 +10,10 @@
  * sequential or parallel residuals (the MLP reading the attention's normed input or a norm of its own);
  * Gemma 2's norms of each branch output; RoPE over the whole head or its first `rot_dim` dimensions, in
  * halves or interleaved pairs, or none, each layer from its own table of the step's cos/sin (Gemma 3's local and
- * global bases); per-head q/k norms; soft-capped scores; a gated or plain MLP with
- * SiLU, tanh-GELU, erf-GELU or ReLU; or a top-k mixture of gated experts. Where a stage exists op at a time
- * (kernels.h) the step runs the same code in the same order, so Llama-family models compute the same numbers
- * on both paths. kettle/models/decoder_step.py fills the description through kettle/kernels/decoder_step.py.
+ * global bases); per-head q/k norms; soft-capped scores; a gated or plain MLP with SiLU, tanh-GELU, erf-GELU or
+ * ReLU; or a top-k mixture of gated experts. Where a stage exists op at a time (kernels.h) the step runs the same
+ * code in the same order, so Llama-family models compute the same numbers on both paths.
+ * kettle/models/decoder_step.py fills the description through kettle/kernels/decoder_step.py.
  */
 #include <omp.h>
 #include <string.h>
@@ -463,8 +463,9 @@ static void layer_step(const Decoder *m, int64_t index, Scratch *s, void *k_cach
 
 /* embedded [rows, hidden] (one new token per sequence) → out [rows, hidden], the final norm's output; writes each
  * layer's new K/V into k_caches[l] / v_caches[l] at `slots`. cos/sin [rope_tables, rows, rot_dim] (sin signed; NULL
- * without RoPE; layer l reads table layers[l].rope_table), tables [rows, max_blocks], positions [rows] as for `kettle_attention`'s decode; loras [layers · 4] and
- * lora_slot [rows] when the step has adapter rows (else NULL). -1 when out of memory. */
+ * without RoPE; layer l reads table layers[l].rope_table), tables [rows, max_blocks], positions [rows] as for
+ * `kettle_attention`'s decode; loras [layers · 4] and lora_slot [rows] when the step has adapter rows (else NULL).
+ * -1 when out of memory. */
 int kettle_decoder_step(
     const Decoder *m, void *const *k_caches, void *const *v_caches, const float *embedded, int64_t rows,
     const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
@@ -509,11 +510,11 @@ static void embed_row(const Linear *table, int64_t token, float *dst) {
 /* `steps` greedy decode steps of `rows` sequences in one call, for batches whose tokens need nothing of the host
  * between steps (kettle/shard/greedy_window.py says which). Each step embeds the rows' last tokens (`tokens`,
  * updated in place) from `embedding`, runs `kettle_decoder_step`, the `head` (`kettle_linear` on the chooser's path)
- * and the greedy choice (`kettle_rows`): the functions, and so the numbers, of as many one-step calls. Step s reads cos/sin
- * [rope_tables, rows, rot_dim] at s · rope_tables · rows · rot_dim (cos/sin [steps, rope_tables, rows, rot_dim]: a
- * step's tables side by side, as one step takes them), slots and positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the
- * choices. The window ends early after a step in which some row chose one of `stop_ids` (its EOS ids): the host
- * then stops that row before the next. Returns the steps run, or -1 when out of memory. */
+ * and the greedy choice (`kettle_rows`): the functions, and so the numbers, of as many one-step calls. cos/sin are
+ * [steps, rope_tables, rows, rot_dim] (a step's tables side by side, as one step takes them); step s reads slots and
+ * positions [rows] at row s·rows of each; ids/logprobs [steps, rows] receive the choices. The window ends early
+ * after a step in which some row chose one of `stop_ids` (its EOS ids): the host then stops that row before the
+ * next. Returns the steps run, or -1 when out of memory. */
 int kettle_greedy_steps(
     const Decoder *m, void *const *k_caches, void *const *v_caches, const Linear *embedding, const Linear *head,
     int64_t *tokens, int64_t rows, int64_t steps, const float *cos, const float *sin,
