@@ -208,7 +208,9 @@ def gguf_scheme(gguf: GgufTensors) -> GgufScheme | None:
     method = "int4" if int4 * 2 >= sum(quantized.values()) else "int8"
     types = "+".join(qtype.name for qtype, _ in Counter(quantized).most_common())
     scheme = GgufScheme(method, types, gguf)
-    logger.info("Serving %s (the file's own quantization; --dtype float32 dequantizes)", scheme.description)
+    # Only what the file stores: how each type is served is known once the weights load (loading.py `finish` logs
+    # it, e.g. `gguf Q4_K → q4_lanes, Q6_K → q6_k_lanes`), and a guess here would read as a requantization.
+    logger.info("Serving the file's own quantization, gguf %s (--dtype float32 dequantizes)", types)
     return scheme
 
 

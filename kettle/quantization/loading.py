@@ -156,7 +156,7 @@ def finish(model: nn.Module, scheme: Scheme | None) -> nn.Module:
     groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear | Q4Linear)})
     model.quantization = getattr(scheme, "description", scheme.method)  # for /info and the start-up log
     head_kind = type(model.lm_head).__name__ if hasattr(model, "lm_head") else None
-    logger.info("Weights quantized: %s (int4 group sizes %s, LM head %s)", model.quantization, groups, head_kind)
+    logger.info("Weights served as %s (int4 group sizes %s, LM head %s)", model.quantization, groups, head_kind)
     return model
 
 
