@@ -46,6 +46,7 @@ class Settings:
     cpu_kernels: bool  # cpu-kernels
     installed_kernels: bool  # installed-kernels
     release_library_pages: bool  # release-library-pages
+    huge_pages: bool  # huge-pages
     cpu_decoder_step: bool  # decoder-step
     greedy_window: bool  # greedy-window
     cpu_float_rows: int | None  # float-rows
@@ -153,6 +154,9 @@ TUNING: dict[str, Knob] = {
     ),
     "release-library-pages": Knob(
         "release_library_pages", _switch, True, "off: a warm shard keeps the library pages start-up ran resident"
+    ),
+    "huge-pages": Knob(
+        "huge_pages", _switch, True, "off: packed weights and the KV cache in 4 KiB pages, not 2 MiB ones (Linux THP)"
     ),
     "decoder-step": Knob("cpu_decoder_step", _switch, True, "off: decode layer by layer instead of one C call"),
     "greedy-window": Knob("greedy_window", _switch, True, "off: a decode call's greedy steps one C call each"),

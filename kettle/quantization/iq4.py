@@ -19,6 +19,7 @@ from kettle.kernels.structs import LINEAR_IQ4L, Linear
 from kettle.quantization.config import DENSE_ROWS
 from kettle.quantization.kernel_weight import KernelWeight, pointer
 from kettle.quantization.q4 import BLOCK, LANES, SUPER_BLOCK
+from kettle.tensors import huge_pages
 
 if TYPE_CHECKING:
     from kettle.tensors.gguf_file import Blocks
@@ -37,7 +38,7 @@ class IQ4Linear(KernelWeight):
         """Room for an n × k weight (the caller checks `fits`), filled by `from_blocks`."""
         super().__init__()
         self.out_features, self.in_features, self.dense_rows = n, k, DENSE_ROWS
-        self.register_buffer("weight_bytes", torch.empty(n, k // 2, dtype=torch.uint8), persistent=False)
+        self.register_buffer("weight_bytes", huge_pages.empty(n, k // 2, dtype=torch.uint8), persistent=False)
         self.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=torch.int8), persistent=False)
         self.register_buffer("supers", torch.empty(n, k // SUPER_BLOCK, dtype=torch.float16), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)

@@ -31,6 +31,7 @@ from kettle.kernels.structs import LINEAR_Q4, LINEAR_Q4L, Linear
 from kettle.quantization.config import DEFAULT_INT4_GROUP_SIZE, DENSE_ROWS
 from kettle.quantization.int4 import kernel_group_size, native_group_size, quantize_int4
 from kettle.quantization.kernel_weight import KernelWeight, pointer
+from kettle.tensors import huge_pages
 
 if TYPE_CHECKING:
     from kettle.tensors.gguf_file import Blocks
@@ -166,7 +167,7 @@ class Q4Linear(KernelWeight):
         tables |= {"mins": (k // BLOCK, table) if qtype != "Q4_0" else None}
         tables |= {"supers": (k // SUPER_BLOCK * 2, torch.float16) if qtype == "Q4_K" else None}
         for name, shape in tables.items():
-            tensor = None if shape is None else torch.empty(n, shape[0], dtype=shape[1])
+            tensor = None if shape is None else huge_pages.empty(n, shape[0], dtype=shape[1])
             layer.register_buffer(name, tensor, persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         layer.pack_parts(parts)

@@ -19,6 +19,7 @@ from kettle.kernels.structs import LINEAR_Q5L, Linear
 from kettle.quantization.config import DENSE_ROWS
 from kettle.quantization.kernel_weight import KernelWeight, pointer
 from kettle.quantization.q4 import BLOCK, LANES, SUPER_BLOCK
+from kettle.tensors import huge_pages
 
 if TYPE_CHECKING:
     from kettle.tensors.gguf_file import Blocks
@@ -41,7 +42,7 @@ class Q5Linear(KernelWeight):
         self.out_features, self.in_features, self.dense_rows = n, k, DENSE_ROWS
         # 320 bytes a block of 32 inputs for 16 channels (nibbles and fifth-bit masks), zeroed: the packer ORs
         # each channel's fifth bits into masks its unit's 16 channels share.
-        self.register_buffer("weight_bytes", torch.zeros(n, k * 5 // 8, dtype=torch.uint8), persistent=False)
+        self.register_buffer("weight_bytes", huge_pages.zeros(n, k * 5 // 8, dtype=torch.uint8), persistent=False)
         table = torch.uint8 if k_quant else torch.float16
         self.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=table), persistent=False)
         self.register_buffer("mins", torch.empty(n, k // BLOCK, dtype=table), persistent=False)

@@ -23,6 +23,7 @@ from kettle.quantization.config import DENSE_ROWS
 from kettle.quantization.gguf_blocks import as_tensor
 from kettle.quantization.kernel_weight import KernelWeight, pointer
 from kettle.quantization.q4 import LANES, SUPER_BLOCK, table_to_lanes
+from kettle.tensors import huge_pages
 from kettle.tensors.gguf_file import Blocks
 
 BLOCK_BYTES = 210  # a Q6_K super-block: 128 bytes of low bits, 64 of high bits, 16 int8 scales, float16 d
@@ -88,7 +89,7 @@ class Q6Linear(KernelWeight):
         layer = cls.__new__(cls)
         KernelWeight.__init__(layer)
         layer.out_features, layer.in_features, layer.dense_rows = n, k, DENSE_ROWS
-        layer.register_buffer("weight_bytes", torch.empty(n, k * 3 // 4, dtype=torch.uint8), persistent=False)
+        layer.register_buffer("weight_bytes", huge_pages.empty(n, k * 3 // 4, dtype=torch.uint8), persistent=False)
         layer.register_buffer("scales", torch.empty(n, k // 16, dtype=torch.int8), persistent=False)
         layer.register_buffer("d", torch.empty(n, k // SUPER_BLOCK, dtype=torch.float16), persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)

@@ -22,6 +22,7 @@ from kettle.kernels import ops
 from kettle.kernels.structs import LINEAR_Q8G, LINEAR_Q8L, Linear
 from kettle.quantization.kernel_weight import KernelWeight, pointer
 from kettle.quantization.q4 import LANES, table_from_lanes, table_to_lanes
+from kettle.tensors import huge_pages
 from kettle.tensors.gguf_file import Blocks
 
 BLOCK = 32  # input channels per scale
@@ -86,7 +87,7 @@ class Q8Linear(KernelWeight):
         layer = cls.__new__(cls)
         KernelWeight.__init__(layer)
         layer.out_features, layer.in_features, layer.lanes = n, k, True
-        layer.register_buffer("q", torch.empty(n, k, dtype=torch.int8), persistent=False)
+        layer.register_buffer("q", huge_pages.empty(n, k, dtype=torch.int8), persistent=False)
         layer.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=torch.float16), persistent=False)
         layer.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         layer.pack_parts(parts)

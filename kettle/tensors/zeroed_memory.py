@@ -36,6 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from kettle.process_memory import populate
+from kettle.tensors import huge_pages
 
 ALIGN = 64  # bytes: each tensor starts on a cache line, as PyTorch's own CPU allocations do
 CHUNK = 32 * 2**20  # bytes faulted in per madvise call (see above)
@@ -117,10 +118,9 @@ def zeroed_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tu
     """`count` zero tensors of `shape` and `dtype` in one anonymous mapping, and its `Residency`."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     stride = -(-nbytes // ALIGN) * ALIGN
-    mapping = mmap.mmap(-1, max(stride * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping for as long as any view lives
+    flat = huge_pages.anonymous(max(stride * count, 1))  # a decode step reads its sequences' blocks whole
     tensors = [flat[i * stride : i * stride + nbytes].view(dtype).view(shape) for i in range(count)]
-    if populate(flat.data_ptr(), min(len(mapping), mmap.PAGESIZE)):  # asked once here: a refusal means no such call
+    if populate(flat.data_ptr(), min(flat.numel(), mmap.PAGESIZE)):  # asked once here: a refusal means no such call
         return tensors, Residency(flat)
     flat.zero_()  # faults every page in now
     return tensors, Residency(None)

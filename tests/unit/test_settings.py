@@ -31,6 +31,7 @@ OLD_DEFAULTS = {
     "cpu_kernels": True,
     "installed_kernels": True,
     "release_library_pages": True,
+    "huge_pages": True,
     "cpu_decoder_step": True,
     "greedy_window": True,
     "cpu_float_rows": None,
@@ -59,6 +60,7 @@ GOOD = {
     "cpu-kernels": ("off", False),
     "installed-kernels": ("off", False),
     "release-library-pages": ("off", False),
+    "huge-pages": ("off", False),
     "decoder-step": ("off", False),
     "greedy-window": ("off", False),
     "float-rows": ("8", 8),
@@ -108,7 +110,8 @@ def test_the_table_covers_every_field_once():
         "quant_lm_head",
         "cuda_graphs",
     }
-    assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING)
+    # every knob but those added after the separate variables were retired replaced a variable of its own
+    assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING) - {"huge-pages"}
 
 
 @pytest.mark.parametrize("key", list(TUNING))
