@@ -109,3 +109,15 @@ def _record(family: str, diff: float) -> None:
         MEASURED_FILE.write_text(json.dumps(measured, indent=1, sort_keys=True))
     except (OSError, ValueError):
         pass  # a record for the note, never a reason to fail
+
+
+def assert_prompt_logits(logits, reference, all_inputs: list[dict], chunks: list) -> None:
+    """A batch's logits, prompt after prompt, each within LOGITS_ATOL of the reference model's on that prompt's
+    inputs alone (a vision model's processor outputs: pixels beside the ids)."""
+    at = 0
+    for inputs, chunk in zip(all_inputs, chunks, strict=True):
+        with torch.no_grad():
+            expected = reference(**inputs).logits[0]
+        got = logits[at : at + len(chunk)]
+        assert torch.allclose(got, expected, atol=LOGITS_ATOL), (got - expected).abs().max()
+        at += len(chunk)

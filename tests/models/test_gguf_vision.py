@@ -24,7 +24,7 @@ from kettle.proto import generate_pb2 as pb
 from kettle.router.images.tokens import for_model
 from kettle.shard.image_inputs import load_image_processor
 from tests.mmproj_files import write_pair
-from tests.models.family_parity import LOGITS_ATOL
+from tests.models.family_parity import assert_prompt_logits
 from tests.vision_fixtures import (
     image_bytes,
     make_gemma3_folder,
@@ -151,13 +151,7 @@ def test_logits_match_transformers_with_an_image_beside_text(pair):
         model.rope_positions.set(torch.cat([positions, plain], dim=1))
     tables, blocks = scattered_tables([len(c) for c in chunks])
     logits, _ = step(model, new_cache(model, blocks), chunks, [0, 0], tables)
-    at = 0
-    for inputs, chunk in zip(all_inputs, chunks, strict=True):
-        with torch.no_grad():
-            expected = reference(**inputs).logits[0]
-        got = logits[at : at + len(chunk)]
-        assert torch.allclose(got, expected, atol=LOGITS_ATOL), (got - expected).abs().max()
-        at += len(chunk)
+    assert_prompt_logits(logits, reference, all_inputs, chunks)
 
 
 def test_the_engine_serves_images_with_transformers_greedy_tokens(pair):

@@ -13,7 +13,7 @@ from PIL import Image
 
 from kettle.bench.drive import new_cache, scattered_tables, step
 from kettle.models.registry import load_model
-from tests.models.family_parity import LOGITS_ATOL
+from tests.models.family_parity import assert_prompt_logits
 from tests.vision_fixtures import IDEFICS3_TILE_TOKENS, image_bytes, make_idefics3_folder
 
 PROMPTS = [  # (text, image sizes)
@@ -51,13 +51,7 @@ def test_logits_match_transformers_with_tiles_beside_text(idefics3):
     model.image_rows.set(torch.tensor([i for i, t in enumerate(flat) if t == token]), rows)
     tables, blocks = scattered_tables([len(c) for c in chunks])
     logits, _ = step(model, new_cache(model, blocks), chunks, [0] * 3, tables)
-    at = 0
-    for inputs, chunk in zip(all_inputs, chunks, strict=True):
-        with torch.no_grad():
-            expected = reference(**inputs).logits[0]
-        got = logits[at : at + len(chunk)]
-        assert torch.allclose(got, expected, atol=LOGITS_ATOL), (got - expected).abs().max()
-        at += len(chunk)
+    assert_prompt_logits(logits, reference, all_inputs, chunks)
 
 
 NEW_TOKENS = 6

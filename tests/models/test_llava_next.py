@@ -16,7 +16,7 @@ from kettle.models.registry import load_model
 from kettle.proto import generate_pb2 as pb
 from kettle.router.images import tokens as image_tokens
 from tests.models.engine_driver import make_batch, run_to_end, warm_engine
-from tests.models.family_parity import LOGITS_ATOL
+from tests.models.family_parity import assert_prompt_logits
 from tests.vision_fixtures import image_bytes, make_llava_next_folder
 
 PROMPTS = [  # (text, image sizes (width, height))
@@ -59,13 +59,7 @@ def test_logits_match_transformers_and_the_router_counts_the_tokens(llava_next):
     model.image_rows.set(torch.tensor([i for i, t in enumerate(flat) if t == token]), rows)
     tables, blocks = scattered_tables([len(c) for c in chunks])
     logits, _ = step(model, new_cache(model, blocks), chunks, [0] * 3, tables)
-    at = 0
-    for inputs, chunk in zip(all_inputs, chunks, strict=True):
-        with torch.no_grad():
-            expected = reference(**inputs).logits[0]
-        got = logits[at : at + len(chunk)]
-        assert torch.allclose(got, expected, atol=LOGITS_ATOL), (got - expected).abs().max()
-        at += len(chunk)
+    assert_prompt_logits(logits, reference, all_inputs, chunks)
 
 
 def test_the_engine_gives_transformers_greedy_tokens(llava_next):

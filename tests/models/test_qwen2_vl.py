@@ -22,7 +22,7 @@ from kettle.models.registry import load_model
 from kettle.proto import generate_pb2 as pb
 from kettle.shard.image_inputs import load_image_processor
 from tests.models.engine_driver import BLOCK, collect, make_batch, run_to_end, warm_engine
-from tests.models.family_parity import LOGITS_ATOL
+from tests.models.family_parity import LOGITS_ATOL, assert_prompt_logits
 from tests.vision_fixtures import image_bytes, make_qwen2_vl_folder, qwen2_vl_inputs
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -99,13 +99,7 @@ def test_logits_match_transformers_for_one_and_two_images_beside_text(qwen):
     tables, blocks = scattered_tables([len(c) for c in chunks])
     logits, _ = step(model, new_cache(model, blocks), chunks, [0] * 3, tables)
     assert model.image_rows.rows is None and model.rope_positions.value is None  # used once, then forgotten
-    at = 0
-    for inputs, chunk in zip(all_inputs, chunks, strict=True):
-        with torch.no_grad():
-            expected = reference(**inputs).logits[0]
-        got = logits[at : at + len(chunk)]
-        assert torch.allclose(got, expected, atol=LOGITS_ATOL), (got - expected).abs().max()
-        at += len(chunk)
+    assert_prompt_logits(logits, reference, all_inputs, chunks)
 
 
 def test_decode_steps_continue_from_the_offset(qwen):
