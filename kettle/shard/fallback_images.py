@@ -14,7 +14,6 @@ processor (transformers' PIL backend), all the images of a forward in one call, 
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ import torch
 
 from kettle.models.transformers_fallback import accepts
 from kettle.shard.batch import RequestState
+from kettle.shard.image_inputs import decoded
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +78,7 @@ class FallbackImages:
 
     def features(self, files: Sequence[bytes]) -> dict:
         """The image processor's batch for `files` (first frames, in RGB)."""
-        from PIL import Image
-
-        images = []
-        for data in files:
-            with Image.open(io.BytesIO(data)) as image:
-                image.seek(0)  # a GIF's first frame
-                images.append(image.convert("RGB"))
-        return dict(self.processor(images=images, return_tensors="pt", **self.processor_kwargs))
+        return dict(self.processor(images=decoded(files), return_tensors="pt", **self.processor_kwargs))
 
     def _types(self, tokens: Sequence[int], modality: bool) -> list[int]:
         if not modality:

@@ -31,6 +31,18 @@ def load_image_processor(folder: str):
     return AutoImageProcessor.from_pretrained(folder)
 
 
+def decoded(files: Sequence[bytes]) -> list:
+    """The images of `files` as PIL images in RGB (a GIF's first frame), as the image processors take them."""
+    from PIL import Image
+
+    images = []
+    for data in files:
+        with Image.open(io.BytesIO(data)) as image:
+            image.seek(0)  # a GIF's first frame
+            images.append(image.convert("RGB"))
+    return images
+
+
 class ImageInputs:
     """Places the image rows of each step for a model with `encode_images` and `image_rows`."""
 
@@ -40,13 +52,7 @@ class ImageInputs:
 
     def features(self, files: Sequence[bytes]) -> dict:
         """The image processor's batch for `files` (pixel values, and what else the model's tower reads)."""
-        from PIL import Image
-
-        images = []
-        for data in files:
-            with Image.open(io.BytesIO(data)) as image:
-                image.seek(0)  # a GIF's first frame
-                images.append(image.convert("RGB"))
+        images = decoded(files)
         nested = getattr(self.model, "image_batches_nested", False)  # Idefics3: a list of tiles per image
         batch = self.processor(images=[[image] for image in images] if nested else images, return_tensors="pt")
         wanted = ("pixel_values", "pixel_attention_mask", "image_sizes", "image_grid_thw")  # what the towers read
