@@ -243,8 +243,12 @@ class DecoderStep:
         """The step's cos and sin [tables, rows, rot_dim] from each layer's (cos, sin): each table's once."""
         if not self._firsts:
             return None, None
-        cos = torch.stack([ropes[i][0].reshape(-1, self.decoder.rot_dim) for i in self._firsts])
-        sin = torch.stack([ropes[i][1].reshape(-1, self.decoder.rot_dim) for i in self._firsts])
+        rot = self.decoder.rot_dim
+        if len(self._firsts) == 1:  # every model but Gemma 3: the step's one table as it is, a view (no copy)
+            cos, sin = ropes[self._firsts[0]]
+            return cos.reshape(1, -1, rot), sin.reshape(1, -1, rot)
+        cos = torch.stack([ropes[i][0].reshape(-1, rot) for i in self._firsts])
+        sin = torch.stack([ropes[i][1].reshape(-1, rot) for i in self._firsts])
         return cos, sin
 
     def _layer(self, layer: nn.Module, rope_table: int) -> Layer:
