@@ -167,7 +167,7 @@ TUNING: dict[str, Knob] = {
     "gemm-rows": Knob(
         "cpu_gemm_rows", _whole(0), None, "int4/int8 panels from N rows (0: never; unset: the kernels' own)"
     ),
-    "integer-gemm": Knob("cpu_integer_gemm", _switch, True, "off: the float32 panels (16+ rows), not the int16 ones"),
+    "integer-gemm": Knob("cpu_integer_gemm", _switch, True, "off: the float32 panels (16+ rows), not the int8 ones"),
     "lanes": Knob("cpu_lanes", _switch, True, "off: int4 and Q8_0 weights in rows, not lanes (AVX-512 VNNI)"),
     "prefill-attention": Knob(
         "cpu_prefill_attention", _switch, True, "off: SDPA's kernel instead of Kettle's for prefill"

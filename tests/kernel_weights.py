@@ -207,3 +207,27 @@ LANES_NAMES += ("q5_lanes q5_k", "q5_lanes q5_0", "q5_lanes q5_1", "iq4_xs_lanes
 
 def lanes_here() -> bool:
     return ops.available() and ops.vnni()
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] as the lanes kernels and the integer panels multiply it: each block of 32 inputs rounded to int8
+    with absmax / 127, the same float operations as kernels.h's `quantize_row` (scale, reciprocal, round to even)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+# int8 rows against the dense weights times `int8_rows(x)`: float32 rounding only.
+INT8_RTOL = 1e-5
+
+
+def int8_reads(weight: Linear, path: str) -> bool:
+    """Whether `path` multiplies int8 rows for this weight: the integer panels, and a lanes type's own kernels (the
+    rows layouts' one-row and invariant paths multiply int16 rows)."""
+    return path == "int_gemm" or (path == "quantized" and ops.in_lanes(weight))
+
+
+def reference(layer: torch.nn.Module, x: torch.Tensor, int8: bool) -> torch.Tensor:
+    """layer's dense product for rows x, as the kernels see them: int8-rounded where they multiply int8 rows."""
+    return torch.nn.functional.linear(int8_rows(x) if int8 else x, layer.dequantized(), layer.bias)

@@ -79,10 +79,10 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* The path projection `w` takes for the step's `rows` rows (linear.c, as op at a time). */
 static inline int path_of(const Decoder *m, const Linear *w, int64_t rows) { return choose_path(w, rows, 0, &m->tuning); }
 
-/* Whether `w`'s input rows are quantized to int16 (into xq) for `rows` rows (for any part of a stacked one). */
+/* Whether `w`'s input rows are quantized (into xq) for `rows` rows (for any part of a stacked one). */
 static inline int quantized_input(const Decoder *m, const Linear *w, int64_t rows) {
     for (; w; w = w->next)
-        if (reads_int16(path_of(m, w, rows))) return 1;
+        if (reads_quantized(path_of(m, w, rows))) return 1;
     return 0;
 }
 
@@ -178,12 +178,12 @@ typedef struct {
     float *lora_t;               /* [rows · widest rank]: each row's products with the A rows */
 } Scratch;
 
-/* What the step's projections need for `rows` rows: a per-thread buffer (floats), room for the int16 rows in lanes
- * (the integer panels), their sums per 16 inputs (a type with sub-blocks). An expert meets any count of rows up to
+/* What the step's projections need for `rows` rows: a per-thread buffer (floats), room for the int8 rows in lanes
+ * (the integer panels). An expert meets any count of rows up to
  * `rows`, and each path starts from a row count on: its largest need is at `rows`, with the float32 tiles below. */
 typedef struct {
     int64_t buffer;
-    int lanes, halves;
+    int lanes;
 } Needs;
 
 static void need(const Decoder *m, const Linear *w, int64_t rows, int expert, Needs *needs) {
@@ -192,12 +192,11 @@ static void need(const Decoder *m, const Linear *w, int64_t rows, int expert, Ne
         needs->buffer = max64(needs->buffer, path_buffer_floats(w, path, rows));
         if (expert) needs->buffer = max64(needs->buffer, path_buffer_floats(w, PATH_TILES, rows));
         needs->lanes |= path == PATH_INT_GEMM;
-        needs->halves |= type_of(w)->sub_blocks;
     }
 }
 
 static Needs step_needs(const Decoder *m, int64_t rows) {
-    Needs needs = {0, 0, 0};
+    Needs needs = {0, 0};
     for (int64_t i = 0; i < m->num_layers; i++) {
         const Layer *l = m->layers + i;
         const Linear *own[] = {&l->qkv, &l->o, &l->up, &l->down};
@@ -221,8 +220,7 @@ static int alloc_scratch(const Decoder *m, int64_t rows, const Needs *needs, Scr
     float *base = malloc(sizeof(float) * (size_t)(rows * total));
     s->chosen = malloc(sizeof(int64_t) * (size_t)(rows * MAX_EXPERTS));
     if (!base || !s->chosen) return free(base), free(s->chosen), -1;
-    if (alloc_rows(rows, widest, &s->xq) || (needs->lanes && alloc_lanes(rows, widest, &s->xq)) ||
-        (needs->halves && alloc_halves(rows, widest, &s->xq)))
+    if (alloc_rows(rows, widest, &s->xq) || (needs->lanes && alloc_lanes(rows, widest, &s->xq)))
         return free(base), free(s->chosen), free_rows(&s->xq), -1;
     for (int i = 0; i < 11; i++) *slots[i] = base, base += rows * sizes[i];
     s->route = base;

@@ -14,7 +14,7 @@
  * panels; rows go block by block so a block's activations stay in L2 while every panel of the thread meets them.
  *
  * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead
- * (`KETTLE_TUNING=integer-gemm=off` keeps these): int16 rows, as one row of decode quantizes them, against the weights widened to int16.
+ * (`KETTLE_TUNING=integer-gemm=off` keeps these): int8 rows, as one row of decode quantizes them, against the weights widened to u8.
  */
 #include <omp.h>
 
@@ -183,37 +183,37 @@ void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float 
 }
 
 /* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
- * quantized to int16 per block of 32 (kernels.h `quantize_row`, as at one row) meet the weights widened to int16,
- * and vpdpwssd sums pairs of products into int32 lanes, exact within a block; each block's sums then take the
- * row's and the weight's scales in float32. The lanes are 16 rows (laid out pairs-major once per projection), so
- * each weight pair is a broadcast straight from the channel's widened row: no transpose of the weights, whose cost
- * per panel would weigh on a 16-row step as much as the products. Per 16 rows, channel and block of 32 inputs
- * that is 16 vpdpwssd and 3 float instructions, against 32 float32 FMAs per 16 rows and 16 channels' worth of the
- * float32 panels, so it runs past the float32 FMA peak. The outputs move by the int16 rounding of the activations
- * (~1e-5 relative), as one row of decode's do; `KETTLE_TUNING=integer-gemm=off` keeps the float32 panels, exact to
- * the dequantized weights. */
+ * quantized to int8 per block of 32 (kernels.h `quantize_row`, as at one row) meet the weights widened to u8 (q +
+ * the type's offset), and vpdpbusd sums quads of products into int32 lanes, exact within a block; each block's sums
+ * then lose offset · the inputs' sum and take the row's and the weight's scales in float32, as lanes.c's tiles do,
+ * so a row has the same bits on either. The lanes are 16 rows (laid out quads-major once per projection), so each
+ * weight quad is a broadcast straight from the channel's widened row: no transpose of the weights, whose cost per
+ * panel would weigh on a 16-row step as much as the products. Per 16 rows, channel and block of 32 inputs that is
+ * 8 vpdpbusd and 3 float instructions, against 32 float32 FMAs per 16 rows and 16 channels' worth of the float32
+ * panels. `KETTLE_TUNING=integer-gemm=off` keeps the float32 panels, exact to the dequantized weights. */
 
 #define LANES 16        /* rows per vector */
 #define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#define VNNI8 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl"))) /* 256-bit vpdpwssd */
+#define VNNI8 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl"))) /* 256-bit vpdpbusd */
 
-/* Group g of 16 rows in lanes (kernels.h `lane_floats`): pairs [K/2][16] (inputs 2i, 2i + 1 of each row as one
- * int32), scale [K/32][16], sum [K/group][16]; rows past the last are zero. */
+/* Group g of 16 rows in lanes (kernels.h `lane_floats`): quads [K/4][16] (each row's int8 quad as one int32), scale
+ * [K/32][16], sum [K/group][16], half [K/16][16] (int32); rows past the last are zero. */
 typedef struct {
-    const int32_t *pairs;
+    const int32_t *quads;
     const float *scale, *sum;
+    const int32_t *half;
 } LaneRows;
 
 static inline LaneRows lane_group(const QuantizedRows *xq, int64_t g, int64_t k) {
-    const float *base = xq->lanes + g * lane_floats(k);
-    return (LaneRows){(const int32_t *)base, base + k / 2 * LANES, base + (k / 2 + k / 32) * LANES};
+    const float *base = xq->lanes + g * lane_floats(k), *scale = base + k / 4 * LANES, *sum = scale + k / 32 * LANES;
+    return (LaneRows){(const int32_t *)base, scale, sum, (const int32_t *)(sum + k / 32 * LANES)};
 }
 
 /* xq's rows laid out in lanes by the calling team (an orphaned `omp for`, whose barrier makes them complete): 8
- * pairs of 8 rows at a time through the register transpose, each row's scales and sums beside them. */
+ * quads of 8 rows at a time through the register transpose, each row's scales and sums beside them. */
 void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group) {
-    const int64_t groups = (rows + LANES - 1) / LANES, steps = k / 16; /* 8 pairs a step */
+    const int64_t groups = (rows + LANES - 1) / LANES, steps = k / 32; /* 8 quads a step */
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < groups * steps; u++) {
         const int64_t g = u / steps, i = u % steps * 8;
@@ -222,71 +222,84 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
             __m256 r[8];
             for (int c = 0; c < 8; c++) {
                 const int64_t row = g * LANES + half * 8 + c;
-                r[c] = row < rows ? _mm256_loadu_ps((const float *)(xq->q + row * k) + i) : _mm256_setzero_ps();
+                r[c] = row < rows ? _mm256_loadu_ps((const float *)(xq->b + row * k) + i) : _mm256_setzero_ps();
             }
             transpose8(r);
             for (int t = 0; t < 8; t++) _mm256_store_ps(base + (i + t) * LANES + half * 8, r[t]);
         }
         if (i) continue;
-        float *scale = base + k / 2 * LANES, *sum = scale + k / 32 * LANES;
+        float *scale = base + k / 4 * LANES, *sum = scale + k / 32 * LANES;
+        int32_t *halves = (int32_t *)(sum + k / 32 * LANES);
         for (int64_t l = 0, row = g * LANES; l < LANES; l++, row++) {
-            for (int64_t b = 0; b < k / 32; b++) scale[b * LANES + l] = row < rows ? xq->scale[row * (k / 32) + b] : 0.0f;
-            for (int64_t q = 0; q < k / group; q++) sum[q * LANES + l] = row < rows ? xq->sum[row * (k / group) + q] : 0.0f;
+            for (int64_t b = 0; b < k / 32; b++) scale[b * LANES + l] = row < rows ? xq->scale8[row * (k / 32) + b] : 0.0f;
+            for (int64_t q = 0; q < k / group; q++) sum[q * LANES + l] = row < rows ? xq->sum8[row * (k / group) + q] : 0.0f;
+            for (int64_t h = 0; h < k / 16; h++) halves[h * LANES + l] = row < rows ? xq->half[row * (k / 16) + h] : 0;
         }
     }
 }
 
-/* Channel j's quantized values as K int16, 32 at a time (the table's `widen`): Q4L's 0..15 in input order. */
-VNNI void q4l_widen(const Linear *w, int64_t j, int16_t *dst) {
+/* 32 values in input order (a 128-bit lane each 16) in the int8 rows' quad order: inputs 4m, 4m + 2, 4m + 1, 4m + 3. */
+static inline __m256i quad_order(__m256i natural) {
+    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    return _mm256_shuffle_epi8(natural, order);
+}
+
+/* Signed int8 values + 128 as u8 (Q8's and IQ4's offset). */
+static inline __m256i flipped(__m256i values) { return _mm256_xor_si256(values, _mm256_set1_epi8((char)0x80)); }
+
+/* Channel j's values q + offset as K u8 in quad order, 32 at a time (the table's `widen`): Q4L's 0..15. */
+VNNI void q4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < w->k / 32; b++) {
         const __m128i bytes = q4l_block(w, j, b);
-        _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)));
-        _mm256_storeu_si256((__m256i *)(dst + b * 32 + 16), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+        const __m256i natural = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(natural));
     }
 }
 
-/* Q8L's int8 values. */
-VNNI void q8l_widen(const Linear *w, int64_t j, int16_t *dst) {
-    for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(q8l_block(w, j, b)));
+/* Q8L's int8 values + 128. */
+VNNI void q8l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(flipped(q8l_block(w, j, b))));
 }
 
-/* Q6L's q - 32. */
-VNNI void q6l_widen(const Linear *w, int64_t j, int16_t *dst) {
+/* Q6L's q (0..63: q - 32 + 32). */
+VNNI void q6l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) {
         __m128i q[2];
         q6l_block(w, j, b, q);
-        _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(_mm256_set_m128i(q[1], q[0])));
+        const __m256i values = _mm256_add_epi8(_mm256_set_m128i(q[1], q[0]), _mm256_set1_epi8(32));
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(values));
     }
 }
 
 /* Q5L's 0..31. */
-VNNI void q5l_widen(const Linear *w, int64_t j, int16_t *dst) {
-    for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepu8_epi16(q5l_block(w, j, b)));
+VNNI void q5l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(q5l_block(w, j, b)));
 }
 
-/* IQ4L's grid values. */
-VNNI void iq4l_widen(const Linear *w, int64_t j, int16_t *dst) {
-    for (int64_t b = 0; b < w->k / 32; b++) _mm512_storeu_si512(dst + b * 32, _mm512_cvtepi8_epi16(iq4l_block(w, j, b)));
+/* IQ4L's grid values + 128. */
+VNNI void iq4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+    for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(flipped(iq4l_block(w, j, b))));
 }
 
-/* Q4's 0..15. */
-VNNI void q4_widen(const Linear *w, int64_t j, int16_t *dst) {
+/* Q4's 0..15 (a chunk of 64: its low nibbles the first 32 inputs, its high ones the next 32). */
+VNNI void q4_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const int64_t k = w->k;
     const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
-    const __m512i mask = _mm512_set1_epi16(0x0F);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int64_t c = 0; c < k / 64; c++) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + c * 32)));
-        _mm512_storeu_si512(dst + c * 64, _mm512_and_si512(bytes, mask));
-        _mm512_storeu_si512(dst + c * 64 + 32, _mm512_srli_epi16(bytes, 4));
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(src + c * 32));
+        _mm256_storeu_si256((__m256i *)(dst + c * 64), quad_order(_mm256_and_si256(bytes, mask)));
+        _mm256_storeu_si256((__m256i *)(dst + c * 64 + 32), quad_order(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)));
     }
 }
 
-/* The int8 values of Q8 and Q8_0 (rows). */
-VNNI void q8_widen(const Linear *w, int64_t j, int16_t *dst) {
+/* The int8 values + 128 of Q8 and Q8_0 (rows). */
+VNNI void q8_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const int8_t *src = (const int8_t *)w->weight + j * w->k;
     for (int64_t i = 0; i < w->k; i += 32)
-        _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(src + i))));
+        _mm256_storeu_si256((__m256i *)(dst + i), quad_order(flipped(_mm256_loadu_si256((const __m256i *)(src + i)))));
 }
 
 /* n float16 values as floats, 8 at a time. */
@@ -340,34 +353,43 @@ void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     for (int64_t g = 0; m.factor != 1.0f && g < groups; g++) minimum[g] *= m.factor; /* exact: -8 is a power of two */
 }
 
-/* The widened weights of INT_CHANNELS channels: q [C][K] int16, scale [C][K/32], minimum [C][K/group] (Q4). */
+/* The widened weights of INT_CHANNELS channels: q [C][K] u8, scale [C][K/32], minimum [C][K/group] (Q4). */
 typedef struct {
-    int16_t *q;
+    uint8_t *q;
     float *scale, *minimum;
 } IntChannels;
 
-static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (k / 2 + 2 * (k / 32)); }
+static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (k / 4 + 2 * (k / 32)); }
 
 /* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
 #define TILE_FLOATS (16 * LANES)
 
 /* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]; the
- * weights' scales each cover `pairs` input pairs (a constant: 16, a block; 8 for Q6_K's sub-blocks of 16 inputs). */
+ * weights' scales each cover `quads` input quads (a constant: 8, a block; 4 for Q6_K's sub-blocks of 16 inputs), and
+ * each span's sums start at -offset · its inputs' sum. */
 static inline __attribute__((always_inline)) VNNI void micro_vnni(
-    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, const int pairs, float *tile
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, const int quads, int offset,
+    float *tile
 ) {
-    const int64_t spans = k / (2 * pairs), groups = k / group;
+    const int64_t spans = k / (4 * quads), groups = k / group;
     __m512 acc[INT_CHANNELS];
     for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < spans; b++) {
-        __m512i dot[INT_CHANNELS];
-        for (int c = 0; c < channels; c++) dot[c] = _mm512_setzero_si512();
-        for (int64_t i = b * pairs; i < b * pairs + pairs; i++) {
-            const __m512i a = _mm512_load_si512(x->pairs + i * LANES);
-            for (int c = 0; c < channels; c++)
-                dot[c] = _mm512_dpwssd_epi32(dot[c], a, _mm512_set1_epi32(((const int32_t *)(w->q + c * k))[i]));
+        __m512i start = _mm512_setzero_si512();
+        if (offset) {
+            const __m512i sum = quads == 4 ? _mm512_load_si512(x->half + b * LANES)
+                                           : _mm512_add_epi32(_mm512_load_si512(x->half + 2 * b * LANES),
+                                                              _mm512_load_si512(x->half + (2 * b + 1) * LANES));
+            start = _mm512_mullo_epi32(sum, _mm512_set1_epi32(-offset));
         }
-        const __m512 d = _mm512_load_ps(x->scale + b * pairs / 16 * LANES); /* the rows' scale of this block */
+        __m512i dot[INT_CHANNELS];
+        for (int c = 0; c < channels; c++) dot[c] = start;
+        for (int64_t i = b * quads; i < b * quads + quads; i++) {
+            const __m512i a = _mm512_load_si512(x->quads + i * LANES);
+            for (int c = 0; c < channels; c++)
+                dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(((const int32_t *)(w->q + c * k))[i]), a);
+        }
+        const __m512 d = _mm512_load_ps(x->scale + b * quads / 8 * LANES); /* the rows' scale of this block */
         for (int c = 0; c < channels; c++)
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * spans + b])), acc[c]);
         /* minimum_g · (Σ x over group g) right after the group's first block, where lanes.c's tiles add it: a row
@@ -385,18 +407,24 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
  * instructions where the lanes past them hold only padding (17-24 rows: the second group; a prompt chunk's last
  * group). Same layout, same sums: the lanes it leaves out are zero rows. */
 static inline __attribute__((always_inline)) VNNI8 void micro_vnni8(
-    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, float *tile
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, int offset, float *tile
 ) {
     const int64_t blocks = k / 32, groups = k / group;
     __m256 acc[INT_CHANNELS];
     for (int c = 0; c < channels; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        __m256i start = _mm256_setzero_si256();
+        if (offset) {
+            const __m256i sum = _mm256_add_epi32(_mm256_load_si256((const __m256i *)(x->half + 2 * b * LANES)),
+                                                 _mm256_load_si256((const __m256i *)(x->half + (2 * b + 1) * LANES)));
+            start = _mm256_mullo_epi32(sum, _mm256_set1_epi32(-offset));
+        }
         __m256i dot[INT_CHANNELS];
-        for (int c = 0; c < channels; c++) dot[c] = _mm256_setzero_si256();
-        for (int64_t i = b * 16; i < b * 16 + 16; i++) {
-            const __m256i a = _mm256_load_si256((const __m256i *)(x->pairs + i * LANES));
+        for (int c = 0; c < channels; c++) dot[c] = start;
+        for (int64_t i = b * 8; i < b * 8 + 8; i++) {
+            const __m256i a = _mm256_load_si256((const __m256i *)(x->quads + i * LANES));
             for (int c = 0; c < channels; c++)
-                dot[c] = _mm256_dpwssd_epi32(dot[c], a, _mm256_set1_epi32(((const int32_t *)(w->q + c * k))[i]));
+                dot[c] = _mm256_dpbusd_epi32(dot[c], _mm256_set1_epi32(((const int32_t *)(w->q + c * k))[i]), a);
         }
         const __m256 d = _mm256_load_ps(x->scale + b * LANES);
         for (int c = 0; c < channels; c++)
@@ -416,8 +444,8 @@ int kettle_integer_lanes8 = 1;
 
 /* The micro-kernel for `channels` (a constant at each call) and the group's `rows`: 8 lanes when they hold them. */
 static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels,
-                               int64_t rows, float *tile) {
-#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, tile); else micro_vnni(x, k, group, w, t, 16, tile); break;
+                               int64_t rows, int offset, float *tile) {
+#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, offset, tile); else micro_vnni(x, k, group, w, t, 8, offset, tile); break;
     const int narrow = kettle_integer_lanes8 && rows <= LANES / 2;
     switch (channels) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
@@ -427,7 +455,7 @@ static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, cons
 
 /* `int_channels` for Q6_K's scales per 16 inputs (16 lanes at any row count: its panels are a few layers' share). */
 static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels *w, int channels, float *tile) {
-#define CASE(t) case t: micro_vnni(x, k, 32, w, t, 8, tile); break;
+#define CASE(t) case t: micro_vnni(x, k, 32, w, t, 4, 32, tile); break;
     switch (channels) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
     }
@@ -460,9 +488,9 @@ static inline VNNI8 void store_lanes(float *tile, int channels, int rows, const 
  * aligned. */
 VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
-    IntChannels c = {(int16_t *)buffer, buffer + INT_CHANNELS * k / 2, NULL};
+    IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * k / 4, NULL};
     const WeightType *type = type_of(w);
-    if (type->minimums) c.minimum = buffer + INT_CHANNELS * (k / 2 + blocks);
+    if (type->minimums) c.minimum = buffer + INT_CHANNELS * (k / 4 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
     /* Prompt chunks go ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in L2 while every group of
@@ -484,7 +512,7 @@ VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, 
                 const LaneRows x = lane_group(xq, r0 / LANES, k);
                 const int64_t count = m - r0 < LANES ? m - r0 : LANES;
                 if (type->sub_blocks) int_channels_q6(&x, k, &c, n, tile);
-                else int_channels(&x, k, w->group, &c, n, count, tile);
+                else int_channels(&x, k, w->group, &c, n, count, type->offset, tile);
                 store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
             }
         }

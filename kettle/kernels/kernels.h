@@ -13,9 +13,9 @@
  * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
  *
  * Q4L layout (LINEAR_Q4L, "lanes": Q4 with N a multiple of 16, on CPUs with AVX-512 VNNI): the
- * weight is stored 16 output channels at a time, so that one vector holds those 16 channels' weights for a pair of
- * inputs and `vpdpwssd` multiplies it with that pair of one activation row broadcast: 16 channels advance by two
- * inputs in one instruction, every scale is applied once per block of 32 inputs for 16 channels together, and
+ * weight is stored 16 output channels at a time, so that one vector holds those 16 channels' weights for a few
+ * inputs and `vpdpbusd` multiplies it with those inputs of one activation row broadcast (lanes.c): 16 channels
+ * advance by four inputs in one instruction, every scale is applied once per block of 32 inputs for 16 channels together, and
  * several rows share each weight vector. weight [N/16][K/32][256] bytes: for channels 16G .. 16G + 15 and block b,
  * unit u (0..7) of 32 bytes holds, at byte 2c + e, q[16G + c][32b + 2u + e] | q[16G + c][32b + 16 + 2u + e] << 4.
  * Scales and minimums [N/16][K/group][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py
@@ -41,7 +41,7 @@
  * (w = q · scale + minimum: Q5_1's d and m, Q5_0's d and -16 · d, exact in float16).
  * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then per unit u two 32-bit
  * masks, bit 2c + e of the first the fifth bit of input 2u + e of channel 16G + c, of the second that of input
- * 16 + 2u + e: lane by lane what a unit widened to 32 int16 needs (one masked add of 16). 5.5 bits a weight as in the
+ * 16 + 2u + e (lanes.c interleaves two units' masks as their bytes, `pdep`, for one masked add of 16). 5.5 bits a weight as in the
  * file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
  *
  * IQ4L layout (LINEAR_IQ4L: GGUF's IQ4_XS in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · (ls - 32) ·
@@ -98,7 +98,7 @@ typedef struct Linear {
     const uint16_t *supers;    /* Q4L with Q4_K's scales: d and dmin; Q6L: d (the layouts above); else NULL */
     /* The next part of a projection stacked along its outputs, or NULL: a fused q/k/v whose parts a file stores in
      * different types (GGUF's Q4_K_M keeps some layers' v in Q6_K) keeps each part's own type, its outputs after
-     * this part's n. Every part reads the same input rows (int16 ones quantized once, in groups of the first part's
+     * this part's n. Every part reads the same input rows (quantized once, in groups of the first part's
      * group, which every part with minimums shares). */
     const struct Linear *next;
 } Linear;
@@ -108,7 +108,7 @@ typedef struct Linear {
 enum {
     PATH_PLAIN = 0,     /* float32 rows, one pass over the weights (the rows layouts' `plain` kernels) */
     PATH_TILES = 1,     /* each channel dequantized once, every row multiplied in float32 (`linear_channels_f32`) */
-    PATH_QUANTIZED = 2, /* int16 rows, one pass (`quantized_rows`: a channel at a time, or 16 in lanes) */
+    PATH_QUANTIZED = 2, /* quantized rows (int8 in lanes, int16 in rows), one pass (`quantized_rows`: a channel at a time, or 16 in lanes) */
     PATH_INVARIANT = 3, /* int16 rows, each row's bits those of the row alone (`invariant_rows`, the row panels) */
     PATH_GEMM = 4,      /* gemm.c's float32 panels */
     PATH_INT_GEMM = 5,  /* gemm.c's integer panels (AVX-512 VNNI) over int16 rows */
@@ -220,19 +220,30 @@ static inline __attribute__((always_inline)) void q8_row(
     for (int m = 0; m < tile; m++) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
 }
 
-/* ---- int16 activations: quantized per block of 32 (absmax / 32767) for integer dot products (`madd_epi16`:
- * products of 16-bit pairs summed into 32-bit lanes, exact). A block costs a few integer instructions instead
- * of a float dequantization per weight, and the activations keep ~15 bits: the outputs move by ~1e-5 relative.
- * (8-bit activations, llama.cpp's choice, were ~1.3x faster again here but moved the bundled model's int4
- * next-token distribution 26x further from float32's: outlier channels.) */
+/* ---- quantized activations, per block of 32 inputs, each row twice from the same floats:
+ * - int16 (absmax / 32767) for the rows layouts' dot products (`madd_epi16`: products of 16-bit pairs summed into
+ *   32-bit lanes, exact): the outputs move by ~1e-5 relative from float32 rows;
+ * - int8 (absmax / 127, Q8_0's rounding) for the lanes kernels and the integer panels (`vpdpbusd`: four u8 weights
+ *   times four s8 inputs into each 32-bit lane, twice the multiply-adds of `vpdpwssd` an instruction, which is what
+ *   prompt chunks are bound by; a 1.7B Q4_K_M prompt 60 → 110 tok/s). llama.cpp makes the same choice (its Q8
+ *   activations, per 256 inputs for the K-quants). On the bundled model over 1,024 tokens of text: perplexity 40.61
+ *   against 40.60 with float32 rows (int16: 40.61), next-token KL to float32 rows 3.8e-3 (int16: 9e-7).
+ * The int8 values of a block are stored as 8 quads, quad m holding inputs 4m, 4m + 2, 4m + 1, 4m + 3 (one int32 to
+ * broadcast): the order two lanes units (or Q8L pairs) widened and interleaved byte by byte give each channel. */
 
 typedef struct {
     int16_t *q;    /* [rows, K], 32-byte aligned */
     float *scale;  /* [rows, K/32] */
     float *sum;    /* [rows, K/group]: the exact float sum of each weight group's inputs (the minimum term) */
-    float *lanes;  /* the same rows 16 to a vector for gemm.c's integer panels (`lay_out_lanes`), or NULL */
-    int32_t *half; /* [rows, K/16]: the sum of each 16 int16 values (Q6L's q - 32: 32 · this, once per sub-block),
-                    * or NULL where no Q6L weight reads the rows (`alloc_halves`) */
+    float *lanes;  /* the int8 rows 16 to a vector for gemm.c's integer panels (`lay_out_lanes`), or NULL */
+    int32_t *half; /* [rows, K/16]: the sum of each 16 int8 values, for the weights stored with an offset (`offset`) */
+    int8_t *b;     /* [rows, K] int8 in quads, 64-byte aligned */
+    float *scale8; /* [rows, K/32] */
+    /* [rows, K/group]: each group's sum of the int8 rows' values (scale · integer sum per block, in block order).
+     * The int8 kernels' minimum terms take this one: with the exact sum they would multiply each q by the rounded
+     * input but the minimum by the exact one, and the rounding errors, no longer centred, add up (the bundled model's
+     * next-token KL to float32 rows 4x larger). */
+    float *sum8;
 } QuantizedRows;
 
 /* One weight type: what differs between the layouts (`LINEAR_*`), each a row of WEIGHT_TYPES (weight_types.c). The
@@ -243,7 +254,9 @@ typedef struct {
     const char *name;
     int lanes;         /* output channels stored 16 at a time (N a multiple of 16; CPUs with AVX-512 VNNI) */
     int quantized;     /* 0: float32 weights, read in place by the tiles at every row count */
-    int sub_blocks;    /* scales per 16 inputs (Q6_K): the int16 rows carry their sums per 16 (`QuantizedRows.half`) */
+    int sub_blocks;    /* scales per 16 inputs (Q6_K) */
+    int offset;        /* the kernels hold q + offset as u8 (`vpdpbusd`'s unsigned side): Q6's q, Q8's and IQ4's
+                        * q + 128; the sums take offset · (the inputs' sum) off per block (sub-block) */
     int minimums;      /* a minimum per group (w = q · scale + minimum), which the integer panels add */
     int channel_scale; /* one float32 scale per output channel (`scales[j]`), applied after the channel's sum */
     int64_t float_rows; /* the float32 tiles beat int16 rows from these many rows on (measured; 0: never) */
@@ -262,9 +275,9 @@ typedef struct {
     /* The same with each row's bits those of the row alone (lanes: `quantized_rows` is that already, NULL here). */
     void (*invariant_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                            int64_t ldy);
-    /* The integer panels: channel j's values as K int16, and its scales per block (sub_blocks: per 16 inputs) and
-     * minimums per group. */
-    void (*widen)(const Linear *w, int64_t j, int16_t *dst);
+    /* The integer panels: channel j's values q + offset as K u8 in the int8 rows' quad order, and its scales per
+     * block (sub_blocks: per 16 inputs) and minimums per group. */
+    void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
     /* The row panels (invariant rows from `kettle_row_gemm_rows` on): channel j as K int16, its scales per block. */
     void (*widen_row)(const Linear *w, int64_t j, int16_t *dst, float *scale);
@@ -285,26 +298,27 @@ static inline void free_rows(QuantizedRows *rows) {
     free(rows->sum);
     free(rows->lanes);
     free(rows->half);
+    free(rows->b);
+    free(rows->scale8);
+    free(rows->sum8);
 }
 
 /* Room for `rows` rows of up to `k` channels; -1 when out of memory. */
 static inline int alloc_rows(int64_t rows, int64_t k, QuantizedRows *out) {
+    *out = (QuantizedRows){NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     out->q = aligned_alloc(32, sizeof(int16_t) * (size_t)(rows * k + 32));
     out->scale = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
     out->sum = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
-    out->lanes = NULL, out->half = NULL;
-    return out->q && out->scale && out->sum ? 0 : -1;
-}
-
-/* Room in `out` (allocated by alloc_rows) for the sums a Q6L weight reads (`QuantizedRows.half`); -1 when out of
- * memory. Only then does `quantize_row` form them. */
-static inline int alloc_halves(int64_t rows, int64_t k, QuantizedRows *out) {
     out->half = malloc(sizeof(int32_t) * (size_t)(rows * (k / 16) + 1));
-    return out->half ? 0 : -1;
+    out->b = aligned_alloc(64, (size_t)((rows * k + 63) / 64 * 64 + 64));
+    out->scale8 = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    out->sum8 = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    return out->q && out->scale && out->sum && out->half && out->b && out->scale8 && out->sum8 ? 0 : -1;
 }
 
-/* Floats of one group of 16 rows laid out in lanes for K (pairs [K/2][16], scale [K/32][16], sum [K/32][16]). */
-static inline int64_t lane_floats(int64_t k) { return (k / 2 + 2 * (k / 32)) * 16; }
+/* Floats of one group of 16 int8 rows laid out in lanes for K (quads [K/4][16], scale [K/32][16], sum [K/32][16],
+ * half [K/16][16]). */
+static inline int64_t lane_floats(int64_t k) { return (k / 4 + 2 * (k / 32) + k / 16) * 16; }
 
 /* Room in `out` (allocated by alloc_rows) for `rows` rows in lanes; -1 when out of memory. */
 static inline int alloc_lanes(int64_t rows, int64_t k, QuantizedRows *out) {
@@ -312,12 +326,23 @@ static inline int alloc_lanes(int64_t rows, int64_t k, QuantizedRows *out) {
     return out->lanes ? 0 : -1;
 }
 
-/* Row `r` of `out` (laid out for K = k) from x[k]: int16 values, a scale per block, a float sum per group. */
+/* 32 int8 values (four vectors of 8 int32, inputs in order) in the quad order. packs leave them as the quads
+ * 0, 2, 4, 6 | 1, 3, 5, 7; a dword permute puts the quads in order, a byte shuffle each quad's inputs. */
+static inline __m256i int8_quads(const __m256i q[4]) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i quads = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    return _mm256_shuffle_epi8(quads, order);
+}
+
+/* Row `r` of `out` (laid out for K = k) from x[k]: int16 and int8 values with their scales per block, each group's
+ * float sum of x and of the int8 values, the int8 sums per 16. */
 static inline void quantize_row(const float *x, int64_t k, int64_t group, QuantizedRows *out, int64_t r) {
     const int64_t blocks = k / 32, groups = k / group;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    float *sums = out->sum + r * groups;
-    for (int64_t g = 0; g < groups; g++) sums[g] = 0.0f;
+    float *sums = out->sum + r * groups, *sums8 = out->sum8 + r * groups;
+    for (int64_t g = 0; g < groups; g++) sums[g] = sums8[g] = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         const float *src = x + b * 32;
         __m256 v[4];
@@ -329,14 +354,17 @@ static inline void quantize_row(const float *x, int64_t k, int64_t group, Quanti
         __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
         amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
         amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
-        const float d = _mm_cvtss_f32(amax4) / 32767.0f;
-        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-        __m256i q[4]; /* rounded to nearest */
+        const float amax = _mm_cvtss_f32(amax4), d = amax / 32767.0f, d8 = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), inv8 = _mm256_set1_ps(d8 > 0.0f ? 1.0f / d8 : 0.0f);
+        __m256i q[4], q8[4]; /* rounded to nearest */
         for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-        if (out->half) {
-            out->half[r * (k / 16) + 2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
-            out->half[r * (k / 16) + 2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
-        }
+        for (int i = 0; i < 4; i++) q8[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv8));
+        const int32_t first = hsum_epi32(_mm256_add_epi32(q8[0], q8[1])), second = hsum_epi32(_mm256_add_epi32(q8[2], q8[3]));
+        out->half[r * (k / 16) + 2 * b] = first;
+        out->half[r * (k / 16) + 2 * b + 1] = second;
+        sums8[b * 32 / group] += d8 * (float)(first + second);
+        _mm256_storeu_si256((__m256i *)(out->b + r * k + b * 32), int8_quads(q8));
+        out->scale8[r * blocks + b] = d8;
         /* packs works within 128-bit lanes: [0-3, 8-11 | 4-7, 12-15]; the permute restores the order. */
         int16_t *dst = out->q + r * k + b * 32;
         _mm256_store_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
@@ -528,7 +556,7 @@ static inline float q8g_channel_one(const QuantizedRows *xq, int64_t k, const in
 
 /* Row r of xq (laid out for K = k, groups of `group`) as a one-row QuantizedRows, as the one-row channels read it. */
 static inline QuantizedRows quantized_row(const QuantizedRows *xq, int64_t r, int64_t k, int64_t group) {
-    const QuantizedRows row = {xq->q + r * k, xq->scale + r * (k / 32), xq->sum + r * (k / group), NULL, NULL};
+    const QuantizedRows row = {xq->q + r * k, xq->scale + r * (k / 32), xq->sum + r * (k / group), NULL, NULL, NULL, NULL, NULL};
     return row;
 }
 
@@ -704,7 +732,7 @@ static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kett
  * of gemm_buffer_floats(K) floats, 64-byte aligned. */
 INTERNAL void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);
 INTERNAL int64_t gemm_buffer_floats(int64_t k);
-/* The integer panels (AVX-512 VNNI) over rows quantized to int16 and laid out in lanes by the team, as
+/* The integer panels (AVX-512 VNNI) over rows quantized to int8 and laid out in lanes by the team, as
  * `gemm_panels`. */
 INTERNAL void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group);
 INTERNAL void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
@@ -715,13 +743,13 @@ INTERNAL int64_t row_panel_floats(int64_t k);
 INTERNAL void gemm_row_panels(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 extern int kettle_row_gemm_rows;
 /* The integer panels' widening per type (gemm.c). */
-INTERNAL void q4_widen(const Linear *w, int64_t j, int16_t *dst);
-INTERNAL void q4l_widen(const Linear *w, int64_t j, int16_t *dst);
-INTERNAL void q8_widen(const Linear *w, int64_t j, int16_t *dst);
-INTERNAL void q8l_widen(const Linear *w, int64_t j, int16_t *dst);
-INTERNAL void q6l_widen(const Linear *w, int64_t j, int16_t *dst);
-INTERNAL void q5l_widen(const Linear *w, int64_t j, int16_t *dst);
-INTERNAL void iq4l_widen(const Linear *w, int64_t j, int16_t *dst);
+INTERNAL void q4_widen(const Linear *w, int64_t j, uint8_t *dst);
+INTERNAL void q4l_widen(const Linear *w, int64_t j, uint8_t *dst);
+INTERNAL void q8_widen(const Linear *w, int64_t j, uint8_t *dst);
+INTERNAL void q8l_widen(const Linear *w, int64_t j, uint8_t *dst);
+INTERNAL void q6l_widen(const Linear *w, int64_t j, uint8_t *dst);
+INTERNAL void q5l_widen(const Linear *w, int64_t j, uint8_t *dst);
+INTERNAL void iq4l_widen(const Linear *w, int64_t j, uint8_t *dst);
 INTERNAL void iq4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
@@ -741,8 +769,8 @@ INTERNAL void q8g_panel_row(const Linear *w, int64_t j, int16_t *dst, float *sca
 
 /* The path `w` takes for `rows` rows (prompt rows: `prompt`) under tuning `t` (linear.c). */
 INTERNAL int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t);
-/* Whether a path reads the rows quantized to int16 (into the QuantizedRows the caller fills). */
-static inline int reads_int16(int path) {
+/* Whether a path reads quantized rows (into the QuantizedRows the caller fills). */
+static inline int reads_quantized(int path) {
     return path == PATH_QUANTIZED || path == PATH_INVARIANT || path == PATH_INT_GEMM;
 }
 /* Floats of the per-thread buffer `team_linear` needs for `w` on `path` at `rows` rows (a multiple of 16). */

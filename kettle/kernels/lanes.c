@@ -1,13 +1,22 @@
-/* The lanes kernels: weights stored 16 output channels side by side (kernels.h's Q4L, Q8L and Q6L layouts) times a
- * few int16 activation rows, 16 channels advancing by two inputs per `vpdpwssd` (AVX-512 VNNI). Decode steps and
- * small batches run here, op by op (linear.c) and in the fused step (decoder_step.c); one translation unit
- * holds the tiles, so the library compiles them once. */
+/* The lanes kernels: weights stored 16 output channels side by side (kernels.h's Q4L, Q5L, IQ4L, Q8L and Q6L
+ * layouts) times a few int8 activation rows, 16 channels advancing by four inputs per `vpdpbusd` (AVX-512 VNNI).
+ * Decode steps and small batches run here, op by op (linear.c) and in the fused step (decoder_step.c); one
+ * translation unit holds the tiles, so the library compiles them once.
+ *
+ * Two units of a block (or two Q8L pairs), 64 bytes, interleaved byte by byte (`pair_bytes`) give each channel four
+ * bytes in its 32-bit lane: its two bytes of the first unit and of the second, alternating. Their low nibbles are
+ * then the channel's inputs 4m, 4m + 2, 4m + 1, 4m + 3 (units 2m, 2m + 1), the int8 rows' quad m, and their high
+ * nibbles the same inputs + 16 (quad 4 + m): one `vpdpbusd` per quad and row, the weight the unsigned side. A signed
+ * type is held as q + offset (kernels.h `WeightType.offset`), and offset · (the inputs' sum) comes off the block's
+ * integer sums, exactly. */
 
 #include "kernels.h"
 
+#define LANES512 __attribute__((target("avx512f,avx512bw,avx512vnni,bmi2")))
+
 /* Scales and minimums of group g (a sub-block of 32) of channels 16G .. 16G + 15 of a Q4L weight with Q4_K's scales
  * (`supers`): d · sc and -(dmin · m), sc and m widened from bytes (the products exact, as GGUF computes them). */
-static inline ONE512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m512 *scale, __m512 *minimum) {
+static inline LANES512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m512 *scale, __m512 *minimum) {
     const int64_t groups = w->k / 32, at = (G * groups + g) * 16;
     const uint16_t *super = w->supers + (G * (groups / 8) + g / 8) * 32;
     const __m128i sc = _mm_loadu_si128((const __m128i *)((const uint8_t *)w->scales + at));
@@ -20,187 +29,193 @@ static inline ONE512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m51
     *minimum = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
 }
 
+/* 64 bytes at p (two units of 32) interleaved byte by byte: byte 2i the first unit's byte i, 2i + 1 the second's. */
+static inline LANES512 __m512i pair_bytes(const uint8_t *p) {
+    const __m512i halves = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), _mm512_loadu_si512(p));
+    const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+    return _mm512_shuffle_epi8(halves, order);
+}
+
+/* Row r's quad q of block b, broadcast to the 16 lanes. */
+#define QUAD(r, q) _mm512_set1_epi32(((const int32_t *)(xq->b + (r0 + (r)) * k + b * 32))[q])
+/* Row r's scale of block b, and offset · the sum of its 32 int8 inputs (`QuantizedRows.half`). */
+#define ROW_SCALE(r) _mm512_set1_ps(xq->scale8[(r0 + (r)) * blocks + b])
+#define BLOCK_SUM(r) (xq->half[(r0 + (r)) * (k / 16) + 2 * b] + xq->half[(r0 + (r)) * (k / 16) + 2 * b + 1])
+
 /* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ LANES_TILE, a constant at
- * each call): per block, each unit of 32 bytes widened once gives two vectors of input pairs (low and high nibbles)
- * that every row multiplies by its broadcast pair (`vpdpwssd`), the block's int32 sums then scaled for the 16
- * channels at once. The products are those of `q4_channel_one`; the float sums run per block, not per lane. */
-static inline __attribute__((always_inline)) ONE512 void q4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+ * each call): per block, each pair of units interleaved once gives two vectors of input quads (low and high nibbles)
+ * that every row multiplies by its broadcast quad, the block's int32 sums then scaled for the 16 channels at once. */
+static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                    int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32, per_group = w->group / 32, groups = k / w->group;
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
     const uint16_t *scales = (const uint16_t *)w->scales + G * groups * 16;
     const uint16_t *mins = w->mins ? w->mins + G * groups * 16 : NULL;
-    const __m512i mask = _mm512_set1_epi16(0x0F);
+    const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 256 + u * 32)));
-            const __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_srli_epi16(bytes, 4);
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = pair_bytes(qw + b * 256 + m * 64);
+            const __m512i low = _mm512_and_si512(v, mask), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             for (int r = 0; r < R; r++) {
-                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
-                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], low, QUAD(r, m));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], high, QUAD(r, 4 + m));
             }
         }
         const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
-        __m512 d, m;
+        __m512 d, mn;
         if (w->supers) {
-            q4k_lanes(w, G, g, &d, &m);
+            q4k_lanes(w, G, g, &d, &mn);
         } else {
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
-            m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
-                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            mn = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
+                      : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
         }
         for (int r = 0; r < R; r++) {
-            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-            if (b % per_group == 0) out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * groups + g]), out[r]);
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, ROW_SCALE(r)), out[r]);
+            if (b % per_group == 0) out[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xq->sum8[(r0 + r) * groups + g]), out[r]);
         }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for a Q5L weight (Q4_K's scales, or Q5_0's and Q5_1's per block): each unit's nibbles widened once, the fifth bits added lane by lane
- * from the unit's two masks (one masked add of 16 each), then the same products and scales. */
-static inline __attribute__((always_inline)) ONE512 void q5l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+/* `q4l_tile` for a Q5L weight (Q4_K's scales, or Q5_0's and Q5_1's per block): the nibbles as Q4L's, the fifth bits
+ * of the two units' masks interleaved as their bytes (`pdep`) and added as 16 byte by byte. */
+static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                    int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 320;
-    const __m512i mask = _mm512_set1_epi16(0x0F), sixteen = _mm512_set1_epi16(16);
+    const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    const uint64_t even = 0x5555555555555555ull, odd = 0xAAAAAAAAAAAAAAAAull;
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         const uint8_t *block = qw + b * 320;
-        for (int u = 0; u < 8; u++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + u * 32)));
-            uint32_t fifth[2];
-            memcpy(fifth, block + 256 + 8 * u, 8);
-            const __m512i nibbles = _mm512_and_si512(bytes, mask), upper = _mm512_srli_epi16(bytes, 4);
-            const __m512i low = _mm512_mask_add_epi16(nibbles, (__mmask32)fifth[0], nibbles, sixteen);
-            const __m512i high = _mm512_mask_add_epi16(upper, (__mmask32)fifth[1], upper, sixteen);
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = pair_bytes(block + m * 64);
+            uint32_t fifth[4]; /* units 2m and 2m + 1: the masks of their low, then high nibbles */
+            memcpy(fifth, block + 256 + 16 * m, 16);
+            const __mmask64 lo = _pdep_u64(fifth[0], even) | _pdep_u64(fifth[2], odd);
+            const __mmask64 hi = _pdep_u64(fifth[1], even) | _pdep_u64(fifth[3], odd);
+            const __m512i nibbles = _mm512_and_si512(v, mask), upper = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            const __m512i low = _mm512_mask_add_epi8(nibbles, lo, nibbles, sixteen);
+            const __m512i high = _mm512_mask_add_epi8(upper, hi, upper, sixteen);
             for (int r = 0; r < R; r++) {
-                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
-                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], low, QUAD(r, m));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], high, QUAD(r, 4 + m));
             }
         }
-        __m512 d, m;
+        __m512 d, mn;
         if (w->supers) {
-            q4k_lanes(w, G, b, &d, &m);
+            q4k_lanes(w, G, b, &d, &mn);
         } else { /* Q5_0, Q5_1: a float16 scale and minimum per block */
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scales + (G * blocks + b) * 16)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + (G * blocks + b) * 16)));
+            mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + (G * blocks + b) * 16)));
         }
         for (int r = 0; r < R; r++) {
-            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-            out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sum[(r0 + r) * blocks + b]), out[r]);
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, ROW_SCALE(r)), out[r]);
+            out[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xq->sum8[(r0 + r) * blocks + b]), out[r]);
         }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for an IQ4L weight: each unit's indices widened once and looked up in the grid (`vpermw`, 32 int16
- * entries: the 16 values twice), then the same products; the block's scale d · (ls - 32) for 16 channels at once. */
-static inline __attribute__((always_inline)) ONE512 void iq4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                   int64_t r0, const int R, float *y, int64_t ldy) {
+/* `q4l_tile` for an IQ4L weight: each index looked up in the grid + 128 (`vpshufb`, the 16 values in every 128-bit
+ * lane), then the same products less 128 · the block's inputs; the block's scale d · (ls - 32) for 16 channels. */
+static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
     const int8_t *sc = (const int8_t *)w->scales + G * blocks * 16;
     const uint16_t *d = w->supers + G * (k / 256) * 16;
-    const __m512i mask = _mm512_set1_epi16(0x0F);
-    const __m512i grid = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i grid = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES)),
+                                          _mm512_set1_epi8((char)0x80)); /* + 128 as u8 */
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 256 + u * 32)));
-            const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, mask), grid);
-            const __m512i high = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), grid);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = pair_bytes(qw + b * 256 + m * 64);
+            const __m512i low = _mm512_shuffle_epi8(grid, _mm512_and_si512(v, mask));
+            const __m512i high = _mm512_shuffle_epi8(grid, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
             for (int r = 0; r < R; r++) {
-                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                acc[r] = _mm512_dpwssd_epi32(acc[r], low, _mm512_set1_epi32(pairs[u]));
-                acc[r] = _mm512_dpwssd_epi32(acc[r], high, _mm512_set1_epi32(pairs[u + 8]));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], low, QUAD(r, m));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], high, QUAD(r, 4 + m));
             }
         }
         const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16))),
                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + b * 16)))));
-        for (int r = 0; r < R; r++) {
-            const __m512 combined = _mm512_mul_ps(scale, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-        }
+        for (int r = 0; r < R; r++)
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(scale, ROW_SCALE(r)), out[r]);
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for a Q8L weight: each pair's 32 bytes widened once, then one `vpdpwssd` per row. */
-static inline __attribute__((always_inline)) ONE512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+/* `q4l_tile` for a Q8L weight: each two pairs interleaved give the quad, + 128 (a sign flip) as u8, less 128 · the
+ * block's inputs. */
+static inline __attribute__((always_inline)) LANES512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                    int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32, first = G * blocks;
-    const int8_t *qw = (const int8_t *)w->weight + first * 512;
+    const uint8_t *qw = (const uint8_t *)w->weight + first * 512;
     const uint16_t *scales = (const uint16_t *)w->scales + first * 16;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-        for (int p = 0; p < 16; p++) {
-            const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qw + b * 512 + p * 32)));
-            for (int r = 0; r < R; r++) {
-                const int32_t *x = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                acc[r] = _mm512_dpwssd_epi32(acc[r], pair, _mm512_set1_epi32(x[p]));
-            }
+        for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
+        for (int m = 0; m < 8; m++) {
+            const __m512i quad = _mm512_xor_si512(pair_bytes(qw + b * 512 + m * 64), flip);
+            for (int r = 0; r < R; r++) acc[r] = _mm512_dpbusd_epi32(acc[r], quad, QUAD(r, m));
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 16)));
-        for (int r = 0; r < R; r++) {
-            const __m512 combined = _mm512_mul_ps(d, _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), combined, out[r]);
-        }
+        for (int r = 0; r < R; r++)
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, ROW_SCALE(r)), out[r]);
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for a Q6L weight: each unit's 32 bytes of low bits widened once with its high bits (one vector of
- * them per two units) into q, multiplied as Q4L's nibbles; the inputs 0..15 and 16..31 of a block (low and high
- * nibbles) are Q6_K's two sub-blocks of 16, so each keeps its own int32 sums, scaled by its own d · sc. The -32 is
- * taken once per sub-block and row (32 · the sub-block's sum of inputs, `QuantizedRows.half`), not per weight. */
-static inline __attribute__((always_inline)) ONE512 void q6l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
-                                                                  int64_t r0, const int R, float *y, int64_t ldy) {
+/* `q4l_tile` for a Q6L weight: the low 4 bits as Q4L's, the high 2 from the vector of the two units' bits (bits
+ * 0-1 / 2-3 the first unit's low / high nibble's, 4-5 / 6-7 the second's), each moved to bits 4-5 of its byte. The
+ * low nibbles (inputs 0..15) and high ones (16..31) are Q6_K's two sub-blocks of 16, so each keeps its own int32
+ * sums, less 32 · its inputs' sum, scaled by its own d · sc. */
+static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
+                                                                    int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 384;
     const int8_t *sc = (const int8_t *)w->scales + G * (k / 16) * 16;
     const uint16_t *d = w->supers + G * (k / 256) * 16;
-    const __m512i low4 = _mm512_set1_epi16(0x0F), high2 = _mm512_set1_epi16(0x30);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i lo[LANES_TILE], hi[LANES_TILE]; /* each sub-block's sums */
-        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++) {
+            const int32_t *half = xq->half + (r0 + r) * (k / 16) + 2 * b;
+            lo[r] = _mm512_set1_epi32(-32 * half[0]), hi[r] = _mm512_set1_epi32(-32 * half[1]);
+        }
         const uint8_t *block = qw + b * 384;
-        for (int u = 0; u < 8; u++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + u * 32)));
-            const __m512i bits = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 256 + u / 2 * 32)));
-            const int t = u % 2; /* this unit's bits: 4t, 4t + 1 (low nibbles), 4t + 2, 4t + 3 (high) */
-            const __m512i first = _mm512_and_si512(t ? bits : _mm512_slli_epi16(bits, 4), high2);
-            const __m512i second = _mm512_and_si512(t ? _mm512_srli_epi16(bits, 2) : _mm512_slli_epi16(bits, 2), high2);
-            /* (bytes & 0x0F) | first in one instruction: first has no bits where the mask does */
-            const __m512i low = _mm512_ternarylogic_epi32(bytes, low4, first, 0xEA);
-            const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), second);
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = pair_bytes(block + m * 64);
+            const __m512i bits = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 256 + m * 32)));
+            const __m512i first = _mm512_and_si512(_mm512_or_si512(_mm512_slli_epi16(bits, 4), _mm512_slli_epi16(bits, 8)), high2);
+            const __m512i second = _mm512_and_si512(_mm512_or_si512(_mm512_slli_epi16(bits, 2), _mm512_slli_epi16(bits, 6)), high2);
+            const __m512i low = _mm512_ternarylogic_epi32(v, low4, first, 0xEA); /* (v & 0x0F) | first */
+            const __m512i high = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, second, 0xEA);
             for (int r = 0; r < R; r++) {
-                const int32_t *pairs = (const int32_t *)(xq->q + (r0 + r) * k + b * 32);
-                lo[r] = _mm512_dpwssd_epi32(lo[r], low, _mm512_set1_epi32(pairs[u]));
-                hi[r] = _mm512_dpwssd_epi32(hi[r], high, _mm512_set1_epi32(pairs[u + 8]));
+                lo[r] = _mm512_dpbusd_epi32(lo[r], low, QUAD(r, m));
+                hi[r] = _mm512_dpbusd_epi32(hi[r], high, QUAD(r, 4 + m));
             }
         }
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16)));
@@ -208,17 +223,17 @@ static inline __attribute__((always_inline)) ONE512 void q6l_tile(const Linear *
         const __m512 first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(subs))));
         const __m512 second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(subs + 1))));
         for (int r = 0; r < R; r++) {
-            const int32_t *half = xq->half + (r0 + r) * (k / 16) + 2 * b;
-            const __m512 dx = _mm512_set1_ps(xq->scale[(r0 + r) * blocks + b]);
-            const __m512i l = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(32 * half[0]));
-            const __m512i h = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(32 * half[1]));
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_mul_ps(first, dx), out[r]);
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_mul_ps(second, dx), out[r]);
+            const __m512 dx = ROW_SCALE(r);
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(first, dx), out[r]);
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(second, dx), out[r]);
         }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
+#undef QUAD
+#undef ROW_SCALE
+#undef BLOCK_SUM
 
 #define LANES_PASSES(tile_fn)                                                                                \
     for (int64_t r0 = 0; r0 < rows; r0 += LANES_TILE) {                                                    \
@@ -236,27 +251,27 @@ static inline __attribute__((always_inline)) ONE512 void q6l_tile(const Linear *
 
 /* Output channels j0 .. j1 - 1 (multiples of 16) of a weight in lanes for every row quantized in xq, LANES_TILE rows
  * a pass (the table's `quantized_rows`). */
-ONE512 void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+LANES512 void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                      int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q4l_tile)
 }
 
-ONE512 void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+LANES512 void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                      int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q8l_tile)
 }
 
-ONE512 void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+LANES512 void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                      int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q6l_tile)
 }
 
-ONE512 void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+LANES512 void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                      int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(q5l_tile)
 }
 
-ONE512 void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
+LANES512 void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                       int64_t ldy) {
     for (int64_t G = j0 / 16; G < j1 / 16; G++) LANES_PASSES(iq4l_tile)
 }

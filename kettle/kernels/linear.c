@@ -23,7 +23,7 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Whether the panels are the integer ones: switched on, over int16 rows, on a CPU with AVX-512 VNNI. */
+/* Whether the panels are the integer ones: switched on, over int8 rows, on a CPU with AVX-512 VNNI. */
 static int integer_panels(const Tuning *t) {
     return t->integer_gemm && t->quantized_activations && kettle_cpu_vnni512;
 }
@@ -52,11 +52,11 @@ static int panels_path(const Linear *w, const Tuning *t) {
  * depend on how many rows a chunk has). Without it, each row count takes its fastest kernel. */
 int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
     const WeightType *type = type_of(w);
-    const int int16 = t->quantized_activations && w->k % 32 == 0; /* whole blocks of int16 rows */
-    const int float32 = type->plain ? PATH_PLAIN : PATH_TILES;    /* float32 rows below the tiles */
+    const int blocks = t->quantized_activations && w->k % 32 == 0; /* whole blocks of quantized rows */
+    const int float32 = type->plain ? PATH_PLAIN : PATH_TILES;      /* float32 rows below the tiles */
     if (!type->quantized) return PATH_TILES;
     if (t->invariant) {
-        if (!int16) return type->lanes ? PATH_TILES : float32;
+        if (!blocks) return type->lanes ? PATH_TILES : float32;
         /* without the integer panels (an AVX2 CPU) a lanes type's prompt rows take the float32 ones, whose sums for a
          * row do not depend on the chunk, and its decode rows its tiles, as the rows layouts split them */
         if (type->lanes && !kettle_cpu_vnni512) return prompt ? PATH_GEMM : PATH_QUANTIZED;
@@ -69,7 +69,7 @@ int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
      * 25-35 ms in rows). */
     const int64_t several = type->lanes ? (t->quantized_activations ? panels : 0) : min64(float_rows(t, type), panels);
     if (rows >= several) return rows >= panels ? panels_path(w, t) : PATH_TILES;
-    return int16 ? PATH_QUANTIZED : float32;
+    return blocks ? PATH_QUANTIZED : float32;
 }
 
 int64_t path_buffer_floats(const Linear *w, int path, int64_t rows) {
@@ -140,12 +140,11 @@ static int path_runs(const Linear *w, int path) {
     }
 }
 
-/* Room for `rows` int16 rows of K = w->k as `path` reads them (lanes for the integer panels, the sums per 16 inputs
- * for a type with sub-blocks); -1 when out of memory. */
+/* Room for `rows` quantized rows of K = w->k as `path` reads them (lanes for the integer panels); -1 when out of
+ * memory. */
 static int alloc_input(const Linear *w, int path, int64_t rows, QuantizedRows *xq) {
     if (alloc_rows(rows, w->k, xq)) return -1;
-    if (path == PATH_INT_GEMM && alloc_lanes(rows, w->k, xq)) return -1;
-    return type_of(w)->sub_blocks ? alloc_halves(rows, w->k, xq) : 0;
+    return path == PATH_INT_GEMM && alloc_lanes(rows, w->k, xq) ? -1 : 0;
 }
 
 /* y [rows, N] = x [rows, K] · Wᵀ (+ bias) for any weight type (rows ldx and ldy floats apart), on `path` (PATH_*) or
@@ -163,14 +162,14 @@ int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, fl
     }
     if (path < 0) path = choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning);
     if (!path_runs(w, path)) return -2;
-    const int int16 = reads_int16(path);
+    const int quantized = reads_quantized(path);
     const int64_t per_thread = path_buffer_floats(w, path, rows);
-    QuantizedRows xq = {NULL, NULL, NULL, NULL, NULL};
+    QuantizedRows xq = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     float *buffers = per_thread ? aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread)) : NULL;
-    if ((per_thread && !buffers) || (int16 && alloc_input(w, path, rows, &xq))) return free(buffers), free_rows(&xq), -1;
+    if ((per_thread && !buffers) || (quantized && alloc_input(w, path, rows, &xq))) return free(buffers), free_rows(&xq), -1;
 #pragma omp parallel num_threads(threads)
     {
-        if (int16) {
+        if (quantized) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
         }

@@ -74,9 +74,9 @@ def batch_invariant() -> bool:
 
 
 def quantized_activations() -> bool:
-    """Whether the quantized projections read int16 rows (quantized per block of 32 for integer dot products: faster
-    than dequantizing every weight to float, at ~1e-5 relative error on the outputs) rather than float32 rows, exact
-    to the dequantized weights (`KETTLE_TUNING=quantized-activations=off`)."""
+    """Whether the quantized projections read quantized rows (per block of 32 for integer dot products: int8 for
+    weights in lanes and the integer panels, int16 for the rows layouts; faster than dequantizing every weight to
+    float) rather than float32 rows, exact to the dequantized weights (`KETTLE_TUNING=quantized-activations=off`)."""
     return settings.current().quantized_activations
 
 
@@ -114,7 +114,7 @@ def lanes(kind: int | None = None) -> bool:
 
 
 def integer_gemm() -> bool:
-    """Whether the panels are the integer ones (switched on, over int16 rows, AVX-512 VNNI here)."""
+    """Whether the panels are the integer ones (switched on, over int8 rows, AVX-512 VNNI here)."""
     current = settings.current()
     return available() and current.cpu_integer_gemm and current.quantized_activations and vnni()
 

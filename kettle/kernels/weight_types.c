@@ -1,5 +1,5 @@
 /* The weight types: one row of WEIGHT_TYPES per layout (`LINEAR_*`, kernels.h), holding what differs between them.
- * Everything else (which path a call takes, the threads, the buffers, the int16 rows) is linear.c's, once for all.
+ * Everything else (which path a call takes, the threads, the buffers, the quantized rows) is linear.c's, once for all.
  *
  * The rows layouts' per-channel kernels are here (their loops over a thread's channels); the lanes layouts' are in
  * lanes.c, the panels' widening in gemm.c. A new GGUF type is one row here, its kernels, its decoder in
@@ -156,22 +156,22 @@ const WeightType WEIGHT_TYPES[] = {
     [LINEAR_Q4] = {.name = "q4", .quantized = 1, .minimums = 1, .float_rows = 8, .dequantize = q4_dequant_row,
                    .plain = q4_plain, .quantized_rows = q4_quantized, .invariant_rows = q4_invariant,
                    .widen = q4_widen, .scales = group_scales, .widen_row = q4_panel_row},
-    [LINEAR_Q8] = {.name = "q8", .quantized = 1, .channel_scale = 1, .float_rows = 32, .dequantize = q8_widen_row,
+    [LINEAR_Q8] = {.name = "q8", .quantized = 1, .offset = 128, .channel_scale = 1, .float_rows = 32, .dequantize = q8_widen_row,
                    .plain = q8_plain, .quantized_rows = q8_quantized, .invariant_rows = q8_quantized,
                    .widen = q8_widen, .scales = q8_scales, .widen_row = q8_panel_row},
     [LINEAR_F32] = {.name = "f32", .dequantize = f32_row},
-    [LINEAR_Q8G] = {.name = "q8_0", .quantized = 1, .float_rows = 32, .dequantize = q8g_dequant_row,
+    [LINEAR_Q8G] = {.name = "q8_0", .quantized = 1, .offset = 128, .float_rows = 32, .dequantize = q8g_dequant_row,
                     .quantized_rows = q8g_quantized, .invariant_rows = q8g_invariant, .widen = q8_widen,
                     .scales = group_scales, .widen_row = q8g_panel_row},
     [LINEAR_Q4L] = {.name = "q4_lanes", .lanes = 1, .quantized = 1, .minimums = 1, .dequantize = q4l_dequant_row,
                     .quantized_rows = q4l_rows, .widen = q4l_widen, .scales = q4l_scales, .pack = pack_q4l},
-    [LINEAR_Q8L] = {.name = "q8_0_lanes", .lanes = 1, .quantized = 1, .dequantize = q8l_dequant_row,
+    [LINEAR_Q8L] = {.name = "q8_0_lanes", .lanes = 1, .quantized = 1, .offset = 128, .dequantize = q8l_dequant_row,
                     .quantized_rows = q8l_rows, .widen = q8l_widen, .scales = q8l_scales, .pack = pack_q8l},
     [LINEAR_Q5L] = {.name = "q5_lanes", .lanes = 1, .quantized = 1, .minimums = 1, .dequantize = q5l_dequant_row,
                     .quantized_rows = q5l_rows, .widen = q5l_widen, .scales = q4l_scales, .pack = pack_q5l},
-    [LINEAR_IQ4L] = {.name = "iq4_xs_lanes", .lanes = 1, .quantized = 1, .dequantize = iq4l_dequant_row,
+    [LINEAR_IQ4L] = {.name = "iq4_xs_lanes", .lanes = 1, .quantized = 1, .offset = 128, .dequantize = iq4l_dequant_row,
                      .quantized_rows = iq4l_rows, .quantized_rows_avx2 = iq4l_rows_avx2, .widen = iq4l_widen,
                      .scales = iq4l_scales, .pack = pack_iq4l},
-    [LINEAR_Q6L] = {.name = "q6_k_lanes", .lanes = 1, .quantized = 1, .sub_blocks = 1, .dequantize = q6l_dequant_row,
+    [LINEAR_Q6L] = {.name = "q6_k_lanes", .lanes = 1, .quantized = 1, .sub_blocks = 1, .offset = 32, .dequantize = q6l_dequant_row,
                     .quantized_rows = q6l_rows, .widen = q6l_widen, .scales = q6l_panel_scales, .pack = pack_q6l},
 };

@@ -3,8 +3,9 @@
 Q6_K stores w = d · sc · (q - 32) with q in 0..63 (its low 4 bits and high 2 bits in separate arrays), an int8
 scale sc per 16 inputs and a float16 d per 256. Kettle keeps exactly those values: the low bits in the Q4L layout
 (16 output channels side by side, kettle/quantization/q4.py `to_lanes`), the high bits beside them in each block,
-and the two scale tables side by side for 16 channels, so the lanes kernel multiplies q - 32 with int16
-activations as it does Q4L's nibbles, keeping the sums of each sub-block of 16 apart for its own scale. The
+and the two scale tables side by side for 16 channels, so the lanes kernel multiplies q (0..63) with int8
+activations as it does Q4L's nibbles, keeping the sums of each sub-block of 16 apart for its own scale, less 32 ·
+the sub-block's inputs. The
 dequantized weights are gguf's own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
 
 Only where weights are held in lanes (AVX-512 VNNI, N a multiple of 16, K of 256: `fits`); elsewhere Q6_K serves

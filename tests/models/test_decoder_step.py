@@ -98,21 +98,28 @@ def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(
 
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
-def test_integer_panels_stay_within_the_int16_rounding_of_the_float32_panels(tmp_path, monkeypatch, variant, quantize):
-    """On AVX-512 VNNI the step's panels multiply int16 rows (their kernel is checked against the one-row int16
-    path in tests/unit/test_prefill_kernels.py): the logits move by the activations' int16 rounding only, as
-    few rows' int16 path moves them from the float32 tiles on these models (up to 2.8e-3 over 12 steps)."""
+def test_integer_panels_stay_within_the_int8_rounding_of_the_float32_panels(tmp_path, monkeypatch, variant, quantize):
+    """On AVX-512 VNNI the prompt's panels multiply int8 rows (their kernel is checked against the dense product of
+    int8-rounded rows in tests/unit/test_prefill_kernels.py): the prompts' logits move by the activations' int8
+    rounding only, ~0.6% of a projection's largest output on these random models, compounded over the layers and
+    the head (measured: 0.04 with int4 weights, 0.32 with int8, logits up to ~8). The prefill's logits, not greedy
+    steps after it: a token the rounding flips would take two runs apart."""
     if not ops.integer_gemm():
         pytest.skip("no AVX-512 VNNI here")
+
+    def prefill_logits() -> torch.Tensor:
+        tables, num_blocks = drive.scattered_tables([len(p) for p in PROMPTS])
+        return drive.step(model, new_cache(model, num_blocks), PROMPTS, [0] * len(PROMPTS), tables)[0]
+
     tune(monkeypatch, "batch-invariant=off", "gemm-rows=2")  # the panels as the thresholds pick them
     model = load_model(str(family_path(tmp_path, variant)), torch.float32, torch.device("cpu"), quantize=quantize)
-    integer = decode_logits(model, fused=True)  # (each step reads the tuning anew)
+    integer = prefill_logits()
     down = model.layers[0].mlp.down.describe()
     assert ops.path(down, 2) == "quantized" if ops.in_lanes(down) else "int_gemm"
     tune(monkeypatch, "batch-invariant=off", "gemm-rows=2", "integer-gemm=off")
-    float_panels = decode_logits(model, fused=True)
+    float_panels = prefill_logits()
     assert not torch.equal(integer, float_panels)
-    torch.testing.assert_close(integer, float_panels, atol=5e-3, rtol=0)
+    torch.testing.assert_close(integer, float_panels, atol=0.5, rtol=0)
 
 
 @pytest.mark.parametrize("row_panels", [1, 1 << 30], ids=["row panels", "row channels"])
@@ -203,9 +210,10 @@ OTHER_FAMILIES = [
     "starcoder2", "gemma2", "phi", "phi3_partial", "gpt_neox", "gptj", "falcon", "falcon_40b", "mixtral", "gpt2",
     "gpt_bigcode",
 ]  # fmt: skip
-# Largest logits difference (logits up to ~8) measured over these families: 2.4e-5 with float32 weights;
-# with int4 weights 1.5e-3, because each rounding difference can move an activation across an int16 step.
-TOLERANCE = {None: 1e-4, "int4": 3e-3}
+# Largest logits difference (logits up to ~8) measured over these families: 2.4e-5 with float32 weights; with int4
+# weights 6.6e-2 (falcon), because a norm's or activation's float rounding, which differs between the step's C and
+# PyTorch's, can move an input across an int8 step of the lanes kernels' rows.
+TOLERANCE = {None: 1e-4, "int4": 0.1}
 
 
 @pytest.mark.parametrize("quantize", [None, "int4"])

@@ -16,7 +16,7 @@ from kettle.models.registry import load_model
 from kettle.quantization.awq import ORDER
 from kettle.quantization.int4 import Int4Linear
 from kettle.quantization.int8 import Int8Linear
-from tests.fixtures import make_tiny_llama
+from tests.fixtures import add_tuning, make_tiny_llama
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Logit error relative to the largest reference logit. The packed kernels take bfloat16 activations and keep
@@ -59,11 +59,13 @@ def test_int8_logits_stay_near_float32(tiny):
     assert relative_error(kettle_logits(quantized, prompts), reference) < INT8_RTOL
 
 
-def test_int4_model_matches_its_dequantized_weights(tiny):
+def test_int4_model_matches_its_dequantized_weights(tiny, monkeypatch):
     """Kettle's int4 model against transformers running the weights int4 quantization rounds to (4 bits
-    of random weights move this tiny model's logits by up to 70%, so float32 is no reference here)."""
+    of random weights move this tiny model's logits by up to 70%, so float32 is no reference here). Float32
+    activations: the mapping is what this checks (the kernels' int8 rows: tests/unit/test_weight_types.py)."""
     from transformers import AutoModelForCausalLM
 
+    add_tuning(monkeypatch, quantized_activations=False)
     reference = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     rounded = {}
     for name, weight in reference.state_dict().items():
@@ -137,9 +139,10 @@ def make_prequantized(source: Path, target: Path, method: str, group: int = 32) 
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_prequantized_checkpoint_matches_its_dequantized_reference(tiny, tmp_path, method):
+def test_prequantized_checkpoint_matches_its_dequantized_reference(tiny, tmp_path, monkeypatch, method):
     from transformers import AutoModelForCausalLM
 
+    add_tuning(monkeypatch, quantized_activations=False)  # the mapping, as above
     dequantized = make_prequantized(tiny, tmp_path / method, method)
     reference = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     reference.load_state_dict(dequantized, strict=False)

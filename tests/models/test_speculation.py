@@ -128,7 +128,7 @@ def test_bundled_int4_greedy_with_drafts_equals_plain_greedy():
 
     plain, _ = run_bundled(0)
     speculative, accepted = run_bundled(4)
-    assert speculative == plain and accepted > 10
+    assert speculative == plain and accepted >= 10  # drafts were taken: 10-13 of the 40 tokens, as the text goes
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():

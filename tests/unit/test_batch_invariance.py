@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kettle.kernels import ops
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear, pack_q4
 from kettle.quantization.q8 import Q8Linear
 from tests.fixtures import add_tuning, kernel_switch, kernels_buildable, torch_threads, vector_width
-from tests.kernel_weights import random_q4_k_blocks, random_q6_k_blocks
+from tests.kernel_weights import INT8_RTOL, int8_reads, random_q4_k_blocks, random_q6_k_blocks, reference
 from tests.unit.test_cpu_kernels import QUANTIZED_ACTIVATION_RTOL, relative
 
 pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
@@ -27,11 +26,13 @@ COUNTS = (*range(1, 41), 130, 203)
 
 def rows_that_differ(layer: torch.nn.Module, k: int, seed: int = 0) -> list[int]:
     """The row counts m at which some row of layer(x[:m]) differs from that row computed alone; each alone row is
-    also checked against the dense product (within the int16 activations' bound), so that equal garbage fails."""
+    also checked against the dense product (of the int8-rounded rows where the row alone takes int8 rows, else
+    within the int16 activations' bound), so that equal garbage fails."""
     torch.manual_seed(seed)
     x = torch.randn(max(COUNTS), k)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(max(COUNTS))])
-    assert relative(alone, F.linear(x, layer.dequantized(), layer.bias)) < QUANTIZED_ACTIVATION_RTOL
+    int8 = int8_reads(layer.describe(), ops.path(layer.describe(), 1))
+    assert relative(alone, reference(layer, x, int8)) < (INT8_RTOL if int8 else QUANTIZED_ACTIVATION_RTOL)
     return [m for m in COUNTS if not torch.equal(layer(x[:m]), alone[:m])]
 
 
@@ -121,7 +122,7 @@ def prompt_gemm(request, monkeypatch):
         pytest.skip("the integer panels need AVX-512 VNNI")
     add_tuning(monkeypatch, integer_gemm=request.param == "integer panels")
     with vector_width("kettle_gemm_avx512", request.param == "float32 panels (AVX-512)"):
-        yield
+        yield request.param
 
 
 @pytest.mark.parametrize("kind", ["int4", "q8_0", "int8"])
@@ -157,7 +158,8 @@ def test_prompt_rows_are_computed_as_alone_in_any_chunk_and_beside_decode_rows(m
     share = torch.tensor([1, 5, 103, 120, 149])
     with ops.row_kinds(150, [(3, 103), (105, 150)]), ops.gathered_rows(share):
         assert torch.equal(layer(x[share]), mixed[share])
-    assert relative(prompts, F.linear(x, layer.dequantized(), layer.bias)) < QUANTIZED_ACTIVATION_RTOL
+    int8 = prompt_gemm == "integer panels"
+    assert relative(prompts, reference(layer, x, int8)) < (INT8_RTOL if int8 else QUANTIZED_ACTIVATION_RTOL)
 
 
 def test_rows_are_computed_as_alone_whatever_the_thread_count():

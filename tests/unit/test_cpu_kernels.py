@@ -18,7 +18,16 @@ from kettle.quantization.kernel_weight import KernelWeight
 from kettle.quantization.q4 import Q4Linear, pack_q4, unpack_q4
 from kettle.quantization.q8 import Q8Linear
 from tests.fixtures import kernels_buildable, torch_threads, vector_width
-from tests.kernel_weights import lanes_here, random_q4_k_blocks, random_q6_k_blocks, with_lanes
+from tests.kernel_weights import (
+    INT8_RTOL,
+    int8_reads,
+    int8_rows,
+    lanes_here,
+    random_q4_k_blocks,
+    random_q6_k_blocks,
+    reference,
+    with_lanes,
+)
 
 CAN_BUILD = kernels_buildable()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
@@ -84,10 +93,8 @@ def test_a_symmetric_q4_weight_stores_no_minimums_and_computes_the_same_bits(mon
 def assert_lanes_products(lanes: KernelWeight, rows: KernelWeight) -> None:
     """A weight in lanes against the same weight in rows, at decode and prompt row counts (batch invariance off,
     each on its fastest path): where both take the integer panels, the same outputs (the same widened weights);
-    elsewhere within the int16 activations' bound of the dense products, and within float rounding of the rows
-    layout's where that multiplies int16 rows too."""
+    elsewhere the lanes kernels give the dense product of the int8-rounded rows, to float32 rounding."""
     k = lanes.in_features
-    dense = rows.dequantized()
     for count in (1, 2, 3, 4, 5, 8, 9, 16, 40, 130):
         x = torch.randn(count, k)
         got, want = lanes(x), rows(x)
@@ -95,9 +102,8 @@ def assert_lanes_products(lanes: KernelWeight, rows: KernelWeight) -> None:
         if paths == ("int_gemm", "int_gemm"):
             assert torch.equal(got, want), count
             continue
-        assert relative(got, F.linear(x, dense, rows.bias)) < QUANTIZED_ACTIVATION_RTOL, count
-        if paths[1] in ("quantized", "int_gemm"):
-            assert relative(got, want) < 1e-6, count
+        assert int8_reads(lanes.describe(), paths[0]), paths
+        assert relative(got, reference(rows, x, int8=True)) < INT8_RTOL, count
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -182,7 +188,7 @@ def test_a_q6_k_weight_in_lanes_holds_the_files_values_in_its_row_order():
     assert sum(t.numel() * t.element_size() for t in fused.buffers()) == 2 * n * k * 210 // 256
     assert torch.equal(fused.dequantized(), dense)
     x = torch.randn(5, k)
-    assert relative(fused(x), F.linear(x, dense, fused.bias)) < QUANTIZED_ACTIVATION_RTOL
+    assert relative(fused(x), F.linear(int8_rows(x), dense, fused.bias)) < INT8_RTOL
 
 
 def test_the_kernels_pack_gguf_blocks_as_the_tensor_ops_lay_them_out():

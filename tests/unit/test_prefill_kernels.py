@@ -11,6 +11,7 @@ from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q8 import Q8Linear
 from tests.fixtures import kernel_switch, kernels_buildable, vector_width
+from tests.kernel_weights import INT8_RTOL, reference
 
 CAN_BUILD = kernels_buildable()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
@@ -93,28 +94,29 @@ LAYERS = {
 @pytest.mark.skipif(not CAN_BUILD or not ops.integer_gemm(), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("rows", [10, 16, 23, 40])
 @pytest.mark.parametrize("kind", sorted(LAYERS))
-def test_integer_panels_are_the_int16_rows_of_one_row_decode(monkeypatch, kind, rows):
-    """The integer panels (prompt chunks and decode steps from 10 rows) quantize each row to int16 as one row of
-    decode does (the table's `quantized_rows`) and sum the same integer block products with the same scales:
-    row by row through the one-row path gives the same outputs, float32 rounding apart. 100 output channels end in
-    a short group of channels; 10 rows fill part of one group of 16 lanes, 23 and 40 rows end in a group of 8 rows
-    or fewer (the 8-lane micro-kernel)."""
+def test_integer_panels_are_the_dense_product_of_int8_rows(monkeypatch, kind, rows):
+    """The integer panels (prompt chunks and decode steps from 10 rows) quantize each row to int8 per block of 32 and
+    sum exact integer block products (less the type's offset times the inputs' sum) with the same scales: the dense
+    weight times the int8-rounded rows, float32 rounding apart. 100 output channels end in a short group of
+    channels; 10 rows fill part of one group of 16 lanes, 23 and 40 rows end in a group of 8 rows or fewer (the
+    8-lane micro-kernel)."""
     torch.manual_seed(rows)
     layer = LAYERS[kind](100, 192)
     x = torch.randn(rows, 192) * torch.linspace(0.1, 4.0, 192)  # uneven channels, as activations have
     assert ops.path(layer.describe(), rows) == "int_gemm"
-    one_row = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
-    assert relative(layer(x), one_row) < 2e-6
+    panels = layer(x)
+    assert relative(panels, reference(layer, x, int8=True)) < INT8_RTOL
     # the float32 panels, exact to the dequantized weight (which start at 16 rows by default)
     monkeypatch.setenv("KETTLE_TUNING", f"{FAST},integer-gemm=off,gemm-rows={min(16, rows)}")
     assert ops.path(layer.describe(), rows) == "gemm"
-    assert 1e-6 < relative(layer(x), one_row) < 1e-4
+    assert relative(layer(x), reference(layer, x, int8=False)) < 1e-5
+    assert 1e-4 < relative(panels, layer(x)) < 2e-2
 
 
 @pytest.mark.skipif(not CAN_BUILD or not ops.integer_gemm(), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_integer_panels_eight_lane_groups_are_the_sixteen_lane_sums(kind):
-    """A group of 8 rows or fewer runs 8 lanes (256-bit vpdpwssd) instead of 16 padded ones: the same products,
+    """A group of 8 rows or fewer runs 8 lanes (256-bit vpdpbusd) instead of 16 padded ones: the same products,
     sums and scales per lane, so the same bits (18 = 16 + 2 and 40 = 2 × 16 + 8 rows)."""
     torch.manual_seed(1)
     layer = LAYERS[kind](100, 192)
