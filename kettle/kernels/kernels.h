@@ -12,7 +12,7 @@
  *
  * Q8 layout: weight [N, K] int8 row-major, one float32 scale per output channel: w = q*scale.
  *
- * Q4L layout (LINEAR_Q4L, "lanes": Q4 with N a multiple of 16, on CPUs with AVX-512 VNNI): the
+ * Q4L layout (LINEAR_Q4L, "lanes": Q4 with N a multiple of 16, AVX-512 VNNI or AVX2, lanes_avx2.c): the
  * weight is stored 16 output channels at a time, so that one vector holds those 16 channels' weights for a few
  * inputs and `vpdpbusd` multiplies it with those inputs of one activation row broadcast (lanes.c): 16 channels
  * advance by four inputs in one instruction, every scale is applied once per block of 32 inputs for 16 channels together, and
@@ -24,18 +24,18 @@
  * super-block's d and dmin: scale = d · sc, minimum = -(dmin · m), products exact in float32 as in GGUF's own
  * dequantization, and 148 bytes a channel's 256 weights where float16 scales and minimums take 160 (the file: 144).
  *
- * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI): weight [N/16][K/32][16][32] int8,
- * pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales [N/16][K/32][16] float16.
- * kettle/quantization/q8.py packs it.
+ * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI or AVX2): weight
+ * [N/16][K/32][16][32] int8, pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales
+ * [N/16][K/32][16] float16. kettle/quantization/q8.py packs it.
  *
- * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · sc · (q - 32),
- * q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes: for block b, the low
+ * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI only):
+ * w = d · sc · (q - 32), q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes: for block b, the low
  * 4 bits of q laid out as Q4L's 256 bytes, then their high 2 bits in 4 vectors of 32 bytes, byte 2c + e of vector v
  * holding in bits 2j, 2j + 1 those of unit 2v + j / 2's input 2(2v + j / 2) + e + 16 (j % 2) of channel 16G + c
  * (the two units one vector widened feeds). scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d);
  * 6.56 bits a weight as in the file. kettle/quantization/q6.py packs it.
  *
- * Q5L layout (LINEAR_Q5L: GGUF's Q5_K, Q5_0 and Q5_1 in lanes, N a multiple of 16, AVX-512 VNNI): q in 0..31, with
+ * Q5L layout (LINEAR_Q5L: GGUF's Q5_K, Q5_0 and Q5_1 in lanes, N a multiple of 16, AVX-512 VNNI only): q in 0..31, with
  * Q4_K's scales (w = d · sc · q - dmin · m; sc, m 6-bit per 32 inputs, d and dmin per 256, K a multiple of 256) in
  * Q4L's tables (scales, mins, supers), or without `supers` a float16 scale and minimum per 32 inputs in Q4L's tables
  * (w = q · scale + minimum: Q5_1's d and m, Q5_0's d and -16 · d, exact in float16).
@@ -44,7 +44,7 @@
  * 16 + 2u + e (lanes.c interleaves two units' masks as their bytes, `pdep`, for one masked add of 16). 5.5 bits a weight as in the
  * file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
  *
- * IQ4L layout (LINEAR_IQ4L: GGUF's IQ4_XS in lanes, N a multiple of 16, K of 256, AVX-512 VNNI): w = d · (ls - 32) ·
+ * IQ4L layout (LINEAR_IQ4L: GGUF's IQ4_XS in lanes, N a multiple of 16, K of 256, AVX-512 VNNI or AVX2): w = d · (ls - 32) ·
  * IQ4_VALUES[q], q in 0..15 an index into a fixed non-uniform grid, ls a 6-bit scale per 32 inputs, d a float16 per
  * 256. weight [N/16][K/32][256] bytes of indices laid out as Q4L's units; scales [N/16][K/32][16] int8 (ls - 32),
  * supers [N/16][K/256][16] float16 (d); no minimums. 4.25 bits a weight as in the file. gguf_pack.c packs it.
@@ -252,7 +252,7 @@ typedef struct {
  * (in lanes: multiples of 16). */
 typedef struct {
     const char *name;
-    int lanes;         /* output channels stored 16 at a time (N a multiple of 16; CPUs with AVX-512 VNNI) */
+    int lanes;         /* output channels stored 16 at a time (N a multiple of 16; AVX-512 VNNI, or AVX2 tiles) */
     int quantized;     /* 0: float32 weights, read in place by the tiles at every row count */
     int sub_blocks;    /* scales per 16 inputs (Q6_K) */
     int offset;        /* the kernels hold q + offset as u8 (`vpdpbusd`'s unsigned side): Q6's q, Q8's and IQ4's
@@ -268,8 +268,8 @@ typedef struct {
     /* y[:, j0 .. j1) for the rows quantized in xq, one pass over the weights. */
     void (*quantized_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                            int64_t ldy);
-    /* The same on AVX2 CPUs for a lanes layout (lanes_avx2.c, the same bits), or NULL: the type is held in lanes only
-     * where the CPU has AVX-512 VNNI. */
+    /* The same on AVX2 CPUs for a lanes layout (lanes_avx2.c, the same bits: Q4L, Q8L, IQ4L), or NULL (Q5L, Q6L):
+     * the type is held in lanes only where the CPU has AVX-512 VNNI. */
     void (*quantized_rows_avx2)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1,
                                 float *y, int64_t ldy);
     /* The same with each row's bits those of the row alone (lanes: `quantized_rows` is that already, NULL here). */
@@ -542,8 +542,8 @@ static inline float q8g_channel_one(const QuantizedRows *xq, int64_t k, const in
 
 /* ---- a row's arithmetic whatever the number of rows (`batch-invariant` in KETTLE_TUNING, on by default) ----
  *
- * A request's tokens must not depend on what else shares its step. So in the rows layouts (Q4, Q8G, Q8: every
- * weight on an AVX2 CPU, and those not in lanes elsewhere) each row of a step is computed exactly as a row alone is
+ * A request's tokens must not depend on what else shares its step. So in the rows layouts (Q4, Q8G, Q8: the
+ * weights not in lanes) each row of a step is computed exactly as a row alone is
  * (`q4_channel_one`, `q8g_channel_one`, `q8_row_qa`): the same int16 rows, the same integer block sums in the same
  * 8 lanes (exact, so any grouping of the products gives them), the same float chains over the blocks in the same
  * order (even blocks in one, odd ones in the other), the same horizontal sum and the same last additions. The
@@ -722,6 +722,8 @@ INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, 
 /* Their AVX2 tiles (lanes_avx2.c), and whether the lanes tiles run in 512-bit vectors: `kettle_lanes_avx512` (-1: the
  * CPU's answer; tests set 0 to run the AVX2 ones here). */
 INTERNAL void iq4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q8l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
 

@@ -5,7 +5,9 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
   Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
 - Q6_K, Q5_K, Q5_0, Q5_1 and IQ4_XS → their own layouts in lanes (`Q6Linear`, `Q5Linear`, `IQ4Linear`), the file's
-  values, packed from its blocks, where weights are held in lanes (AVX-512 VNNI);
+  values, packed from its blocks, where weights are held in lanes: IQ4_XS (as Q4_* and Q8_0) on any CPU the
+  kernels run on (AVX-512 VNNI, or AVX2 with kettle/kernels/lanes_avx2.c's tiles), Q6_K and the 5-bit types with
+  AVX-512 VNNI only (their AVX2 tiles lost to int8 per channel);
 - elsewhere (no lanes) those → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
   dequantization: 8 bits per channel is the nearest scheme the rows layouts have;
 - F32, F16, BF16 → dense, as any float checkpoint.

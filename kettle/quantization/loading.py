@@ -167,10 +167,11 @@ def _quantized_head(scheme: Scheme, head) -> nn.Module:
 
 
 def in_lanes(model) -> bool:
-    """Whether every int4/int8 projection of `model` is held in lanes (kettle/quantization/q4.py, q8.py), so that
-    `ops.LANES_TILE_ROWS` decode rows go through its kernels in one pass (else `ops.TILE_ROWS`): a speculative
-    step verifies within one pass. False for a model that is no module (a runner's wrapper of transformers)."""
-    if not isinstance(model, nn.Module):
+    """Whether every int4/int8 projection of `model` is held in lanes (kettle/quantization/q4.py, q8.py) on the
+    AVX-512 tiles, so that `ops.LANES_TILE_ROWS` decode rows go through its kernels in one pass (else `ops.TILE_ROWS`,
+    as many as the AVX2 tiles take a pass): a speculative step verifies within one pass. False for a model that is no
+    module (a runner's wrapper of transformers)."""
+    if not isinstance(model, nn.Module) or not ops.vnni():
         return False
     quantized = [m for m in model.modules() if isinstance(m, Q4Linear | Q8Linear | Int8Linear | Int4Linear)]
     return bool(quantized) and all(getattr(m, "lanes", False) for m in quantized)

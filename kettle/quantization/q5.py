@@ -3,8 +3,9 @@ Q4_K's 6-bit scales per 32 inputs and d, dmin per 256), Q5_1 (w = d · q + m per
 
 The kernels hold them in lanes (kernels.h's Q5L: the nibbles as Q4L lays them out, the fifth bits as two 32-bit masks
 per unit of 16 channels, Q4_K's scale tables or a float16 scale and minimum per block) and pack them straight from
-the file's blocks at load (kettle/kernels/gguf_pack.c). Where lanes do not apply (no AVX-512 VNNI, or a shape that
-is not whole blocks of 16 channels) they keep the nearest scheme, int8 per output channel (gguf_scheme.py).
+the file's blocks at load (kettle/kernels/gguf_pack.c). Where lanes do not apply (no AVX-512 VNNI: Q5L has no AVX2
+tile, one lost to int8 per channel there, kettle/kernels/lanes_avx2.c; or a shape that is not whole blocks of 16
+channels) they keep the nearest scheme, int8 per output channel (gguf_scheme.py).
 """
 
 from __future__ import annotations

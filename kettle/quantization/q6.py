@@ -9,7 +9,8 @@ the sub-block's inputs. The
 dequantized weights are gguf's own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
 
 Only where weights are held in lanes (AVX-512 VNNI, N a multiple of 16, K of 256: `fits`); elsewhere Q6_K serves
-on the nearest scheme, int8 per output channel (kettle/quantization/gguf_scheme.py).
+on the nearest scheme, int8 per output channel (kettle/quantization/gguf_scheme.py): on an AVX2 CPU an AVX2 tile
+for Q6L with int8 rows decoded a 1.7B Q6_K file more slowly than int8 per channel does (kettle/kernels/lanes_avx2.c).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ BLOCK_BYTES = 210  # a Q6_K super-block: 128 bytes of low bits, 64 of high bits,
 def fits(n: int, k: int) -> bool:
     """Whether a Q6_K weight of n output channels and k inputs is held in lanes here (the only layout its kernel
     reads)."""
-    return ops.lanes() and n % LANES == 0 and k % SUPER_BLOCK == 0
+    return ops.lanes(LINEAR_Q6L) and n % LANES == 0 and k % SUPER_BLOCK == 0
 
 
 def decode_blocks(data: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,10 +6,12 @@ activations' per-block scale for the integer dot products, or dequantize a row a
 and the prompt GEMM. A tied Q8_0 embedding table reads its rows from the same storage (`embed`), so the
 embedding needs no float copy.
 
-Where the CPU has AVX-512 VNNI, a weight with a multiple of 16 output channels is stored in lanes (kernels.h's Q8L
-layout, as int4's in kettle/quantization/q4.py): each pair of inputs of 16 channels side by side, so one
-`vpdpwssd` advances 16 channels for a row and the rows of a step share each weight vector. The bundled model's
-head (49,152 channels) at four rows, a speculative step's verification: 1.4-1.8 ms against 2.4-2.5 in rows.
+Where the kernels run (AVX-512 VNNI, or AVX2 with lanes_avx2.c's tiles), a weight with a multiple of 16 output
+channels is stored in lanes (kernels.h's Q8L layout, as int4's in kettle/quantization/q4.py): each pair of inputs
+of 16 channels side by side, so one `vpdpwssd` advances 16 channels for a row and the rows of a step share each
+weight vector. The bundled model's head (49,152 channels) at four rows, a speculative step's verification: 1.4-1.8
+ms against 2.4-2.5 in rows. On AVX2 a 1.7B file decoded 1.05x faster in lanes than in rows, its prompts 0.91x
+(lanes_avx2.c).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ BLOCK = 32  # input channels per scale
 def fits(n: int, k: int) -> bool:
     """Whether a Q8_0 weight of n output channels and k inputs is held in lanes here (packed by the kernels at load:
     `Q8Linear.from_packed_blocks`)."""
-    return ops.lanes() and n % LANES == 0 and k % BLOCK == 0
+    return ops.lanes(LINEAR_Q8L) and n % LANES == 0 and k % BLOCK == 0
 
 
 BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
@@ -62,7 +64,7 @@ class Q8Linear(KernelWeight):
             raise ValueError(f"Q8_0: in_features {k} must be a multiple of {BLOCK}, with one scale per block")
         self.out_features, self.in_features = int(n), int(k)
         q, scales = q.to(torch.int8).contiguous(), scales.to(torch.float16).contiguous()
-        self.lanes = n % LANES == 0 and ops.lanes()  # the Q8L layout: `q` and `scales` hold it (`to_lanes`)
+        self.lanes = n % LANES == 0 and ops.lanes(LINEAR_Q8L)  # the Q8L layout: `q` and `scales` hold it (`to_lanes`)
         if self.lanes:
             q, scales = to_lanes(q, scales)
         self.register_buffer("q", q, persistent=False)

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from kettle.bench.drive import greedy, new_cache, scattered_tables, step
 from kettle.hub.gguf import NATIVE_ARCHITECTURES
 from kettle.kernels import ops
-from kettle.kernels.structs import LINEAR_IQ4L
+from kettle.kernels.structs import LINEAR_IQ4L, LINEAR_Q5L, LINEAR_Q6L
 from kettle.models.registry import load_model
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.iq4 import IQ4Linear
@@ -134,8 +134,8 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
         assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
         assert float(kl.mean()) < NEAREST_KL
         return
-    # IQ4_XS has AVX2 tiles: in lanes on any CPU the kernels run on; the others only with AVX-512 VNNI
-    lanes = ops.lanes(LINEAR_IQ4L) if qtype == T.IQ4_XS else ops.lanes()
+    # IQ4_XS has AVX2 tiles: in lanes on any CPU the kernels run on; Q6_K and the 5-bit types only with AVX-512 VNNI
+    lanes = ops.lanes({T.Q6_K: LINEAR_Q6L, T.IQ4_XS: LINEAR_IQ4L}.get(qtype, LINEAR_Q5L))
     if qtype in (T.Q5_K, T.Q6_K, T.IQ4_XS) and not lanes:  # the nearest scheme, as Q5_0, without lanes
         assert Int8Linear in kinds and not kinds & {Q5Linear, Q6Linear, IQ4Linear}
         return
@@ -190,8 +190,8 @@ def test_k_types_in_lanes_run_in_the_fused_decode_step(tmp_path, monkeypatch, qt
     the file's."""
     from kettle.models.decoder_step import DecoderStep
 
-    if not ops.lanes():
-        pytest.skip("their kernels need the lanes layout (AVX-512 VNNI)")
+    if not ops.lanes({T.Q6_K: LINEAR_Q6L, T.Q5_K: LINEAR_Q5L, T.IQ4_XS: LINEAR_IQ4L}[qtype]):
+        pytest.skip("their kernels need the lanes layout (Q5_K: AVX-512 VNNI)")
     add_tuning(monkeypatch, quantized_activations=True)
     folder, reference = build(tmp_path, "llama", qtype)
     model = load_model(str(folder), torch.float32, torch.device("cpu"))
@@ -221,8 +221,8 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     qkv = loaded.layers[0].attn.qkv
     assert isinstance(qkv, StackedWeight) and not isinstance(loaded.layers[1].attn.qkv, StackedWeight)
     parts = [type(part) for part in qkv.parts]
-    assert parts == ([Q4Linear, Q6Linear] if ops.lanes() else [Q4Linear, Int8Linear])
-    if not ops.lanes():
+    assert parts == ([Q4Linear, Q6Linear] if ops.lanes(LINEAR_Q6L) else [Q4Linear, Int8Linear])
+    if not ops.lanes(LINEAR_Q6L):
         return  # Q6_K on the nearest scheme without lanes: the tests above bound that
     assert not any(isinstance(m, Int8Linear) for m in loaded.modules())
     assert torch.equal(qkv.dequantized(), torch.cat([p.dequantized() for p in qkv.parts]))
@@ -236,11 +236,15 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     assert_greedy_tokens(loaded, reference, bound)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ4_XS], ids=["IQ4_XS"])
+AVX2_TYPES = {T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ4Linear}
+
+
+@pytest.mark.parametrize("qtype", list(AVX2_TYPES), ids=[qtype.name for qtype in AVX2_TYPES])
 def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_path, monkeypatch, qtype):
     """On a CPU without AVX-512 VNNI (this one, told so: `kettle_cpu_vnni512` 0, which Python's `ops.vnni` reads too)
-    IQ4_XS still sits in lanes, on its AVX2 tiles (lanes_avx2.c): the file's values, its logits and transformers'
-    greedy tokens, prompts on the float32 panels, decode rows on the tiles, the fused step too."""
+    the types with AVX2 tiles (lanes_avx2.c: Q4_*, Q8_0, IQ4_XS) still sit in lanes, on those tiles: the file's values
+    (Q4_K's own scales), its logits and transformers' greedy tokens, prompts on the float32 panels, decode rows on the
+    tiles, the fused step too; Q6_K and the 5-bit types are not in lanes there."""
     from tests.fixtures import kernel_switch
 
     if not ops.available():
@@ -248,10 +252,12 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
     add_tuning(monkeypatch, quantized_activations=True)
     folder, reference = build(tmp_path, "llama", qtype)
     with kernel_switch("kettle_cpu_vnni512", 0):
-        assert not ops.vnni() and not ops.lanes()
+        assert not ops.vnni() and not ops.lanes() and not ops.lanes(LINEAR_Q5L) and not ops.lanes(LINEAR_Q6L)
         model = load_model(str(folder), torch.float32, torch.device("cpu"))
-        kind = IQ4Linear
-        assert {type(m) for m in model.modules() if "Linear" in type(m).__name__} == {kind}
+        layers = [m for m in model.modules() if "Linear" in type(m).__name__]
+        assert {type(m) for m in layers} == {AVX2_TYPES[qtype]}
+        assert all(getattr(m, "lanes", True) for m in layers)  # Q4Linear and Q8Linear say which layout they hold
+        assert all((m.supers is not None) == (qtype == T.Q4_K) for m in layers if isinstance(m, Q4Linear))
         expected, logits = reference_logits(reference), kettle_logits(model)
         atol = INT8_ROWS_RTOL * float(expected.abs().max())
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
@@ -382,7 +388,8 @@ def test_a_quantized_vocabulary_table_loads_without_a_float_copy(tmp_path, monke
     kettle = load_model(str(folder), torch.float32, torch.device("cpu"))
     rows_from = getattr(kettle.embed_rows, "__self__", None)
     in_lanes = {T.Q5_0: Q5Linear, T.Q6_K: Q6Linear}
-    kind = {T.Q8_0: Q8Linear, **{t: c if ops.lanes() else Int8Linear for t, c in in_lanes.items()}}.get(table, Q4Linear)
+    lanes = {T.Q5_0: ops.lanes(LINEAR_Q5L), T.Q6_K: ops.lanes(LINEAR_Q6L)}
+    kind = {T.Q8_0: Q8Linear, **{t: c if lanes[t] else Int8Linear for t, c in in_lanes.items()}}.get(table, Q4Linear)
     assert kettle.embed_tokens is None and isinstance(rows_from, kind)
     assert (rows_from is kettle.lm_head) == tied
     # Neither is read dense, but for a type without a kernel, whose table is requantized from gguf's values.

@@ -100,17 +100,26 @@ def test_a_row_has_the_same_bits_whatever_else_shares_its_call(name):
                 assert torch.equal(together[r], ops.linear_on(x[r : r + 1], w.linear, alone)[0]), (path, count, r)
 
 
-@pytest.mark.parametrize("name", ["iq4_xs_lanes"])
+# The lanes weights whose types have AVX2 tiles (`structs.AVX2_LANES_TYPES`; the stacked one's parts are Q4L and Q6L).
+AVX2_NAMES = [
+    name
+    for name in LANES_NAMES
+    if name.startswith("stacked") or structs.WEIGHT_TYPES.index(name.split()[0]) in structs.AVX2_LANES_TYPES
+]
+
+
+@pytest.mark.parametrize("name", AVX2_NAMES)
 def test_the_avx2_lanes_tiles_compute_the_avx512_tiles_bits(name):
-    """The lanes types with AVX2 tiles (lanes_avx2.c) are held in lanes on any AVX2 CPU: their tiles, run here with
-    AVX-512 switched off for them (`kettle_lanes_avx512`), give every row the bits of the AVX-512 tiles (the same
-    integer sums, the same float operations lane by lane), at every row count of a pass and beyond."""
+    """The lanes types with AVX2 tiles (lanes_avx2.c: all but Q5L) are held in lanes on any AVX2 CPU: their tiles,
+    run here with AVX-512 switched off for them (`kettle_lanes_avx512`), give every row the bits of the AVX-512 tiles
+    (the same integer sums, the same float operations lane by lane), at every row count of a pass and beyond."""
     w = weight(name)
     x = torch.randn(11, K)
     wide = ops.linear_on(x, w.linear, "quantized")
     with kernel_switch("kettle_lanes_avx512", 0):
         narrow = ops.linear_on(x, w.linear, "quantized")
-        assert torch.equal(ops.linear_on(x[:1], w.linear, "quantized"), wide[:1])
+        for rows in range(1, 11):  # every pass of 1..4 rows, and passes after a whole one
+            assert torch.equal(ops.linear_on(x[:rows], w.linear, "quantized"), wide[:rows]), rows
     assert torch.equal(narrow, wide)
     assert relative(narrow, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
 
