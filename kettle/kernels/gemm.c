@@ -37,6 +37,54 @@ static inline void transpose8(__m256 r[8]) {
     }
 }
 
+/* Bytes 2c (v[0]) and 2c + 1 (v[1]) of a lanes unit's 32 (16 channels × 2 inputs): each input's 16 channels. */
+static inline void unit_inputs(const uint8_t *unit, __m128i v[2]) {
+    const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)unit), order), 0xD8);
+    v[0] = _mm256_castsi256_si128(split), v[1] = _mm256_extracti128_si256(split, 1);
+}
+
+/* 16 values (u8 or s8 as `is_signed`) of one input for 16 channels, as floats at panel row `dst`: q · scale + minimum
+ * (Q4L, `q4_dequant`'s fused multiply-add) or q · scale (Q8L, as `q8l_dequant_row`), lane by lane. */
+static inline void panel_row16(__m128i q, int is_signed, const __m256 scale[2], const __m256 *minimum, float *dst) {
+    for (int h = 0; h < 2; h++) {
+        const __m128i part = h ? _mm_srli_si128(q, 8) : q;
+        const __m256 v = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+        _mm256_storeu_ps(dst + 8 * h, minimum ? _mm256_fmadd_ps(v, scale[h], minimum[h]) : _mm256_mul_ps(v, scale[h]));
+    }
+}
+
+/* The 16 channels of lanes group G of a Q4L or Q8L weight straight into panel columns (`panel` at the group's first
+ * column): each unit's bytes split by input once, no channel gathered byte by byte and no transpose. The values are
+ * the table's `dequantize` ones, bit for bit. */
+static void lanes_group_panel(const Linear *w, int64_t G, float *panel) {
+    const int64_t blocks = w->k / 32, q8 = w->kind == LINEAR_Q8L;
+    const uint8_t *base = (const uint8_t *)w->weight + G * blocks * (q8 ? 512 : 256);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        float d[16], m[16];
+        for (int c = 0; c < 16; c++) {
+            if (q8) d[c] = q8l_scale(w, G * 16 + c, b);
+            else q4l_scale(w, G * 16 + c, b * 32 / w->group, d + c, m + c);
+        }
+        const __m256 scale[2] = {_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8)}, minimum[2] = {_mm256_loadu_ps(m), _mm256_loadu_ps(m + 8)};
+        for (int u = 0; u < (q8 ? 16 : 8); u++) {
+            __m128i v[2];
+            unit_inputs(base + b * (q8 ? 512 : 256) + u * 32, v);
+            for (int e = 0; e < 2; e++) {
+                float *row = panel + (b * 32 + 2 * u + e) * PANEL;
+                if (q8) {
+                    panel_row16(v[e], 1, scale, NULL, row);
+                    continue;
+                }
+                panel_row16(_mm_and_si128(v[e], mask), 0, scale, minimum, row);
+                panel_row16(_mm_and_si128(_mm_srli_epi16(v[e], 4), mask), 0, scale, minimum, row + 16 * PANEL);
+            }
+        }
+    }
+}
+
 /* Channels j0 .. j0 + count - 1 of w dequantized into panel[i * PANEL + c] (channel j0 + c, input i); missing
  * channels of a short last panel are zero. `rows` holds 8·K floats: eight channels are dequantized row by row,
  * then written into the panel's layout 8 × 8 at a time through a register transpose (a scalar scatter of every
@@ -44,6 +92,13 @@ static inline void transpose8(__m256 r[8]) {
  * (`Int8Linear.dequantized`) does. */
 static void dequant_panel(const Linear *w, int64_t j0, int count, float *rows, float *panel) {
     const int64_t k = w->k; /* a multiple of 8 (of 32 for every quantized kind) */
+    if (w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L) { /* a panel is one or two whole lanes groups */
+        for (int c0 = 0; c0 < PANEL; c0 += 16) {
+            if (c0 < count) lanes_group_panel(w, (j0 + c0) / 16, panel + c0);
+            else for (int64_t i = 0; i < k; i++) memset(panel + i * PANEL + c0, 0, 16 * sizeof(float));
+        }
+        return;
+    }
     for (int c0 = 0; c0 < PANEL; c0 += 8) {
         __m256 scale[8];
         for (int c = 0; c < 8; c++) {
