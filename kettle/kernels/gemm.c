@@ -46,7 +46,7 @@ static inline void unit_inputs(const uint8_t *unit, __m128i v[2]) {
 }
 
 /* 16 values (u8 or s8 as `is_signed`) of one input for 16 channels, as floats at panel row `dst`: q · scale + minimum
- * (Q4L, `q4_dequant`'s fused multiply-add) or q · scale (Q8L, as `q8l_dequant_row`), lane by lane. */
+ * (`q4_dequant`'s fused multiply-add) or, without minimums, q · scale (as `q8l_dequant_row`), lane by lane. */
 static inline void panel_row16(__m128i q, int is_signed, const __m256 scale[2], const __m256 *minimum, float *dst) {
     for (int h = 0; h < 2; h++) {
         const __m128i part = h ? _mm_srli_si128(q, 8) : q;
@@ -55,32 +55,41 @@ static inline void panel_row16(__m128i q, int is_signed, const __m256 scale[2], 
     }
 }
 
-/* The 16 channels of lanes group G of a Q4L or Q8L weight straight into panel columns (`panel` at the group's first
- * column): each unit's bytes split by input once, no channel gathered byte by byte and no transpose. The values are
- * the table's `dequantize` ones, bit for bit. */
-static void lanes_group_panel(const Linear *w, int64_t G, float *panel) {
-    const int64_t blocks = w->k / 32, q8 = w->kind == LINEAR_Q8L;
-    const uint8_t *base = (const uint8_t *)w->weight + G * blocks * (q8 ? 512 : 256);
+/* The 16 channels of lanes group G of a Q4L weight straight into panel columns (`panel` at the group's first column,
+ * rows `ld` floats apart; the table's `panel_group`): each unit's bytes split by input once, no channel gathered
+ * byte by byte and no transpose. The values are the table's `dequantize` ones, bit for bit. */
+void q4l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld) {
+    const int64_t blocks = w->k / 32;
+    const uint8_t *base = (const uint8_t *)w->weight + G * blocks * 256;
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
         float d[16], m[16];
-        for (int c = 0; c < 16; c++) {
-            if (q8) d[c] = q8l_scale(w, G * 16 + c, b);
-            else q4l_scale(w, G * 16 + c, b * 32 / w->group, d + c, m + c);
-        }
+        for (int c = 0; c < 16; c++) q4l_scale(w, G * 16 + c, b * 32 / w->group, d + c, m + c);
         const __m256 scale[2] = {_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8)}, minimum[2] = {_mm256_loadu_ps(m), _mm256_loadu_ps(m + 8)};
-        for (int u = 0; u < (q8 ? 16 : 8); u++) {
+        for (int u = 0; u < 8; u++) {
             __m128i v[2];
-            unit_inputs(base + b * (q8 ? 512 : 256) + u * 32, v);
+            unit_inputs(base + b * 256 + u * 32, v);
             for (int e = 0; e < 2; e++) {
-                float *row = panel + (b * 32 + 2 * u + e) * PANEL;
-                if (q8) {
-                    panel_row16(v[e], 1, scale, NULL, row);
-                    continue;
-                }
+                float *row = panel + (b * 32 + 2 * u + e) * ld;
                 panel_row16(_mm_and_si128(v[e], mask), 0, scale, minimum, row);
-                panel_row16(_mm_and_si128(_mm_srli_epi16(v[e], 4), mask), 0, scale, minimum, row + 16 * PANEL);
+                panel_row16(_mm_and_si128(_mm_srli_epi16(v[e], 4), mask), 0, scale, minimum, row + 16 * ld);
             }
+        }
+    }
+}
+
+/* `q4l_panel_group` for a Q8L weight: each pair's bytes split by input, times the block's scales. */
+void q8l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld) {
+    const int64_t blocks = w->k / 32;
+    const uint8_t *base = (const uint8_t *)w->weight + G * blocks * 512;
+    for (int64_t b = 0; b < blocks; b++) {
+        float d[16];
+        for (int c = 0; c < 16; c++) d[c] = q8l_scale(w, G * 16 + c, b);
+        const __m256 scale[2] = {_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8)};
+        for (int p = 0; p < 16; p++) {
+            __m128i v[2];
+            unit_inputs(base + b * 512 + p * 32, v);
+            for (int e = 0; e < 2; e++) panel_row16(v[e], 1, scale, NULL, panel + (b * 32 + 2 * p + e) * ld);
         }
     }
 }
@@ -92,9 +101,9 @@ static void lanes_group_panel(const Linear *w, int64_t G, float *panel) {
  * (`Int8Linear.dequantized`) does. */
 static void dequant_panel(const Linear *w, int64_t j0, int count, float *rows, float *panel) {
     const int64_t k = w->k; /* a multiple of 8 (of 32 for every quantized kind) */
-    if (w->kind == LINEAR_Q4L || w->kind == LINEAR_Q8L) { /* a panel is one or two whole lanes groups */
+    if (type_of(w)->panel_group) { /* a panel is one or two whole lanes groups */
         for (int c0 = 0; c0 < PANEL; c0 += 16) {
-            if (c0 < count) lanes_group_panel(w, (j0 + c0) / 16, panel + c0);
+            if (c0 < count) type_of(w)->panel_group(w, (j0 + c0) / 16, panel + c0, PANEL);
             else for (int64_t i = 0; i < k; i++) memset(panel + i * PANEL + c0, 0, 16 * sizeof(float));
         }
         return;

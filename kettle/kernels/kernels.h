@@ -279,6 +279,9 @@ typedef struct {
      * block (sub_blocks: per 16 inputs) and minimums per group. */
     void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
+    /* The float32 panels, for a lanes layout that has it (else channel by channel through `dequantize`): the 16
+     * channels of group G into panel columns, rows `ld` floats apart, the same values as `dequantize`. */
+    void (*panel_group)(const Linear *w, int64_t G, float *panel, int64_t ld);
     /* The row panels (invariant rows from `kettle_row_gemm_rows` on): channel j as K int16, its scales per block. */
     void (*widen_row)(const Linear *w, int64_t j, int16_t *dst, float *scale);
     /* At load: channel c of group G (16 channels) from its row of a GGUF tensor's blocks of type `source`
@@ -758,6 +761,9 @@ INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimu
 INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+/* The float32 panels' 16 channels at a time from a lanes layout (gemm.c). */
+INTERNAL void q4l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld);
+INTERNAL void q8l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld);
 /* GGUF blocks into the lanes layouts (gguf_pack.c). */
 INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
 INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);

@@ -11,7 +11,7 @@
  * decode / prefill of 512; runs on this shared machine moved by up to ~15%): Q4_K_M 23.5 / 49.1 in the rows layout
  * (int16 rows), 28.0 / 45.4 in lanes; Q8_0 17.3 / 47.3 in rows, 18.2 / 43.1 in lanes. Prompts take the float32
  * panels, which then dequantized a lanes channel from strided bytes; since they read Q4L and Q8L 16 channels at a
- * time (gemm.c `lanes_group_panel`) Q4_K_M's prompts run as from rows (49.0 against 48.6, decode 31.5 against
+ * time (the table's `panel_group`) Q4_K_M's prompts run as from rows (49.0 against 48.6, decode 31.5 against
  * 24.9, alternated in one process). Q6L and
  * Q5L have no AVX2 tile: with int8 rows theirs lost to int8 per channel, where Q6_K, Q5_K, Q5_0 and Q5_1 stay on such
  * CPUs (the nearest scheme): Q6_K 19.6 against 20.5 (its high bits moved and interleaved per unit pair; a Q4_K_M

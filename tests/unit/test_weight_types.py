@@ -213,7 +213,7 @@ def test_the_python_description_is_kernels_h():
 @pytest.mark.parametrize(("lanes", "rows"), [("q4_lanes", "q4"), ("q4_lanes g128", "q4 g128"), ("q8_0_lanes", "q8_0")])
 def test_the_float32_panels_read_a_weight_in_lanes_as_its_rows_twin(lanes, rows):
     """The float32 panels (prompts on AVX2 CPUs) dequantize a Q4L or Q8L weight straight from its units, 16 channels
-    at a time (gemm.c `lanes_group_panel`): the same values as the rows layout's channels, so the same bits."""
+    at a time (the table's `panel_group`): the same values as the rows layout's channels, so the same bits."""
     a, b = weight(lanes), weight(rows)
     assert torch.equal(a.dense, b.dense)
     x = torch.randn(40, K)
