@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
+from dataclasses import dataclass, field
 
 from kettle.hub import PreparationError, ResolvedModel
 from kettle.launcher import tgi_environment
@@ -32,16 +34,15 @@ def launch(config: LauncherConfig) -> int:
         log.warning("--%s is accepted for compatibility with TGI and does nothing in Kettle", _flag(name))
     tgi_environment.apply_token_alias()
     _build_kernels_meanwhile()
-    early: list[Child] = []  # shards started while the model is prepared (`_start_shards_early`)
+    early = Early()  # started while the model is prepared (`_start_early`)
     model = _prepared_model(config, early)
     if not isinstance(model, ResolvedModel):
-        stop_children(early, config.graceful_termination_timeout)
+        stop_children(early.children(), config.graceful_termination_timeout)
         code, reason = model
         log.error("%s", reason)  # after the shards' "Stopping" lines: the reason is the output's last line
         return code
     log.info("Model %s ready in %s", model.display_id, model.path)
-    for child in early:
-        child.tell(str(model.path))
+    early.tell(model)
     # Not joined: the shards import and start loading while the kernels compile, and wait for that build when they
     # need the library (a lock in kettle/hub/cache.py `build_once`), instead of compiling their own copies.
     supervisor = Supervisor(
@@ -50,17 +51,37 @@ def launch(config: LauncherConfig) -> int:
         router_spec(config, model) if config.node_rank == 0 else None,
         graceful_timeout=config.graceful_termination_timeout,
         start_timeout=config.shard_start_timeout,
-        started=early or None,
+        started=early.shards or None,
+        started_router=early.router,
     )
     return supervisor.run()
 
 
-def _prepared_model(config: LauncherConfig, early: list[Child]) -> ResolvedModel | tuple[int, str]:
+@dataclass
+class Early:
+    """The processes started while the model is prepared: this host's shards and, on node 0, the router."""
+
+    shards: list[Child] = field(default_factory=list)
+    router: Child | None = None
+
+    def children(self) -> list[Child]:
+        return [*self.shards, *([self.router] if self.router else [])]
+
+    def tell(self, model: ResolvedModel) -> None:
+        """The prepared model to each: the shards its folder, the router also the name and revision it reports."""
+        for shard in self.shards:
+            shard.tell(str(model.path))
+        if self.router is not None:
+            told = {"folder": str(model.path), "model_id": model.display_id, "model_sha": model.sha}
+            self.router.tell(json.dumps(told))
+
+
+def _prepared_model(config: LauncherConfig, early: Early) -> ResolvedModel | tuple[int, str]:
     """The model, resolved and prepared (in a child process: what that imports, transformers and torch, never enters
     the launcher) and checked; or the exit code to stop with and its reason, one line. A preparation that takes a
-    while starts the shards beside it, into `early`."""
+    while starts the shards and the router beside it, into `early`."""
     try:
-        model = prepare_model(config, meanwhile=lambda: _start_shards_early(config, early))
+        model = prepare_model(config, meanwhile=lambda: _start_early(config, early))
     except (PreparationError, PreparationFailed, SocketInUse) as error:
         return 1, str(error)
     except KeyboardInterrupt:
@@ -79,14 +100,17 @@ def _prepared_model(config: LauncherConfig, early: list[Child]) -> ResolvedModel
     return model
 
 
-def _start_shards_early(config: LauncherConfig, early: list[Child]) -> None:
-    """Starts this host's shards before the model is ready (a download or a first start's conversion): their
-    imports (torch and the model code, ~3 s on 2 cores) run beside the preparation, and each reads the folder's path
-    from its stdin once the launcher has it (`Child.tell`)."""
+def _start_early(config: LauncherConfig, early: Early) -> None:
+    """Starts this host's shards and the router before the model is ready (a download or a first start's
+    conversion): their imports (torch and the model code, ~3 s on 2 cores; the router's ~1 s) run beside the
+    preparation, and each reads the folder from its stdin once the launcher has it (`Early.tell`). The router's
+    start would otherwise run beside the shard's loading, whose threads fill the cores."""
     specs = shard_specs(config, MODEL_FROM_LAUNCHER)
     clear_sockets(specs)
     log.info("Starting the shards while the model is prepared: they import meanwhile, then load it")
-    early.extend(Child(spec, reads_stdin=True) for spec in specs)
+    early.shards.extend(Child(spec, reads_stdin=True) for spec in specs)
+    if config.node_rank == 0:  # as `launch`: other hosts run shards only
+        early.router = Child(router_spec(config, None), reads_stdin=True)
 
 
 def _build_kernels_meanwhile() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kettle.hub.types import ResolvedModel
 from kettle.launcher.config import LauncherConfig
+from kettle.router.config import MODEL_FROM_LAUNCHER
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,12 @@ def shard_specs(config: LauncherConfig, model_path: str) -> list[ProcessSpec]:
     return [shard_spec(config, model_path, rank) for rank in config.ranks]
 
 
-def router_spec(config: LauncherConfig, model: ResolvedModel) -> ProcessSpec:
-    """`kettle router ...` pointed at shard 0's socket and at the resolved model folder's tokenizer."""
-    router = config.router_config(str(model.path), model.display_id, model.sha)
+def router_spec(config: LauncherConfig, model: ResolvedModel | None) -> ProcessSpec:
+    """`kettle router ...` pointed at shard 0's socket and at the resolved model folder's tokenizer; with no model
+    (started while it is prepared), told the folder on its stdin (`MODEL_FROM_LAUNCHER`)."""
+    if model is None:
+        router = config.router_config(MODEL_FROM_LAUNCHER, MODEL_FROM_LAUNCHER)
+    else:
+        router = config.router_config(str(model.path), model.display_id, model.sha)
     argv = [*kettle_command(), "router", *config_argv(router)]
     return ProcessSpec("router", tuple(argv), child_env({}))

@@ -45,12 +45,14 @@ class Supervisor:
         start_timeout: float = 600.0,
         router_exit_margin: float = ROUTER_EXIT_MARGIN,
         started: list[Child] | None = None,
+        started_router: Child | None = None,
     ) -> None:
         """`started`: the shards' processes where the launcher started them already (`shards`' specs, their stale
-        sockets cleared), else the supervisor starts them."""
+        sockets cleared), else the supervisor starts them; `started_router` likewise the router's."""
         self.shard_specs = shards
         self.started = started
         self.router_spec = router
+        self.started_router = started_router
         self.graceful_timeout = graceful_timeout
         self.start_timeout = start_timeout
         self.router_exit_margin = router_exit_margin
@@ -93,7 +95,7 @@ class Supervisor:
         if self.router_spec is not None:  # None: a --node-rank > 0 host runs shards only
             # Started beside the shards, not after them: its imports and tokenizers (~2 s here) load while they
             # load the model, and it waits for rank 0's socket before it asks anything.
-            self.router = Child(self.router_spec)
+            self.router = self.started_router or Child(self.router_spec)
         code = self._wait_for_shards()
         if code is not None:
             return code

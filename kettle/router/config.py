@@ -68,6 +68,9 @@ class ServingFlags:
 
 
 SERVING_DEFAULTS = ServingFlags()
+# The `--tokenizer-name` of a router the launcher starts while it still prepares the model: the router then reads
+# the model's folder, name and revision from its stdin (server.py `model_from_launcher`).
+MODEL_FROM_LAUNCHER = "-"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from kettle.proto import generate_pb2
 from kettle.router import metrics
 from kettle.router.app import create_app
 from kettle.router.client import ShardedClient, ShardError
-from kettle.router.config import RouterConfig, SchedulerConfig
+from kettle.router.config import MODEL_FROM_LAUNCHER, RouterConfig, SchedulerConfig
 from kettle.router.images import tokens as image_tokens
 from kettle.router.images.check import ImageLimits
 from kettle.router.images.fetch import FetchPolicy
@@ -69,6 +70,8 @@ class TokenLimits:
 def run(config: RouterConfig) -> None:
     """Serves until SIGINT/SIGTERM; a startup problem is logged in one line and exits with code 1."""
     yield_cpu(settings.current().router_nice)
+    if config.tokenizer_name == MODEL_FROM_LAUNCHER:
+        config = model_from_launcher(config)
     # Before the shard channels exist: they get the trace-context interceptor only when tracing is on.
     tracing.setup_tracing(config.otlp_endpoint, config.otlp_service_name)
     try:
@@ -79,6 +82,22 @@ def run(config: RouterConfig) -> None:
     finally:
         tracing.shutdown_tracing()
     exit_without_teardown()
+
+
+def model_from_launcher(config: RouterConfig) -> RouterConfig:
+    """`config` with the model's folder, name and revision, one JSON line on stdin from the launcher. It started
+    this router while it prepared the model (a first start's conversion), so that the router's imports ran beside
+    the preparation: started with the model ready, they took cores from the shard's loading, which runs on every
+    core (a 1.7B GGUF's first start: the load 0.8 s alone, 2.4 s beside the router's start). What serving loads
+    is imported first; an empty stdin (the launcher stopped before the model was ready) ends the router."""
+    import tokenizers  # noqa: F401 (the tokenizer pool's)
+
+    line = sys.stdin.readline().strip()
+    if not line:
+        raise SystemExit("router: the launcher stopped before the model was ready")
+    model = json.loads(line)
+    logger.info("Model folder from the launcher: %s", model["folder"])
+    return replace(config, tokenizer_name=model["folder"], model_id=model["model_id"], model_sha=model["model_sha"])
 
 
 def yield_cpu(niceness: int) -> None:

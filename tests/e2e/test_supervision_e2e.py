@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -49,14 +50,18 @@ def test_the_router_runs_at_a_lower_cpu_priority_than_the_shards(tiny_server):
     assert len(threads) > 1 and all(t.nice() == launcher.nice() + 10 for t in threads)
 
 
-def test_a_first_start_starts_the_shards_beside_the_models_preparation(tmp_path):
-    """With an empty cache the bundled GGUF's folder takes seconds to prepare: the shards start meanwhile (their
-    imports overlap it), get the folder's path from the launcher once it is ready, and serve."""
+def test_a_first_start_starts_the_shards_and_the_router_beside_the_models_preparation(tmp_path):
+    """With an empty cache the bundled GGUF's folder takes seconds to prepare: the shards and the router start
+    meanwhile (their imports overlap it), get the folder from the launcher once it is ready, and serve; the router
+    reports the model under the name the user gave, as when it starts after the preparation."""
     server = KettleServer(None, env={"KETTLE_CACHE": str(tmp_path / "cache")})
     try:
         logs = server.logs()
-        assert logs.index("Started shard-0") < logs.index("Model HuggingFaceTB/SmolLM2-135M-Instruct ready")
-        assert f"Model folder from the launcher: {tmp_path / 'cache'}" in logs
+        ready = logs.index("Model HuggingFaceTB/SmolLM2-135M-Instruct ready")
+        assert logs.index("Started shard-0") < ready and logs.index("Started router") < ready
+        told = f"Model folder from the launcher: {tmp_path / 'cache'}"
+        assert re.search(f"kettle.shard.server: {told}", logs) and re.search(f"kettle.router.server: {told}", logs)
+        assert httpx.get(f"{server.url}/info").json()["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         answer = httpx.post(f"{server.url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
         assert answer.status_code == 200 and answer.json()["generated_text"]
     finally:

@@ -40,7 +40,7 @@ def no_kernels():
     return thread
 
 main.Supervisor, main._build_kernels_meanwhile = Supervisor, no_kernels
-main._start_shards_early = lambda config, early: None  # no shard beside the preparation (tests/e2e has those)
+main._start_early = lambda config, early: None  # no shard or router beside the preparation (tests/e2e has those)
 sys.exit(main.launch(LauncherConfig(**json.loads(sys.argv[1]))))
 """
 
