@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 # What the child exits with when it was stopped (by the launcher's forwarded SIGTERM), as a shell reports Ctrl-C.
 STOPPED_EXIT_CODE = 130
-# A preparation still running after this long does real work (a cached model's look-up takes ~0.2 s): the
-# launcher's `meanwhile` then starts the shards beside it. A bad model id fails sooner, without starting any.
+# A preparation of a Hub id still running after this long does real work (a download; a cached model's look-up
+# takes ~0.2 s): the launcher's `meanwhile` then starts the shards beside it. A mistyped id fails sooner, without
+# starting any. A model on this machine gets them at once (`ModelRequest.on_this_machine`).
 SLOW_SECONDS = 0.5
 
 
@@ -62,6 +63,13 @@ class ModelRequest:
     gguf_file: str | None = None
     mmproj: str | None = None
     weights_cache_override: str | None = None
+
+    def on_this_machine(self) -> bool:
+        """Whether the model is on this machine (the bundled one, an existing file or folder): no download, no
+        mistyped Hub id. Its look-up or preparation then starts the shards and the router beside it at once; a
+        later start's look-up (a Python start, ~0.15 s) no longer comes before their imports (~1.5 s)."""
+        local = self.weights_cache_override or self.model_id
+        return local is None or os.path.exists(local)
 
     @classmethod
     def of(cls, config: LauncherConfig) -> ModelRequest:
@@ -97,8 +105,8 @@ def resolve(request: ModelRequest) -> ResolvedModel:
 
 def prepare_model(config: LauncherConfig, meanwhile: Callable[[], None] | None = None) -> ResolvedModel:
     """Resolves and prepares `config`'s model in a child process and returns what it resolved to. `meanwhile` runs
-    once if the child is still at work after `SLOW_SECONDS` (a download or a first start's conversion, not a cached
-    model's look-up).
+    once: at once for a model on this machine, else if the child is still at work after `SLOW_SECONDS` (a download,
+    not a cached model's look-up).
 
     Raises `PreparationError` with the child's one-line reason, `PreparationFailed` when it ended without a result,
     and KeyboardInterrupt (Ctrl-C, or SIGTERM as the launcher maps it) or what `meanwhile` raised once the child
@@ -109,13 +117,14 @@ def prepare_model(config: LauncherConfig, meanwhile: Callable[[], None] | None =
 
     handle, result = tempfile.mkstemp(prefix="kettle-model-", suffix=".json")
     os.close(handle)
-    argv = [sys.executable, "-m", __name__, result, json.dumps(dataclasses.asdict(ModelRequest.of(config)))]
+    request = ModelRequest.of(config)
+    argv = [sys.executable, "-m", __name__, result, json.dumps(dataclasses.asdict(request))]
     if config.json_output:
         argv.append("--json-output")
     try:
         child = Child(ProcessSpec("model preparation", tuple(argv), child_env({})))
         try:
-            code = _wait(child, meanwhile)
+            code = _wait(child, meanwhile, 0.0 if request.on_this_machine() else SLOW_SECONDS)
         except BaseException:  # Ctrl-C, or what `meanwhile` raised: the child stops and cleans up first
             _stop(child, config.graceful_termination_timeout)
             raise
@@ -125,9 +134,9 @@ def prepare_model(config: LauncherConfig, meanwhile: Callable[[], None] | None =
             os.unlink(result)
 
 
-def _wait(child: Child, meanwhile: Callable[[], None] | None) -> int:
+def _wait(child: Child, meanwhile: Callable[[], None] | None, slow: float) -> int:
     try:
-        return child.process.wait(timeout=SLOW_SECONDS)
+        return child.process.wait(timeout=slow)
     except subprocess.TimeoutExpired:
         if meanwhile is not None:
             meanwhile()

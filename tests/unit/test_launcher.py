@@ -283,3 +283,18 @@ def test_a_live_socket_is_never_stolen(tmp_path):
         assert Path(tmp_path / "s-0").exists()
     finally:
         live.close()
+
+
+def test_a_model_on_this_machine_starts_the_shards_beside_its_look_up_at_once(tiny_llama_path, tmp_path):
+    """A local folder's look-up takes a Python start: the shards' imports begin with it, not after it. A Hub id
+    (which may be mistyped) waits for the preparation's first half second, so its failure starts nothing."""
+    from kettle.launcher.prepare import ModelRequest, prepare_model
+
+    assert ModelRequest().on_this_machine()  # the bundled model
+    assert ModelRequest(model_id=str(tiny_llama_path)).on_this_machine()
+    assert ModelRequest(model_id="org/model", weights_cache_override=str(tiny_llama_path)).on_this_machine()
+    assert not ModelRequest(model_id="org/model").on_this_machine()
+    assert not ModelRequest(model_id=str(tmp_path / "missing")).on_this_machine()
+    started = []
+    model = prepare_model(LauncherConfig(model_id=str(tiny_llama_path)), meanwhile=lambda: started.append(True))
+    assert started == [True] and (model.path / "config.json").is_file()
