@@ -30,3 +30,23 @@ def test_header_matches_gguf_reader(tmp_path):
         assert (mine.name, mine.dims, mine.qtype, mine.offset) == (
             theirs.name, tuple(int(d) for d in theirs.shape), int(theirs.tensor_type), theirs.data_offset
         )  # fmt: skip
+
+
+def _write(path, blocks: int) -> None:
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(blocks)
+    writer.add_tensor("one", np.arange(8 * blocks, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_header_is_parsed_once_while_its_file_is_unchanged(tmp_path):
+    path = tmp_path / "t.gguf"
+    _write(path, 2)
+    first = read_header(path)
+    assert read_header(path) is first
+    _write(path, 3)  # rewritten: another size
+    again = read_header(path)
+    assert again is not first and again.fields["llama.block_count"] == 3 and again.tensors[0].dims == (24,)
