@@ -59,6 +59,11 @@ BENCHMARKS = {
         "bench.gpu:gpu",
         "decode on a CUDA GPU against transformers: graphs, fp8, int8/int4, KV dtypes, int4 kernels",
     ),
+    "serving": (
+        "bench.serving:serving",
+        "many concurrent ShareGPT-length requests through the server (Llama-3.1-8B's shape on a GPU): tok/s, "
+        "TTFT, ITL, KV use, against transformers' batched generate",
+    ),
 }
 
 
