@@ -293,6 +293,18 @@ def table_line(row: Row) -> str:
     )
 
 
+def raise_open_files(want: int = 65536) -> None:
+    """The offline row holds 1,000 connections open at once, in this process and in the router (which inherits the
+    limit): the common default of 1,024 descriptors would leave little to spare, so the soft limit goes up to the
+    hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def dtype_of(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
@@ -314,6 +326,7 @@ def serving(argv: list[str]) -> None:
     engines = set(args.engines.split(","))
     if not engines <= {"kettle", "transformers"}:
         raise SystemExit(f"--engines: kettle and/or transformers, not {args.engines!r}")
+    raise_open_files()
     dtype = dtype_of(args.device)
     folder = args.checkpoint or settings.current().cache_dir / "bench" / f"serving-{args.model}-{dtype}"
     start = time.perf_counter()
