@@ -5,10 +5,10 @@
 
 Each benchmark prints the exact command that produced its numbers and the ratios of Kettle against what it is
 compared with, measured in the same run (interleaved where it can be, so a shared machine's drift hits every side
-alike: quote those ratios, not absolute numbers across runs). Dated results go to bench/RESULTS.md; how Kettle
-gets them is docs/performance.md. The benchmarks share one server launcher (kettle/bench/process.py), one HTTP
-measuring loop (kettle/bench/loadgen.py), one offline driver (kettle/bench/drive.py) and one timing helper
-(kettle/bench/timing.py).
+alike: quote those ratios, not absolute numbers across runs). Dated results go to bench/RESULTS.md (GPU serving:
+bench/GPU_RESULTS.md); how Kettle gets them is docs/performance.md. The benchmarks share one server launcher
+(kettle/bench/process.py), one HTTP measuring loop (kettle/bench/loadgen.py), one offline driver
+(kettle/bench/drive.py) and one timing helper (kettle/bench/timing.py).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ BENCHMARKS = {
     "gpu": (
         "bench.gpu:gpu",
         "decode on a CUDA GPU against transformers: graphs, fp8, int8/int4, KV dtypes, int4 kernels",
+    ),
+    "serving": (
+        "bench.serving:serving",
+        "many concurrent ShareGPT-length requests through the server (Llama-3.1-8B's shape on a GPU): tok/s, "
+        "TTFT, ITL, KV use, against transformers' batched generate",
     ),
 }
 

@@ -9,7 +9,8 @@
 #
 # PYTHON          interpreter whose environment gets Kettle (default: python3)
 # EDITABLE        1 (default): `pip install -e .`, for a checkout; 0: a regular install (the image)
-# TORCH_INDEX_URL where pip finds torch (the image points it at the CPU wheels); empty: pip's own configuration
+# TORCH_INDEX_URL where pip finds torch (Dockerfile: the CPU wheels; Dockerfile.cuda: the CUDA ones); empty: pip's
+#                 own configuration
 set -eu
 
 extras=${1:-runtime}

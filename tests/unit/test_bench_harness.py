@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import serving_mix
 from bench.__main__ import BENCHMARKS, benchmark, command
+from bench.serving import kv_used
 from kettle.bench.process import child_environment
 from kettle.bench.timing import Timing, interleaved, ratio_summary, same_round
 
@@ -55,6 +57,11 @@ QUOTED = [
     "gpu --kv-dtypes fp8_e4m3fn fp8_e5m2 --batch 1 32 --context 2048 --steps 30 --warmup 5",
     "gpu --int4-kernels --batch 1 8 16 32 64 128",
     "gpu --sampling --batch 1 32 --out /tmp/out",
+    "serving --json /tmp/out/serving.json",
+    "serving --quantize fp8 --json /tmp/out/serving-fp8.json",
+    "serving --model tiny --device cpu --concurrency 1,4 --requests 8 --max-input 64 --max-output 24 "
+    "--floor-requests 4",
+    "serving --engines kettle --no-offline --concurrency 1,16,64,256 --per-client 2 --kv-tokens 200000",
 ]
 PARSERS = {
     "peers": "bench.peers:parser",
@@ -67,6 +74,7 @@ PARSERS = {
     "startup": "bench.footprint:startup_parser",
     "gpu": "bench.gpu:parser",
     "vision": "bench.prefill:vision_parser",
+    "serving": "bench.serving:parser",
 }
 
 
@@ -159,3 +167,32 @@ def test_ratios_are_taken_round_by_round() -> None:
     ratios = same_round([2.0, 3.0, 8.0], [1.0, 2.0, 4.0])
     assert ratios == [2.0, 1.5, 2.0]
     assert ratio_summary(ratios) == "2.00x (2.00, 1.50, 2.00)"
+
+
+def test_the_serving_mix_is_the_committed_1000_pairs_in_their_ranges() -> None:
+    requests = serving_mix.load()
+    assert len(requests) == 1000
+    inputs, outputs = [r.input_tokens for r in requests], [r.output_tokens for r in requests]
+    assert min(inputs) >= 50 and max(inputs) <= 1500
+    assert min(outputs) >= 50 and max(outputs) <= 800
+    # Long-tailed, as ShareGPT is: the mean well above the median on both sides.
+    for values in (inputs, outputs):
+        assert sum(values) / len(values) > 1.2 * sorted(values)[len(values) // 2]
+    # The file is what its generator's documented parameters draw, so it can be checked and drawn again.
+    assert serving_mix.PATH.read_text() == serving_mix.document(serving_mix.generate())
+
+
+def test_a_scaled_mix_keeps_its_shape_under_the_new_longest() -> None:
+    mix = serving_mix.load()
+    small = serving_mix.scaled(mix, 64, 24)
+    assert max(r.input_tokens for r in small) == 64 and max(r.output_tokens for r in small) == 24
+    assert min(r.output_tokens for r in small) >= 1
+    longest = max(range(len(mix)), key=lambda i: mix[i].input_tokens)
+    assert small[longest].input_tokens == 64
+    assert serving_mix.scaled(mix, None, None) == mix
+
+
+def test_kv_use_is_the_fraction_of_blocks_not_free() -> None:
+    page = "# HELP kettle_kv_blocks_free ...\nkettle_kv_blocks_free 300.0\nkettle_kv_blocks_total 400.0\n"
+    assert kv_used(page) == pytest.approx(0.25)
+    assert kv_used(page.replace("free 300.0", "free 400.0")) == 0

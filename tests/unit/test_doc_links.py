@@ -1,4 +1,4 @@
-"""Every link in the README, docs/ and the benchmarks' results file points at something that exists: a file or
+"""Every link in the README, docs/ and the benchmarks' results files points at something that exists: a file or
 folder of the repository, and, after a `#`, a heading of that page (GitHub's anchors)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "RESULTS.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench").glob("*RESULTS.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
