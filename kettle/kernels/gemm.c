@@ -566,21 +566,28 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
  * tiles do. Every block's integer sums are exact, and the float operations per lane those of `micro_vnni` (and of
  * the AVX2 and AVX-512 tiles): a row has the same bits here, on the AVX2 tiles and on AVX-512. Q4L's 0..15 times
  * the int8 rows sum in int16 over the whole block (pairs ≤ 2 · 15 · 127, eight quads ≤ 30,480 < 2^15), one
- * `vpmaddwd` a block; the signed types' q + 128 are flipped back to q (`flip_back`) and multiplied by the sign trick
- * (|q| times x with q's sign: pairs ≤ 2 · 128 · 127 < 2^15, so one `vpmaddwd` a quad), which saturation would
- * otherwise break on q + 128. */
+ * `vpmaddwd` a block; the signed types' q + 128 are flipped back to q and multiplied by the sign trick (|q| times x
+ * with q's sign: pairs ≤ 2 · 128 · 127 < 2^15, so one `vpmaddwd` a quad), which saturation would otherwise break on
+ * q + 128. */
 
 #define AVX2_CHANNELS 4 /* output channels per AVX2 micro-kernel call: 2 × 4 int and 2 × 4 float accumulators */
 
-/* The widened bytes q + 128 back to int8 q (the sign trick multiplies signed weights). */
-static void flip_back(uint8_t *q, int64_t k) {
-    for (int64_t i = 0; i < k; i += 32)
-        _mm256_storeu_si256((__m256i *)(q + i), flipped(_mm256_loadu_si256((const __m256i *)(q + i))));
+/* A signed channel's K widened bytes (q + 128) as the AVX2 micro-kernel reads them: each quad of int8 q beside its
+ * |q| (2K bytes), so that each is one broadcast (computing |q| per quad and channel cost the kernel ~10%). */
+static void signed_quads(const uint8_t *widened, int64_t k, uint8_t *dst) {
+    for (int64_t i = 0; i < k; i += 32) {
+        const __m256i q = flipped(_mm256_loadu_si256((const __m256i *)(widened + i)));
+        const __m256i size = _mm256_sign_epi8(q, q); /* |q| as u8, -128 too */
+        /* per 128-bit lane: quads 0, 1 | 4, 5 each beside its size, then 2, 3 | 6, 7 */
+        const __m256i low = _mm256_unpacklo_epi32(q, size), high = _mm256_unpackhi_epi32(q, size);
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i), _mm256_permute2x128_si256(low, high, 0x20));
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i + 32), _mm256_permute2x128_si256(low, high, 0x31));
+    }
 }
 
 /* `channels` (≤ AVX2_CHANNELS, a constant at each call) output channels from c0 of w × `halves` (1 or 2, a constant)
- * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 (the sign
- * trick), else 0..15. */
+ * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
+ * sizes (`signed_quads`, the sign trick), else 0..15. */
 static inline __attribute__((always_inline)) void micro_avx2_int(const LaneRows *x, int64_t k, int64_t group,
                                                                  const IntChannels *w, int c0, const int channels,
                                                                  const int halves, const int is_signed, float *tile) {
@@ -597,9 +604,10 @@ static inline __attribute__((always_inline)) void micro_avx2_int(const LaneRows 
             __m256i a[2];
             for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
             for (int c = 0; c < channels; c++) {
-                const __m256i q = _mm256_set1_epi32(((const int32_t *)(w->q + (c0 + c) * k))[i]);
+                const int32_t *row = (const int32_t *)(w->q + (c0 + c) * (is_signed ? 2 * k : k));
+                const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
                 if (is_signed) {
-                    const __m256i size = _mm256_sign_epi8(q, q); /* |q| as u8, -128 too */
+                    const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
                     for (int h = 0; h < halves; h++) {
                         const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(a[h], q));
                         dot[c][h] = _mm256_add_epi32(dot[c][h], _mm256_madd_epi16(pairs, ones));
@@ -695,10 +703,13 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * k / 4, NULL};
     const WeightType *type = type_of(w);
-    const int wide = lanes_avx512() || !type->avx2_panels, flip = !wide && type->offset;
+    const int wide = lanes_avx512() || !type->avx2_panels, is_signed = !wide && type->offset;
     if (type->minimums) c.minimum = buffer + INT_CHANNELS * (k / 4 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
+    /* the AVX2 micro-kernel's signed quads, after the tile (INT_CHANNELS · 2K bytes: within gemm_buffer_floats) */
+    IntChannels paired = c;
+    paired.q = (uint8_t *)(tile + TILE_FLOATS);
     /* Prompt chunks go INT_ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in cache while every group of
      * channels meets them (each group is widened again per block). */
     const int64_t block = (INT_ROW_BLOCK_BYTES / (int64_t)sizeof(float) / lane_floats(k) + 1) * LANES;
@@ -709,7 +720,7 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
             const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
             for (int i = 0; i < n; i++) {
                 type->widen(w, j0 + i, c.q + i * k);
-                if (flip) flip_back(c.q + i * k, k);
+                if (is_signed) signed_quads(c.q + i * k, k, paired.q + i * 2 * k);
                 /* sub-blocks: two scales a block, in the room of the minimums such a type has none of
                  * (`channel_floats`) */
                 const int64_t spans = type->sub_blocks ? 2 * blocks : blocks;
@@ -722,7 +733,7 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
                 if (wide) {
                     int_group_avx512(&x, k, w, &c, n, count, tile, bias, y + r0 * ldy + j0, ldy);
                 } else {
-                    int_channels_avx2(&x, k, w->group, &c, n, count, flip, tile);
+                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, tile);
                     store_lanes_avx2(tile, n, (int)count, bias, y + r0 * ldy + j0, ldy);
                 }
             }
