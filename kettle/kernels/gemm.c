@@ -13,8 +13,9 @@
  * it, else AVX2 (6 rows × 16 channels, 12 accumulators, run over each half of the panel). Threads split the
  * panels; rows go block by block so a block's activations stay in L2 while every panel of the thread meets them.
  *
- * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead
- * (`KETTLE_TUNING=integer-gemm=off` keeps these): int8 rows, as one row of decode quantizes them, against the weights widened to u8.
+ * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead (on an AVX2 CPU for the lanes
+ * types with AVX2 tiles; `KETTLE_TUNING=integer-gemm=off` keeps these): int8 rows, as one row of decode quantizes
+ * them, against the weights widened to u8.
  */
 #include <omp.h>
 
@@ -246,7 +247,7 @@ void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float 
     }
 }
 
-/* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
+/* ---- integer panels (AVX-512 VNNI; an AVX2 micro-kernel further down), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
  * quantized to int8 per block of 32 (kernels.h `quantize_row`, as at one row) meet the weights widened to u8 (q +
  * the type's offset), and vpdpbusd sums quads of products into int32 lanes, exact within a block; each block's sums
  * then lose offset · the inputs' sum and take the row's and the weight's scales in float32, as lanes.c's tiles do,
