@@ -13,8 +13,9 @@
  * it, else AVX2 (6 rows × 16 channels, 12 accumulators, run over each half of the panel). Threads split the
  * panels; rows go block by block so a block's activations stay in L2 while every panel of the thread meets them.
  *
- * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead
- * (`KETTLE_TUNING=integer-gemm=off` keeps these): int8 rows, as one row of decode quantizes them, against the weights widened to u8.
+ * Where the CPU has AVX-512 VNNI, the integer panels at the end of this file run instead (on an AVX2 CPU for the lanes
+ * types with AVX2 tiles; `KETTLE_TUNING=integer-gemm=off` keeps these): int8 rows, as one row of decode quantizes
+ * them, against the weights widened to u8.
  */
 #include <omp.h>
 
@@ -246,7 +247,7 @@ void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float 
     }
 }
 
-/* ---- integer panels (AVX-512 VNNI), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
+/* ---- integer panels (AVX-512 VNNI; an AVX2 micro-kernel further down), for prompt chunks and decode steps of `ops.panel_rows()` rows and more: the rows
  * quantized to int8 per block of 32 (kernels.h `quantize_row`, as at one row) meet the weights widened to u8 (q +
  * the type's offset), and vpdpbusd sums quads of products into int32 lanes, exact within a block; each block's sums
  * then lose offset · the inputs' sum and take the row's and the weight's scales in float32, as lanes.c's tiles do,
@@ -312,8 +313,12 @@ static inline __m256i quad_order(__m256i natural) {
 /* Signed int8 values + 128 as u8 (Q8's and IQ4's offset). */
 static inline __m256i flipped(__m256i values) { return _mm256_xor_si256(values, _mm256_set1_epi8((char)0x80)); }
 
+/* The widening runs under both micro-kernels, so it is compiled for AVX2 only: an AVX-512 target may let the compiler
+ * emit EVEX encodings, which fault on an AVX2 CPU. */
+#define WIDEN __attribute__((target("avx2,fma,f16c")))
+
 /* Channel j's values q + offset as K u8 in quad order, 32 at a time (the table's `widen`): Q4L's 0..15. */
-VNNI void q4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void q4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < w->k / 32; b++) {
         const __m128i bytes = q4l_block(w, j, b);
@@ -323,12 +328,12 @@ VNNI void q4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
 }
 
 /* Q8L's int8 values + 128. */
-VNNI void q8l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void q8l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(flipped(q8l_block(w, j, b))));
 }
 
 /* Q6L's q (0..63: q - 32 + 32). */
-VNNI void q6l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void q6l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) {
         __m128i q[2];
         q6l_block(w, j, b, q);
@@ -338,17 +343,17 @@ VNNI void q6l_widen(const Linear *w, int64_t j, uint8_t *dst) {
 }
 
 /* Q5L's 0..31. */
-VNNI void q5l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void q5l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(q5l_block(w, j, b)));
 }
 
 /* IQ4L's grid values + 128. */
-VNNI void iq4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void iq4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(flipped(iq4l_block(w, j, b))));
 }
 
 /* Q4's 0..15 (a chunk of 64: its low nibbles the first 32 inputs, its high ones the next 32). */
-VNNI void q4_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void q4_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const int64_t k = w->k;
     const uint8_t *src = (const uint8_t *)w->weight + j * (k / 2);
     const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -360,7 +365,7 @@ VNNI void q4_widen(const Linear *w, int64_t j, uint8_t *dst) {
 }
 
 /* The int8 values + 128 of Q8 and Q8_0 (rows). */
-VNNI void q8_widen(const Linear *w, int64_t j, uint8_t *dst) {
+WIDEN void q8_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const int8_t *src = (const int8_t *)w->weight + j * w->k;
     for (int64_t i = 0; i < w->k; i += 32)
         _mm256_storeu_si256((__m256i *)(dst + i), quad_order(flipped(_mm256_loadu_si256((const __m256i *)(src + i)))));
@@ -546,6 +551,144 @@ static inline VNNI8 void store_lanes(float *tile, int channels, int rows, const 
     }
 }
 
+/* A group of 16 rows (`count` of them real) × the `n` channels widened in c, into y's rows at those channels with the
+ * bias, by the AVX-512 micro-kernels. */
+static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w, const IntChannels *c, int n,
+                                   int64_t count, float *tile, const float *bias, float *y, int64_t ldy) {
+    const WeightType *type = type_of(w);
+    if (type->sub_blocks) int_channels_q6(x, k, c, n, tile);
+    else int_channels(x, k, w->group, c, n, count, type->offset, tile);
+    store_lanes(tile, n, (int)count, bias, y, ldy);
+}
+
+/* ---- the integer panels on AVX2 (the types with `avx2_panels`: Q4L, Q8L, IQ4L): the same laid-out int8 rows and
+ * widened weights, each weight quad broadcast against 8 rows' quads (a half of the group's 16 lanes) by `vpmaddubsw`
+ * (u8 × s8, pairs summed into int16) and `vpmaddwd` by ones (the quad's sum in its int32 lane), as lanes_avx2.c's
+ * tiles do. Every block's integer sums are exact, and the float operations per lane those of `micro_vnni` (and of
+ * the AVX2 and AVX-512 tiles): a row has the same bits here, on the AVX2 tiles and on AVX-512. Q4L's 0..15 times
+ * the int8 rows sum in int16 over the whole block (pairs ≤ 2 · 15 · 127, eight quads ≤ 30,480 < 2^15), one
+ * `vpmaddwd` a block; the signed types' q + 128 are flipped back to q and multiplied by the sign trick (|q| times x
+ * with q's sign: pairs ≤ 2 · 128 · 127 < 2^15, so one `vpmaddwd` a quad), which saturation would otherwise break on
+ * q + 128. */
+
+#define AVX2_CHANNELS 4 /* output channels per AVX2 micro-kernel call: 2 × 4 int and 2 × 4 float accumulators */
+
+/* A signed channel's K widened bytes (q + 128) as the AVX2 micro-kernel reads them: each quad of int8 q beside its
+ * |q| (2K bytes), so that each is one broadcast (computing |q| per quad and channel cost the kernel ~10%). */
+static void signed_quads(const uint8_t *widened, int64_t k, uint8_t *dst) {
+    for (int64_t i = 0; i < k; i += 32) {
+        const __m256i q = flipped(_mm256_loadu_si256((const __m256i *)(widened + i)));
+        const __m256i size = _mm256_sign_epi8(q, q); /* |q| as u8, -128 too */
+        /* per 128-bit lane: quads 0, 1 | 4, 5 each beside its size, then 2, 3 | 6, 7 */
+        const __m256i low = _mm256_unpacklo_epi32(q, size), high = _mm256_unpackhi_epi32(q, size);
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i), _mm256_permute2x128_si256(low, high, 0x20));
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i + 32), _mm256_permute2x128_si256(low, high, 0x31));
+    }
+}
+
+/* `channels` (≤ AVX2_CHANNELS, a constant at each call) output channels from c0 of w × `halves` (1 or 2, a constant)
+ * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
+ * sizes (`signed_quads`, the sign trick), else 0..15. */
+static inline __attribute__((always_inline)) void micro_avx2_int(const LaneRows *x, int64_t k, int64_t group,
+                                                                 const IntChannels *w, int c0, const int channels,
+                                                                 const int halves, const int is_signed, float *tile) {
+    const int64_t blocks = k / 32, groups = k / group;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_CHANNELS][2];
+    for (int c = 0; c < channels; c++)
+        for (int h = 0; h < halves; h++) acc[c][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i dot[AVX2_CHANNELS][2]; /* int16 pair sums (0..15), else int32 quad sums */
+        for (int c = 0; c < channels; c++)
+            for (int h = 0; h < halves; h++) dot[c][h] = _mm256_setzero_si256();
+        for (int64_t i = b * 8; i < b * 8 + 8; i++) {
+            __m256i a[2];
+            for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
+            for (int c = 0; c < channels; c++) {
+                const int32_t *row = (const int32_t *)(w->q + (c0 + c) * (is_signed ? 2 * k : k));
+                const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
+                if (is_signed) {
+                    const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
+                    for (int h = 0; h < halves; h++) {
+                        const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(a[h], q));
+                        dot[c][h] = _mm256_add_epi32(dot[c][h], _mm256_madd_epi16(pairs, ones));
+                    }
+                } else {
+                    for (int h = 0; h < halves; h++) dot[c][h] = _mm256_add_epi16(dot[c][h], _mm256_maddubs_epi16(q, a[h]));
+                }
+            }
+        }
+        for (int h = 0; h < halves; h++) {
+            const __m256 d = _mm256_load_ps(x->scale + b * LANES + 8 * h); /* the rows' scale of this block */
+            for (int c = 0; c < channels; c++) {
+                const __m256i sums = is_signed ? dot[c][h] : _mm256_madd_epi16(dot[c][h], ones);
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(w->scale[(c0 + c) * blocks + b]));
+                acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c][h]);
+            }
+        }
+        if (w->minimum && b % (group / 32) == 0) { /* as `micro_vnni`: where the tiles add it */
+            const int64_t g = b / (group / 32);
+            for (int h = 0; h < halves; h++) {
+                const __m256 sum = _mm256_load_ps(x->sum + g * LANES + 8 * h);
+                for (int c = 0; c < channels; c++)
+                    acc[c][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(w->minimum[(c0 + c) * groups + g]), acc[c][h]);
+            }
+        }
+    }
+    for (int c = 0; c < channels; c++)
+        for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
+}
+
+/* The AVX2 micro-kernel over the `n` channels of c, AVX2_CHANNELS at a time: the group's first half of lanes only
+ * where its `rows` fit there (as `micro_vnni8`). */
+static void int_channels_avx2(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int n, int64_t rows,
+                              int is_signed, float *tile) {
+    const int halves = rows <= LANES / 2 ? 1 : 2;
+    for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
+        const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
+#define CALL(C, H, S) micro_avx2_int(x, k, group, w, c0, C, H, S, tile)
+#define HALVES(C, S) if (halves == 2) CALL(C, 2, S); else CALL(C, 1, S);
+#define CHANNELS(S) switch (channels) { case 4: HALVES(4, S) break; case 3: HALVES(3, S) break; case 2: HALVES(2, S) break; default: HALVES(1, S) }
+        if (is_signed) { CHANNELS(1) }
+        else { CHANNELS(0) }
+#undef CHANNELS
+#undef HALVES
+#undef CALL
+    }
+}
+
+/* 8 floats of v into dst[0 .. width), width ≤ 8, without AVX's masked stores (microcoded on AMD's cores). */
+static inline void store_first(float *dst, __m256 v, int width) {
+    if (width == 8) {
+        _mm256_storeu_ps(dst, v);
+        return;
+    }
+    __m128 part = _mm256_castps256_ps128(v);
+    if (width >= 4) {
+        _mm_storeu_ps(dst, part);
+        part = _mm256_extractf128_ps(v, 1), dst += 4, width -= 4;
+    }
+    float rest[4];
+    _mm_storeu_ps(rest, part);
+    for (int i = 0; i < width; i++) dst[i] = rest[i];
+}
+
+/* `store_lanes` in AVX2: the same transposes and additions, a short group of channels stored in pieces. */
+static void store_lanes_avx2(const float *tile, int channels, int rows, const float *bias, float *y, int64_t ldy) {
+    for (int c0 = 0; c0 < channels; c0 += 8) {
+        const int width = channels - c0 < 8 ? channels - c0 : 8;
+        float b8[8] = {0};
+        for (int c = 0; bias && c < width; c++) b8[c] = bias[c0 + c];
+        const __m256 b = _mm256_loadu_ps(b8);
+        for (int l0 = 0; l0 < rows; l0 += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(tile + (c0 + c) * LANES + l0);
+            transpose8(r);
+            for (int t = 0; t < 8 && l0 + t < rows; t++) store_first(y + (l0 + t) * ldy + c0, _mm256_add_ps(r[t], b), width);
+        }
+    }
+}
+
 /* Laid-out int8 rows multiplied per pass over the channels: each group of channels is widened again per block (on a
  * 1.7B model's 512-token prompt ~16% of the time at the float32 panels' 448 KB, whose blocks stay in L2), while the
  * int8 rows, a quarter of float32's bytes, stream well from L3. Same machine, alternated: 512 tokens 111-113 tok/s
@@ -555,14 +698,19 @@ static inline VNNI8 void store_lanes(float *tile, int channels, int rows, const 
 /* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of
  * w->group), run by every thread of the calling team as `gemm_panels`: the team splits groups of INT_CHANNELS
  * channels, each widened once for every group of 16 rows. `buffer`: gemm_buffer_floats(K) floats, 64-byte
- * aligned. */
-VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
+ * aligned. The AVX-512 micro-kernels where the lanes kernels run at 512 bits (`lanes_avx512`), else the AVX2 ones of
+ * a type that has them (`avx2_panels`; the chooser picks these panels on an AVX2 CPU for no other). */
+void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * k / 4, NULL};
     const WeightType *type = type_of(w);
+    const int wide = lanes_avx512() || !type->avx2_panels, is_signed = !wide && type->offset;
     if (type->minimums) c.minimum = buffer + INT_CHANNELS * (k / 4 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
+    /* the AVX2 micro-kernel's signed quads, after the tile (INT_CHANNELS · 2K bytes: within gemm_buffer_floats) */
+    IntChannels paired = c;
+    paired.q = (uint8_t *)(tile + TILE_FLOATS);
     /* Prompt chunks go INT_ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in cache while every group of
      * channels meets them (each group is widened again per block). */
     const int64_t block = (INT_ROW_BLOCK_BYTES / (int64_t)sizeof(float) / lane_floats(k) + 1) * LANES;
@@ -573,6 +721,7 @@ VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, 
             const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
             for (int i = 0; i < n; i++) {
                 type->widen(w, j0 + i, c.q + i * k);
+                if (is_signed) signed_quads(c.q + i * k, k, paired.q + i * 2 * k);
                 /* sub-blocks: two scales a block, in the room of the minimums such a type has none of
                  * (`channel_floats`) */
                 const int64_t spans = type->sub_blocks ? 2 * blocks : blocks;
@@ -581,9 +730,13 @@ VNNI8 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, 
             for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
                 const LaneRows x = lane_group(xq, r0 / LANES, k);
                 const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-                if (type->sub_blocks) int_channels_q6(&x, k, &c, n, tile);
-                else int_channels(&x, k, w->group, &c, n, count, type->offset, tile);
-                store_lanes(tile, n, (int)count, w->bias ? w->bias + j0 : NULL, y + r0 * ldy + j0, ldy);
+                const float *bias = w->bias ? w->bias + j0 : NULL;
+                if (wide) {
+                    int_group_avx512(&x, k, w, &c, n, count, tile, bias, y + r0 * ldy + j0, ldy);
+                } else {
+                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, tile);
+                    store_lanes_avx2(tile, n, (int)count, bias, y + r0 * ldy + j0, ldy);
+                }
             }
         }
     }

@@ -111,7 +111,7 @@ enum {
     PATH_QUANTIZED = 2, /* quantized rows (int8 in lanes, int16 in rows), one pass (`quantized_rows`: a channel at a time, or 16 in lanes) */
     PATH_INVARIANT = 3, /* int16 rows, each row's bits those of the row alone (`invariant_rows`, the row panels) */
     PATH_GEMM = 4,      /* gemm.c's float32 panels */
-    PATH_INT_GEMM = 5,  /* gemm.c's integer panels (AVX-512 VNNI) over int16 rows */
+    PATH_INT_GEMM = 5,  /* gemm.c's integer panels over int8 rows (AVX-512 VNNI; on AVX2 the `avx2_panels` types) */
     PATHS = 6
 };
 /* What the op-at-a-time entry takes instead of a path: the chooser's pick for decode rows, or for prompt rows (a
@@ -122,7 +122,7 @@ enum { PATH_DECODE_ROWS = -1, PATH_PROMPT_ROWS = -2 };
 typedef struct {
     int64_t quantized_activations; /* 0: float32 rows everywhere (exact to the dequantized weights) */
     int64_t invariant;             /* 1 (the default): each row's arithmetic whatever shares its step */
-    int64_t integer_gemm;          /* 1 (the default): the integer panels where the CPU has them */
+    int64_t integer_gemm;          /* 1 (the default): the integer panels where they run (`integer_panels_run`) */
     int64_t float_rows;            /* the float32 tiles from this many rows on: -1 each type's own, 0 never */
     int64_t gemm_rows;             /* the panels from this many rows on: -1 the defaults (below), 0 never */
 } Tuning;
@@ -279,6 +279,10 @@ typedef struct {
      * block (sub_blocks: per 16 inputs) and minimums per group. */
     void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
+    /* The integer panels have an AVX2 micro-kernel for the type (gemm.c, `vpmaddubsw`), with the bits of its AVX2
+     * tiles: `widen`'s values must then be 0..15 (offset 0: summed in int16 over a block) or int8 + 128 (offset 128:
+     * flipped back to int8, the sign trick). The lanes types with AVX2 tiles: Q4L, Q8L, IQ4L. */
+    int avx2_panels;
     /* The float32 panels, for a lanes layout that has it (else channel by channel through `dequantize`): the 16
      * channels of group G into panel columns, rows `ld` floats apart, the same values as `dequantize`. */
     void (*panel_group)(const Linear *w, int64_t G, float *panel, int64_t ld);
@@ -722,13 +726,18 @@ INTERNAL void q8l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, i
 INTERNAL void q6l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q5l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
-/* Their AVX2 tiles (lanes_avx2.c), and whether the lanes tiles run in 512-bit vectors: `kettle_lanes_avx512` (-1: the
- * CPU's answer; tests set 0 to run the AVX2 ones here). */
+/* Their AVX2 tiles (lanes_avx2.c), and whether the lanes tiles (and the integer panels of the `avx2_panels` types) run
+ * in 512-bit vectors: `kettle_lanes_avx512` (-1: the CPU's answer; tests set 0 to run the AVX2 ones here). */
 INTERNAL void iq4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q8l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
+/* Whether the integer panels can run a weight of `type` on this CPU: any type they widen where it has AVX-512 VNNI,
+ * else those with an AVX2 micro-kernel (`avx2_panels`). */
+static inline int integer_panels_run(const WeightType *type) {
+    return type->widen && (kettle_cpu_vnni512 || type->avx2_panels);
+}
 
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
@@ -737,8 +746,8 @@ static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kett
  * of gemm_buffer_floats(K) floats, 64-byte aligned. */
 INTERNAL void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);
 INTERNAL int64_t gemm_buffer_floats(int64_t k);
-/* The integer panels (AVX-512 VNNI) over rows quantized to int8 and laid out in lanes by the team, as
- * `gemm_panels`. */
+/* The integer panels (AVX-512 VNNI; AVX2 for the `avx2_panels` types) over rows quantized to int8 and laid out in
+ * lanes by the team, as `gemm_panels`. */
 INTERNAL void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t group);
 INTERNAL void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer);
 /* gemm.c's row panels (AVX2): a weight in the rows layouts over rows quantized in xq, each row's bits those of the

@@ -9,10 +9,11 @@
  *
  * Measured on the 1.7B files with AVX-512 off (2 Zen 4 cores, one process alternating the two loads, medians, tok/s
  * decode / prefill of 512; runs on this shared machine moved by up to ~15%): Q4_K_M 23.5 / 49.1 in the rows layout
- * (int16 rows), 28.0 / 45.4 in lanes; Q8_0 17.3 / 47.3 in rows, 18.2 / 43.1 in lanes. Prompts take the float32
+ * (int16 rows), 28.0 / 45.4 in lanes; Q8_0 17.3 / 47.3 in rows, 18.2 / 43.1 in lanes. Prompts took the float32
  * panels, which then dequantized a lanes channel from strided bytes; since they read Q4L and Q8L 16 channels at a
  * time (the table's `panel_group`) Q4_K_M's prompts run as from rows (49.0 against 48.6, decode 31.5 against
- * 24.9, alternated in one process). Q6L and
+ * 24.9, alternated in one process). Prompts of 64 rows and more now take the integer panels' AVX2 micro-kernel
+ * (gemm.c), fewer these tiles: int8 rows with these tiles' bits (Q4_K_M's prefill 52.3 → 84.3 tok/s). Q6L and
  * Q5L have no AVX2 tile: with int8 rows theirs lost to int8 per channel, where Q6_K, Q5_K, Q5_0 and Q5_1 stay on such
  * CPUs (the nearest scheme): Q6_K 19.6 against 20.5 (its high bits moved and interleaved per unit pair; a Q4_K_M
  * file's Q6_K tensors 28.1 against 27.4, within the noise, prompts 0.96x), Q5_K_M 15.3 against 18.3 (its fifth-bit

@@ -20,19 +20,25 @@
  * decode rows does not amortize (bundled model's layers op by op, 2 threads: 16 rows 2.8 against 4.3 ms on the
  * panels, 64 rows 7.2 against 10.0, even at 128 and 256, 512 rows 81 against 72). */
 #define LANES_GEMM_ROWS 128
+/* On an AVX2 CPU from fewer: its tiles take 4 rows a pass, not 8, and meet each weight vector twice as often (the
+ * 1.7B model's gate and up, 16,384 × 2,048, one thread, AVX-512 off: Q4_K 48 rows 21.9 against 22.7 ms on the tiles,
+ * 64 rows 27.0 against 30.0, 96 rows 37.5 against 48.7; IQ4_XS 64 rows 44.8 against 50.2). */
+#define AVX2_LANES_GEMM_ROWS 64
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Whether the panels are the integer ones: switched on, over int8 rows, on a CPU with AVX-512 VNNI. */
-static int integer_panels(const Tuning *t) {
-    return t->integer_gemm && t->quantized_activations && kettle_cpu_vnni512;
+/* Whether the panels are the integer ones for a weight of `type`: switched on, over int8 rows, where they run it
+ * (AVX-512 VNNI; on an AVX2 CPU the `avx2_panels` types). */
+static int integer_panels(const Tuning *t, const WeightType *type) {
+    return t->integer_gemm && t->quantized_activations && integer_panels_run(type);
 }
 
-/* Rows from which the panels run (for a weight in lanes not before LANES_GEMM_ROWS). */
-static int64_t panel_rows(const Tuning *t, int lanes) {
+/* Rows from which the panels run (for a weight in lanes not before LANES_GEMM_ROWS, on AVX2 AVX2_LANES_GEMM_ROWS). */
+static int64_t panel_rows(const Tuning *t, const WeightType *type) {
     const int64_t gemm = t->gemm_rows < 0 ? GEMM_ROWS : t->gemm_rows ? t->gemm_rows : NEVER;
-    const int64_t rows = integer_panels(t) ? min64(gemm, t->gemm_rows < 0 ? INTEGER_ROWS : gemm) : gemm;
-    return lanes && rows < LANES_GEMM_ROWS ? LANES_GEMM_ROWS : rows;
+    const int64_t rows = integer_panels(t, type) ? min64(gemm, t->gemm_rows < 0 ? INTEGER_ROWS : gemm) : gemm;
+    const int64_t lanes = kettle_cpu_vnni512 ? LANES_GEMM_ROWS : AVX2_LANES_GEMM_ROWS;
+    return type->lanes && rows < lanes ? lanes : rows;
 }
 
 /* Rows from which the float32 tiles replace int16 rows for a weight in the rows layouts. */
@@ -43,13 +49,14 @@ static int64_t float_rows(const Tuning *t, const WeightType *type) {
 
 /* The panels for `rows` rows: the integer ones where they run and the rows are whole blocks, else the float32 ones. */
 static int panels_path(const Linear *w, const Tuning *t) {
-    return integer_panels(t) && w->k % 32 == 0 ? PATH_INT_GEMM : PATH_GEMM;
+    return integer_panels(t, type_of(w)) && w->k % 32 == 0 ? PATH_INT_GEMM : PATH_GEMM;
 }
 
 /* Under batch invariance every row keeps one arithmetic whatever the row count, so the choice is between kernels of
  * the same bits: a weight in lanes between its lanes kernel and the integer panels (both add a row's block sums in
- * one order), a rows layout's decode rows each as alone, its prompt rows the prompt GEMM (whose sums for a row do not
- * depend on how many rows a chunk has). Without it, each row count takes its fastest kernel. */
+ * one order; on an AVX2 CPU its AVX2 tiles and AVX2 panels), a rows layout's decode rows each as alone, its prompt
+ * rows the prompt GEMM (whose sums for a row do not depend on how many rows a chunk has). Without it, each row count
+ * takes its fastest kernel. */
 int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
     const WeightType *type = type_of(w);
     const int blocks = t->quantized_activations && w->k % 32 == 0; /* whole blocks of quantized rows */
@@ -57,13 +64,13 @@ int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
     if (!type->quantized) return PATH_TILES;
     if (t->invariant) {
         if (!blocks) return type->lanes ? PATH_TILES : float32;
-        /* without the integer panels (an AVX2 CPU) a lanes type's prompt rows take the float32 ones, whose sums for a
-         * row do not depend on the chunk, and its decode rows its tiles, as the rows layouts split them */
-        if (type->lanes && !kettle_cpu_vnni512) return prompt ? PATH_GEMM : PATH_QUANTIZED;
-        if (type->lanes) return rows >= panel_rows(t, 1) ? PATH_INT_GEMM : PATH_QUANTIZED;
+        /* on an AVX2 CPU with the integer panels switched off, a lanes type's prompt rows take the float32 ones, whose
+         * sums for a row do not depend on the chunk, and its decode rows its tiles, as the rows layouts split them */
+        if (type->lanes && !kettle_cpu_vnni512 && !integer_panels(t, type)) return prompt ? PATH_GEMM : PATH_QUANTIZED;
+        if (type->lanes) return rows >= panel_rows(t, type) ? PATH_INT_GEMM : PATH_QUANTIZED;
         return prompt ? panels_path(w, t) : PATH_INVARIANT;
     }
-    const int64_t panels = panel_rows(t, type->lanes);
+    const int64_t panels = panel_rows(t, type);
     /* Lanes share each weight vector among 8 rows a pass for 16 channels at once: below the panels they beat
      * dequantizing every weight to float32 at any row count (the bundled model's fused step at 8 rows: 15 against
      * 25-35 ms in rows). */
@@ -135,7 +142,7 @@ static int path_runs(const Linear *w, int path) {
     case PATH_QUANTIZED:
         return w->k % 32 == 0 && type->quantized_rows != NULL;
     case PATH_INVARIANT: return type->invariant_rows != NULL && w->k % 32 == 0;
-    case PATH_INT_GEMM: return type->widen != NULL && w->k % 32 == 0 && kettle_cpu_vnni512;
+    case PATH_INT_GEMM: return w->k % 32 == 0 && integer_panels_run(type);
     default: return 0;
     }
 }

@@ -113,10 +113,14 @@ def lanes(kind: int | None = None) -> bool:
     return vnni() or kind in AVX2_LANES_TYPES
 
 
-def integer_gemm() -> bool:
-    """Whether the panels are the integer ones (switched on, over int8 rows, AVX-512 VNNI here)."""
+def integer_gemm(kind: int | None = None) -> bool:
+    """Whether the panels are the integer ones (switched on, over int8 rows): for every type where the CPU has AVX-512
+    VNNI; with `kind`, whether they are for that type, which the lanes types with AVX2 tiles (`AVX2_LANES_TYPES`, the
+    integer panels' AVX2 micro-kernel) are on any CPU the kernels run on (linear.c's `integer_panels`)."""
     current = settings.current()
-    return available() and current.cpu_integer_gemm and current.quantized_activations and vnni()
+    if not (available() and current.cpu_integer_gemm and current.quantized_activations):
+        return False
+    return vnni() or kind in AVX2_LANES_TYPES
 
 
 def path(weight: Linear, rows: int, prompt: bool = False) -> str:

@@ -143,6 +143,21 @@ def test_fused_step_under_batch_invariance_equals_the_layer_by_layer_forward(
         assert torch.equal(decode_logits(model, fused=True), fused)
 
 
+def test_fused_step_on_an_avx2_cpus_lanes_kernels_equals_the_layer_by_layer_forward(tmp_path):
+    """On an AVX2 CPU's kernels (AVX-512 VNNI off here) `--quantize int4` sits in lanes too: the fused step runs its
+    AVX2 tiles and, for a step of 64 sequences or more, its AVX2 integer panels (the int8 rows laid out in the step's
+    own buffers) inside its parallel region, as the layer-by-layer forward runs them per call: the same numbers."""
+    with kernel_switch("kettle_cpu_vnni512", 0), kernel_switch("kettle_lanes_avx512", 0):
+        model = load_model(str(family_path(tmp_path, "qwen2")), torch.float32, torch.device("cpu"), quantize="int4")
+        assert model.cpu_decoder_step is not None
+        down = model.layers[0].mlp.down.describe()
+        assert ops.in_lanes(down)
+        assert [ops.path(down, rows) for rows in (4, 70)] == ["quantized", "int_gemm"]
+        prompts = [[3 + i % 40, 5 + i % 7, 11] for i in range(70)]
+        fused, reference = (drive.decode_logits(model, prompts, fused, steps=3) for fused in (True, False))
+        assert torch.equal(fused, reference)
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_sliding", "qwen3", "gemma"])
 def test_float32_weights_stored_dense_decode_fused(tmp_path, monkeypatch, variant):
     """Float32 projections in the dense layout: the C step's tiles read them in place, while the layer-by-layer

@@ -243,8 +243,8 @@ AVX2_TYPES = {T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ
 def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_path, monkeypatch, qtype):
     """On a CPU without AVX-512 VNNI (this one, told so: `kettle_cpu_vnni512` 0, which Python's `ops.vnni` reads too)
     the types with AVX2 tiles (lanes_avx2.c: Q4_*, Q8_0, IQ4_XS) still sit in lanes, on those tiles: the file's values
-    (Q4_K's own scales), its logits and transformers' greedy tokens, prompts on the float32 panels, decode rows on the
-    tiles, the fused step too; Q6_K and the 5-bit types are not in lanes there."""
+    (Q4_K's own scales), its logits and transformers' greedy tokens, prompts and decode rows on the AVX2 tiles (the
+    AVX2 integer panels from 64 rows), the fused step too; Q6_K and the 5-bit types are not in lanes there."""
     from tests.fixtures import kernel_switch
 
     if not ops.available():

@@ -1,11 +1,15 @@
 """Batch invariance of Kettle's CPU kernels (`KETTLE_TUNING`'s `batch-invariant`, on by default): a row computed among
 other rows has the bits it has alone, for every weight type the kernels take, at every row count a step may have (a
 decode step of 1..40 sequences, a prompt chunk of hundreds), through every path a row count picks (weight_types.c's
-`invariant_rows`, gemm.c's row panels, the lanes kernels and the integer panels on AVX-512 VNNI). The same checks
+`invariant_rows`, gemm.c's row panels, the lanes kernels and the integer panels, with AVX-512 VNNI and with an AVX2
+CPU's kernels, AVX-512 switched off in-process). The same checks
 with the switch off find rows that differ: the fast paths change a row's arithmetic with the row count, which is what
 the switch is for."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -15,13 +19,21 @@ from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear, pack_q4
 from kettle.quantization.q8 import Q8Linear
 from tests.fixtures import add_tuning, kernel_switch, kernels_buildable, torch_threads, vector_width
-from tests.kernel_weights import INT8_RTOL, int8_reads, random_q4_k_blocks, random_q6_k_blocks, reference
+from tests.kernel_weights import (
+    INT8_RTOL,
+    int8_reads,
+    random_iq4_xs_blocks,
+    random_q4_k_blocks,
+    random_q6_k_blocks,
+    reference,
+)
 from tests.unit.test_cpu_kernels import QUANTIZED_ACTIVATION_RTOL, relative
 
 pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
 
-# Decode steps of 1..40 rows (the row panels start at 16), and prompt chunks past the lanes' panels (128 rows).
-COUNTS = (*range(1, 41), 130, 203)
+# Decode steps of 1..40 rows (the row panels start at 16), and prompt chunks past the lanes' panels (64 rows on AVX2,
+# 128 with AVX-512 VNNI).
+COUNTS = (*range(1, 41), 70, 130, 203)
 
 
 def rows_that_differ(layer: torch.nn.Module, k: int, seed: int = 0) -> list[int]:
@@ -48,13 +60,35 @@ def q8_0_layer(n: int, k: int) -> Q8Linear:
     return Q8Linear(q, scales, torch.randn(n))
 
 
-@pytest.fixture(params=["rows", "lanes"])
-def layout(request, monkeypatch) -> str:
-    """The rows layouts (every weight on an AVX2 CPU), and lanes where the CPU has AVX-512 VNNI."""
+@contextmanager
+def avx2_lanes(avx2: bool) -> Iterator[None]:
+    """With `avx2`, the kernels as on a CPU without AVX-512 VNNI (the types with AVX2 tiles stay in lanes: their
+    AVX2 tiles and AVX2 integer panels); else as this CPU has them."""
+    if not avx2:
+        yield
+        return
+    with kernel_switch("kettle_cpu_vnni512", 0), kernel_switch("kettle_lanes_avx512", 0):
+        yield
+
+
+@pytest.fixture(params=["rows", "lanes", "lanes (AVX2)"])
+def layout(request, monkeypatch) -> Iterator[str]:
+    """The rows layouts (Q6_K's and the 5-bit types' on an AVX2 CPU, `--quantize int8`'s everywhere), lanes where the
+    CPU has AVX-512 VNNI, and lanes on an AVX2 CPU's kernels (AVX-512 off here)."""
     if request.param == "lanes" and not ops.vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
-    add_tuning(monkeypatch, lanes=request.param == "lanes")
-    return request.param
+    add_tuning(monkeypatch, lanes=request.param != "rows")
+    with avx2_lanes(request.param == "lanes (AVX2)"):
+        yield request.param
+
+
+@pytest.fixture(params=["AVX-512", "AVX2"])
+def lanes_width(request) -> Iterator[str]:
+    """A lanes type's kernels where the CPU has AVX-512 VNNI, and an AVX2 CPU's (AVX-512 off here)."""
+    if request.param == "AVX-512" and not ops.vnni():
+        pytest.skip("no AVX-512 VNNI here")
+    with avx2_lanes(request.param == "AVX2"):
+        yield request.param
 
 
 @pytest.fixture(params=["row channels", "row panels"])
@@ -71,14 +105,15 @@ def row_panels(request):
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["minimums", "symmetric"])
 def test_int4_rows_are_computed_as_alone(layout, row_panels, group, symmetric):
-    layer = q4_layer(48 if layout == "lanes" else 40, 768, group, symmetric)
-    assert layer.lanes == (layout == "lanes")
+    lanes = layout != "rows"
+    layer = q4_layer(48 if lanes else 40, 768, group, symmetric)
+    assert layer.lanes == lanes
     assert rows_that_differ(layer, 768) == []
 
 
-def test_q4_k_rows_are_computed_as_alone():
-    if not ops.lanes():
-        pytest.skip("Q4_K keeps its own scales in lanes only (AVX-512 VNNI); elsewhere it is int4 in rows, above")
+def test_q4_k_rows_are_computed_as_alone(lanes_width):
+    """In lanes (Q4_K keeps its own scales there): the tiles below the integer panels' rows (128 with AVX-512 VNNI,
+    64 on AVX2), the panels from there."""
     from gguf import GGMLQuantizationType as T
 
     from kettle.quantization.gguf_blocks import int4_groups
@@ -91,8 +126,9 @@ def test_q4_k_rows_are_computed_as_alone():
 
 
 def test_q8_0_rows_are_computed_as_alone(layout, row_panels):
-    layer = q8_0_layer(48 if layout == "lanes" else 40, 608 if layout == "rows" else 576)
-    assert layer.lanes == (layout == "lanes")
+    lanes = layout != "rows"
+    layer = q8_0_layer(48 if lanes else 40, 576 if lanes else 608)
+    assert layer.lanes == lanes
     assert rows_that_differ(layer, layer.in_features) == []
 
 
@@ -100,6 +136,18 @@ def test_int8_rows_are_computed_as_alone(row_panels):
     layer = Int8Linear.from_weight(torch.randn(40, 608) * 0.05, torch.randn(40))
     assert layer.cpu_kernel
     assert rows_that_differ(layer, 608) == []
+
+
+def test_iq4_xs_rows_are_computed_as_alone(lanes_width):
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.iq4 import IQ4Linear
+    from kettle.tensors.gguf_file import Blocks
+
+    blocks = [Blocks(random_iq4_xs_blocks(48, 512, seed=9), T.IQ4_XS, 48, 512, None)]
+    layer = IQ4Linear.from_blocks(blocks, torch.randn(48))
+    assert ops.in_lanes(layer.describe())
+    assert rows_that_differ(layer, 512) == []
 
 
 def test_q6_k_rows_are_computed_as_alone():

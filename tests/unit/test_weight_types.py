@@ -6,6 +6,7 @@ kernels.h."""
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,94 @@ def test_the_avx2_lanes_tiles_compute_the_avx512_tiles_bits(name):
     assert relative(narrow, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
 
 
+# The lanes types with the integer panels' AVX2 micro-kernel (weight_types.c's `avx2_panels`: those with AVX2 tiles).
+AVX2_PANEL_NAMES = [name for name in AVX2_NAMES if not name.startswith("stacked")]
+
+
+def avx2_weight(name: str) -> Weight:
+    """`weight` for a type held in lanes on any AVX2 CPU: built wherever the kernels run, not only with VNNI."""
+    if name not in _built:
+        _built[name] = build(name, N, K)
+    return _built[name]
+
+
+@contextmanager
+def avx2_cpu():
+    """The kernels as on a CPU without AVX-512 VNNI: the chooser, the lanes tiles and the integer panels."""
+    with kernel_switch("kettle_cpu_vnni512", 0), kernel_switch("kettle_lanes_avx512", 0):
+        yield
+
+
+@pytest.mark.parametrize("name", AVX2_PANEL_NAMES)
+def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name):
+    """On an AVX2 CPU the integer panels (gemm.c's `vpmaddubsw` micro-kernel: Q4L's 0..15 summed in int16 over a
+    block, Q8L's and IQ4L's int8 by the sign trick) give every row the bits of the AVX2 tiles (the same exact integer
+    block sums, the same float operations lane by lane), at every row count from 1 to 40 (one and both halves of a
+    group of 16 lanes, a partial last group) over 80 channels (groups of 12 and a short last one of 8); those bits are
+    the dense weight times the int8-rounded rows, and, where the CPU has AVX-512 VNNI, its panels' and tiles'."""
+    w = avx2_weight(name)
+    x = torch.randn(40, K)
+    with avx2_cpu():
+        tiles = ops.linear_on(x, w.linear, "quantized")
+        for rows in range(1, 41):
+            assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
+    assert relative(tiles, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
+    if lanes_here():
+        assert torch.equal(ops.linear_on(x, w.linear, "int_gemm"), tiles)
+        assert torch.equal(ops.linear_on(x, w.linear, "quantized"), tiles)
+
+
+@pytest.mark.parametrize("name", ["q4_lanes", "q8_0_lanes"])
+def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name):
+    """The largest products `vpmaddubsw` meets: Q4's 15s against int8 rows of ±127 (a block's int16 pair sums at
+    8 · 2 · 15 · 127 = 30,480, below 2^15), Q8_0's -128 and 127 against them (|q| 128 on the unsigned side through
+    the sign trick, pairs at 2 · 128 · 127): no saturation, the dense products exactly (the tiles' too)."""
+    from kettle.quantization.q4 import Q4Linear, pack_q4
+    from kettle.quantization.q8 import Q8Linear
+
+    n = 48
+    if name == "q4_lanes":
+        q = torch.full((n, K), 15, dtype=torch.uint8)
+        scales = torch.full((n, K // 32), 0.5)
+        layer = Q4Linear.from_groups(pack_q4(q), scales, torch.zeros_like(scales), 32, torch.zeros(n))
+        dense = torch.full((n, K), 7.5)
+    else:
+        q = torch.where(torch.rand(n, K) < 0.5, -128, 127).to(torch.int8)
+        layer = Q8Linear(q, torch.full((n, K // 32), 0.5).half(), torch.zeros(n))
+        dense = q.float() * 0.5
+    x = torch.where(torch.rand(20, K) < 0.5, -127.0, 127.0)  # int8 values ±127, each block's scale 1
+    w = layer.describe()
+    assert ops.in_lanes(w)
+    with avx2_cpu():
+        panels, tiles = ops.linear_on(x, w, "int_gemm"), ops.linear_on(x, w, "quantized")
+    assert torch.equal(panels, tiles)
+    assert torch.equal(panels, x @ dense.T)  # every product and sum exact in float32
+
+
+def test_an_avx2_cpu_takes_the_integer_panels_for_its_lanes_types(tune):
+    """Without AVX-512 VNNI the lanes types with AVX2 tiles take the integer panels (AVX2 micro-kernel) from 64 rows,
+    decode or prompt rows alike (the same bits as their tiles below), and their tiles below: int8 rows for prompts as
+    for decode. `KETTLE_TUNING=integer-gemm=off` keeps the float32 panels for their prompts. The rows layouts have
+    no integer panels there (`ops.integer_gemm()` is for every type only with VNNI)."""
+    x = torch.randn(64, K)
+    with avx2_cpu():
+        assert not ops.integer_gemm()
+        for name in AVX2_PANEL_NAMES:
+            w = avx2_weight(name).linear
+            assert ops.integer_gemm(w.kind)
+            assert [ops.path(w, rows) for rows in (1, 63, 64, 300)] == ["quantized"] * 2 + ["int_gemm"] * 2
+            assert [ops.path(w, rows, prompt=True) for rows in (1, 63, 64)] == ["quantized"] * 2 + ["int_gemm"]
+        q4 = weight("q4").linear
+        assert ops.path(q4, 300, prompt=True) == "gemm"
+        with pytest.raises(ValueError, match="has no int_gemm path"):
+            ops.linear_on(x, q4, "int_gemm")
+        tune("integer-gemm=off")
+        for name in AVX2_PANEL_NAMES:
+            w = avx2_weight(name).linear
+            assert not ops.integer_gemm(w.kind)
+            assert ops.path(w, 300, prompt=True) == "gemm" and ops.path(w, 300) == "quantized"
+
+
 @pytest.fixture
 def tune(monkeypatch):
     """Sets KETTLE_TUNING for the test (the settings follow the environment in tests: tests/conftest.py)."""
@@ -207,6 +296,7 @@ def test_the_python_description_is_kernels_h():
     table_text = (KERNELS / "weight_types.c").read_text()
     rows = dict(re.findall(r"\[(LINEAR_\w+)\] = \{(.*?)\},\n", table_text, re.S))
     assert {kinds[k] for k, row in rows.items() if ".quantized_rows_avx2" in row} == set(structs.AVX2_LANES_TYPES)
+    assert {kinds[k] for k, row in rows.items() if ".avx2_panels = 1" in row} == set(structs.AVX2_LANES_TYPES)
 
 
 @pytest.mark.parametrize(("lanes", "rows"), [("q4_lanes", "q4"), ("q4_lanes g128", "q4 g128"), ("q8_0_lanes", "q8_0")])
