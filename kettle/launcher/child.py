@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 
 
-def _death_signal_hook() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child die with the launcher, or None off Linux.
+def _start_hook(niceness: int) -> Callable[[], None] | None:
+    """A preexec_fn that makes the child die with the launcher and lowers its CPU priority by `niceness`, or None off
+    Linux.
 
     libc and the parent pid are looked up here, before fork: between fork and exec only simple calls are safe.
     """
@@ -40,6 +41,9 @@ def _death_signal_hook() -> Callable[[], None] | None:
         # The launcher may have died between fork and prctl; then nobody would ever send the signal.
         if os.getppid() != parent:
             os._exit(1)
+        if niceness > 0:
+            with contextlib.suppress(OSError):  # refused (a sandbox): the child says so (router/priority.py)
+                os.nice(niceness)
 
     return hook
 
@@ -55,7 +59,7 @@ class Child:
             env=dict(spec.env),
             stdin=subprocess.PIPE if reads_stdin else subprocess.DEVNULL,
             process_group=0,
-            preexec_fn=_death_signal_hook(),
+            preexec_fn=_start_hook(spec.niceness),
         )
         log.info("Started %s (pid %d)", self.name, self.pid)
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kettle import settings
 from kettle.hub.types import ResolvedModel
 from kettle.launcher.config import LauncherConfig
 from kettle.router.config import MODEL_FROM_LAUNCHER
@@ -21,12 +22,14 @@ from kettle.router.config import MODEL_FROM_LAUNCHER
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One child process: a name for the logs, its argv, its full environment, and the socket it serves."""
+    """One child process: a name for the logs, its argv, its full environment, the socket it serves, and how much
+    lower than the launcher's its CPU priority starts (`niceness`)."""
 
     name: str
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     socket: str | None = None  # the launcher waits until this Unix socket answers before going on
+    niceness: int = 0
 
 
 def kettle_command() -> list[str]:
@@ -96,4 +99,5 @@ def router_spec(config: LauncherConfig, model: ResolvedModel | None) -> ProcessS
     else:
         router = config.router_config(str(model.path), model.display_id, model.sha)
     argv = [*kettle_command(), "router", *config_argv(router)]
-    return ProcessSpec("router", tuple(argv), child_env({}))
+    # From its first instruction, so that its imports are low priority too (kettle/router/priority.py).
+    return ProcessSpec("router", tuple(argv), child_env({}), niceness=settings.current().router_nice)

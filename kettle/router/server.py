@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from kettle.router.images.fetch import FetchPolicy
 from kettle.router.images.prompt import ImageReader
 from kettle.router.infer import Infer
 from kettle.router.metrics_server import start_metrics_server
+from kettle.router.priority import yield_cpu
 from kettle.router.shutdown import Drain, DrainingServer
 from kettle.router.slow_clients import BodyDeadline, SlowClientProtocol
 from kettle.router.tokenizer import TokenizerPool
@@ -69,7 +69,7 @@ class TokenLimits:
 
 def run(config: RouterConfig) -> None:
     """Serves until SIGINT/SIGTERM; a startup problem is logged in one line and exits with code 1."""
-    yield_cpu(settings.current().router_nice)
+    yield_cpu(settings.current().router_nice, config.launcher_pid)
     if config.tokenizer_name == MODEL_FROM_LAUNCHER:
         config = model_from_launcher(config)
     # Before the shard channels exist: they get the trace-context interceptor only when tracing is on.
@@ -98,26 +98,6 @@ def model_from_launcher(config: RouterConfig) -> RouterConfig:
     model = json.loads(line)
     logger.info("Model folder from the launcher: %s", model["folder"])
     return replace(config, tokenizer_name=model["folder"], model_id=model["model_id"], model_sha=model["model_sha"])
-
-
-def yield_cpu(niceness: int) -> None:
-    """Lowers this process's CPU priority by `niceness` (before any thread starts, so all of them inherit it).
-
-    The shards' threads fill the cores while a step runs; the router's work (the next call, the streams' events)
-    then took a core from a running step, and its partner threads waited at the step's next barrier: twice the
-    router's time lost. At a lower priority the router runs more in the step's idle moments instead (docs/
-    performance.md: a few percent at one stream on 2 cores, within that machine's noise at 16). Where a core is
-    free it changes nothing."""
-    if niceness <= 0:
-        return
-    try:
-        os.nice(niceness)
-    except OSError as exc:  # a sandbox may refuse it; the router only runs at the shards' priority then
-        logger.warning("Could not lower the router's CPU priority (KETTLE_TUNING=router-nice=%d): %s", niceness, exc)
-        return
-    logger.info(
-        "Router niceness +%d: the shards' compute goes first on a busy CPU (KETTLE_TUNING's router-nice)", niceness
-    )
 
 
 async def serve(config: RouterConfig) -> None:

@@ -298,3 +298,15 @@ def test_a_model_on_this_machine_starts_the_shards_beside_its_look_up_at_once(ti
     started = []
     model = prepare_model(LauncherConfig(model_id=str(tiny_llama_path)), meanwhile=lambda: started.append(True))
     assert started == [True] and (model.path / "config.json").is_file()
+
+
+def test_a_child_starts_at_its_specs_lower_cpu_priority():
+    """The router's niceness applies from its first instruction (its imports run beside a first start's
+    preparation), not from when its own code gets to lower it."""
+    from kettle.launcher.child import Child
+    from kettle.launcher.specs import ProcessSpec
+
+    argv = (sys.executable, "-c", "import os, sys; sys.exit(os.nice(0))")
+    child = Child(ProcessSpec("niced", argv, dict(os.environ), niceness=5))
+    assert child.process.wait(30) == min(os.nice(0) + 5, 19)
+    assert router_spec(LauncherConfig(), None).niceness == 10  # KETTLE_TUNING's router-nice default
