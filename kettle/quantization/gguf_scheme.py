@@ -8,8 +8,9 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
   values, packed from its blocks, where weights are held in lanes: IQ4_XS (as Q4_* and Q8_0) on any CPU the
   kernels run on (AVX-512 VNNI, or AVX2 with kettle/kernels/lanes_avx2.c's tiles), Q6_K and the 5-bit types with
   AVX-512 VNNI only (their AVX2 tiles lost to int8 per channel);
-- elsewhere (no lanes) those → int8 with one scale per output channel (`Int8Linear`), requantized from gguf's
-  dequantization: 8 bits per channel is the nearest scheme the rows layouts have;
+- elsewhere (no lanes for them: an AVX2 CPU's Q6_K and 5-bit types) those → Q8_0's blocks of 32 in lanes
+  (`Q8Linear.from_weight`), requantized from gguf's dequantization, where Q8_0 is held in lanes (its AVX2 tiles and
+  integer panels); else int8 with one scale per output channel (`Int8Linear`), the nearest the rows layouts have;
 - F32, F16, BF16 → dense, as any float checkpoint.
 A fused projection (q/k/v, gate/up) whose parts mix types keeps each part's own type, the parts stacked along the
 outputs (`StackedWeight`; Q4_K_M stores some layers' v in Q6_K beside a Q4_K q and k).
@@ -65,7 +66,8 @@ class GgufScheme:
     @property
     def description(self) -> str:
         """What the file stores and how each of its types is served, e.g. `gguf Q4_K → q4_lanes, Q6_K → q6_k_lanes`
-        (int8 per channel: requantized, the nearest scheme), once the weights are loaded; before, the scheme."""
+        (`(requantized)`: another type's grid, the nearest the kernels read here), once the weights are loaded;
+        before, the scheme."""
         if not self.served:
             return f"gguf {self.types} → {self.method}"
         order = self.types.split("+")
@@ -82,7 +84,9 @@ class GgufScheme:
             else:
                 kind = type(layer).__name__
             for name in names:
-                self.served.setdefault(self.gguf.qtype(name).name, set()).add(kind)
+                qtype = self.gguf.qtype(name)
+                requantized = isinstance(layer, Q8Linear) and qtype != T.Q8_0
+                self.served.setdefault(qtype.name, set()).add(f"{kind} (requantized)" if requantized else kind)
         return layer
 
     def load_linear(self, weights: Weights, prefixes: list[str]) -> nn.Module | None:
@@ -118,9 +122,8 @@ class GgufScheme:
 
     def _vocabulary(self, name: str) -> Q4Linear | Q8Linear | Q6Linear | Int8Linear | None:
         """A vocabulary table from its blocks where the kernels read its type exactly (Q8_0, Q4_0, Q4_1, Q4_K; Q6_K
-        in lanes), or requantized to int8 per row as this scheme serves those types' projections (Q5_*, Q6_K
-        elsewhere: a quarter of the float32 table, within those types' own rounding). None for a float table, which
-        stays dense."""
+        in lanes), or requantized as this scheme serves those types' projections (`_requantized`: a quarter of the
+        float32 table, within those types' own rounding). None for a float table, which stays dense."""
         qtype = self.gguf.qtype(name)
         if not ops.available() or qtype in DENSE:
             return None
@@ -139,7 +142,7 @@ class GgufScheme:
             return Q5Linear.from_blocks([self.gguf.blocks(name)])
         if qtype == T.IQ4_XS and iq4.fits(*self.gguf.shape(name)):
             return IQ4Linear.from_blocks([self.gguf.blocks(name)])
-        return Int8Linear.from_weight(self.gguf.dense(name))
+        return _requantized(self.gguf.dense(name), None)
 
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""
@@ -172,7 +175,7 @@ class GgufScheme:
             return IQ4Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
             return self._stacked(names, qtypes, bias)
-        return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+        return _requantized(torch.cat([self.gguf.dense(name) for name in names]), bias)
 
     def _fits_q5(self, name: str) -> bool:
         return q5.fits(*self.gguf.shape(name), k_quant=self.gguf.qtype(name) == T.Q5_K)
@@ -195,7 +198,7 @@ class GgufScheme:
             parts.append(self._load(run_names, None if bias is None else bias[at : at + rows]))
             at += rows
         if not all(isinstance(part, KernelWeight) for part in parts):  # PyTorch's int4 for some part: one int8
-            return Int8Linear.from_weight(torch.cat([self.gguf.dense(name) for name in names]), bias)
+            return _requantized(torch.cat([self.gguf.dense(name) for name in names]), bias)
         return StackedWeight(parts)
 
 
@@ -245,3 +248,14 @@ def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     if any(bias is None for bias in biases):
         raise ValueError("quantized fused projections with a bias on only some of them are not supported")
     return torch.cat(biases).float()
+
+
+def _requantized(weight: torch.Tensor, bias: torch.Tensor | None) -> Q8Linear | Int8Linear:
+    """A weight of a type the kernels do not read here (Q6_K and the 5-bit types on an AVX2 CPU, a tensor whose shape
+    the lanes do not fit, a mix with a float part), from gguf's dequantization: in Q8_0's blocks of 32 where Q8_0 is
+    held in lanes, whose AVX2 tiles and integer panels run where Q6_K's and Q5_K's lanes do not (on an AVX2 CPU a
+    1.7B Q6_K file prefilled at 47 tok/s in int8 per channel, on the float32 panels), and which round each weight
+    within its block's range rather than its channel's; else in int8 per channel."""
+    if q8.fits(*weight.shape):
+        return Q8Linear.from_weight(weight, bias)
+    return Int8Linear.from_weight(weight, bias)

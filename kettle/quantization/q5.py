@@ -5,7 +5,7 @@ The kernels hold them in lanes (kernels.h's Q5L: the nibbles as Q4L lays them ou
 per unit of 16 channels, Q4_K's scale tables or a float16 scale and minimum per block) and pack them straight from
 the file's blocks at load (kettle/kernels/gguf_pack.c). Where lanes do not apply (no AVX-512 VNNI: Q5L has no AVX2
 tile, one lost to int8 per channel there, kettle/kernels/lanes_avx2.c; or a shape that is not whole blocks of 16
-channels) they keep the nearest scheme, int8 per output channel (gguf_scheme.py).
+channels) they take the nearest scheme, Q8_0's blocks requantized (gguf_scheme.py `_requantized`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ the sub-block's inputs. The
 dequantized weights are gguf's own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
 
 Only where weights are held in lanes (AVX-512 VNNI, N a multiple of 16, K of 256: `fits`); elsewhere Q6_K serves
-on the nearest scheme, int8 per output channel (kettle/quantization/gguf_scheme.py): on an AVX2 CPU an AVX2 tile
-for Q6L with int8 rows decoded a 1.7B Q6_K file more slowly than int8 per channel does (kettle/kernels/lanes_avx2.c).
+on the nearest scheme, requantized to Q8_0's blocks (kettle/quantization/gguf_scheme.py `_requantized`): on an AVX2
+CPU an AVX2 tile for Q6L with int8 rows decoded a 1.7B Q6_K file more slowly than int8 per channel does
+(kettle/kernels/lanes_avx2.c), and Q8_0's AVX2 tiles and integer panels read the requantized weights.
 """
 
 from __future__ import annotations

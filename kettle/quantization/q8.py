@@ -39,6 +39,19 @@ def fits(n: int, k: int) -> bool:
 BLOCK_BYTES = 2 + BLOCK  # a Q8_0 block: float16 d, then 32 int8 values
 
 
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q int8 [N, K], scales float16 [N, K/32]) on Q8_0's grid as llama.cpp quantizes to it: per
+    block of 32, d = amax / 127 (stored as float16) and q = w · (1 / d) rounded half away from zero, as C's `roundf`
+    (a requantized K-type's values often fall on the halves)."""
+    n, k = weight.shape
+    blocks = weight.float().view(n, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127
+    scaled = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None]
+    whole = scaled.abs().floor()
+    q = torch.sign(scaled) * (whole + torch.floor(2 * (scaled.abs() - whole)))
+    return q.to(torch.int8).view(n, k), d.to(torch.float16)
+
+
 def to_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int8 and scales [N, K/32] → kernels.h's Q8L layout in tensors of the same shapes: pair p of block b
     of channels 16G.. holds inputs 2p, 2p + 1 of channel 16G + c at bytes 2c, 2c + 1; scales [N/16][K/32][16]."""
@@ -80,6 +93,11 @@ class Q8Linear(KernelWeight):
         if blocks.order is not None:
             q, scales = q[blocks.order], scales[blocks.order]
         return cls(q, scales, bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q8Linear:
+        """A dense [out, in] weight quantized to Q8_0's blocks (`quantize_blocks`)."""
+        return cls(*quantize_blocks(weight), bias)
 
     @classmethod
     def from_packed_blocks(cls, parts: list[Blocks], bias: torch.Tensor | None = None) -> Q8Linear:

@@ -41,7 +41,7 @@ NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # Architectures whose converter strips this prefix from every name before mapping it.
 STRIPPED_PREFIX = {"bloom": "transformer."}
 # What Kettle serves: dense floats, 4-bit types on the int4 kernel exactly, the 5-8-bit types in layouts of their own
-# where the kernels have them (kettle/quantization/gguf_scheme.py), else on int8 per channel (the nearest scheme).
+# where the kernels have them (kettle/quantization/gguf_scheme.py), else requantized to the nearest scheme.
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
 NEAREST_INT8 = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.IQ4_XS)
 DENSE = (T.F32, T.F16, T.BF16)

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from kettle.bench.drive import greedy, new_cache, scattered_tables, step
 from kettle.hub.gguf import NATIVE_ARCHITECTURES
 from kettle.kernels import ops
-from kettle.kernels.structs import LINEAR_IQ4L, LINEAR_Q5L, LINEAR_Q6L
+from kettle.kernels.structs import LINEAR_IQ4L, LINEAR_Q5L, LINEAR_Q6L, LINEAR_Q8L
 from kettle.models.registry import load_model
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.iq4 import IQ4Linear
@@ -55,8 +55,17 @@ def q4_k_rtol(model) -> float:
 
 
 # Q5_0 requantized to int8 per output channel (the nearest scheme Kettle has), on this tiny random model's peaked
-# logits: measured max relative logits error 0.02, mean next-token KL 1.0e-3 (bounds with margin).
+# logits: measured max relative logits error 0.02, mean next-token KL 1.0e-3 (bounds with margin); to Q8_0's
+# blocks the error is smaller.
 NEAREST_RTOL, NEAREST_KL = 0.05, 3e-3
+
+
+def nearest_kind() -> type:
+    """What a type the kernels do not read here is requantized to (kettle/quantization/gguf_scheme.py
+    `_requantized`): Q8_0's blocks in lanes where those are held, else int8 per output channel."""
+    return Q8Linear if ops.lanes(LINEAR_Q8L) else Int8Linear
+
+
 CASES = [
     ("llama", T.F32),
     ("llama", T.Q4_0),
@@ -129,7 +138,7 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     expected, logits = reference_logits(reference), kettle_logits(model)
     kinds = {type(m) for m in model.modules()}
     if qtype in (T.Q5_0, T.Q5_1) and not ops.lanes():  # the nearest scheme without lanes
-        assert Int8Linear in kinds
+        assert nearest_kind() in kinds
         kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
         assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
         assert float(kl.mean()) < NEAREST_KL
@@ -137,7 +146,7 @@ def test_gguf_logits_match_the_files_dequantization(tmp_path, arch, qtype):
     # IQ4_XS has AVX2 tiles: in lanes on any CPU the kernels run on; Q6_K and the 5-bit types only with AVX-512 VNNI
     lanes = ops.lanes({T.Q6_K: LINEAR_Q6L, T.IQ4_XS: LINEAR_IQ4L}.get(qtype, LINEAR_Q5L))
     if qtype in (T.Q5_K, T.Q6_K, T.IQ4_XS) and not lanes:  # the nearest scheme, as Q5_0, without lanes
-        assert Int8Linear in kinds and not kinds & {Q5Linear, Q6Linear, IQ4Linear}
+        assert nearest_kind() in kinds and not kinds & {Q5Linear, Q6Linear, IQ4Linear}
         return
     if qtype != T.F32 and not ops.available():
         pytest.skip(EXACT_NEEDS_KERNELS)
@@ -221,7 +230,7 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     qkv = loaded.layers[0].attn.qkv
     assert isinstance(qkv, StackedWeight) and not isinstance(loaded.layers[1].attn.qkv, StackedWeight)
     parts = [type(part) for part in qkv.parts]
-    assert parts == ([Q4Linear, Q6Linear] if ops.lanes(LINEAR_Q6L) else [Q4Linear, Int8Linear])
+    assert parts == ([Q4Linear, Q6Linear] if ops.lanes(LINEAR_Q6L) else [Q4Linear, nearest_kind()])
     if not ops.lanes(LINEAR_Q6L):
         return  # Q6_K on the nearest scheme without lanes: the tests above bound that
     assert not any(isinstance(m, Int8Linear) for m in loaded.modules())
@@ -263,6 +272,36 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
         assert model.cpu_decoder_step is not None
         assert_greedy_tokens(model, reference, atol)
+
+
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K, T.Q5_0], ids=["Q6_K", "Q5_K", "Q5_0"])
+def test_an_avx2_cpu_serves_the_types_without_avx2_tiles_in_q8_0s_blocks(tmp_path, monkeypatch, qtype):
+    """Without AVX-512 VNNI (told so) Q6_K and the 5-bit types have no lanes: they are requantized from gguf's
+    dequantization to Q8_0's blocks of 32, exactly as gguf's own Q8_0 quantizer rounds those values, and held in
+    lanes (the AVX2 tiles and integer panels), said so on the start-up line; the logits stay within the nearest
+    scheme's bounds."""
+    import numpy as np
+    from gguf import quants
+
+    from kettle.tensors.gguf_file import GgufTensors
+    from tests.fixtures import kernel_switch
+
+    if not ops.available():
+        pytest.skip(EXACT_NEEDS_KERNELS)
+    add_tuning(monkeypatch, quantized_activations=True)
+    folder, reference = build(tmp_path, "llama", qtype)
+    with kernel_switch("kettle_cpu_vnni512", 0):
+        model = load_model(str(folder), torch.float32, torch.device("cpu"))
+        layers = [m for m in model.modules() if "Linear" in type(m).__name__]
+        assert {type(m) for m in layers} == {Q8Linear} and all(m.lanes for m in layers)
+        assert model.quantization == f"gguf {qtype.name} → q8_0_lanes (requantized)"
+        dense = GgufTensors(folder / "model.gguf").dense("model.layers.0.mlp.down_proj.weight").numpy()
+        grid = quants.dequantize(quants.quantize(dense, T.Q8_0), T.Q8_0)
+        assert np.array_equal(model.layers[0].mlp.down.dequantized().numpy(), grid)
+        expected, logits = reference_logits(reference), kettle_logits(model)
+        kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
+        assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
+        assert float(kl.mean()) < NEAREST_KL
 
 
 def test_phi3_long_context_factors_come_from_the_file(tmp_path):
@@ -389,19 +428,19 @@ def test_a_quantized_vocabulary_table_loads_without_a_float_copy(tmp_path, monke
     rows_from = getattr(kettle.embed_rows, "__self__", None)
     in_lanes = {T.Q5_0: Q5Linear, T.Q6_K: Q6Linear}
     lanes = {T.Q5_0: ops.lanes(LINEAR_Q5L), T.Q6_K: ops.lanes(LINEAR_Q6L)}
-    kind = {T.Q8_0: Q8Linear, **{t: c if lanes[t] else Int8Linear for t, c in in_lanes.items()}}.get(table, Q4Linear)
+    requantized = table in in_lanes and not lanes[table]
+    kind = nearest_kind() if requantized else {T.Q8_0: Q8Linear, **in_lanes}.get(table, Q4Linear)
     assert kettle.embed_tokens is None and isinstance(rows_from, kind)
     assert (rows_from is kettle.lm_head) == tied
     # Neither is read dense, but for a type without a kernel, whose table is requantized from gguf's values.
     vocabulary = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
-    assert [name for name in read if name.endswith(vocabulary)] == (
-        ["model.embed_tokens.weight"] if kind is Int8Linear else []
-    )
+    dense_reads = [name for name in read if name.endswith(vocabulary)]
+    assert dense_reads == (["model.embed_tokens.weight"] if requantized else [])
     if layers == T.Q8_0 or kind in (Q5Linear, Q6Linear):  # such a head: the greedy steps run in one C call, embedding
         assert _embedding_and_head(kettle) is not None  # from the table
     reference = dequantized_reference(model, folder, arch)
     expected, logits = reference_logits(reference), kettle_logits(kettle)
-    if kind is Int8Linear:  # the nearest scheme: within its stated bounds
+    if requantized:  # the nearest scheme: within its stated bounds
         kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
         assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
         assert float(kl.mean()) < NEAREST_KL
