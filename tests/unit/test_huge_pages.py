@@ -51,6 +51,8 @@ def test_small_tensors_and_the_switch_off_are_pytorch_s(monkeypatch):
     small = huge_pages.zeros(16, 16, dtype=torch.float32)
     assert not small.any() and small.untyped_storage().nbytes() == 16 * 16 * 4
     tune(monkeypatch, "huge-pages=off")
+    # Asked of the allocation itself: whether the kernel then backs PyTorch's memory with huge pages depends on the
+    # process's history (glibc reuses its heaps), which made a check of /proc/self/smaps flaky in a shared worker.
+    monkeypatch.setattr(huge_pages, "anonymous", lambda nbytes: pytest.fail("a mapping advised with huge-pages=off"))
     large = huge_pages.zeros(4 * huge_pages.HUGE_PAGE, dtype=torch.uint8)
-    assert not large.any()
-    assert vma_of(large.data_ptr()).get("THPeligible") != "1" or "[always]" in THP.read_text()
+    assert not large.any() and large.numel() == 4 * huge_pages.HUGE_PAGE
