@@ -96,6 +96,12 @@ async def _stream(client: httpx.AsyncClient, rng: random.Random) -> str:
     return "stream ended without its last token"
 
 
+# A tool call whose arguments run past `max_tokens` cannot be parsed: TGI answers that with a 422 tool error (and a
+# stream with an error event), a client's outcome, not the server's failure; which prompts meet it depends on how
+# many requests a timed stretch sends.
+TOOL_CUT = "Tool error: Failed to parse generated text"
+
+
 async def _chat(client: httpx.AsyncClient, rng: random.Random) -> str:
     body: dict = {
         "model": "tgi",
@@ -110,8 +116,12 @@ async def _chat(client: httpx.AsyncClient, rng: random.Random) -> str:
         async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
             lines = [line async for line in r.aiter_lines() if line.startswith("data:")]
             ok = r.status_code == 200 and lines and lines[-1] == "data: [DONE]"
+            if r.status_code == 200 and any(TOOL_CUT in line for line in lines):
+                return "tool call cut"
             return "complete" if ok and not any('"error"' in line for line in lines) else f"chat stream: {lines[-2:]}"
     response = await client.post("/v1/chat/completions", json=body)
+    if response.status_code == 422 and TOOL_CUT in response.text:
+        return "tool call cut"
     return "complete" if response.status_code == 200 else f"status {response.status_code}: {response.text[:200]}"
 
 
@@ -180,7 +190,7 @@ def test_soak_mixed_traffic_no_5xx_no_hang_nothing_leaked():
     finally:
         code = server.stop()
     totals = sum(rounds, Counter())
-    bad = {outcome: n for outcome, n in totals.items() if outcome not in ("complete", "abandoned")}
+    bad = {outcome: n for outcome, n in totals.items() if outcome not in ("complete", "abandoned", "tool call cut")}
     assert not bad, f"{bad} among {dict(totals)}"
     assert totals["complete"] >= 100 and totals["abandoned"] > 0, totals
     assert _metric(metrics, "tgi_queue_size") == 0 and _metric(metrics, "tgi_batch_current_size") == 0
