@@ -7,12 +7,12 @@ through the HTTP server, against transformers' batched `generate` on the same mo
         --max-output 24 --floor-requests 4                               # the CPU check (seconds)
 
 Model. A random-weight Llama of Llama-3.1-8B's shape (bf16 on CUDA; `--model tiny`: the tests' 2-layer shape),
-written once as a safetensors checkpoint (bench/serving_model.py: the LM head's EOS row is zero, so greedy
+written once as a safetensors checkpoint (below: the LM head's EOS row is zero, so greedy
 answers never end early, and a word-level tokenizer makes every prompt exactly its length in tokens). The server
 is `kettle launch` on that folder, started as a user starts it (`--quantize` picks fp8/int8/int4 weights), with
 limits that admit the whole mix and, on CUDA, a KV cache sized by the warmup from the GPU's free memory.
 
-Requests. bench/data/sharegpt_lengths.json: 1,000 (input, output) token pairs drawn once (bench/serving_mix.py,
+Requests. bench/data/sharegpt_lengths.json: 1,000 (input, output) token pairs drawn once (below,
 log-normal, inputs 50-1,500, outputs 50-800); `--max-input/--max-output` scale the mix down for quick runs.
 Each request is a greedy `/generate_stream` call with `max_new_tokens` = its output length and a prompt of its
 own (random words, never a prefix-cache hit). Every answer's tokens are counted: an answer shorter than asked,
@@ -33,6 +33,33 @@ its longest); output tok/s counts the tokens the requests asked for, so the padd
 cost. It runs after the server has stopped (the GPU is its alone), after two untimed batches of a few steps, and
 the ratio Kettle offline / transformers (output tok/s) is printed.
 Dated numbers go to bench/GPU_RESULTS.md with the device and the command printed above the table.
+
+The request mix: 1,000 (input tokens, output tokens) pairs shaped like ShareGPT's
+conversations, written once to bench/data/sharegpt_lengths.json so that every run sends the same requests.
+
+    .venv/bin/python -m bench.serving          # writes the file again (it must come out byte for byte the same)
+
+Shape. ShareGPT's prompts and answers (as the serving benchmarks of vLLM and TGI sample them, Llama tokens) are
+long-tailed: most prompts are a few hundred tokens, a few run to thousands; answers are a little shorter and
+tail off the same way. Both are drawn here from log-normal distributions (the median and sigma below, the
+log-normal's parameters being ln(median) and sigma) and clipped to the ranges a benchmark request keeps: inputs
+50-1,500 tokens, outputs 50-800. Python's own `random.Random(MIX_SEED)` draws them (its log-normal is stable across
+Python versions, unlike numpy's streams across numpy versions), input then output for each pair.
+
+The model: a random-weight Llama checkpoint (tiny, or Llama-3.1-8B's shape) whose answers
+always run to the length a request asks for, with a word-level tokenizer that makes a prompt of N words N tokens.
+
+Forced lengths. TGI's API has no `ignore_eos`, and a random model may pick its end-of-sequence token at any step.
+So the checkpoint's LM head has a zero row for EOS while every other row is random: EOS's logit is exactly 0 at
+every step, and greedy decoding picks it only if all other logits are negative at once, which for random rows
+(each as likely positive as negative) has a chance of 2^-(vocab - 1). Quantization keeps the row zero (a row's
+scale is clamped above zero, and zero quantizes to zero). The benchmark still counts every answer's tokens and
+reports any that came out short.
+
+Exact prompt lengths. The tokenizer is word level: token i is the word `w{i}` (ids 0-2 are `<pad>`, `<s>`,
+`</s>`), with no BOS added, so the prompt "w17 w230 ..." of N words is N tokens for the server and for
+transformers alike, and its vocabulary is the model's whole embedding table (no id the model can pick is unknown
+to the detokenizer).
 """
 
 from __future__ import annotations
@@ -40,15 +67,182 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.serving_mix import Request, load, scaled
-from bench.serving_model import EOS, PAD, SHAPES, build, prompt_ids, prompt_text
 from kettle.bench.loadgen import LoadResult, StreamTiming, session, stream_tokens
 from kettle.bench.process import KettleServer
+
+PATH = Path(__file__).parent / "data" / "sharegpt_lengths.json"
+MIX_SEED = 20261129
+COUNT = 1000
+# (median, sigma, low, high) of each side's log-normal, clipped to [low, high].
+INPUT = (250, 0.9, 50, 1500)
+OUTPUT = (180, 0.75, 50, 800)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the mix: its prompt's length and the tokens it asks for, in tokens."""
+
+    input_tokens: int
+    output_tokens: int
+
+
+def draw(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))
+
+
+def generate(seed: int = MIX_SEED, count: int = COUNT) -> list[Request]:
+    """The mix as the parameters above draw it."""
+    rng = random.Random(seed)
+    return [Request(draw(rng, *INPUT), draw(rng, *OUTPUT)) for _ in range(count)]
+
+
+def document(requests: list[Request]) -> str:
+    """The data file's text: the parameters that drew it, then one [input, output] pair per line."""
+    header = {
+        "about": "ShareGPT-like request lengths for `python -m bench serving`, drawn by bench/serving.py",
+        "seed": MIX_SEED,
+        "input": dict(zip(("median", "sigma", "low", "high"), INPUT, strict=True)),
+        "output": dict(zip(("median", "sigma", "low", "high"), OUTPUT, strict=True)),
+    }
+    pairs = ",\n".join(f"    [{r.input_tokens}, {r.output_tokens}]" for r in requests)
+    head = json.dumps(header, indent=2)[:-2]  # the header's fields, then the pairs in the same object
+    return f'{head},\n  "pairs": [\n{pairs}\n  ]\n}}\n'
+
+
+def load(path: Path = PATH) -> list[Request]:
+    """The committed mix."""
+    return [Request(i, o) for i, o in json.loads(path.read_text())["pairs"]]
+
+
+def scaled(requests: list[Request], max_input: int | None, max_output: int | None) -> list[Request]:
+    """The mix with each side scaled so its longest is at most `max_input` / `max_output` (None: as it is),
+    keeping the shape: a quick run on a small model keeps long and short requests in the same proportions."""
+
+    def scale(values: list[int], most: int | None) -> list[int]:
+        top = max(values)
+        if most is None or top <= most:
+            return values
+        return [max(1, round(v * most / top)) for v in values]
+
+    inputs = scale([r.input_tokens for r in requests], max_input)
+    outputs = scale([r.output_tokens for r in requests], max_output)
+    return [Request(i, o) for i, o in zip(inputs, outputs, strict=True)]
+
+
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = ("<pad>", "<s>", "</s>")
+MODEL_SEED = 0
+# Bump when what is written changes, so a cached checkpoint of an older layout is not reused.
+LAYOUT = 1
+
+SHAPES = {
+    # As tests/fixtures.py's tiny Llama: 2 layers, hidden 64, grouped-query attention; large weights give peaked
+    # logits, as there. Positions for the whole mix (1,500 + 800 tokens) unscaled.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+    ),
+    # meta-llama/Llama-3.1-8B's config.json: its shape, RoPE and norms (the tokenizer is ours, same vocab size).
+    "llama-3.1-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}
+
+
+def word(token: int) -> str:
+    return SPECIALS[token] if token < len(SPECIALS) else f"w{token}"
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word(i): i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[PAD]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=SPECIALS[PAD],
+        bos_token=SPECIALS[BOS],
+        eos_token=SPECIALS[EOS],
+        model_max_length=SHAPES["llama-3.1-8b"]["max_position_embeddings"],
+    )
+    fast.save_pretrained(folder)
+
+
+def build(folder: Path, shape: str, device: str, dtype: str) -> Path:
+    """Writes the checkpoint of `shape` into `folder` (safetensors, `dtype`), its weights drawn on `device`; a
+    folder already complete (same shape, dtype and layout) is reused: an 8B checkpoint takes minutes to write."""
+    marker = folder / "kettle_serving_model.json"
+    stamp = {"shape": shape, "dtype": dtype, "seed": MODEL_SEED, "layout": LAYOUT}
+    if marker.exists() and json.loads(marker.read_text()) == stamp:
+        return folder
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(folder, SHAPES[shape]["vocab_size"])
+    config = LlamaConfig(
+        **SHAPES[shape], bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False
+    )
+    torch.manual_seed(MODEL_SEED)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        model.lm_head.weight[EOS].zero_()
+    model.save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server about to start sizes its KV cache from the GPU's free memory
+    marker.write_text(json.dumps(stamp))
+    return folder
+
+
+def prompt_ids(key: str, tokens: int, vocab_size: int) -> list[int]:
+    """The prompt of the request named `key` (its workload and index): `tokens` ordinary words drawn from a
+    generator seeded by the key, so every request has a prompt of its own (no prefix-cache hit between requests
+    or between workloads) and every run the same ones."""
+    rng = random.Random(key)
+    return [rng.randrange(len(SPECIALS), vocab_size) for _ in range(tokens)]
+
+
+def prompt_text(ids: list[int]) -> str:
+    return " ".join(word(i) for i in ids)
+
 
 # transformers' default share of the mix: 4 batches of 64 on a GPU run in minutes (8B, bf16), the whole mix in
 # about as many again as the rest of the run; `--floor-requests 1000` asks for it.
@@ -358,3 +552,9 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
         body = {"device": device_name(args.device), "model": args.model, "quantize": args.quantize}
         body |= {"args": {k: str(v) for k, v in vars(args).items()}, "rows": [asdict(row) for row in rows]}
         args.json.write_text(json.dumps(body, indent=2))
+
+
+if __name__ == "__main__":
+    PATH.parent.mkdir(exist_ok=True)
+    PATH.write_text(document(generate()))
+    print(f"wrote {len(load())} pairs to {PATH}")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.serving_mix import load, scaled
+from bench.serving import load, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 

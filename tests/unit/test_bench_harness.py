@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import serving_mix
+from bench import serving
 from bench.__main__ import BENCHMARKS, benchmark, command
-from bench.serving import kv_used
 from kettle.bench.process import child_environment
 from kettle.bench.timing import Timing, interleaved, ratio_summary, same_round
 
@@ -170,7 +169,7 @@ def test_ratios_are_taken_round_by_round() -> None:
 
 
 def test_the_serving_mix_is_the_committed_1000_pairs_in_their_ranges() -> None:
-    requests = serving_mix.load()
+    requests = serving.load()
     assert len(requests) == 1000
     inputs, outputs = [r.input_tokens for r in requests], [r.output_tokens for r in requests]
     assert min(inputs) >= 50 and max(inputs) <= 1500
@@ -179,20 +178,20 @@ def test_the_serving_mix_is_the_committed_1000_pairs_in_their_ranges() -> None:
     for values in (inputs, outputs):
         assert sum(values) / len(values) > 1.2 * sorted(values)[len(values) // 2]
     # The file is what its generator's documented parameters draw, so it can be checked and drawn again.
-    assert serving_mix.PATH.read_text() == serving_mix.document(serving_mix.generate())
+    assert serving.PATH.read_text() == serving.document(serving.generate())
 
 
 def test_a_scaled_mix_keeps_its_shape_under_the_new_longest() -> None:
-    mix = serving_mix.load()
-    small = serving_mix.scaled(mix, 64, 24)
+    mix = serving.load()
+    small = serving.scaled(mix, 64, 24)
     assert max(r.input_tokens for r in small) == 64 and max(r.output_tokens for r in small) == 24
     assert min(r.output_tokens for r in small) >= 1
     longest = max(range(len(mix)), key=lambda i: mix[i].input_tokens)
     assert small[longest].input_tokens == 64
-    assert serving_mix.scaled(mix, None, None) == mix
+    assert serving.scaled(mix, None, None) == mix
 
 
 def test_kv_use_is_the_fraction_of_blocks_not_free() -> None:
     page = "# HELP kettle_kv_blocks_free ...\nkettle_kv_blocks_free 300.0\nkettle_kv_blocks_total 400.0\n"
-    assert kv_used(page) == pytest.approx(0.25)
-    assert kv_used(page.replace("free 300.0", "free 400.0")) == 0
+    assert serving.kv_used(page) == pytest.approx(0.25)
+    assert serving.kv_used(page.replace("free 300.0", "free 400.0")) == 0
