@@ -43,12 +43,12 @@ BENCHMARKS = {
     "speculation": ("bench.served:speculation", "--speculate N and overlap scheduling, over HTTP or in process"),
     "lora": ("bench.served:lora", "LoRA adapters' cost: served streams over 4 adapters, or one decode step (--step)"),
     "memory": (
-        "bench.footprint:memory",
+        "bench.served:memory",
         "the shard's resident memory apart from its KV cache, beside llama.cpp's; --schemes: per weight scheme; "
         "--router: the router's under huge prompts",
     ),
     "startup": (
-        "bench.footprint:startup",
+        "bench.served:startup",
         "seconds from `kettle launch` to a healthy server, cache empty, then filled",
     ),
     "vision": (
