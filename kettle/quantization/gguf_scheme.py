@@ -142,7 +142,7 @@ class GgufScheme:
             return Q5Linear.from_blocks([self.gguf.blocks(name)])
         if qtype == T.IQ4_XS and iq4.fits(*self.gguf.shape(name)):
             return IQ4Linear.from_blocks([self.gguf.blocks(name)])
-        return _requantized(self.gguf.dense(name), None)
+        return self._requantized([name], None)
 
     def load_head(self, head: nn.Module) -> nn.Module:
         """The LM head from its own tensor in the file (the embedding's when tied); `head` itself when dense."""
@@ -175,7 +175,20 @@ class GgufScheme:
             return IQ4Linear.from_blocks([self.gguf.blocks(name) for name in names], bias)
         if len(set(qtypes)) > 1 and ops.available() and not set(DENSE).intersection(qtypes):
             return self._stacked(names, qtypes, bias)
-        return _requantized(torch.cat([self.gguf.dense(name) for name in names]), bias)
+        return self._requantized(names, bias)
+
+    def _requantized(self, names: list[str], bias: torch.Tensor | None) -> Q8Linear | Int8Linear:
+        """Tensors `names` (stacked along the outputs) of a type the kernels do not read here (Q6_K and the 5-bit types
+        on an AVX2 CPU, a tensor whose shape the lanes do not fit, a mix with a float part), from gguf's
+        dequantization: in Q8_0's blocks of 32 where Q8_0 is held in lanes, whose AVX2 tiles and integer panels run
+        where Q6_K's and Q5_K's lanes do not (on an AVX2 CPU a 1.7B Q6_K file prefilled at 47 tok/s in int8 per
+        channel, on the float32 panels), and which round each weight within its block's range rather than its
+        channel's; else in int8 per channel."""
+        parts = [self.gguf.dense(name) for name in names]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # a vocabulary table: no copy of 0.4 GB
+        if q8.fits(*weight.shape):
+            return Q8Linear.from_weight(weight, bias)
+        return Int8Linear.from_weight(weight, bias)
 
     def _fits_q5(self, name: str) -> bool:
         return q5.fits(*self.gguf.shape(name), k_quant=self.gguf.qtype(name) == T.Q5_K)
@@ -198,7 +211,7 @@ class GgufScheme:
             parts.append(self._load(run_names, None if bias is None else bias[at : at + rows]))
             at += rows
         if not all(isinstance(part, KernelWeight) for part in parts):  # PyTorch's int4 for some part: one int8
-            return _requantized(torch.cat([self.gguf.dense(name) for name in names]), bias)
+            return self._requantized(names, bias)
         return StackedWeight(parts)
 
 
@@ -248,14 +261,3 @@ def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     if any(bias is None for bias in biases):
         raise ValueError("quantized fused projections with a bias on only some of them are not supported")
     return torch.cat(biases).float()
-
-
-def _requantized(weight: torch.Tensor, bias: torch.Tensor | None) -> Q8Linear | Int8Linear:
-    """A weight of a type the kernels do not read here (Q6_K and the 5-bit types on an AVX2 CPU, a tensor whose shape
-    the lanes do not fit, a mix with a float part), from gguf's dequantization: in Q8_0's blocks of 32 where Q8_0 is
-    held in lanes, whose AVX2 tiles and integer panels run where Q6_K's and Q5_K's lanes do not (on an AVX2 CPU a
-    1.7B Q6_K file prefilled at 47 tok/s in int8 per channel, on the float32 panels), and which round each weight
-    within its block's range rather than its channel's; else in int8 per channel."""
-    if q8.fits(*weight.shape):
-        return Q8Linear.from_weight(weight, bias)
-    return Int8Linear.from_weight(weight, bias)
