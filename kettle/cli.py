@@ -70,6 +70,9 @@ def serve(
     kv_cache_dtype: Annotated[
         str | None, typer.Option(help="KV cache dtype: fp16, bf16, float32 or auto (the model's, the default).")
     ] = None,
+    weight_bytes: Annotated[
+        int | None, typer.Option(hidden=True, help="Bytes the packed weights will take (from the launcher).")
+    ] = None,
     json_output: o.JsonOutput = False,
     otlp_endpoint: o.OtlpEndpoint = None,
     otlp_service_name: o.OtlpServiceName = "kettle",
@@ -77,8 +80,10 @@ def serve(
     """Run one shard (the model) as a gRPC server on a Unix socket. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like ShardConfig's fields
     from kettle.process_memory import use_one_heap
+    from kettle.tensors import weight_arena
 
     use_one_heap()  # first: before torch, gRPC or the engine start a thread
+    weight_arena.reserve(max(weight_bytes or 0, 0))  # its pages fault in while torch and the model code import
     from kettle import tracing
     from kettle.logging_setup import setup_logging
     from kettle.shard.config import ShardConfig

@@ -248,3 +248,17 @@ def vector_width(symbol: str, avx512: bool) -> Iterator[None]:
         yield
     finally:
         choice.value = -1
+
+
+def vma_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address` (Linux)."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields

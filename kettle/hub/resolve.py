@@ -18,6 +18,7 @@ model file (in its folder, or its repository's, downloaded with it, as llama.cpp
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,6 +142,18 @@ def _resolve(
     projector = None if mmproj else choose_mmproj(names, name)  # llama.cpp's -hf: the one beside, downloaded too
     snapshot = download_files(repo, revision, hub_cache, [name, *([projector] if projector else [])])
     return ResolvedModel(gguf_folder(snapshot / name, trust_remote_code, mmproj), model_id, _snapshot_sha(snapshot))
+
+
+def local_gguf(model_id: str | None, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file `model_id` names, where it is one on this machine: the bundled model (None), a `.gguf` path,
+    or a local folder's `gguf_file`. None for anything else (a Hub id, safetensors, a folder of several)."""
+    if model_id is None:
+        try:
+            return bundled_gguf()
+        except ModelNotFound:
+            return None
+    path = Path(model_id) / gguf_file if gguf_file and os.path.isdir(model_id) else Path(model_id)
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def bundled_gguf() -> Path:

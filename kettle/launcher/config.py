@@ -211,7 +211,7 @@ class LauncherConfig(ServingFlags):
             env[settings.TUNING_VARIABLE] = settings.merge_tuning(os.environ.get(settings.TUNING_VARIABLE), off)
         return env
 
-    def shard_config(self, model_path: str, rank: int) -> ShardConfig:
+    def shard_config(self, model_path: str, rank: int, weight_bytes: int | None = None) -> ShardConfig:
         return ShardConfig(
             model_path=model_path,
             uds_path=self.uds_prefix,
@@ -229,6 +229,7 @@ class LauncherConfig(ServingFlags):
             lora_adapters=self.lora_adapters,
             speculate=self.speculate or 0,
             kv_cache_dtype=self.kv_cache_dtype,
+            weight_bytes=weight_bytes,
         )
 
     def router_config(self, tokenizer_name: str, model_id: str, model_sha: str | None = None) -> RouterConfig:

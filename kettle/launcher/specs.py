@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kettle import settings
+from kettle.hub.resolve import local_gguf
 from kettle.hub.types import ResolvedModel
 from kettle.launcher.config import LauncherConfig
 from kettle.router.config import MODEL_FROM_LAUNCHER
@@ -68,7 +69,7 @@ def child_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpec:
     """`kettle serve MODEL_PATH ...` for one rank, with the torch.distributed rendezvous variables."""
-    shard = config.shard_config(model_path, rank)
+    shard = config.shard_config(model_path, rank, weight_bytes(config))
     argv = [*kettle_command(), "serve", model_path, *config_argv(shard, skip=frozenset({"model_path"}))]
     if config.json_output:
         argv.append("--json-output")
@@ -84,6 +85,16 @@ def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpe
         **config.shard_environment(),
     }
     return ProcessSpec(f"shard-{rank}", tuple(argv), child_env(distributed), socket=shard.socket_path)
+
+
+def weight_bytes(config: LauncherConfig) -> int | None:
+    """About what one shard's packed weights take, where the launcher knows before the model is prepared: a GGUF
+    file on this machine served as stored (no --quantize, no float --dtype) packs into about the file's size, split
+    among the ranks. None otherwise (a Hub id, safetensors, a conversion to another scheme)."""
+    if config.quantize is not None or config.dtype is not None:
+        return None
+    path = local_gguf(config.weights_cache_override or config.model_id, config.gguf_file)
+    return None if path is None else path.stat().st_size // config.world_size
 
 
 def shard_specs(config: LauncherConfig, model_path: str) -> list[ProcessSpec]:

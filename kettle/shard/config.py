@@ -53,6 +53,9 @@ class ShardConfig:
     lora_adapters: str | None = None  # `name=path` or Hub ids, comma-separated (kettle/models/lora_adapters.py)
     speculate: int = 0  # n-gram draft tokens verified per step and request (TGI's --speculate); 0: off
     kv_cache_dtype: str | None = None  # one of KV_CACHE_DTYPES; None: the model's dtype
+    # What this shard's packed weights will take, where the launcher knows it ahead: reserved and faulted in while
+    # the shard imports (kettle/tensors/weight_arena.py). None: unknown.
+    weight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -70,6 +73,8 @@ class ShardConfig:
             raise ValueError(f"--quantize {self.quantize} is not supported (supported: {', '.join(QUANTIZE)})")
         if self.speculate < 0:
             raise ValueError("--speculate must be >= 0")
+        if self.weight_bytes is not None and self.weight_bytes < 0:
+            raise ValueError("--weight-bytes must be >= 0")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"

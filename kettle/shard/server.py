@@ -24,6 +24,7 @@ from kettle.shard.runner import PagedRunner
 from kettle.shard.runner_protocol import Capabilities, Runner
 from kettle.shard.service import ShardService, on_engine_thread
 from kettle.shard.vocab import Vocab
+from kettle.tensors import weight_arena
 from kettle.tensors.distributed import init_distributed, shutdown
 from kettle.tensors.kv_cache import BLOCK_SIZE
 
@@ -109,6 +110,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
     # A float --dtype asks a quantized (GGUF) checkpoint for dequantized weights; without one it serves quantized.
     dequantize = config.dtype is not None
     model = load_model(config.model_path, dtype, device, config.trust_remote_code, config.quantize, dequantize)
+    weight_arena.close()  # what the weights did not take of the memory reserved for them goes back
     vocab = Vocab.load(config.model_path, config.trust_remote_code)
     watermark = (config.watermark_gamma, config.watermark_delta)
     execution_path = getattr(model, "execution_path", "native")

@@ -18,6 +18,7 @@ import mmap
 import torch
 
 from kettle import settings
+from kettle.tensors import weight_arena
 
 HUGE_PAGE = 2 * 2**20  # bytes: x86-64's transparent huge page; smaller tensors are left to PyTorch's allocator
 
@@ -49,4 +50,14 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, small) -> torch.Tensor
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not settings.current().huge_pages:
         return small(*shape, dtype=dtype)
-    return anonymous(nbytes).view(dtype).view(shape)
+    flat = _reserved(nbytes)
+    return (anonymous(nbytes) if flat is None else flat).view(dtype).view(shape)
+
+
+def _reserved(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` zero bytes of the memory reserved for the weights (kettle/tensors/weight_arena.py), if any is left."""
+    piece = weight_arena.take(nbytes)
+    if piece is None:
+        return None
+    mapping, start = piece
+    return torch.frombuffer(mapping, dtype=torch.uint8, offset=start, count=nbytes)

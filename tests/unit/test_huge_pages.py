@@ -10,23 +10,9 @@ import pytest
 import torch
 
 from kettle.tensors import huge_pages
-from tests.fixtures import tune
+from tests.fixtures import tune, vma_of
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def vma_of(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding `address`."""
-    fields, inside = {}, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    return fields
 
 
 def test_a_large_tensor_is_zeroed_and_starts_on_a_huge_page_boundary():
