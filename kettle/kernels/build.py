@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from kettle import settings
@@ -67,6 +68,11 @@ log = logging.getLogger(__name__)
 # exits while they run (a launcher stopping on a bad model before the build is done) kills them on its way out
 # instead of leaving them to finish in the background, holding its caller's output pipes open for seconds.
 _running: set[subprocess.Popen] = set()
+# Held while a compiler starts and while the exit kills them: the build's thread goes on during the interpreter's
+# exit, and a compiler it started after the kill ran on (seen on a loaded machine). Once `_exiting`, a thread that
+# would start one waits for the process's end instead (an exception there would print its traceback on the way out).
+_starting = threading.Lock()
+_exiting = False
 
 _int, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # The library's entry points (structs by pointer: kettle/kernels/structs.py, decoder_step.py) and their results.
@@ -199,16 +205,20 @@ def _compiler(compiler: str):
 
 def _start(command: list[str]) -> subprocess.Popen:
     """A compiler started at low priority as its own process group's leader, tracked until `_wait` has it."""
-    job = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        process_group=0,
-        preexec_fn=_lower_priority,
-        text=True,
-    )
-    _running.add(job)
-    return job
+    with _starting:
+        if not _exiting:
+            job = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                process_group=0,
+                preexec_fn=_lower_priority,
+                text=True,
+            )
+            _running.add(job)
+            return job
+    threading.Event().wait()  # the process is exiting (`_stop_compilers`): this thread ends with it
+    raise AssertionError("unreachable")
 
 
 def _wait(job: subprocess.Popen) -> str:
@@ -221,9 +231,12 @@ def _wait(job: subprocess.Popen) -> str:
 
 @atexit.register
 def _stop_compilers() -> None:
-    for job in list(_running):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
+    global _exiting
+    with _starting:
+        _exiting = True
+        for job in list(_running):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
 
 
 def _lower_priority() -> None:
