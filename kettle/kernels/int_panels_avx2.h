@@ -4,19 +4,26 @@
 
 /* `channels` (≤ AVX2_CHANNELS, a constant at each call) output channels from c0 of w × `halves` (1 or 2, a constant)
  * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
- * sizes (`signed_quads`, the sign trick), else 0..15. */
+ * sizes (`signed_quads`, the sign trick), else widened u8 q + `offset`, whose term comes off each block's start (as
+ * `micro_vnni8`): a non-zero offset only in the VNNI forms, whose sums are int32 from the first product. */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_avx2_int)(
     const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int c0, const int channels, const int halves,
-    const int is_signed, float *tile
+    const int is_signed, const int offset, float *tile
 ) {
     const int64_t blocks = k / 32, groups = k / group;
     __m256 acc[AVX2_CHANNELS][2];
     for (int c = 0; c < channels; c++)
         for (int h = 0; h < halves; h++) acc[c][h] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i dot[AVX2_CHANNELS][2]; /* 0..15: the form's block sums (`block_dot`), else int32 quad sums */
+        __m256i dot[AVX2_CHANNELS][2], start[2]; /* u8: the form's block sums (`block_dot`), else int32 quad sums */
+        for (int h = 0; h < halves; h++) {
+            const __m256i *sum = (const __m256i *)(x->half + 2 * b * LANES + 8 * h); /* the block's two halves */
+            start[h] = offset ? _mm256_mullo_epi32(_mm256_add_epi32(_mm256_load_si256(sum), _mm256_load_si256(sum + LANES / 8)),
+                                                   _mm256_set1_epi32(-offset))
+                              : _mm256_setzero_si256();
+        }
         for (int c = 0; c < channels; c++)
-            for (int h = 0; h < halves; h++) dot[c][h] = _mm256_setzero_si256();
+            for (int h = 0; h < halves; h++) dot[c][h] = start[h];
         for (int64_t i = b * 8; i < b * 8 + 8; i++) {
             __m256i a[2];
             for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
@@ -55,11 +62,11 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
 /* The AVX2 micro-kernel over the `n` channels of c, AVX2_CHANNELS at a time: the group's first half of lanes only
  * where its `rows` fit there (as `micro_vnni8`). */
 static AVX2_TARGET void AVX2_NAMED(int_channels)(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w,
-                                                 int n, int64_t rows, int is_signed, float *tile) {
+                                                 int n, int64_t rows, int is_signed, int offset, float *tile) {
     const int halves = rows <= LANES / 2 ? 1 : 2;
     for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
         const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
-#define CALL(C, H, S) AVX2_NAMED(micro_avx2_int)(x, k, group, w, c0, C, H, S, tile)
+#define CALL(C, H, S) AVX2_NAMED(micro_avx2_int)(x, k, group, w, c0, C, H, S, offset, tile)
 #define HALVES(C, S) if (halves == 2) CALL(C, 2, S); else CALL(C, 1, S);
 #define CHANNELS(S) switch (channels) { case 4: HALVES(4, S) break; case 3: HALVES(3, S) break; case 2: HALVES(2, S) break; default: HALVES(1, S) }
         if (is_signed) { CHANNELS(1) }
