@@ -762,6 +762,11 @@ static inline int avx2_dot(void) { return kettle_avx2_vnni == 0 ? AVX2_DOT_MADDU
 /* name_<form> and the form's target attribute, for the template headers' functions. */
 #define AVX2_NAMED(name) AVX2_CAT(name##_, AVX2_FORM)
 #define AVX2_TARGET AVX2_CAT(AVX2_TARGET_, AVX2_FORM)
+/* 1 where the form's step adds into its accumulator (`vpdpbusd`), 0 where its products are summed apart (vpmaddubsw). */
+#define AVX2_ACCUMULATES_maddubs 0
+#define AVX2_ACCUMULATES_avxvnni 1
+#define AVX2_ACCUMULATES_vnni256 1
+#define AVX2_ACCUMULATES AVX2_CAT(AVX2_ACCUMULATES_, AVX2_FORM)
 /* The form's steps below, as the template headers call them. */
 #define AVX2_QUAD_DOT AVX2_CAT(quad_dot_, AVX2_FORM)
 #define AVX2_BLOCK_DOT AVX2_CAT(block_dot_, AVX2_FORM)

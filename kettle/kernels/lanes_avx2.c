@@ -97,6 +97,12 @@ static inline void q4k_lanes_avx2(const Linear *w, int64_t G, int64_t g, __m256 
         }                                                                                                  \
     }
 
+/* Whether a tile of R rows sums each block in two chains: `vpdpbusd` adds into its accumulator (latency ~4-5 cycles,
+ * where vpmaddubsw's products are summed apart and added in 1), so at one or two rows a block's 8-16 steps into one
+ * accumulator waited on each other (a 1.7B Q4_K_M decode 0.97x of vpmaddubsw with one chain). Exact integers either
+ * way: the same bits. The vpmaddubsw form keeps one. */
+#define AVX2_CHAINS(R) (AVX2_ACCUMULATES && (R) <= 2)
+
 #define AVX2_FORM maddubs
 #include "lanes_avx2_tiles.h"
 #undef AVX2_FORM
@@ -109,6 +115,7 @@ static inline void q4k_lanes_avx2(const Linear *w, int64_t G, int64_t g, __m256 
 #undef QUAD
 #undef ROW_SCALE
 #undef AVX2_PASSES
+#undef AVX2_CHAINS
 
 /* The tiles' entry points (the weight table's `quantized_rows_avx2`): the form this CPU runs (`avx2_dot`). */
 #define AVX2_ROWS(name)                                                                                            \

@@ -19,8 +19,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         for (int h = 0; h < 2; h++) {
-            __m256i acc[AVX2_TILE];
-            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
+            __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* more: a second chain at few rows (AVX2_CHAINS) */
+            for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
             for (int m = 0; m < 4; m++) {
                 const __m128i first = _mm_loadu_si128((const __m128i *)(qw + b * 256 + 2 * m * 32 + 16 * h));
                 const __m128i second = _mm_loadu_si128((const __m128i *)(qw + b * 256 + (2 * m + 1) * 32 + 16 * h));
@@ -31,14 +31,16 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
                 for (int r = 0; r < R; r++) {
                     const __m256i x_low = QUAD(r, m), x_high = QUAD(r, 4 + m);
                     acc[r] = AVX2_QUAD_DOT(acc[r], low_size, _mm256_sign_epi8(x_low, low));
-                    acc[r] = AVX2_QUAD_DOT(acc[r], high_size, _mm256_sign_epi8(x_high, high));
+                    if (AVX2_CHAINS(R)) more[r] = AVX2_QUAD_DOT(more[r], high_size, _mm256_sign_epi8(x_high, high));
+                    else acc[r] = AVX2_QUAD_DOT(acc[r], high_size, _mm256_sign_epi8(x_high, high));
                 }
             }
             const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b / 8 * 16 + 8 * h))),
                                                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + b * 16 + 8 * h)))));
             for (int r = 0; r < R; r++) {
                 const __m256 combined = _mm256_mul_ps(scale, ROW_SCALE(r));
-                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), combined, out[r][h]);
+                const __m256i sums = AVX2_CHAINS(R) ? _mm256_add_epi32(acc[r], more[r]) : acc[r];
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), combined, out[r][h]);
             }
         }
     }
@@ -62,8 +64,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
     __m256 out[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i acc[AVX2_TILE][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         for (int m = 0; m < 4; m++) {
             __m256i v[2], low[2], high[2];
             pair_units(qw + b * 256 + m * 64, v);
@@ -73,8 +75,14 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
             }
             for (int r = 0; r < R; r++) {
                 const __m256i first = QUAD(r, m), second = QUAD(r, 4 + m);
-                for (int h = 0; h < 2; h++)
-                    acc[r][h] = AVX2_BLOCK_DOT(AVX2_BLOCK_DOT(acc[r][h], low[h], first), high[h], second);
+                for (int h = 0; h < 2; h++) {
+                    if (AVX2_CHAINS(R)) {
+                        acc[r][h] = AVX2_BLOCK_DOT(acc[r][h], low[h], first);
+                        more[r][h] = AVX2_BLOCK_DOT(more[r][h], high[h], second);
+                    } else {
+                        acc[r][h] = AVX2_BLOCK_DOT(AVX2_BLOCK_DOT(acc[r][h], low[h], first), high[h], second);
+                    }
+                }
             }
         }
         const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
@@ -89,7 +97,9 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
         for (int r = 0; r < R; r++) {
             const __m256 dx = ROW_SCALE(r);
             for (int h = 0; h < 2; h++) {
-                const __m256 sums = _mm256_cvtepi32_ps(AVX2_BLOCK_SUMS(acc[r][h]));
+                __m256i total = AVX2_BLOCK_SUMS(acc[r][h]);
+                if (AVX2_CHAINS(R)) total = _mm256_add_epi32(total, AVX2_BLOCK_SUMS(more[r][h]));
+                const __m256 sums = _mm256_cvtepi32_ps(total);
                 out[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d[h], dx), out[r][h]);
                 if (b % per_group == 0)
                     out[r][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xq->sum8[(r0 + r) * groups + g]), out[r][h]);
@@ -110,23 +120,28 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_til
     __m256 out[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i acc[AVX2_TILE][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2]; /* more: the odd units at few rows (AVX2_CHAINS) */
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         for (int m = 0; m < 8; m++) {
             __m256i v[2], size[2];
             pair_units(qw + b * 512 + m * 64, v);
             for (int h = 0; h < 2; h++) size[h] = _mm256_sign_epi8(v[h], v[h]);
             for (int r = 0; r < R; r++) {
                 const __m256i quad = QUAD(r, m);
-                for (int h = 0; h < 2; h++) acc[r][h] = AVX2_QUAD_DOT(acc[r][h], size[h], _mm256_sign_epi8(quad, v[h]));
+                for (int h = 0; h < 2; h++) {
+                    if (AVX2_CHAINS(R) && m % 2) more[r][h] = AVX2_QUAD_DOT(more[r][h], size[h], _mm256_sign_epi8(quad, v[h]));
+                    else acc[r][h] = AVX2_QUAD_DOT(acc[r][h], size[h], _mm256_sign_epi8(quad, v[h]));
+                }
             }
         }
         __m256 d[2];
         lanes_ph(scales + b * 16, d);
         for (int r = 0; r < R; r++) {
             const __m256 dx = ROW_SCALE(r);
-            for (int h = 0; h < 2; h++)
-                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(d[h], dx), out[r][h]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i sums = AVX2_CHAINS(R) ? _mm256_add_epi32(acc[r][h], more[r][h]) : acc[r][h];
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d[h], dx), out[r][h]);
+            }
         }
     }
     for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
