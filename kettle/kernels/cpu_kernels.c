@@ -3,6 +3,7 @@
  * are linear.c's, the attention decode_attention.c's and prefill_attention.c's, a whole decode step
  * decoder_step.c's. Threads run on the OpenMP runtime PyTorch loaded (same soname), so both share one pool.
  */
+#include <cpuid.h>
 #include <omp.h>
 #include <string.h>
 
@@ -12,12 +13,25 @@ int kettle_context_parts = MAX_PARTS;
 int kettle_channel_one = 1;
 int kettle_channel_avx512 = -1;
 int kettle_cpu_vnni512 = 0;
+int kettle_cpu_vnni256 = AVX2_DOT_MADDUBS;
+int kettle_avx2_vnni = -1;
+
+/* AVX-VNNI (VEX `vpdpbusd ymm`): cpuid leaf 7 subleaf 1, EAX bit 4, asked directly (gcc 12's and older clangs'
+ * __builtin_cpu_supports do not all know it). The OS saves ymm state wherever AVX2 runs, which the library needs. */
+static int has_avxvnni(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+}
 
 __attribute__((constructor)) static void ask_the_cpu(void) {
     __builtin_cpu_init(); /* a library's constructor may run before libgcc's own, which fills in the CPU model */
     /* BW for the byte widening, VL for the integer panels' 8-lane groups */
     kettle_cpu_vnni512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    /* The VEX form where the CPU has it (the AVX2 kernels' CPUs: Intel's client cores); the EVEX form only where
+     * AVX-512's own kernels are switched off (tests, measurement), as `avx2_dot` runs these kernels for no other. */
+    if (has_avxvnni()) kettle_cpu_vnni256 = AVX2_DOT_AVXVNNI;
+    else if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) kettle_cpu_vnni256 = AVX2_DOT_VNNI256;
 }
 
 /* ---- element-wise kernels of a decoder layer (float32): each replaces a chain of PyTorch ops whose fixed

@@ -586,76 +586,21 @@ static void signed_quads(const uint8_t *widened, int64_t k, uint8_t *dst) {
     }
 }
 
-/* `channels` (≤ AVX2_CHANNELS, a constant at each call) output channels from c0 of w × `halves` (1 or 2, a constant)
- * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
- * sizes (`signed_quads`, the sign trick), else 0..15. */
-static inline __attribute__((always_inline)) void micro_avx2_int(const LaneRows *x, int64_t k, int64_t group,
-                                                                 const IntChannels *w, int c0, const int channels,
-                                                                 const int halves, const int is_signed, float *tile) {
-    const int64_t blocks = k / 32, groups = k / group;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[AVX2_CHANNELS][2];
-    for (int c = 0; c < channels; c++)
-        for (int h = 0; h < halves; h++) acc[c][h] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256i dot[AVX2_CHANNELS][2]; /* int16 pair sums (0..15), else int32 quad sums */
-        for (int c = 0; c < channels; c++)
-            for (int h = 0; h < halves; h++) dot[c][h] = _mm256_setzero_si256();
-        for (int64_t i = b * 8; i < b * 8 + 8; i++) {
-            __m256i a[2];
-            for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
-            for (int c = 0; c < channels; c++) {
-                const int32_t *row = (const int32_t *)(w->q + (c0 + c) * (is_signed ? 2 * k : k));
-                const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
-                if (is_signed) {
-                    const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
-                    for (int h = 0; h < halves; h++) {
-                        const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(a[h], q));
-                        dot[c][h] = _mm256_add_epi32(dot[c][h], _mm256_madd_epi16(pairs, ones));
-                    }
-                } else {
-                    for (int h = 0; h < halves; h++) dot[c][h] = _mm256_add_epi16(dot[c][h], _mm256_maddubs_epi16(q, a[h]));
-                }
-            }
-        }
-        for (int h = 0; h < halves; h++) {
-            const __m256 d = _mm256_load_ps(x->scale + b * LANES + 8 * h); /* the rows' scale of this block */
-            for (int c = 0; c < channels; c++) {
-                const __m256i sums = is_signed ? dot[c][h] : _mm256_madd_epi16(dot[c][h], ones);
-                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(w->scale[(c0 + c) * blocks + b]));
-                acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c][h]);
-            }
-        }
-        if (w->minimum && b % (group / 32) == 0) { /* as `micro_vnni`: where the tiles add it */
-            const int64_t g = b / (group / 32);
-            for (int h = 0; h < halves; h++) {
-                const __m256 sum = _mm256_load_ps(x->sum + g * LANES + 8 * h);
-                for (int c = 0; c < channels; c++)
-                    acc[c][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(w->minimum[(c0 + c) * groups + g]), acc[c][h]);
-            }
-        }
-    }
-    for (int c = 0; c < channels; c++)
-        for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
-}
+#define AVX2_FORM maddubs
+#include "int_panels_avx2.h"
+#undef AVX2_FORM
+#define AVX2_FORM avxvnni
+#include "int_panels_avx2.h"
+#undef AVX2_FORM
+#define AVX2_FORM vnni256
+#include "int_panels_avx2.h"
+#undef AVX2_FORM
 
-/* The AVX2 micro-kernel over the `n` channels of c, AVX2_CHANNELS at a time: the group's first half of lanes only
- * where its `rows` fit there (as `micro_vnni8`). */
-static void int_channels_avx2(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int n, int64_t rows,
-                              int is_signed, float *tile) {
-    const int halves = rows <= LANES / 2 ? 1 : 2;
-    for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
-        const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
-#define CALL(C, H, S) micro_avx2_int(x, k, group, w, c0, C, H, S, tile)
-#define HALVES(C, S) if (halves == 2) CALL(C, 2, S); else CALL(C, 1, S);
-#define CHANNELS(S) switch (channels) { case 4: HALVES(4, S) break; case 3: HALVES(3, S) break; case 2: HALVES(2, S) break; default: HALVES(1, S) }
-        if (is_signed) { CHANNELS(1) }
-        else { CHANNELS(0) }
-#undef CHANNELS
-#undef HALVES
-#undef CALL
-    }
-}
+/* The AVX2 micro-kernels in the form this CPU runs (`avx2_dot`), indexed by it. */
+typedef void IntChannelsAvx2(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int n, int64_t rows,
+                             int is_signed, int offset, float *tile);
+static IntChannelsAvx2 *const INT_CHANNELS_AVX2[] = {
+    [AVX2_DOT_MADDUBS] = int_channels_maddubs, [AVX2_DOT_AVXVNNI] = int_channels_avxvnni, [AVX2_DOT_VNNI256] = int_channels_vnni256};
 
 /* 8 floats of v into dst[0 .. width), width ≤ 8, without AVX's masked stores (microcoded on AMD's cores). */
 static inline void store_first(float *dst, __m256 v, int width) {
@@ -704,7 +649,13 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * k / 4, NULL};
     const WeightType *type = type_of(w);
-    const int wide = lanes_avx512() || !type->avx2_panels, is_signed = !wide && type->offset;
+    const int wide = lanes_avx512() || !type->avx2_panels, dot = avx2_dot();
+    /* The signed types' q + 128 meet vpmaddubsw's int16 pairs only through the sign trick; vpdpbusd sums any u8 in
+     * int32, so the VNNI forms multiply the widened bytes as the AVX-512 kernels do, the offset's term off each
+     * block's start: no sign per quad and channel (one thread, 2,048 × 2,048 Q8_0 at 512 rows: 1.37x → 1.82x over
+     * vpmaddubsw; bench/RESULTS.md). */
+    const int is_signed = !wide && type->offset && dot == AVX2_DOT_MADDUBS, offset = wide || is_signed ? 0 : type->offset;
+    IntChannelsAvx2 *const int_channels_avx2 = INT_CHANNELS_AVX2[dot];
     if (type->minimums) c.minimum = buffer + INT_CHANNELS * (k / 4 + blocks);
     float *tile = buffer + channel_floats(k);
     memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
@@ -734,7 +685,7 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
                 if (wide) {
                     int_group_avx512(&x, k, w, &c, n, count, tile, bias, y + r0 * ldy + j0, ldy);
                 } else {
-                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, tile);
+                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, offset, tile);
                     store_lanes_avx2(tile, n, (int)count, bias, y + r0 * ldy + j0, ldy);
                 }
             }

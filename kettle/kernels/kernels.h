@@ -733,6 +733,66 @@ INTERNAL void q4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t ro
 INTERNAL void q8l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
+
+/* ---- the AVX2 int8 kernels' dot-product step (lanes_avx2.c's tiles, gemm.c's `micro_avx2_int`): u8 × s8 quads
+ * summed into int32 lanes. Their loops are written once (lanes_avx2_tiles.h, int_panels_avx2.h) and compiled once per
+ * form of this step, named by AVX2_FORM where they are included:
+ *   maddubs  plain AVX2: `vpmaddubsw` (pairs into int16) and `vpmaddwd` by ones (the quad into int32), 2-3
+ *            instructions per 32 products;
+ *   avxvnni  AVX-VNNI's VEX `vpdpbusd ymm` (Intel's client cores since Alder Lake, which have no AVX-512): one;
+ *   vnni256  the same operation in AVX512-VNNI + VL's EVEX encoding, for CPUs with those but the 512-bit kernels off
+ *            (tests and measurement on AVX-512 machines, which need not have AVX-VNNI).
+ * Every form's integer sums are exact (no int16 saturation: see the callers' bounds), so all three give the bits of
+ * the others and of the AVX-512 kernels. Only functions compiled for their form's target hold its instructions: the
+ * avxvnni ones none of AVX-512's (an EVEX instruction faults on those CPUs). */
+enum { AVX2_DOT_MADDUBS = 0, AVX2_DOT_AVXVNNI = 1, AVX2_DOT_VNNI256 = 2 };
+/* The 256-bit vpdpbusd this CPU runs (asked at load: cpu_kernels.c): AVX2_DOT_AVXVNNI where it has AVX-VNNI, else
+ * AVX2_DOT_VNNI256 where it has AVX512-VNNI + VL, else AVX2_DOT_MADDUBS. */
+extern int kettle_cpu_vnni256;
+/* Whether the AVX2 int8 kernels use it: -1 (the default) and 1 where the CPU has it, 0 the vpmaddubsw form (tests,
+ * measurement). 1 cannot select an encoding the CPU lacks. */
+extern int kettle_avx2_vnni;
+static inline int avx2_dot(void) { return kettle_avx2_vnni == 0 ? AVX2_DOT_MADDUBS : kettle_cpu_vnni256; }
+
+#define AVX2_TARGET_maddubs
+#define AVX2_TARGET_avxvnni __attribute__((target("avxvnni")))
+#define AVX2_TARGET_vnni256 __attribute__((target("avx512vnni,avx512vl")))
+#define AVX2_CAT_(a, b) a##b
+#define AVX2_CAT(a, b) AVX2_CAT_(a, b)
+/* name_<form> and the form's target attribute, for the template headers' functions. */
+#define AVX2_NAMED(name) AVX2_CAT(name##_, AVX2_FORM)
+#define AVX2_TARGET AVX2_CAT(AVX2_TARGET_, AVX2_FORM)
+/* 1 where the form's step adds into its accumulator (`vpdpbusd`), 0 where its products are summed apart (vpmaddubsw). */
+#define AVX2_ACCUMULATES_maddubs 0
+#define AVX2_ACCUMULATES_avxvnni 1
+#define AVX2_ACCUMULATES_vnni256 1
+#define AVX2_ACCUMULATES AVX2_CAT(AVX2_ACCUMULATES_, AVX2_FORM)
+/* The form's steps below, as the template headers call them. */
+#define AVX2_QUAD_DOT AVX2_CAT(quad_dot_, AVX2_FORM)
+#define AVX2_BLOCK_DOT AVX2_CAT(block_dot_, AVX2_FORM)
+#define AVX2_BLOCK_SUMS AVX2_CAT(block_sums_, AVX2_FORM)
+
+/* acc (int32) + each lane's quad of u (u8) times s (s8), summed: `quad_dot`. */
+static inline __m256i quad_dot_maddubs(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline AVX2_TARGET_avxvnni __m256i quad_dot_avxvnni(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+static inline AVX2_TARGET_vnni256 __m256i quad_dot_vnni256(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, u, s);
+}
+/* A block's sums of small unsigned u (Q4's 0..15) times s, in two steps: `block_dot` adds one vector's products to
+ * acc in the form's own accumulator (maddubs: int16 pair sums, which a block of 32 inputs keeps below 2^15, so one
+ * vpmaddwd a block; VNNI: int32 quad sums already), `block_sums` gives the int32 quad sums. */
+static inline __m256i block_dot_maddubs(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+}
+static inline __m256i block_sums_maddubs(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+#define block_dot_avxvnni quad_dot_avxvnni
+#define block_dot_vnni256 quad_dot_vnni256
+static inline __m256i block_sums_avxvnni(__m256i acc) { return acc; }
+#define block_sums_vnni256 block_sums_avxvnni
 /* Whether the integer panels can run a weight of `type` on this CPU: any type they widen where it has AVX-512 VNNI,
  * else those with an AVX2 micro-kernel (`avx2_panels`). */
 static inline int integer_panels_run(const WeightType *type) {

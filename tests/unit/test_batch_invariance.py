@@ -8,6 +8,7 @@ the switch is for."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -61,33 +62,41 @@ def q8_0_layer(n: int, k: int) -> Q8Linear:
 
 
 @contextmanager
-def avx2_lanes(avx2: bool) -> Iterator[None]:
+def avx2_lanes(avx2: bool, vnni: bool = False) -> Iterator[None]:
     """With `avx2`, the kernels as on a CPU without AVX-512 VNNI (the types with AVX2 tiles stay in lanes: their
-    AVX2 tiles and AVX2 integer panels); else as this CPU has them."""
+    AVX2 tiles and AVX2 integer panels), with `vnni` their dot-product step in the 256-bit `vpdpbusd` of a CPU with
+    AVX-VNNI (kernels.h `avx2_dot`; skipped where this CPU has none), else `vpmaddubsw`; else as this CPU has them."""
     if not avx2:
         yield
         return
-    with kernel_switch("kettle_cpu_vnni512", 0), kernel_switch("kettle_lanes_avx512", 0):
+    if vnni and not ctypes.c_int.in_dll(ops.library(), "kettle_cpu_vnni256").value:
+        pytest.skip("no 256-bit vpdpbusd on this CPU")
+    with (
+        kernel_switch("kettle_cpu_vnni512", 0),
+        kernel_switch("kettle_lanes_avx512", 0),
+        kernel_switch("kettle_avx2_vnni", int(vnni)),
+    ):
         yield
 
 
-@pytest.fixture(params=["rows", "lanes", "lanes (AVX2)"])
+@pytest.fixture(params=["rows", "lanes", "lanes (AVX2)", "lanes (AVX2 + VNNI)"])
 def layout(request, monkeypatch) -> Iterator[str]:
     """The rows layouts (Q6_K's and the 5-bit types' on an AVX2 CPU, `--quantize int8`'s everywhere), lanes where the
-    CPU has AVX-512 VNNI, and lanes on an AVX2 CPU's kernels (AVX-512 off here)."""
+    CPU has AVX-512 VNNI, and lanes on an AVX2 CPU's kernels (AVX-512 off here), with and without AVX-VNNI."""
     if request.param == "lanes" and not ops.vnni():
         pytest.skip("the lanes layout needs AVX-512 VNNI")
     add_tuning(monkeypatch, lanes=request.param != "rows")
-    with avx2_lanes(request.param == "lanes (AVX2)"):
+    with avx2_lanes(request.param.startswith("lanes (AVX2"), vnni=request.param == "lanes (AVX2 + VNNI)"):
         yield request.param
 
 
-@pytest.fixture(params=["AVX-512", "AVX2"])
+@pytest.fixture(params=["AVX-512", "AVX2", "AVX2 + VNNI"])
 def lanes_width(request) -> Iterator[str]:
-    """A lanes type's kernels where the CPU has AVX-512 VNNI, and an AVX2 CPU's (AVX-512 off here)."""
+    """A lanes type's kernels where the CPU has AVX-512 VNNI, and an AVX2 CPU's (AVX-512 off here), with and without
+    AVX-VNNI."""
     if request.param == "AVX-512" and not ops.vnni():
         pytest.skip("no AVX-512 VNNI here")
-    with avx2_lanes(request.param == "AVX2"):
+    with avx2_lanes(request.param != "AVX-512", vnni=request.param == "AVX2 + VNNI"):
         yield request.param
 
 

@@ -5,13 +5,16 @@ kernels.h."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf.quants import dequantize as gguf_dequantize
 
 from kettle.kernels import decoder_step, ops, structs
 from tests.fixtures import kernel_switch, kernels_buildable
@@ -108,15 +111,45 @@ AVX2_NAMES = [
 ]
 
 
+# The AVX2 int8 kernels' dot-product forms (kernels.h `avx2_dot`): `vpmaddubsw` + `vpmaddwd` (plain AVX2), and the
+# 256-bit `vpdpbusd` where the CPU has one: AVX-VNNI's VEX encoding, else AVX512-VNNI + VL's EVEX one (an AVX-512
+# machine without AVX-VNNI, such as Zen 4, runs its twin: the same operation and source, another encoding).
+AVX2_DOTS = ["maddubs", "vnni256"]
+
+
+def cpu_vnni256() -> int:
+    """`kettle_cpu_vnni256`: 0 none, 1 AVX-VNNI (VEX), 2 AVX512-VNNI + VL (EVEX)."""
+    return ctypes.c_int.in_dll(ops.library(), "kettle_cpu_vnni256").value
+
+
+@contextmanager
+def avx2_dot(dot: str):
+    """The AVX2 int8 kernels in the form `dot` (AVX2_DOTS); a VNNI test is skipped where the CPU has none."""
+    if dot == "vnni256" and not cpu_vnni256():
+        pytest.skip("no 256-bit vpdpbusd on this CPU")
+    with kernel_switch("kettle_avx2_vnni", 0 if dot == "maddubs" else 1):
+        yield
+
+
+def test_the_cpu_reports_its_256_bit_vnni():
+    """The library's answer (cpu_kernels.c, cpuid) agrees with the kernel's flags: the VEX form where the CPU has
+    AVX-VNNI, else the EVEX one where it has AVX512-VNNI and VL, else none; and the switch at 0 keeps vpmaddubsw."""
+    flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    expected = 1 if "avx_vnni" in flags else 2 if {"avx512_vnni", "avx512vl"} <= flags else 0
+    assert cpu_vnni256() == expected
+
+
+@pytest.mark.parametrize("dot", AVX2_DOTS)
 @pytest.mark.parametrize("name", AVX2_NAMES)
-def test_the_avx2_lanes_tiles_compute_the_avx512_tiles_bits(name):
+def test_the_avx2_lanes_tiles_compute_the_avx512_tiles_bits(name, dot):
     """The lanes types with AVX2 tiles (lanes_avx2.c: all but Q5L) are held in lanes on any AVX2 CPU: their tiles,
     run here with AVX-512 switched off for them (`kettle_lanes_avx512`), give every row the bits of the AVX-512 tiles
-    (the same integer sums, the same float operations lane by lane), at every row count of a pass and beyond."""
+    (the same integer sums, the same float operations lane by lane), at every row count of a pass and beyond, in
+    either dot-product form (`vpmaddubsw`, or the 256-bit `vpdpbusd` of AVX-VNNI CPUs)."""
     w = weight(name)
     x = torch.randn(11, K)
     wide = ops.linear_on(x, w.linear, "quantized")
-    with kernel_switch("kettle_lanes_avx512", 0):
+    with avx2_dot(dot), kernel_switch("kettle_lanes_avx512", 0):
         narrow = ops.linear_on(x, w.linear, "quantized")
         for rows in range(1, 11):  # every pass of 1..4 rows, and passes after a whole one
             assert torch.equal(ops.linear_on(x[:rows], w.linear, "quantized"), wide[:rows]), rows
@@ -136,36 +169,44 @@ def avx2_weight(name: str) -> Weight:
 
 
 @contextmanager
-def avx2_cpu():
-    """The kernels as on a CPU without AVX-512 VNNI: the chooser, the lanes tiles and the integer panels."""
-    with kernel_switch("kettle_cpu_vnni512", 0), kernel_switch("kettle_lanes_avx512", 0):
+def avx2_cpu(dot: str = "maddubs"):
+    """The kernels as on a CPU without AVX-512 VNNI: the chooser, the lanes tiles and the integer panels, their
+    dot-product step in the form `dot` (AVX2_DOTS: "vnni256" as on a CPU with AVX-VNNI)."""
+    with avx2_dot(dot), kernel_switch("kettle_cpu_vnni512", 0), kernel_switch("kettle_lanes_avx512", 0):
         yield
 
 
+@pytest.mark.parametrize("dot", AVX2_DOTS)
 @pytest.mark.parametrize("name", AVX2_PANEL_NAMES)
-def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name):
-    """On an AVX2 CPU the integer panels (gemm.c's `vpmaddubsw` micro-kernel: Q4L's 0..15 summed in int16 over a
-    block, Q8L's and IQ4L's int8 by the sign trick) give every row the bits of the AVX2 tiles (the same exact integer
-    block sums, the same float operations lane by lane), at every row count from 1 to 40 (one and both halves of a
-    group of 16 lanes, a partial last group) over 80 channels (groups of 12 and a short last one of 8); those bits are
-    the dense weight times the int8-rounded rows, and, where the CPU has AVX-512 VNNI, its panels' and tiles'."""
+def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name, dot):
+    """On an AVX2 CPU the integer panels (gemm.c's AVX2 micro-kernel: Q4L's 0..15 summed over a block, Q8L's and
+    IQ4L's int8 by the sign trick) give every row the bits of the AVX2 tiles (the same exact integer block sums, the
+    same float operations lane by lane), at every row count from 1 to 40 (one and both halves of a group of 16 lanes,
+    a partial last group) over 80 channels (groups of 12 and a short last one of 8), in either dot-product form; those
+    bits are the other form's, the dense weight times the int8-rounded rows, and, where the CPU has AVX-512 VNNI, its
+    panels' and tiles'."""
     w = avx2_weight(name)
     x = torch.randn(40, K)
-    with avx2_cpu():
+    with avx2_cpu("maddubs"):
+        reference = ops.linear_on(x, w.linear, "quantized")
+    with avx2_cpu(dot):
         tiles = ops.linear_on(x, w.linear, "quantized")
         for rows in range(1, 41):
             assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
+    assert torch.equal(tiles, reference)
     assert relative(tiles, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
     if lanes_here():
         assert torch.equal(ops.linear_on(x, w.linear, "int_gemm"), tiles)
         assert torch.equal(ops.linear_on(x, w.linear, "quantized"), tiles)
 
 
+@pytest.mark.parametrize("dot", AVX2_DOTS)
 @pytest.mark.parametrize("name", ["q4_lanes", "q8_0_lanes"])
-def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name):
+def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name, dot):
     """The largest products `vpmaddubsw` meets: Q4's 15s against int8 rows of ±127 (a block's int16 pair sums at
     8 · 2 · 15 · 127 = 30,480, below 2^15), Q8_0's -128 and 127 against them (|q| 128 on the unsigned side through
-    the sign trick, pairs at 2 · 128 · 127): no saturation, the dense products exactly (the tiles' too)."""
+    the sign trick, pairs at 2 · 128 · 127): no saturation, the dense products exactly (the tiles' too), in either
+    dot-product form."""
     from kettle.quantization.q4 import Q4Linear, pack_q4
     from kettle.quantization.q8 import Q8Linear
 
@@ -182,10 +223,39 @@ def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name):
     x = torch.where(torch.rand(20, K) < 0.5, -127.0, 127.0)  # int8 values ±127, each block's scale 1
     w = layer.describe()
     assert ops.in_lanes(w)
-    with avx2_cpu():
+    with avx2_cpu(dot):
         panels, tiles = ops.linear_on(x, w, "int_gemm"), ops.linear_on(x, w, "quantized")
     assert torch.equal(panels, tiles)
     assert torch.equal(panels, x @ dense.T)  # every product and sum exact in float32
+
+
+@pytest.mark.parametrize("dot", AVX2_DOTS)
+def test_the_avx2_iq4_xs_sums_are_exact_at_the_grid_ends(dot):
+    """IQ4_XS's grid ends (-127 and 113, indices 0 and 15) through the sign trick against int8 rows of ±127: the
+    tiles and the integer panels in either dot-product form give the bits of the `vpmaddubsw` tiles, which are the
+    dense weight's products to float32's rounding."""
+    from gguf import GGMLQuantizationType as T
+
+    from kettle.quantization.iq4 import IQ4Linear
+    from kettle.tensors.gguf_file import Blocks
+    from tests.kernel_weights import random_iq4_xs_blocks
+
+    n = 48
+    data = random_iq4_xs_blocks(n, K, seed=3).reshape(n, K // 256, 136)
+    ends = np.random.default_rng(3).choice(np.array([0x00, 0xFF, 0x0F, 0xF0], dtype=np.uint8), (n, K // 256, 128))
+    data[..., 8:] = ends  # every index 0 or 15
+    data = data.reshape(n, -1)
+    layer = IQ4Linear.from_blocks([Blocks(data, T.IQ4_XS, n, K, None)], torch.zeros(n))
+    dense = torch.from_numpy(gguf_dequantize(data, T.IQ4_XS)).float()
+    x = torch.where(torch.rand(20, K) < 0.5, -127.0, 127.0)
+    w = layer.describe()
+    assert ops.in_lanes(w)
+    with avx2_cpu("maddubs"):
+        reference = ops.linear_on(x, w, "quantized")
+    with avx2_cpu(dot):
+        panels, tiles = ops.linear_on(x, w, "int_gemm"), ops.linear_on(x, w, "quantized")
+    assert torch.equal(tiles, reference) and torch.equal(panels, reference)
+    assert relative(reference, x @ dense.T) < 1e-5
 
 
 def test_an_avx2_cpu_takes_the_integer_panels_for_its_lanes_types(tune):

@@ -1,0 +1,163 @@
+/* lanes_avx2.c's tiles in one form of the dot-product step (kernels.h, `AVX2_FORM`): included once per form, each
+ * inclusion defining iq4l_rows_<form>, q4l_rows_<form> and q8l_rows_<form> compiled for that form's target. Not a
+ * header of its own: lanes_avx2.c sets AVX2_FORM, the helpers and the QUAD, ROW_SCALE and AVX2_PASSES macros first. */
+
+/* `iq4l_tile` on AVX2, output channels 16G .. 16G + 15 for rows r0 .. r0 + R - 1 (R ≤ AVX2_TILE, a constant): per
+ * half of 8 channels, each pair of units' halves interleaved, looked up in the grid with `pshufb`, and multiplied
+ * with the row's quads by the sign trick (|grid value| as u8, the quad with its sign: the grid's -127..113 keep
+ * vpmaddubsw's pairs below 2^15). */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_tile)(
+    const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
+) {
+    const int64_t k = w->k, blocks = k / 32;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
+    const int8_t *sc = (const int8_t *)w->scales + G * blocks * 16;
+    const uint16_t *d = w->supers + G * (k / 256) * 16;
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 out[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* more: a second chain at few rows (AVX2_CHAINS) */
+            for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
+            for (int m = 0; m < 4; m++) {
+                const __m128i first = _mm_loadu_si128((const __m128i *)(qw + b * 256 + 2 * m * 32 + 16 * h));
+                const __m128i second = _mm_loadu_si128((const __m128i *)(qw + b * 256 + (2 * m + 1) * 32 + 16 * h));
+                const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(first, second), _mm_unpacklo_epi8(first, second));
+                const __m256i low = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, mask));
+                const __m256i high = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                const __m256i low_size = _mm256_sign_epi8(low, low), high_size = _mm256_sign_epi8(high, high);
+                for (int r = 0; r < R; r++) {
+                    const __m256i x_low = QUAD(r, m), x_high = QUAD(r, 4 + m);
+                    acc[r] = AVX2_QUAD_DOT(acc[r], low_size, _mm256_sign_epi8(x_low, low));
+                    if (AVX2_CHAINS(R)) more[r] = AVX2_QUAD_DOT(more[r], high_size, _mm256_sign_epi8(x_high, high));
+                    else acc[r] = AVX2_QUAD_DOT(acc[r], high_size, _mm256_sign_epi8(x_high, high));
+                }
+            }
+            const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b / 8 * 16 + 8 * h))),
+                                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + b * 16 + 8 * h)))));
+            for (int r = 0; r < R; r++) {
+                const __m256 combined = _mm256_mul_ps(scale, ROW_SCALE(r));
+                const __m256i sums = AVX2_CHAINS(R) ? _mm256_add_epi32(acc[r], more[r]) : acc[r];
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), combined, out[r][h]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256 bias = w->bias ? _mm256_loadu_ps(w->bias + G * 16 + 8 * h) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * ldy + G * 16 + 8 * h, _mm256_add_ps(out[r][h], bias));
+    }
+}
+
+/* `q4l_tile` (lanes.c) on AVX2: per block, each pair of units interleaved once, the nibbles' products with each row's
+ * quads summed over the block in the form's accumulator (maddubs: int16, at most 15 · 128 · 2 · 8 < 2^15), then
+ * the AVX-512 tile's float operations lane by lane. */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_tile)(
+    const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
+) {
+    const int64_t k = w->k, blocks = k / 32, per_group = w->group / 32, groups = k / w->group;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 256;
+    const uint16_t *scales = (const uint16_t *)w->scales + G * groups * 16;
+    const uint16_t *mins = w->mins ? w->mins + G * groups * 16 : NULL;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 out[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
+        for (int m = 0; m < 4; m++) {
+            __m256i v[2], low[2], high[2];
+            pair_units(qw + b * 256 + m * 64, v);
+            for (int h = 0; h < 2; h++) {
+                low[h] = _mm256_and_si256(v[h], mask);
+                high[h] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), mask);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i first = QUAD(r, m), second = QUAD(r, 4 + m);
+                for (int h = 0; h < 2; h++) {
+                    if (AVX2_CHAINS(R)) {
+                        acc[r][h] = AVX2_BLOCK_DOT(acc[r][h], low[h], first);
+                        more[r][h] = AVX2_BLOCK_DOT(more[r][h], high[h], second);
+                    } else {
+                        acc[r][h] = AVX2_BLOCK_DOT(AVX2_BLOCK_DOT(acc[r][h], low[h], first), high[h], second);
+                    }
+                }
+            }
+        }
+        const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
+        __m256 d[2], mn[2];
+        if (w->supers) {
+            q4k_lanes_avx2(w, G, g, d, mn);
+        } else {
+            lanes_ph(scales + g * 16, d);
+            if (mins) lanes_ph(mins + g * 16, mn);
+            else for (int h = 0; h < 2; h++) mn[h] = _mm256_mul_ps(d[h], _mm256_set1_ps(-8.0f));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = ROW_SCALE(r);
+            for (int h = 0; h < 2; h++) {
+                __m256i total = AVX2_BLOCK_SUMS(acc[r][h]);
+                if (AVX2_CHAINS(R)) total = _mm256_add_epi32(total, AVX2_BLOCK_SUMS(more[r][h]));
+                const __m256 sums = _mm256_cvtepi32_ps(total);
+                out[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d[h], dx), out[r][h]);
+                if (b % per_group == 0)
+                    out[r][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xq->sum8[(r0 + r) * groups + g]), out[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
+}
+
+/* `q8l_tile` on AVX2: each two pairs interleaved give the quads, signed: the sign trick (|q| as u8, -128 too; pairs
+ * at most 2 · 128 · 127 in int16), whose sums are the AVX-512 tile's (q + 128 less 128 · the block's inputs). */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_tile)(
+    const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
+) {
+    const int64_t k = w->k, blocks = k / 32, first = G * blocks;
+    const uint8_t *qw = (const uint8_t *)w->weight + first * 512;
+    const uint16_t *scales = (const uint16_t *)w->scales + first * 16;
+    __m256 out[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2]; /* more: the odd units at few rows (AVX2_CHAINS) */
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
+        for (int m = 0; m < 8; m++) {
+            __m256i v[2], size[2];
+            pair_units(qw + b * 512 + m * 64, v);
+            for (int h = 0; h < 2; h++) size[h] = _mm256_sign_epi8(v[h], v[h]);
+            for (int r = 0; r < R; r++) {
+                const __m256i quad = QUAD(r, m);
+                for (int h = 0; h < 2; h++) {
+                    if (AVX2_CHAINS(R) && m % 2) more[r][h] = AVX2_QUAD_DOT(more[r][h], size[h], _mm256_sign_epi8(quad, v[h]));
+                    else acc[r][h] = AVX2_QUAD_DOT(acc[r][h], size[h], _mm256_sign_epi8(quad, v[h]));
+                }
+            }
+        }
+        __m256 d[2];
+        lanes_ph(scales + b * 16, d);
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = ROW_SCALE(r);
+            for (int h = 0; h < 2; h++) {
+                const __m256i sums = AVX2_CHAINS(R) ? _mm256_add_epi32(acc[r][h], more[r][h]) : acc[r][h];
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d[h], dx), out[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
+}
+
+static AVX2_TARGET void AVX2_NAMED(iq4l_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0,
+                                              int64_t j1, float *y, int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) AVX2_PASSES(AVX2_NAMED(iq4l_tile))
+}
+
+static AVX2_TARGET void AVX2_NAMED(q4l_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0,
+                                             int64_t j1, float *y, int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) AVX2_PASSES(AVX2_NAMED(q4l_tile))
+}
+
+static AVX2_TARGET void AVX2_NAMED(q8l_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0,
+                                             int64_t j1, float *y, int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) AVX2_PASSES(AVX2_NAMED(q8l_tile))
+}
