@@ -46,6 +46,15 @@ def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return _allocate(shape, dtype, torch.zeros)
 
 
+def placed(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s values, contiguous, where `empty` would place a tensor of its size: a copy in huge pages from 2 MiB,
+    for weights computed in tensor ops at load (a GGUF type requantized, `Q8Linear`) rather than packed into `empty`
+    by the kernels; the tensor itself below (or with huge-pages=off, made contiguous)."""
+    if tensor.numel() * tensor.element_size() < HUGE_PAGE or not settings.current().huge_pages:
+        return tensor.contiguous()
+    return empty(*tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype, small) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not settings.current().huge_pages:

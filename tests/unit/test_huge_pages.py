@@ -42,3 +42,27 @@ def test_small_tensors_and_the_switch_off_are_pytorch_s(monkeypatch):
     monkeypatch.setattr(huge_pages, "anonymous", lambda nbytes: pytest.fail("a mapping advised with huge-pages=off"))
     large = huge_pages.zeros(4 * huge_pages.HUGE_PAGE, dtype=torch.uint8)
     assert not large.any() and large.numel() == 4 * huge_pages.HUGE_PAGE
+
+
+def test_placed_copies_a_large_tensor_into_huge_pages_and_leaves_a_small_one(monkeypatch):
+    large = torch.arange(4 * 2**20, dtype=torch.int32).view(2**10, 2**12).t()  # 16 MiB, not contiguous
+    copy = huge_pages.placed(large)
+    assert copy.is_contiguous() and copy.data_ptr() % huge_pages.HUGE_PAGE == 0 and torch.equal(copy, large)
+    small = torch.ones(16, 16)
+    assert huge_pages.placed(small) is small
+    tune(monkeypatch, "huge-pages=off")
+    monkeypatch.setattr(huge_pages, "anonymous", lambda nbytes: pytest.fail("a mapping advised with huge-pages=off"))
+    assert torch.equal(huge_pages.placed(large), large)
+
+
+def test_a_q8_0_weight_quantized_at_load_sits_in_huge_pages():
+    """A weight requantized in tensor ops (an AVX2 CPU's Q6_K and 5-bit types, `_requantized`) lands in 2 MiB pages
+    as the weights the kernels pack do, with the values it had in PyTorch's pages."""
+    from kettle.quantization import q8
+    from kettle.quantization.q8 import Q8Linear
+
+    weight = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))  # 4 MiB of int8
+    layer = Q8Linear.from_weight(weight)
+    q, scales = q8.quantize_blocks(weight)
+    assert torch.equal(layer.stored()[0], q) and torch.equal(layer.stored()[1], scales)
+    assert layer.q.data_ptr() % huge_pages.HUGE_PAGE == 0
