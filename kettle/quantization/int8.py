@@ -23,6 +23,7 @@ from kettle.kernels import ops
 from kettle.kernels.structs import LINEAR_Q8, Linear
 from kettle.quantization.config import DENSE_ROWS, INT8_GEMV_ROWS, KERNEL_ACT_DTYPE
 from kettle.quantization.kernel_weight import KernelWeight, pointer
+from kettle.tensors import huge_pages
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +48,8 @@ class Int8Linear(KernelWeight):
         self.out_features, self.in_features = (int(d) for d in q.shape)
         self.dense_rows = DENSE_ROWS
         self.act_dtype = act_dtype
-        self.register_buffer("q", q, persistent=False)
+        # On the CPU in 2 MiB pages, as the packed types' are: a decode step streams the weight whole.
+        self.register_buffer("q", q if q.is_cuda else huge_pages.placed(q), persistent=False)
         self.register_buffer("scale", scale.float(), persistent=False)
         # The kernel wants the scales in the activations' dtype.
         self.register_buffer("kernel_scale", scale.to(act_dtype), persistent=False)

@@ -66,3 +66,18 @@ def test_a_q8_0_weight_quantized_at_load_sits_in_huge_pages():
     q, scales = q8.quantize_blocks(weight)
     assert torch.equal(layer.stored()[0], q) and torch.equal(layer.stored()[1], scales)
     assert layer.q.data_ptr() % huge_pages.HUGE_PAGE == 0
+
+
+def test_int8_and_int4_weights_quantized_at_load_sit_in_huge_pages(monkeypatch):
+    """`--quantize int8` / `int4` quantize in tensor ops too: their weights land in 2 MiB pages, values unchanged."""
+    from kettle.quantization.int8 import Int8Linear, quantize_int8
+    from kettle.quantization.q4 import Q4Linear
+
+    weight = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(1))  # 8 MiB of int8, 4 MiB of int4
+    int8 = Int8Linear.from_weight(weight)
+    assert torch.equal(int8.q, quantize_int8(weight)[0]) and int8.q.data_ptr() % huge_pages.HUGE_PAGE == 0
+    int4 = Q4Linear.from_weight(weight, group_size=32)
+    assert int4.packed.data_ptr() % huge_pages.HUGE_PAGE == 0
+    tune(monkeypatch, "huge-pages=off")  # PyTorch's pages: the same values
+    unplaced = Q4Linear.from_weight(weight, group_size=32)
+    assert torch.equal(int4.dequantized(), unplaced.dequantized())
