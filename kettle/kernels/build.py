@@ -51,7 +51,7 @@ SOURCES = tuple(
         "decode_attention.c",
     )
 )
-HEADERS = (FOLDER / "kernels.h", FOLDER / "lanes_avx2_tiles.h", FOLDER / "int_panels_avx2.h")
+HEADERS = (FOLDER / "kernels.h", FOLDER / "avx2_forms.h", FOLDER / "lanes_avx2_tiles.h", FOLDER / "int_panels_avx2.h")
 LIBRARY = "libkettle_cpu.so"
 # Where the install puts the library (`install`): inside the environment, so it goes with it (a venv removed, an
 # image layer) and never mixes with another environment's build of other sources.

@@ -586,15 +586,8 @@ static void signed_quads(const uint8_t *widened, int64_t k, uint8_t *dst) {
     }
 }
 
-#define AVX2_FORM maddubs
-#include "int_panels_avx2.h"
-#undef AVX2_FORM
-#define AVX2_FORM avxvnni
-#include "int_panels_avx2.h"
-#undef AVX2_FORM
-#define AVX2_FORM vnni256
-#include "int_panels_avx2.h"
-#undef AVX2_FORM
+#define AVX2_TEMPLATE "int_panels_avx2.h"
+#include "avx2_forms.h"
 
 /* The AVX2 micro-kernels in the form this CPU runs (`avx2_dot`), indexed by it. */
 typedef void IntChannelsAvx2(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int n, int64_t rows,

@@ -103,15 +103,8 @@ static inline void q4k_lanes_avx2(const Linear *w, int64_t G, int64_t g, __m256 
  * way: the same bits. The vpmaddubsw form keeps one. */
 #define AVX2_CHAINS(R) (AVX2_ACCUMULATES && (R) <= 2)
 
-#define AVX2_FORM maddubs
-#include "lanes_avx2_tiles.h"
-#undef AVX2_FORM
-#define AVX2_FORM avxvnni
-#include "lanes_avx2_tiles.h"
-#undef AVX2_FORM
-#define AVX2_FORM vnni256
-#include "lanes_avx2_tiles.h"
-#undef AVX2_FORM
+#define AVX2_TEMPLATE "lanes_avx2_tiles.h"
+#include "avx2_forms.h"
 #undef QUAD
 #undef ROW_SCALE
 #undef AVX2_PASSES
