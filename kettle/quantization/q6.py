@@ -77,7 +77,8 @@ class Q6Linear(KernelWeight):
         n, k = q.shape
         self.out_features, self.in_features = int(n), int(k)
         self.dense_rows = DENSE_ROWS
-        self.register_buffer("weight_bytes", to_lanes(q.to(torch.uint8)), persistent=False)
+        # In 2 MiB pages as the packed weights are (huge_pages.placed): a decode step streams them from memory.
+        self.register_buffer("weight_bytes", huge_pages.placed(to_lanes(q.to(torch.uint8))), persistent=False)
         self.register_buffer("scales", table_to_lanes(scales.to(torch.int8)), persistent=False)
         self.register_buffer("d", table_to_lanes(d.to(torch.float16)), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)

@@ -81,3 +81,19 @@ def test_int8_and_int4_weights_quantized_at_load_sit_in_huge_pages(monkeypatch):
     tune(monkeypatch, "huge-pages=off")  # PyTorch's pages: the same values
     unplaced = Q4Linear.from_weight(weight, group_size=32)
     assert torch.equal(int4.dequantized(), unplaced.dequantized())
+
+
+def test_a_q6_k_weight_built_in_tensor_ops_sits_in_huge_pages(monkeypatch):
+    """A Q6_K weight made from decoded values (`Q6Linear(q, scales, d)`, not packed from a file's blocks) lands in
+    2 MiB pages too, with the same lanes bytes and the same dequantized values as in PyTorch's pages."""
+    from kettle.quantization.q6 import Q6Linear, to_lanes
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 64, (2048, 2048), generator=g, dtype=torch.uint8)  # 3 MiB in lanes
+    scales = torch.randint(-128, 128, (2048, 2048 // 16), generator=g).to(torch.int8)
+    d = (torch.rand(2048, 2048 // 256, generator=g) / 64).half()
+    layer = Q6Linear(q, scales, d)
+    assert layer.weight_bytes.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert torch.equal(layer.weight_bytes, to_lanes(q))
+    tune(monkeypatch, "huge-pages=off")
+    assert torch.equal(layer.dequantized(), Q6Linear(q, scales, d).dequantized())

