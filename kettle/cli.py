@@ -79,10 +79,11 @@ def serve(
 ) -> None:
     """Run one shard (the model) as a gRPC server on a Unix socket. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like ShardConfig's fields
-    from kettle.process_memory import use_one_heap
+    from kettle.process_memory import reuse_freed_memory, use_one_heap
     from kettle.tensors import weight_arena
 
     use_one_heap()  # first: before torch, gRPC or the engine start a thread
+    reuse_freed_memory()  # the steps' activations stay in that heap from one step to the next
     weight_arena.reserve(max(weight_bytes or 0, 0))  # its pages fault in while torch and the model code import
     from kettle import tracing
     from kettle.logging_setup import setup_logging

@@ -1,6 +1,7 @@
 """Resident memory (RSS) of Kettle's processes: read for the start-up log lines and the router's gauges, and kept
 down: freed heap handed back (`release_free_memory`), one heap for every thread (`use_one_heap`), and the library
-pages start-up ran dropped once a shard is warm (`release_library_pages`).
+pages start-up ran dropped once a shard is warm (`release_library_pages`). A shard also keeps the memory of its
+steps' large blocks in that heap from one step to the next (`reuse_freed_memory`), handed back once it is idle.
 
 psutil (already a dependency: the shard sizes its threads with it) reads it on every platform Kettle runs on;
 on Linux that is one small read of /proc/PID/statm, cheap enough for every metrics scrape.
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import NoReturn
 
 import psutil
+
+from kettle import settings
 
 
 def resident_bytes(pid: int | None = None) -> int | None:
@@ -61,6 +64,15 @@ def _libc() -> ctypes.CDLL | None:
 
 MADV_DONTNEED = 4  # <sys/mman.h>
 M_ARENA_MAX = -8  # <malloc.h>
+M_TRIM_THRESHOLD = -1  # <malloc.h>
+M_MMAP_MAX = -4  # <malloc.h>
+# Free bytes at the heap's top that `free` leaves there (glibc trims past it; an `int`): about what a long prompt's
+# chunk allocates in one step (an 8B model's gate and up projections over 4,096 tokens: ~0.9 GiB), so that a step
+# rarely hands back what the next one faults in again. The idle shard's `release_free_memory` trims it all.
+KEEP_AT_TOP = 2**30
+# The glibc variables that set the same two things (`mallopt(3)`, `tunables(7)`): the user's word wins.
+MALLOC_ENVIRONMENT = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+MALLOC_TUNABLES = ("glibc.malloc.mmap_max", "glibc.malloc.trim_threshold")
 MADV_POPULATE_WRITE = 23  # <sys/mman.h>, Linux 5.14+
 
 
@@ -70,6 +82,30 @@ def populate(address: int, length: int) -> bool:
     call, so a thread can run it over gigabytes while the others work."""
     libc = _libc()
     return libc is not None and libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+
+
+def reuse_freed_memory() -> bool:
+    """Has glibc keep the memory of freed large blocks in the heap for the next ones (`M_MMAP_MAX` 0, `M_TRIM_THRESHOLD`
+    `KEEP_AT_TOP`), unless the environment sets either or `KETTLE_TUNING=reuse-freed-memory=off`; call it before the
+    model runs. True where it took effect.
+
+    glibc serves each block from 32 MiB (from 128 KiB until its threshold adapts) with a mapping of its own and unmaps
+    it when freed, and PyTorch's CPU tensors come straight from malloc: each prefill step's activations (a 512-token
+    chunk of a 1.7B model: 32 MiB for the gate and up projections alone) came in fresh 4 KiB pages, a fault and a
+    zeroing each, ~9% of a profile of the prompt. A 512-token prefill of a 1.7B Q4_K_M file ran 123 tok/s, and 138
+    with the memory kept (2,048 tokens: 97-100 against 104-109). The peak is the same; what the steps freed stays
+    resident until the shard is idle (kettle/shard/service.py), when `release_free_memory` hands it back with the rest
+    of the heap's free pages."""
+    libc = _libc()
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (
+        libc is None
+        or not settings.current().reuse_freed_memory
+        or any(name in os.environ for name in MALLOC_ENVIRONMENT)
+        or any(name in tunables for name in MALLOC_TUNABLES)
+    ):
+        return False
+    return libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, KEEP_AT_TOP) == 1
 
 
 def release_free_memory() -> None:

@@ -47,6 +47,7 @@ class Settings:
     installed_kernels: bool  # installed-kernels
     release_library_pages: bool  # release-library-pages
     huge_pages: bool  # huge-pages
+    reuse_freed_memory: bool  # reuse-freed-memory
     cpu_decoder_step: bool  # decoder-step
     greedy_window: bool  # greedy-window
     cpu_float_rows: int | None  # float-rows
@@ -157,6 +158,12 @@ TUNING: dict[str, Knob] = {
     ),
     "huge-pages": Knob(
         "huge_pages", _switch, True, "off: packed weights and the KV cache in 4 KiB pages, not 2 MiB ones (Linux THP)"
+    ),
+    "reuse-freed-memory": Knob(
+        "reuse_freed_memory",
+        _switch,
+        True,
+        "off: a shard's large activations in fresh mappings every step (glibc's default), not kept in its heap",
     ),
     "decoder-step": Knob("cpu_decoder_step", _switch, True, "off: decode layer by layer instead of one C call"),
     "greedy-window": Knob("greedy_window", _switch, True, "off: a decode call's greedy steps one C call each"),

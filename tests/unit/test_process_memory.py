@@ -114,3 +114,44 @@ def test_one_heap_serves_every_thread_unless_the_environment_says_otherwise():
     assert arenas("default") == ("None", 2)  # glibc's default: the thread gets an arena of its own
     assert arenas("one") == ("True", 1)
     assert arenas("one", MALLOC_ARENA_MAX="4") == ("False", 2)  # the user's setting wins
+
+
+REUSE = """
+import ctypes, resource, sys
+from kettle.process_memory import reuse_freed_memory
+took = reuse_freed_memory() if sys.argv[1] == "reuse" else None
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+faults = []
+for _ in range(3):  # a step's activations: allocated, written, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(64 << 20)
+    ctypes.memset(block, 1, 64 << 20)
+    libc.free(block)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(took, faults[-1])
+"""
+
+
+def reuse(mode: str, **env: str) -> tuple[str, int]:
+    """What `reuse_freed_memory` answered in a fresh process, and the page faults of its third 64 MiB block."""
+    done = subprocess.run(
+        [sys.executable, "-c", REUSE, mode], capture_output=True, text=True, check=True, env=os.environ | env
+    )
+    took, faults = done.stdout.split()
+    return took, int(faults)
+
+
+def test_a_large_block_freed_is_reused_without_faulting_its_pages_again():
+    took, faults = reuse("default")
+    assert took == "None" and faults >= (64 << 20) // 4096  # glibc's own: a fresh mapping, every page faulted
+    took, faults = reuse("reuse")
+    assert took == "True" and faults < 100  # the heap's pages, already in
+
+
+def test_the_environment_and_the_off_switch_keep_glibc_s_own_behaviour():
+    assert reuse("reuse", MALLOC_MMAP_MAX_="65536")[0] == "False"
+    assert reuse("reuse", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")[0] == "False"
+    took, faults = reuse("reuse", KETTLE_TUNING="reuse-freed-memory=off")
+    assert took == "False" and faults >= (64 << 20) // 4096

@@ -32,6 +32,7 @@ OLD_DEFAULTS = {
     "installed_kernels": True,
     "release_library_pages": True,
     "huge_pages": True,
+    "reuse_freed_memory": True,
     "cpu_decoder_step": True,
     "greedy_window": True,
     "cpu_float_rows": None,
@@ -61,6 +62,7 @@ GOOD = {
     "installed-kernels": ("off", False),
     "release-library-pages": ("off", False),
     "huge-pages": ("off", False),
+    "reuse-freed-memory": ("off", False),
     "decoder-step": ("off", False),
     "greedy-window": ("off", False),
     "float-rows": ("8", 8),
@@ -111,7 +113,7 @@ def test_the_table_covers_every_field_once():
         "cuda_graphs",
     }
     # every knob but those added after the separate variables were retired replaced a variable of its own
-    assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING) - {"huge-pages"}
+    assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING) - {"huge-pages", "reuse-freed-memory"}
 
 
 @pytest.mark.parametrize("key", list(TUNING))

@@ -14,6 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kettle import process_memory
 from kettle.cli import app
 from kettle.launcher.config import LauncherConfig
 from kettle.launcher.specs import shard_spec, weight_bytes
@@ -107,14 +108,16 @@ def test_each_rank_asks_for_its_share(tmp_path):
 
 
 def test_the_shard_command_reserves_first(monkeypatch):
-    """`kettle serve --weight-bytes N` reserves N bytes before it imports the shard's server (and torch)."""
+    """`kettle serve --weight-bytes N` keeps freed memory for reuse and reserves N bytes before it imports the shard's
+    server (and torch)."""
     order = []
+    monkeypatch.setattr(process_memory, "reuse_freed_memory", lambda: order.append(("reuse", None)))
     monkeypatch.setattr(weight_arena, "reserve", lambda nbytes: order.append(("reserve", nbytes)))
     server = types.SimpleNamespace(serve=lambda config: order.append(("serve", config.weight_bytes)))
     monkeypatch.setitem(sys.modules, "kettle.shard.server", server)
     result = CliRunner().invoke(app, ["serve", "/m", "--weight-bytes", "5000000"], env={"RANK": "", "WORLD_SIZE": ""})
     assert result.exit_code == 0, result.output
-    assert order == [("reserve", 5000000), ("serve", 5000000)]
+    assert order == [("reuse", None), ("reserve", 5000000), ("serve", 5000000)]
 
 
 def test_the_reservation_imports_no_torch():
