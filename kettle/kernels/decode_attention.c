@@ -7,6 +7,24 @@
 
 #include "kernels.h"
 
+#ifndef KV_AHEAD
+#define KV_AHEAD 8
+#endif
+/* Fetches the K or V row of this item's head at position t + KV_AHEAD into the cache, if that is still before `len`:
+ * in the next block once t + KV_AHEAD passes this one's end (KV_AHEAD ≤ the block size). A head's rows lie one whole
+ * cache row apart ([slots, Hkv, D]: 4 KiB for 32 heads of 64), a stride the hardware's prefetchers left to demand
+ * misses: the passes read K/V at 6-12 GB/s, each row a miss to the last level cache or memory. */
+static inline __attribute__((always_inline)) void fetch_ahead(const void *cache, const int64_t *table, int64_t b,
+                                                              int64_t t, int64_t len, int64_t bs, int64_t stride,
+                                                              int64_t column, const int64_t dim, const int dtype) {
+    const int64_t ahead = t + KV_AHEAD;
+    if (ahead >= len) return;
+    const int64_t block = ahead < (b + 1) * bs ? b : b + 1;
+    const int64_t bytes = dtype == KV_F32 ? 4 : 2;
+    const char *row = (const char *)cache + ((table[block] * bs + ahead - block * bs) * stride + column) * bytes;
+    for (int64_t line = 0; line < dim * bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+}
+
 /* Item (sequence s, KV head h): q [S, H, D] → out [S, H, D] for the `group` query heads of h. The context is
  * walked block by block (one table lookup per block, no division per position); `dim` is a compile-time
  * constant where the caller dispatches on the common head sizes, so the dot products unroll and each 64-wide
@@ -43,10 +61,12 @@ static inline __attribute__((always_inline)) void attend_dim(
     for (int64_t b = first / bs; b * bs < len; b++) {
         const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const int64_t keys = table[b] * bs * stride + h * dim; /* position b·bs + i at keys + i·stride */
-        for (int64_t t = t0; t < t1; t++)
+        for (int64_t t = t0; t < t1; t++) {
+            fetch_ahead(k_cache, table, b, t, len, bs, stride, h * dim, dim, dtype);
             for (int64_t g = 0; g < group; g++)
                 scores[g * span + t - first] =
                     dot_kv(qs + g * dim, k_cache, keys + (t - b * bs) * stride, dim, dtype) * p->scale;
+        }
     }
     if (p->softcap > 0.0f) softcap_rows(scores, group * span, p->softcap);
     softmax_rows(scores, group, span, record ? record + dim : NULL, record ? record + dim + 1 : NULL, record_stride);
@@ -69,6 +89,7 @@ static inline __attribute__((always_inline)) void attend_dim(
                 const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
                 const int64_t values = table[b] * bs * stride + h * dim + d0;
                 for (int64_t t = t0; t < t1; t++) {
+                    if (d0 == 0) fetch_ahead(v_cache, table, b, t, len, bs, stride, h * dim, dim, dtype);
                     const __m256 w = _mm256_set1_ps(weights[t]);
                     const int64_t row = values + (t - b * bs) * stride;
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(v_cache, row + 8 * i, dtype), acc[i]);
