@@ -43,7 +43,7 @@ class WeightArena:
             self.mapping.madvise(mmap.MADV_HUGEPAGE)
         self.size = nbytes + HUGE_PAGE
         self.used = 0
-        self.faulted = 0  # bytes from the start whose pages are in
+        self.faulted = 0  # bytes from the start this thread has passed (faulted in, or taken before it got there)
         self._lock = threading.Lock()
         self._closed = False
         self._started = time.monotonic()
@@ -58,9 +58,16 @@ class WeightArena:
         with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + NICENESS)
         address = _address(self.mapping)
-        while not self._closed and self.faulted < self.size:
-            ctypes.memset(address + self.faulted, 0, min(HUGE_PAGE, self.size - self.faulted))
-            self.faulted += HUGE_PAGE
+        while True:
+            # Never over a piece already taken, under the lock `take` takes: the load writes its pieces as soon as it
+            # has them, while this thread may still be behind, and zeros written after the weights wiped them (the
+            # pages of a taken piece fault in as its owner writes them).
+            with self._lock:
+                start = max(self.faulted, -(-self.used // HUGE_PAGE) * HUGE_PAGE)
+                if self._closed or start >= self.size:
+                    return
+                ctypes.memset(address + start, 0, min(HUGE_PAGE, self.size - start))
+                self.faulted = start + HUGE_PAGE
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, int] | None:
         """The mapping and the offset of `nbytes` of its zero bytes, or None once closed or too full."""

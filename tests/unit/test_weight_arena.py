@@ -58,6 +58,23 @@ def test_pieces_are_zero_aligned_and_apart_until_it_is_full():
     arena.close()
 
 
+@pytest.mark.parametrize("round_", range(3))
+def test_a_piece_written_before_the_thread_reaches_it_keeps_what_was_written(round_):
+    """The load writes its pieces at once, while the faulting thread may still be behind them: the thread never writes
+    over a piece taken (its zeros wiped packed weights when it did: this test's piece, cut far ahead of the thread, came
+    back zero)."""
+    arena = weight_arena.WeightArena(64 * MIB)
+    ahead = arena.take(48 * MIB)
+    piece = arena.take(8 * MIB)
+    assert ahead is not None and piece is not None
+    view = memoryview(arena.mapping)[piece[1] : piece[1] + 8 * MIB]
+    view[:] = b"\x07" * (8 * MIB)
+    del view
+    wait_faulted(arena)  # the thread has passed the end
+    assert arena.mapping[piece[1] : piece[1] + 8 * MIB] == b"\x07" * (8 * MIB)
+    arena.close()
+
+
 def test_the_load_s_large_tensors_come_from_the_reservation_until_it_closes(monkeypatch):
     monkeypatch.setattr(weight_arena, "_current", None)
     weight_arena.reserve(8 * MIB)
