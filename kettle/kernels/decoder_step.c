@@ -472,8 +472,8 @@ int kettle_decoder_step(
     /* Per thread: attention scores, then the projections' buffer (a float32 tile's weight rows, a panel). */
     const Needs needs = step_needs(m, rows);
     const int64_t longest = longest_context(positions, rows);
-    const int64_t parts = call_parts(positions, rows, m->kv_heads, threads, (int)m->tuning.invariant);
-    const int64_t scores_size = (m->heads / m->kv_heads * (longest + 1) + 15) / 16 * 16;
+    const int64_t parts = call_parts(positions, rows, threads, (int)m->tuning.invariant);
+    const int64_t scores_size = (m->heads * (longest + 1) + 15) / 16 * 16;
     const int64_t per_thread = scores_size + needs.buffer; /* 64-byte aligned buffers for the panels */
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(threads * per_thread));
     float *partials = parts > 1 ? malloc(sizeof(float) * (size_t)partial_floats(rows, m->heads, parts, m->head_dim)) : NULL;

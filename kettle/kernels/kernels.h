@@ -1362,18 +1362,17 @@ typedef struct {
     int threads;
 } PagedDecode;
 
-#define MAX_PARTS 8   /* pieces of one context at most */
+#define MAX_PARTS 32 /* pieces of one context at most: 2 a thread for batch 1 on 16 threads */
 extern int kettle_context_parts; /* at most this many (cpu_kernels.c; 1 turns cutting off, for measurement) */
-#define PART_KEYS 256 /* keys of a piece at least: below that, one item's overhead is not worth it */
+#define PART_KEYS 32 /* keys of a piece at least (an item is every head: 32 keys of SmolLM2-1.7B are 256 KiB of K/V) */
 
-/* Pieces per context for a call, so that its items (sequences × KV heads × pieces) give every thread work: one
- * sequence of 3 KV heads on 2 threads was 3 items, one thread idle for a third of the attention; a long context at
- * batch 1 on 16 threads left most of them idle. 1 (no cut) when the call has 2 items per thread already or its
- * contexts are short. */
-static inline int64_t context_parts(int64_t longest, int64_t seqs, int64_t kv_heads, int threads) {
-    const int64_t items = seqs * kv_heads;
-    if (items >= 2 * (int64_t)threads) return 1;
-    int64_t parts = (2 * threads + items - 1) / items;
+/* Pieces per context for a call, so that its items (sequences × pieces, each over every head: decode_attention.c)
+ * give every thread work: one sequence on 2 threads was one item, one thread idle; a long context at batch 1 on 16
+ * threads left most of them idle. 1 (no cut) when the call has 2 items per thread already or its contexts are
+ * short. */
+static inline int64_t context_parts(int64_t longest, int64_t seqs, int threads) {
+    if (seqs >= 2 * (int64_t)threads) return 1;
+    int64_t parts = (2 * threads + seqs - 1) / seqs;
     if (parts > longest / PART_KEYS) parts = longest / PART_KEYS;
     if (parts > kettle_context_parts) parts = kettle_context_parts;
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
@@ -1383,15 +1382,14 @@ static inline int64_t context_parts(int64_t longest, int64_t seqs, int64_t kv_he
  * alone on the same threads would take (a cut changes the softmax's sums, so the count must follow the sequence,
  * not its batch). */
 static inline int64_t sequence_parts(const PagedDecode *p, int64_t s) {
-    return p->per_sequence ? context_parts(p->positions[s] + 1, 1, p->kv_heads, p->threads) : p->parts;
+    return p->per_sequence ? context_parts(p->positions[s] + 1, 1, p->threads) : p->parts;
 }
 
 /* A call's `parts` over `seqs` sequences (`per_sequence`: the most any of them takes alone). */
-static inline int64_t call_parts(const int64_t *positions, int64_t seqs, int64_t kv_heads, int threads,
-                                 int per_sequence) {
+static inline int64_t call_parts(const int64_t *positions, int64_t seqs, int threads, int per_sequence) {
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
-    return context_parts(longest, per_sequence ? 1 : seqs, kv_heads, threads);
+    return context_parts(longest, per_sequence ? 1 : seqs, threads);
 }
 
 /* Floats of a call's partials. */
@@ -1399,7 +1397,7 @@ static inline int64_t partial_floats(int64_t seqs, int64_t heads, int64_t parts,
     return seqs * heads * parts * (dim + 2);
 }
 
-/* The longest context of the call, which sizes each thread's scores (group · (longest + 1) floats). */
+/* The longest context of the call, which sizes each thread's scores (heads · (longest + 1) floats). */
 static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
@@ -1453,7 +1451,7 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t span, floa
     }
 }
 
-/* Work item `item` of a decode attention call: (sequence, KV head, piece of the context) → out [S, H, D], or the
+/* Work item `item` of a decode attention call: (sequence, piece of the context), every head → out [S, H, D], or the
  * partials when the contexts are cut (then `combine_parts` finishes each query head). Compiled once, in
  * decode_attention.c: both the op-at-a-time entry and the fused step call it, and as a static function here it was
  * compiled into each of them (1.6 s of the fused step's 3.2 s of compiler time on a first start). */
@@ -1506,11 +1504,11 @@ static inline void combine_parts(const PagedDecode *p, int64_t head, float *out)
 }
 
 /* A whole decode attention call over `seqs` sequences, run by the calling team (orphaned `omp for`s): every item
- * (sequence, KV head, piece) with this thread's `scores`, then, when the contexts are cut, each query head's
- * pieces combined into out. */
+ * (sequence, piece) with this thread's `scores`, then, when the contexts are cut, each query head's pieces combined
+ * into out. */
 static inline void paged_attention(const PagedDecode *p, const float *q, int64_t seqs, float *scores, float *out) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < seqs * p->kv_heads * p->parts; item++) attend_item(p, q, item, scores, out);
+    for (int64_t item = 0; item < seqs * p->parts; item++) attend_item(p, q, item, scores, out);
     if (p->parts > 1) {
 #pragma omp for schedule(static)
         for (int64_t head = 0; head < seqs * p->heads; head++) combine_parts(p, head, out);

@@ -271,8 +271,8 @@ def test_the_shard_logs_which_decode_path_serves(tiny_llama_path, caplog, quanti
 def test_fused_step_over_a_long_context_cut_into_pieces_equals_the_layer_by_layer_forward(
     tmp_path, monkeypatch, invariant
 ):
-    """One sequence of 600 tokens on 4 threads has fewer attention items (2 KV heads) than the threads want, so
-    each layer's context is cut into pieces attended apart and combined (kernels.h `context_parts`; under batch
+    """One sequence of 600 tokens on 4 threads is one attention item (a sequence, every head), fewer than the threads
+    want, so each layer's context is cut into pieces attended apart and combined (kernels.h `context_parts`; under batch
     invariance as many as the sequence alone takes, `sequence_parts`), in the fused step as in the layer-by-layer
     forward's kernel: the same numbers."""
     from tests.fixtures import make_tiny_llama

@@ -276,9 +276,9 @@ def test_an_asymmetric_q4_weight_keeps_its_minimums():
     assert layer.mins is not None and torch.equal(layer.mins, (-7.5 * scales).half())
 
 
-# Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one. Contexts of 600
-# and more on 4 threads are cut into pieces attended apart (kernels.h `context_parts`): 3 pieces of one sequence
-# (the last one short), 2 of each of two, and 2 under a window.
+# Head sizes: 64 and 128 take the unrolled paths; 32 and 80 (64 + a remainder) the general one. Each sequence's
+# context is cut into pieces attended apart (kernels.h `context_parts`: 2 a thread, 32 keys at least): on 4 threads
+# 4 pieces of 130 keys, 8 of 1,000, of 700 and of 600, and 8 of a 700-key window; 1 of 40.
 @pytest.mark.parametrize("dim", [32, 64, 80, 128])
 @pytest.mark.parametrize(
     ("lens", "window"),
