@@ -20,6 +20,73 @@ static inline __attribute__((always_inline)) void fetch_block(const void *cache,
         _mm_prefetch(start + line * 64, _MM_HINT_T0);
 }
 
+/* Block b's positions [t0, t1) within a piece [first, len), and where their rows start: position t's row at
+ * base + t · stride elements (the block's slots are table[b] · bs ..). */
+typedef struct {
+    int64_t t0, t1, base;
+} BlockSpan;
+
+static inline BlockSpan block_span(const int64_t *table, int64_t b, int64_t bs, int64_t stride, int64_t first,
+                                   int64_t len) {
+    return (BlockSpan){b * bs > first ? b * bs : first, (b + 1) * bs < len ? (b + 1) * bs : len,
+                       (table[b] - b) * bs * stride};
+}
+
+/* The K pass of `attend_rows`: scores [H, len - first] of every query head against positions [first, len), block
+ * by block, each block head by head, the next block (after the last, the V pass's first) fetched meanwhile. */
+static inline __attribute__((always_inline)) void score_keys(const PagedDecode *p, const int64_t *table,
+                                                             const float *qs, int64_t first, int64_t len,
+                                                             float *scores, const int64_t dim, const int dtype) {
+    const int64_t heads = p->heads, group = heads / p->kv_heads, bs = p->block_size, stride = p->kv_heads * dim;
+    const int64_t span = len - first, last = (len - 1) / bs;
+    fetch_block(p->k_cache, table[first / bs], bs, stride, dtype, 0, 1);
+    for (int64_t b = first / bs; b <= last; b++) {
+        const BlockSpan at = block_span(table, b, bs, stride, first, len);
+        for (int64_t h = 0; h < heads; h++) {
+            if (b < last) fetch_block(p->k_cache, table[b + 1], bs, stride, dtype, h, heads);
+            else fetch_block(p->v_cache, table[first / bs], bs, stride, dtype, h, heads);
+            const int64_t column = at.base + h / group * dim;
+            for (int64_t t = at.t0; t < at.t1; t++)
+                scores[h * span + t - first] = dot_kv(qs + h * dim, p->k_cache, column + t * stride, dim, dtype) * p->scale;
+        }
+    }
+}
+
+/* The V pass of `attend_rows`: dst[h · dst_stride ..] += Σ_t weights[h][t] · V[t] for every query head, in the same
+ * walk as `score_keys`; within a block the sums stay in registers, carried across blocks through dst, so each element
+ * is one fma chain over t ascending (out = fma(w_t, v_t, out)) as one position at a time would be. */
+static inline __attribute__((always_inline)) void weigh_values(const PagedDecode *p, const int64_t *table,
+                                                               int64_t first, int64_t len, const float *scores,
+                                                               float *dst, int64_t dst_stride, const int64_t dim,
+                                                               const int dtype) {
+    const int64_t heads = p->heads, group = heads / p->kv_heads, bs = p->block_size, stride = p->kv_heads * dim;
+    const int64_t span = len - first, last = (len - 1) / bs;
+    for (int64_t b = first / bs; b <= last; b++) {
+        const BlockSpan at = block_span(table, b, bs, stride, first, len);
+        for (int64_t h = 0; h < heads; h++) {
+            if (b < last) fetch_block(p->v_cache, table[b + 1], bs, stride, dtype, h, heads);
+            const float *weights = scores + h * span - first;
+            float *o = dst + h * dst_stride;
+            const int64_t column = at.base + h / group * dim;
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                if (dim - d0 < 64) { /* a head size that is not a multiple of 64: the remainder row by row */
+                    for (int64_t t = at.t0; t < at.t1; t++)
+                        axpy_kv(o + d0, weights[t], p->v_cache, column + t * stride + d0, dim - d0, dtype);
+                    continue;
+                }
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(o + d0 + 8 * i);
+                for (int64_t t = at.t0; t < at.t1; t++) {
+                    const __m256 w = _mm256_set1_ps(weights[t]);
+                    const int64_t row = column + t * stride + d0;
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(p->v_cache, row + 8 * i, dtype), acc[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+            }
+        }
+    }
+}
+
 /* Item (sequence s, piece `part` of its context): q [S, H, D] → out [S, H, D] for every query head, or their records
  * of the piece when the context is cut. A slot's row holds every KV head ([slots, Hkv, D]), so a head's rows lie a
  * whole row apart (4 KiB for SmolLM2-1.7B's 32 heads of 64): an item per KV head (as this was) read 128 bytes of each,
@@ -33,8 +100,7 @@ static inline __attribute__((always_inline)) void fetch_block(const void *cache,
 static inline __attribute__((always_inline)) void attend_rows(const PagedDecode *p, const float *q, int64_t s,
                                                               int64_t part, float *scores, float *out,
                                                               const int64_t dim, const int dtype) {
-    const int64_t heads = p->heads, group = heads / p->kv_heads, bs = p->block_size, parts = p->parts;
-    const int64_t mine = sequence_parts(p, s);
+    const int64_t heads = p->heads, parts = p->parts, mine = sequence_parts(p, s);
     int64_t len = p->positions[s] + 1, first = p->window > 0 && len > p->window ? len - p->window : 0;
     if (part >= mine) return; /* this sequence is cut into fewer pieces than the call's most */
     /* Cut: this item attends piece `part` of [first, len) and leaves, per query head, its unnormalized output,
@@ -53,54 +119,14 @@ static inline __attribute__((always_inline)) void attend_rows(const PagedDecode 
             return;
         }
     }
-    const int64_t span = len - first, stride = p->kv_heads * dim; /* elements from one slot to the next */
-    const int64_t *table = p->tables + s * p->max_blocks;
-    const float *qs = q + s * heads * dim;
-    const void *k_cache = p->k_cache, *v_cache = p->v_cache;
-    const int64_t last = (len - 1) / bs; /* the piece's blocks: first / bs .. last */
-    fetch_block(k_cache, table[first / bs], bs, stride, dtype, 0, 1);
-    for (int64_t b = first / bs; b <= last; b++) {
-        const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const int64_t base = table[b] * bs * stride - b * bs * stride; /* position t's row at base + t · stride */
-        for (int64_t h = 0; h < heads; h++) {
-            if (b < last) fetch_block(k_cache, table[b + 1], bs, stride, dtype, h, heads);
-            else fetch_block(v_cache, table[first / bs], bs, stride, dtype, h, heads); /* the V pass's first */
-            const float *qh = qs + h * dim;
-            for (int64_t t = t0; t < t1; t++)
-                scores[h * span + t - first] = dot_kv(qh, k_cache, base + t * stride + h / group * dim, dim, dtype) * p->scale;
-        }
-    }
+    const int64_t span = len - first;
+    score_keys(p, p->tables + s * p->max_blocks, q + s * heads * dim, first, len, scores, dim, dtype);
     if (p->softcap > 0.0f) softcap_rows(scores, heads * span, p->softcap);
     softmax_rows(scores, heads, span, record ? record + dim : NULL, record ? record + dim + 1 : NULL, record_stride);
     float *dst = record ? record : out + s * heads * dim;
     const int64_t dst_stride = record ? record_stride : dim; /* from one query head's output to the next's */
     for (int64_t h = 0; h < heads; h++) memset(dst + h * dst_stride, 0, sizeof(float) * (size_t)dim);
-    for (int64_t b = first / bs; b <= last; b++) {
-        const int64_t t0 = b * bs > first ? b * bs : first, t1 = (b + 1) * bs < len ? (b + 1) * bs : len;
-        const int64_t base = table[b] * bs * stride - b * bs * stride;
-        for (int64_t h = 0; h < heads; h++) {
-            if (b < last) fetch_block(v_cache, table[b + 1], bs, stride, dtype, h, heads);
-            const float *weights = scores + h * span - first;
-            float *o = dst + h * dst_stride;
-            const int64_t column = base + h / group * dim;
-            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-                if (dim - d0 < 64) { /* a head size that is not a multiple of 64: the remainder row by row */
-                    for (int64_t t = t0; t < t1; t++) axpy_kv(o + d0, weights[t], v_cache, column + t * stride + d0, dim - d0, dtype);
-                    continue;
-                }
-                /* The block's positions in registers, from the head's sum so far: the same fma chain per element as
-                 * one position at a time (out = fma(w_t, v_t, out), t ascending). */
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(o + d0 + 8 * i);
-                for (int64_t t = t0; t < t1; t++) {
-                    const __m256 w = _mm256_set1_ps(weights[t]);
-                    const int64_t row = column + t * stride + d0;
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(v_cache, row + 8 * i, dtype), acc[i]);
-                }
-                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
-            }
-        }
-    }
+    weigh_values(p, p->tables + s * p->max_blocks, first, len, scores, dst, dst_stride, dim, dtype);
 }
 
 /* `attend_rows` for the call's head size and cache type: one dispatch per item, constants inside. */
