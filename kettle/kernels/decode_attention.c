@@ -8,16 +8,18 @@
 #include "kernels.h"
 
 /* Share `share` of `shares` of the cache lines of the block of slots `block` (bs rows of `stride` elements, one
- * contiguous range) fetched into the cache: each pass walks a block head by head, a column at a time, and fetches
+ * contiguous range) fetched into L2: each pass walks a block KV head by KV head, a column at a time, and fetches
  * the next block meanwhile, a share per head, so that the lines arrive in address order, which the memory serves
- * fastest, and before the pass reaches them. */
+ * fastest, and before the pass reaches them. Into L2, not L1 (`_MM_HINT_T1`): a block of SmolLM2-1.7B's is 64 KiB,
+ * twice L1, and fetched into L1 it evicted the lines the pass was reading (19 → 28-30 GB/s from memory on 2 threads,
+ * 1,024 tokens of 24 layers). */
 static inline __attribute__((always_inline)) void fetch_block(const void *cache, int64_t block, int64_t bs,
                                                               int64_t stride, const int dtype, int64_t share,
                                                               int64_t shares) {
     const int64_t bytes = bs * stride * (dtype == KV_F32 ? 4 : 2), lines = bytes / 64, per = (lines + shares - 1) / shares;
     const char *start = (const char *)cache + block * bytes;
     for (int64_t line = share * per; line < (share + 1) * per && line < lines; line++)
-        _mm_prefetch(start + line * 64, _MM_HINT_T0);
+        _mm_prefetch(start + line * 64, _MM_HINT_T1);
 }
 
 /* Block b's positions [t0, t1) within a piece [first, len), and where their rows start: position t's row at
@@ -32,23 +34,116 @@ static inline BlockSpan block_span(const int64_t *table, int64_t b, int64_t bs, 
                        (table[b] - b) * bs * stride};
 }
 
+/* hsum(a[t]) for t = 0 .. 7 as one vector, bit for bit: each sum ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)) in
+ * hsum's order, the eight reduced together (transposing as they go) where eight reductions took 48 shuffles and adds. */
+static inline __attribute__((always_inline)) __m256 hsum8(const __m256 a[8]) {
+    __m256 halves[4], pairs[2];
+    for (int i = 0; i < 4; i++) /* [a_2i lo + hi | a_2i+1 lo + hi] */
+        halves[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                                  _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* per lane [s0 + s2, s1 + s3] of two rows */
+        pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* [t0 t2 t4 t6 | t1 t3 ..] */
+}
+
+/* Scores of `g` query heads (rows of qs, dim apart; g ≤ 4, a constant) against the 8 keys at rows column + t · stride,
+ * t = 0 .. 7, into scores[j · span + t]: each key widened once for the g heads (a GQA group's), each score `dot_kv`'s
+ * arithmetic (two chains of fmas over 16 dims at a time, added, then hsum's order), the 8 reduced together. */
+static inline __attribute__((always_inline)) void score_tile(const float *qs, const void *cache, int64_t column,
+                                                             int64_t stride, float *scores, int64_t span, float scale,
+                                                             const int g, const int64_t dim, const int dtype) {
+    __m256 sums[4][8];
+    for (int t = 0; t < 8; t++) {
+        __m256 acc[4][2];
+        for (int j = 0; j < g; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m256 k0 = load8_kv(cache, column + t * stride + i, dtype);
+            const __m256 k1 = load8_kv(cache, column + t * stride + i + 8, dtype);
+            for (int j = 0; j < g; j++) {
+                acc[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + j * dim + i), k0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + j * dim + i + 8), k1, acc[j][1]);
+            }
+        }
+        for (int j = 0; j < g; j++) sums[j][t] = _mm256_add_ps(acc[j][0], acc[j][1]);
+    }
+    for (int j = 0; j < g; j++) _mm256_storeu_ps(scores + j * span, _mm256_mul_ps(hsum8(sums[j]), _mm256_set1_ps(scale)));
+}
+
+/* Query heads h .. h + g − 1 (one KV head's, g ≤ 4) scored against positions [t0, t1) of one block: 8 at a time
+ * (`score_tile`, a head size of whole 16s), the rest one by one. */
+static inline __attribute__((always_inline)) void score_heads(const PagedDecode *p, const float *qs, int64_t column,
+                                                              int64_t t0, int64_t t1, float *scores, int64_t span,
+                                                              const int g, const int64_t dim, const int dtype) {
+    const int64_t stride = p->kv_heads * dim;
+    int64_t t = t0;
+    if (dim % 16 == 0)
+        for (; t + 8 <= t1; t += 8)
+            score_tile(qs, p->k_cache, column + t * stride, stride, scores + t, span, p->scale, g, dim, dtype);
+    for (; t < t1; t++)
+        for (int j = 0; j < g; j++)
+            scores[j * span + t] = dot_kv(qs + j * dim, p->k_cache, column + t * stride, dim, dtype) * p->scale;
+}
+
 /* The K pass of `attend_rows`: scores [H, len - first] of every query head against positions [first, len), block
- * by block, each block head by head, the next block (after the last, the V pass's first) fetched meanwhile. */
+ * by block, each block KV head by KV head (its query heads up to 4 at a time: a key widened once for them), the next
+ * block (after the last, the V pass's first) fetched meanwhile. */
 static inline __attribute__((always_inline)) void score_keys(const PagedDecode *p, const int64_t *table,
                                                              const float *qs, int64_t first, int64_t len,
                                                              float *scores, const int64_t dim, const int dtype) {
-    const int64_t heads = p->heads, group = heads / p->kv_heads, bs = p->block_size, stride = p->kv_heads * dim;
+    const int64_t kv_heads = p->kv_heads, group = p->heads / kv_heads, bs = p->block_size, stride = kv_heads * dim;
     const int64_t span = len - first, last = (len - 1) / bs;
     fetch_block(p->k_cache, table[first / bs], bs, stride, dtype, 0, 1);
     for (int64_t b = first / bs; b <= last; b++) {
         const BlockSpan at = block_span(table, b, bs, stride, first, len);
-        for (int64_t h = 0; h < heads; h++) {
-            if (b < last) fetch_block(p->k_cache, table[b + 1], bs, stride, dtype, h, heads);
-            else fetch_block(p->v_cache, table[first / bs], bs, stride, dtype, h, heads);
-            const int64_t column = at.base + h / group * dim;
-            for (int64_t t = at.t0; t < at.t1; t++)
-                scores[h * span + t - first] = dot_kv(qs + h * dim, p->k_cache, column + t * stride, dim, dtype) * p->scale;
+        for (int64_t kv = 0; kv < kv_heads; kv++) {
+            if (b < last) fetch_block(p->k_cache, table[b + 1], bs, stride, dtype, kv, kv_heads);
+            else fetch_block(p->v_cache, table[first / bs], bs, stride, dtype, kv, kv_heads);
+            for (int64_t h = kv * group; h < (kv + 1) * group; h += 4) {
+                const float *q = qs + h * dim;
+                float *row = scores + h * span - first; /* row[t]: head h, position t */
+                switch ((kv + 1) * group - h) {
+                case 1: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 1, dim, dtype); break;
+                case 2: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 2, dim, dtype); break;
+                case 3: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 3, dim, dtype); break;
+                default: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 4, dim, dtype);
+                }
+            }
         }
+    }
+}
+
+/* dst rows of query heads h .. h + g − 1 (one KV head's, g ≤ 4) += Σ_t weights · V[t] over positions [t0, t1) of one
+ * block: `width` of their elements at a time (g · width / 8 ≤ 8 sums in registers), each value row widened once for
+ * the g heads; each element one fma chain over t ascending. */
+static inline __attribute__((always_inline)) void weigh_heads(const PagedDecode *p, const float *weights,
+                                                              int64_t span, int64_t column, int64_t t0, int64_t t1,
+                                                              float *dst, int64_t dst_stride, const int g,
+                                                              const int64_t dim, const int dtype) {
+    const int64_t stride = p->kv_heads * dim, width = g == 1 ? 64 : g == 2 ? 32 : 16, n = width / 8;
+    for (int64_t d0 = 0; d0 < dim; d0 += width) {
+        if (dim - d0 < width) { /* a head size that is not a multiple of `width`: the remainder row by row */
+            for (int j = 0; j < g; j++)
+                for (int64_t t = t0; t < t1; t++)
+                    axpy_kv(dst + j * dst_stride + d0, weights[j * span + t], p->v_cache, column + t * stride + d0,
+                            dim - d0, dtype);
+            continue;
+        }
+        __m256 acc[4][8];
+        for (int j = 0; j < g; j++)
+            for (int i = 0; i < n; i++) acc[j][i] = _mm256_loadu_ps(dst + j * dst_stride + d0 + 8 * i);
+        for (int64_t t = t0; t < t1; t++) {
+            __m256 v[8];
+            for (int i = 0; i < n; i++) v[i] = load8_kv(p->v_cache, column + t * stride + d0 + 8 * i, dtype);
+            for (int j = 0; j < g; j++) {
+                const __m256 w = _mm256_set1_ps(weights[j * span + t]);
+                for (int i = 0; i < n; i++) acc[j][i] = _mm256_fmadd_ps(w, v[i], acc[j][i]);
+            }
+        }
+        for (int j = 0; j < g; j++)
+            for (int i = 0; i < n; i++) _mm256_storeu_ps(dst + j * dst_stride + d0 + 8 * i, acc[j][i]);
     }
 }
 
@@ -59,29 +154,22 @@ static inline __attribute__((always_inline)) void weigh_values(const PagedDecode
                                                                int64_t first, int64_t len, const float *scores,
                                                                float *dst, int64_t dst_stride, const int64_t dim,
                                                                const int dtype) {
-    const int64_t heads = p->heads, group = heads / p->kv_heads, bs = p->block_size, stride = p->kv_heads * dim;
+    const int64_t kv_heads = p->kv_heads, group = p->heads / kv_heads, bs = p->block_size, stride = kv_heads * dim;
     const int64_t span = len - first, last = (len - 1) / bs;
     for (int64_t b = first / bs; b <= last; b++) {
         const BlockSpan at = block_span(table, b, bs, stride, first, len);
-        for (int64_t h = 0; h < heads; h++) {
-            if (b < last) fetch_block(p->v_cache, table[b + 1], bs, stride, dtype, h, heads);
-            const float *weights = scores + h * span - first;
-            float *o = dst + h * dst_stride;
-            const int64_t column = at.base + h / group * dim;
-            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-                if (dim - d0 < 64) { /* a head size that is not a multiple of 64: the remainder row by row */
-                    for (int64_t t = at.t0; t < at.t1; t++)
-                        axpy_kv(o + d0, weights[t], p->v_cache, column + t * stride + d0, dim - d0, dtype);
-                    continue;
+        for (int64_t kv = 0; kv < kv_heads; kv++) {
+            if (b < last) fetch_block(p->v_cache, table[b + 1], bs, stride, dtype, kv, kv_heads);
+            for (int64_t h = kv * group; h < (kv + 1) * group; h += 4) {
+                const float *weights = scores + h * span - first; /* weights[t]: head h, position t */
+                float *o = dst + h * dst_stride;
+                const int64_t column = at.base + kv * dim;
+                switch ((kv + 1) * group - h) {
+                case 1: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 1, dim, dtype); break;
+                case 2: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 2, dim, dtype); break;
+                case 3: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 3, dim, dtype); break;
+                default: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 4, dim, dtype);
                 }
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(o + d0 + 8 * i);
-                for (int64_t t = at.t0; t < at.t1; t++) {
-                    const __m256 w = _mm256_set1_ps(weights[t]);
-                    const int64_t row = column + t * stride + d0;
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, load8_kv(p->v_cache, row + 8 * i, dtype), acc[i]);
-                }
-                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
             }
         }
     }
@@ -91,12 +179,12 @@ static inline __attribute__((always_inline)) void weigh_values(const PagedDecode
  * of the piece when the context is cut. A slot's row holds every KV head ([slots, Hkv, D]), so a head's rows lie a
  * whole row apart (4 KiB for SmolLM2-1.7B's 32 heads of 64): an item per KV head (as this was) read 128 bytes of each,
  * a stride the prefetchers do not follow, at 8 GB/s a thread from memory against 25 for contiguous rows. Here each
- * pass walks the piece block by block (a block's rows are one contiguous range), each block head by head, and
- * fetches the next block meanwhile in address order (`fetch_block`): 1,024 tokens of 24 layers read at 21 GB/s
- * against 12.5 on 2 threads (Llama-3.1-8B's 8 heads of 128: 15.5 against 9.6). Each query head's arithmetic is the
- * per-head item's, in the same order: its scores by `dot_kv`, the softmax, then out = fma(w_t, v_t, out) from zero
- * over t ascending, carried across blocks through `out` (in registers within a block). `dim` and `dtype` (the
- * cache's) are compile-time constants where the caller dispatches on them. */
+ * pass walks the piece block by block (a block's rows are one contiguous range), each block KV head by KV head, and
+ * fetches the next block meanwhile in address order (`fetch_block`): 1,024 tokens of 24 layers read at 28-30 GB/s
+ * against 12.5 on 2 threads (Llama-3.1-8B's 8 heads of 128: 14-18 against 9.6). Each query head's arithmetic is the
+ * per-head item's, in the same order: its scores by `dot_kv`'s arithmetic (8 at a time, `score_tile`), the softmax,
+ * then out = fma(w_t, v_t, out) from zero over t ascending, carried across blocks through `out` (in registers within
+ * a block). `dim` and `dtype` (the cache's) are compile-time constants where the caller dispatches on them. */
 static inline __attribute__((always_inline)) void attend_rows(const PagedDecode *p, const float *q, int64_t s,
                                                               int64_t part, float *scores, float *out,
                                                               const int64_t dim, const int dtype) {

@@ -307,6 +307,42 @@ def check_paged_decode(monkeypatch, lens, window, dim):
     assert relative(got, expected) < 1e-5
 
 
+# Query heads per KV head: the kernel takes a group's heads up to 4 at a time (1, 2, 3 or 4: each K/V row widened once
+# for them), so 5, 7 and 8 are a 4 and a remainder. 37 and 200 keys: tiles of 8 keys and leftovers, whole and cut.
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 96])
+def test_a_gqa_groups_heads_get_each_heads_own_bits(group, dtype, dim):
+    torch.manual_seed(group)
+    block_size, kv_heads, lens = 16, 2, [37, 200]
+    blocks = sum(-(-n // block_size) for n in lens) + 2
+    order = torch.randperm(blocks).tolist()
+    tables = [order[:3], order[3 : 3 + 13]]
+    k_cache, v_cache = torch.randn(2, blocks * block_size, kv_heads, dim).to(dtype).unbind(0)
+    q = torch.randn(len(lens), kv_heads * group, dim)
+    meta = AttentionMetadata.build([1] * len(lens), [n - 1 for n in lens], tables, block_size, "cpu").decode
+    table, positions = meta.block_ids.view(len(lens), -1), meta.query_positions.view(-1)
+    with torch_threads(2):
+        got = ops.paged_decode(q, k_cache, v_cache, table, positions, block_size, dim**-0.5, None)
+        # Each query head alone, over its KV head's rows copied out (one head per KV head: no sharing)
+        alone = torch.stack(
+            [
+                ops.paged_decode(
+                    q[:, h : h + 1].contiguous(), k_cache[:, h // group : h // group + 1].contiguous(),
+                    v_cache[:, h // group : h // group + 1].contiguous(), table, positions, block_size, dim**-0.5, None,
+                )[:, 0]
+                for h in range(kv_heads * group)
+            ],
+            dim=1,
+        )  # fmt: skip
+    assert torch.equal(got, alone)
+    for s, n in enumerate(lens):  # and the attention itself, in float64 over the cache's values
+        slots = torch.tensor([b * block_size + i for b in tables[s] for i in range(block_size)][:n])
+        k, v = (c[slots].double().repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[s].double(), k) * dim**-0.5, dim=-1)
+        assert relative(got[s].double(), torch.einsum("ht,thd->hd", weights, v)) < 1e-5
+
+
 @pytest.mark.parametrize("rows", [1, 300])  # 300 × 576 elements: the parallel path
 def test_rms_norm_with_and_without_the_residual_add(rows):
     x, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576), torch.rand(576)
