@@ -38,54 +38,69 @@ enum {
     GGML_IQ4_XS = 23
 }; /* gguf's GGMLQuantizationType numbers */
 
-/* One channel's q (0..63) of Q6_K super-block `block`, its 16 scales and its d. */
-static void q6_k_unpack(const uint8_t *block, uint8_t q[256], int8_t scales[16], uint16_t *d) {
-    const uint8_t *ql = block, *qh = block + 128;
-    for (int h = 0; h < 2; h++)
-        for (int l = 0; l < 32; l++) {
-            const uint8_t low0 = ql[64 * h + l], low1 = ql[64 * h + l + 32], high = qh[32 * h + l];
-            q[128 * h + l] = (uint8_t)((low0 & 0x0F) | (high & 3) << 4);
-            q[128 * h + l + 32] = (uint8_t)((low1 & 0x0F) | ((high >> 2) & 3) << 4);
-            q[128 * h + l + 64] = (uint8_t)((low0 >> 4) | ((high >> 4) & 3) << 4);
-            q[128 * h + l + 96] = (uint8_t)((low1 >> 4) | ((high >> 6) & 3) << 4);
+/* One channel's pairs of a lanes unit: bytes 2u, 2u + 1 of `bytes` (u = 0 .. 7) to unit[32u + 2c ..], the unit's
+ * rows being 16 channels' pairs each. Every packer writes its channel's bytes this way, 16 at a time. */
+static inline void put_pairs(uint8_t *unit, int c, __m128i bytes) {
+    uint16_t pairs[8];
+    _mm_storeu_si128((__m128i *)pairs, bytes);
+    for (int u = 0; u < 8; u++) memcpy(unit + 32 * u + 2 * c, pairs + u, 2);
+}
+
+/* 32 values of 4 bits as 16 bytes: byte i = v[i] | v[16 + i] << 4 (a lanes unit's pair order). */
+static inline __m128i join_nibbles(__m256i v) {
+    return _mm_or_si128(_mm256_castsi256_si128(v), _mm_slli_epi16(_mm256_extracti128_si256(v, 1), 4));
+}
+
+/* One channel's q (0..63) of Q6_K super-block `block` (q[32b ..]: its block b of 32 inputs), its 16 scales and its
+ * d. */
+static void q6_k_unpack(const uint8_t *block, __m256i q[8], int8_t scales[16], uint16_t *d) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(block + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
+        for (int i = 0; i < 4; i++) { /* inputs 128h + 32i + l: nibble i / 2 of ql[64h + 32 (i % 2) + l], qh's bits 2i */
+            const __m256i ql = i % 2 ? ql1 : ql0;
+            const __m256i nibble = _mm256_and_si256(i < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), low2);
+            q[4 * h + i] = _mm256_or_si256(nibble, _mm256_slli_epi16(high, 4));
         }
+    }
     memcpy(scales, block + 192, 16);
     memcpy(d, block + 208, 2);
 }
 
 /* Each packer writes channel c of group G (16 channels) of `w` from that channel's row of blocks in the file (`row`),
- * and returns -1 for a source type it does not pack into `w`'s layout; with `row` NULL it only answers that. The
- * channels of one group share bytes (Q5L's masks), so one thread packs a whole group (`kettle_pack`). */
+ * its blocks of 32 inputs [b0, b1) (multiples of 8 but the row's end: a K-quant's super-blocks whole), and returns -1
+ * for a source type it does not pack into `w`'s layout; with `row` NULL it only answers that. The channels of one
+ * group share bytes (Q5L's masks), so one thread packs a whole group (`kettle_pack`). */
 
 /* Q6_K → Q6L. */
-int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
     if (source != GGML_Q6_K) return -1;
     if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight;
     int8_t *scales = (int8_t *)w->scales;
     uint16_t *d = (uint16_t *)w->supers;
-    uint8_t q[256];
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+    __m256i q[8];
     int8_t sc[16];
-    for (int64_t s = 0; s < supers; s++) {
+    for (int64_t s = b0 / 8; s < b1 / 8; s++) {
         q6_k_unpack(row + s * 210, q, sc, d + (G * supers + s) * 16 + c);
         for (int i = 0; i < 16; i++) scales[(G * (k / 16) + 16 * s + i) * 16 + c] = sc[i];
         for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32 */
-            const int64_t b = 8 * s + b8;
-            uint8_t *unit = weight + (G * (k / 32) + b) * 384, *bits = unit + 256;
-            const uint8_t *v = q + 32 * b8;
-            for (int u = 0; u < 8; u++)
-                for (int e = 0; e < 2; e++) {
-                    const int i = 2 * u + e;
-                    unit[32 * u + 2 * c + e] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
-                }
-            /* bits 2j of vector v8's byte 2c + e: the high bits of input 16 (j % 2) + 2 (2 v8 + j / 2) + e */
-            for (int v8 = 0; v8 < 4; v8++)
-                for (int e = 0; e < 2; e++) {
-                    uint8_t byte = 0;
-                    for (int j = 0; j < 4; j++) byte |= (uint8_t)((v[16 * (j % 2) + 2 * (2 * v8 + j / 2) + e] >> 4) << 2 * j);
-                    bits[32 * v8 + 2 * c + e] = byte;
-                }
+            uint8_t *unit = weight + (G * (k / 32) + 8 * s + b8) * 384, *bits = unit + 256;
+            put_pairs(unit, c, join_nibbles(_mm256_and_si256(q[b8], low4)));
+            /* vector v8's byte 2c + e: the high 2 bits of inputs 4v8 + e, 16 + 4v8 + e, 4v8 + 2 + e, 16 + 4v8 + 2 + e
+             * at bits 0, 2, 4, 6: p[i] = high[i] | high[16 + i] << 2, then p[i] | p[i + 2] << 4 at i = 4v8 + e */
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(q[b8], 4), low2);
+            const __m128i p =
+                _mm_or_si128(_mm256_castsi256_si128(high), _mm_slli_epi16(_mm256_extracti128_si256(high, 1), 2));
+            const __m128i r = _mm_or_si128(p, _mm_slli_epi16(_mm_srli_si128(p, 2), 4));
+            uint16_t pairs[8];
+            _mm_storeu_si128((__m128i *)pairs, r);
+            for (int v8 = 0; v8 < 4; v8++) memcpy(bits + 32 * v8 + 2 * c, pairs + 2 * v8, 2);
         }
     }
     return 0;
@@ -102,34 +117,33 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t 
 }
 
 /* Q4_0 / Q4_1 → Q4L with float16 scales (and Q4_1's minimums; Q4_0's are none: -8 · scale, `Minimums`). */
-static int pack_q4l_legacy(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+static int pack_q4l_legacy(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0,
+                           int64_t b1) {
     if (!row) return 0;
     const int64_t k = w->k, size = source == GGML_Q4_1 ? 20 : 18;
     uint8_t *weight = (uint8_t *)w->weight;
     uint16_t *scales = (uint16_t *)w->scales, *mins = (uint16_t *)w->mins;
-    for (int64_t b = 0; b < k / 32; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const uint8_t *block = row + b * size, *qs = block + size - 16;
         const int64_t at = (G * (k / 32) + b) * 16 + c;
         memcpy(scales + at, block, 2);
         if (mins) memcpy(mins + at, block + 2, 2);
-        uint8_t *unit = weight + (G * (k / 32) + b) * 256;
-        for (int u = 0; u < 8; u++)
-            for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = qs[2 * u + e];
+        put_pairs(weight + (G * (k / 32) + b) * 256, c, _mm_loadu_si128((const __m128i *)qs));
     }
     return 0;
 }
 
 /* Q4_K → Q4L with Q4_K's own scales (sc, m as bytes, d and dmin in `supers`); Q4_0 and Q4_1 into a Q4L weight without
  * `supers` (groups of 32; minimums only for Q4_1). */
-int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
     if (!w->supers && w->group == 32 && ((source == GGML_Q4_0 && !w->mins) || (source == GGML_Q4_1 && w->mins)))
-        return pack_q4l_legacy(w, source, row, G, c);
+        return pack_q4l_legacy(w, source, row, G, c, b0, b1);
     if (source != GGML_Q4_K || !w->supers) return -1;
     if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
     uint16_t *d = (uint16_t *)w->supers;
-    for (int64_t s = 0; s < supers; s++) {
+    for (int64_t s = b0 / 8; s < b1 / 8; s++) {
         const uint8_t *block = row + s * 144, *qs = block + 16;
         memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);          /* d */
         memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);  /* dmin */
@@ -137,11 +151,9 @@ int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) 
             const int64_t b = 8 * s + j, at = (G * (k / 32) + b) * 16 + c;
             q4_k_scale_min(block + 4, j, scales + at, mins + at);
             /* sub-block j: qs[32 (j / 2) + l], low nibbles for even j, high for odd */
-            uint8_t v[32];
-            for (int l = 0; l < 32; l++) v[l] = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0x0F;
-            uint8_t *unit = weight + (G * (k / 32) + b) * 256;
-            for (int u = 0; u < 8; u++)
-                for (int e = 0; e < 2; e++) unit[32 * u + 2 * c + e] = (uint8_t)(v[2 * u + e] | v[16 + 2 * u + e] << 4);
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+            const __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(0x0F));
+            put_pairs(weight + (G * (k / 32) + b) * 256, c, join_nibbles(v));
         }
     }
     return 0;
@@ -162,12 +174,13 @@ static void put_q5l_block(uint8_t *unit, int c, const uint8_t v[32]) {
 }
 
 /* Q5_0 / Q5_1 → Q5L with float16 scales and minimums per block. */
-static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0,
+                           int64_t b1) {
     if (!row) return 0;
     const int64_t k = w->k, size = source == GGML_Q5_1 ? 24 : 22;
     uint8_t *weight = (uint8_t *)w->weight;
     uint16_t *scales = (uint16_t *)w->scales, *mins = (uint16_t *)w->mins;
-    for (int64_t b = 0; b < k / 32; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const uint8_t *block = row + b * size;
         const uint8_t *qh = block + size - 20, *qs = block + size - 16;
         uint32_t high;
@@ -188,15 +201,15 @@ static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *row, int6
 
 /* Q5_K → Q5L (the caller zeroes the weight: channels OR their fifth bits into shared masks); Q5_0 and Q5_1 into a
  * Q5L weight without `supers`. */
-int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
     if ((source == GGML_Q5_0 || source == GGML_Q5_1) && !w->supers)
-        return pack_q5l_legacy(w, source, row, G, c);
+        return pack_q5l_legacy(w, source, row, G, c, b0, b1);
     if (source != GGML_Q5_K || !w->supers) return -1;
     if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight, *scales = (uint8_t *)w->scales, *mins = (uint8_t *)w->mins;
     uint16_t *d = (uint16_t *)w->supers;
-    for (int64_t s = 0; s < supers; s++) {
+    for (int64_t s = b0 / 8; s < b1 / 8; s++) {
         const uint8_t *block = row + s * 176, *qh = block + 16, *qs = block + 48;
         memcpy(d + ((G * supers + s) * 2) * 16 + c, block, 2);
         memcpy(d + ((G * supers + s) * 2 + 1) * 16 + c, block + 2, 2);
@@ -215,14 +228,14 @@ int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) 
 }
 
 /* IQ4_XS → IQ4L. */
-int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
     if (source != GGML_IQ4_XS) return -1;
     if (!row) return 0;
     const int64_t k = w->k, supers = k / 256;
     uint8_t *weight = (uint8_t *)w->weight;
     int8_t *scales = (int8_t *)w->scales;
     uint16_t *d = (uint16_t *)w->supers;
-    for (int64_t s = 0; s < supers; s++) {
+    for (int64_t s = b0 / 8; s < b1 / 8; s++) {
         const uint8_t *block = row + s * 136, *low = block + 4, *qs = block + 8;
         uint16_t high;
         memcpy(&high, block + 2, 2);
@@ -231,32 +244,35 @@ int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c)
             const int64_t b = 8 * s + i;
             const int ls = ((low[i / 2] >> 4 * (i % 2)) & 15) | ((high >> 2 * i) & 3) << 4;
             scales[(G * (k / 32) + b) * 16 + c] = (int8_t)(ls - 32);
-            uint8_t *unit = weight + (G * (k / 32) + b) * 256;
-            for (int u = 0; u < 8; u++)
-                for (int e = 0; e < 2; e++) {
-                    const int l = 2 * u + e; /* input l (low nibble) and 16 + l (high) of the block */
-                    unit[32 * u + 2 * c + e] = qs[16 * i + l];
-                }
+            /* byte l: input l (low nibble) and 16 + l (high) of the block */
+            put_pairs(weight + (G * (k / 32) + b) * 256, c, _mm_loadu_si128((const __m128i *)(qs + 16 * i)));
         }
     }
     return 0;
 }
 
 /* Q8_0 → Q8L. */
-int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) {
+int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
     if (source != GGML_Q8_0) return -1;
     if (!row) return 0;
     const int64_t k = w->k;
     uint8_t *weight = (uint8_t *)w->weight;
     uint16_t *scales = (uint16_t *)w->scales;
-    for (int64_t b = 0; b < k / 32; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const uint8_t *block = row + b * 34, *qs = block + 2;
         memcpy(scales + (G * (k / 32) + b) * 16 + c, block, 2);
         uint8_t *pairs = weight + (G * (k / 32) + b) * 512; /* pair p: q[2p + e] of channel c at 2c + e */
-        for (int p = 0; p < 16; p++) pairs[32 * p + 2 * c] = qs[2 * p], pairs[32 * p + 2 * c + 1] = qs[2 * p + 1];
+        put_pairs(pairs, c, _mm_loadu_si128((const __m128i *)qs));
+        put_pairs(pairs + 256, c, _mm_loadu_si128((const __m128i *)(qs + 16)));
     }
     return 0;
 }
+
+/* Blocks of 32 inputs a pass over one group's 16 channels: the group's output for them (8-16 KiB in the lanes
+ * layouts) stays in L1 while each channel writes its 2 bytes of every 32 into it. Channel by channel over a whole
+ * row, a group's output (Q4L: 8 bytes an input, 64 KiB for 8,192 inputs) went through L1 16 times. A multiple of 8
+ * (a K-quant's super-block). */
+#define PACK_BLOCKS 32
 
 /* `w`'s tensors (allocated by the caller in its layout) from a GGUF tensor's rows of blocks (`source`: its
  * GGMLQuantizationType; row_bytes apart; row r of the weight is source row order[r], order NULL: r), a group of 16
@@ -264,12 +280,14 @@ int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c) 
 int kettle_pack(const Linear *w, int source, const uint8_t *blocks, int64_t row_bytes, const int64_t *order,
                 int threads) {
     const WeightType *type = type_of(w);
-    if (!type->pack || type->pack(w, source, NULL, 0, 0)) return -1;
+    if (!type->pack || type->pack(w, source, NULL, 0, 0, 0, 0)) return -1;
+    const int64_t n_blocks = w->k / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t G = 0; G < w->n / 16; G++)
-        for (int c = 0; c < 16; c++) {
-            const int64_t row = 16 * G + c;
-            type->pack(w, source, blocks + (order ? order[row] : row) * row_bytes, G, c);
-        }
+        for (int64_t b0 = 0; b0 < n_blocks; b0 += PACK_BLOCKS)
+            for (int c = 0; c < 16; c++) {
+                const int64_t row = 16 * G + c, b1 = b0 + PACK_BLOCKS < n_blocks ? b0 + PACK_BLOCKS : n_blocks;
+                type->pack(w, source, blocks + (order ? order[row] : row) * row_bytes, G, c, b0, b1);
+            }
     return 0;
 }

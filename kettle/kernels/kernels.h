@@ -288,9 +288,9 @@ typedef struct {
     void (*panel_group)(const Linear *w, int64_t G, float *panel, int64_t ld);
     /* The row panels (invariant rows from `kettle_row_gemm_rows` on): channel j as K int16, its scales per block. */
     void (*widen_row)(const Linear *w, int64_t j, int16_t *dst, float *scale);
-    /* At load: channel c of group G (16 channels) from its row of a GGUF tensor's blocks of type `source`
-     * (gguf_pack.c); -1 for a source type it does not pack (`row` NULL: only that answer). */
-    int (*pack)(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
+    /* At load: channel c of group G (16 channels), its blocks of 32 inputs [b0, b1), from its row of a GGUF tensor's
+     * blocks of type `source` (gguf_pack.c); -1 for a source type it does not pack (`row` NULL: only that answer). */
+    int (*pack)(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1);
 } WeightType;
 
 #define INTERNAL __attribute__((visibility("hidden")))
@@ -834,11 +834,11 @@ INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *
 INTERNAL void q4l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld);
 INTERNAL void q8l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld);
 /* GGUF blocks into the lanes layouts (gguf_pack.c). */
-INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
-INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
-INTERNAL int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
-INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
-INTERNAL int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c);
+INTERNAL int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1);
+INTERNAL int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1);
+INTERNAL int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1);
+INTERNAL int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1);
+INTERNAL int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1);
 /* The row panels' widening per type (gemm.c). */
 INTERNAL void q4_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);
 INTERNAL void q8_panel_row(const Linear *w, int64_t j, int16_t *dst, float *scale);

@@ -377,3 +377,34 @@ def test_the_float32_panels_read_a_weight_in_lanes_as_its_rows_twin(lanes, rows)
     assert torch.equal(a.dense, b.dense)
     x = torch.randn(40, K)
     assert torch.equal(ops.linear_on(x, a.linear, "gemm"), ops.linear_on(x, b.linear, "gemm"))
+
+
+# The packer takes a group's 16 channels 1,024 inputs at a time (gguf_pack.c's PACK_BLOCKS), each channel writing
+# its bytes of every block into them: rows of 1,280 inputs (5 K-quant super-blocks) and 1,312 (41 blocks of 32) take
+# a whole pass and a short one, the boundary inside a row.
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_rows_longer_than_a_packing_pass_pack_into_the_files_values(qtype):
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    from kettle.quantization.iq4 import IQ4Linear
+    from kettle.quantization.q4 import Q4Linear
+    from kettle.quantization.q5 import Q5Linear
+    from kettle.quantization.q6 import Q6Linear
+    from kettle.quantization.q8 import Q8Linear
+    from kettle.tensors.gguf_file import Blocks
+    from tests.kernel_weights import random_iq4_xs_blocks, random_q4_k_blocks, random_q5_k_blocks, random_q6_k_blocks
+
+    if not lanes_here():
+        pytest.skip("the lanes layouts need AVX-512 VNNI")
+    n, k = 32, 1280 if qtype in ("Q4_K", "Q6_K", "Q5_K", "IQ4_XS") else 1312
+    random = {"Q4_K": random_q4_k_blocks, "Q6_K": random_q6_k_blocks, "Q5_K": random_q5_k_blocks}
+    random |= {"IQ4_XS": random_iq4_xs_blocks}
+    if qtype in random:
+        data = random[qtype](n, k, seed=11)
+    else:
+        data = quantize(np.random.default_rng(12).standard_normal((n, k), dtype=np.float32), T[qtype])
+    build = {"Q4": Q4Linear.from_blocks, "Q6": Q6Linear.from_blocks, "Q5": Q5Linear.from_blocks}
+    build |= {"IQ": IQ4Linear.from_blocks, "Q8": Q8Linear.from_packed_blocks}
+    layer = build[qtype[:2]]([Blocks(data, T[qtype], n, k, None)], None)
+    assert torch.equal(ops.dequantize(layer.describe()), torch.from_numpy(gguf_dequantize(data, T[qtype])).float())
