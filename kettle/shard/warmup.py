@@ -20,11 +20,12 @@ from kettle.proto import generate_pb2 as pb
 from kettle.tensors.kv_cache import BLOCK_SIZE, KVCache
 
 DEFAULT_MAX_KV_TOKENS = 1 << 17
-# Enough rows for every kernel path a prompt takes (the panel GEMMs from 16 rows, the prefill attention's 16-token
-# tiles and a tail); a longer one proves nothing more and costs start-up time that grows with the model: 512 tokens
-# took 5.9 s of a 1.1B model's 16 s start here (0.5 s on the bundled model), 64 tokens 0.9 s of a 1.7B Q4_K_M
-# file's 3.7 s start (24 tokens: 0.3-0.4 s, the start 3.2-3.3 s).
-DEFAULT_CPU_WARMUP_TOKENS = 24
+# Enough rows for the paths a prompt's layers take (the panel GEMMs from 16 rows, a whole 16-token tile of the
+# prefill attention); a longer one proves nothing more and costs start-up time that grows with the model: 512
+# tokens took 5.9 s of a 1.1B model's 16 s start here (0.5 s on the bundled model), 64 tokens 0.9 s of a 1.7B
+# Q4_K_M file's 3.7 s start. In one process that file's prefill of 24 tokens takes 0.18-0.19 s, of 16 0.13 s
+# (an 8B's ~4.5 times as long); a shard's warm-up took 0.3-0.5 s for 24.
+DEFAULT_CPU_WARMUP_TOKENS = 16
 
 
 @dataclass(frozen=True)
