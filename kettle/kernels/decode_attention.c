@@ -87,6 +87,16 @@ static inline __attribute__((always_inline)) void score_heads(const PagedDecode 
             scores[j * span + t] = dot_kv(qs + j * dim, p->k_cache, column + t * stride, dim, dtype) * p->scale;
 }
 
+/* `call` with G a constant, the query heads left of one KV head's (`left`) capped at 4: the tiles below unrolled for
+ * 1 to 4 heads, one dispatch per KV head and block. */
+#define WITH_HEADS(left, call)                                                                                \
+    switch (left) {                                                                                           \
+    case 1: { const int G = 1; call; } break;                                                                 \
+    case 2: { const int G = 2; call; } break;                                                                 \
+    case 3: { const int G = 3; call; } break;                                                                 \
+    default: { const int G = 4; call; }                                                                       \
+    }
+
 /* The K pass of `attend_rows`: scores [H, len - first] of every query head against positions [first, len), block
  * by block, each block KV head by KV head (its query heads up to 4 at a time: a key widened once for them), the next
  * block (after the last, the V pass's first) fetched meanwhile. */
@@ -101,15 +111,11 @@ static inline __attribute__((always_inline)) void score_keys(const PagedDecode *
         for (int64_t kv = 0; kv < kv_heads; kv++) {
             if (b < last) fetch_block(p->k_cache, table[b + 1], bs, stride, dtype, kv, kv_heads);
             else fetch_block(p->v_cache, table[first / bs], bs, stride, dtype, kv, kv_heads);
+            const int64_t column = at.base + kv * dim;
             for (int64_t h = kv * group; h < (kv + 1) * group; h += 4) {
-                const float *q = qs + h * dim;
                 float *row = scores + h * span - first; /* row[t]: head h, position t */
-                switch ((kv + 1) * group - h) {
-                case 1: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 1, dim, dtype); break;
-                case 2: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 2, dim, dtype); break;
-                case 3: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 3, dim, dtype); break;
-                default: score_heads(p, q, at.base + kv * dim, at.t0, at.t1, row, span, 4, dim, dtype);
-                }
+                WITH_HEADS((kv + 1) * group - h,
+                           score_heads(p, qs + h * dim, column, at.t0, at.t1, row, span, G, dim, dtype))
             }
         }
     }
@@ -160,20 +166,17 @@ static inline __attribute__((always_inline)) void weigh_values(const PagedDecode
         const BlockSpan at = block_span(table, b, bs, stride, first, len);
         for (int64_t kv = 0; kv < kv_heads; kv++) {
             if (b < last) fetch_block(p->v_cache, table[b + 1], bs, stride, dtype, kv, kv_heads);
+            const int64_t column = at.base + kv * dim;
             for (int64_t h = kv * group; h < (kv + 1) * group; h += 4) {
                 const float *weights = scores + h * span - first; /* weights[t]: head h, position t */
-                float *o = dst + h * dst_stride;
-                const int64_t column = at.base + kv * dim;
-                switch ((kv + 1) * group - h) {
-                case 1: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 1, dim, dtype); break;
-                case 2: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 2, dim, dtype); break;
-                case 3: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 3, dim, dtype); break;
-                default: weigh_heads(p, weights, span, column, at.t0, at.t1, o, dst_stride, 4, dim, dtype);
-                }
+                WITH_HEADS((kv + 1) * group - h, weigh_heads(p, weights, span, column, at.t0, at.t1,
+                                                             dst + h * dst_stride, dst_stride, G, dim, dtype))
             }
         }
     }
 }
+
+#undef WITH_HEADS
 
 /* Item (sequence s, piece `part` of its context): q [S, H, D] → out [S, H, D] for every query head, or their records
  * of the piece when the context is cut. A slot's row holds every KV head ([slots, Hkv, D]), so a head's rows lie a

@@ -1385,11 +1385,16 @@ static inline int64_t sequence_parts(const PagedDecode *p, int64_t s) {
     return p->per_sequence ? context_parts(p->positions[s] + 1, 1, p->threads) : p->parts;
 }
 
-/* A call's `parts` over `seqs` sequences (`per_sequence`: the most any of them takes alone). */
-static inline int64_t call_parts(const int64_t *positions, int64_t seqs, int threads, int per_sequence) {
+/* The longest context of the call, which sizes each thread's scores (heads · (longest + 1) floats). */
+static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
-    return context_parts(longest, per_sequence ? 1 : seqs, threads);
+    return longest;
+}
+
+/* A call's `parts` over `seqs` sequences (`per_sequence`: the most any of them takes alone). */
+static inline int64_t call_parts(const int64_t *positions, int64_t seqs, int threads, int per_sequence) {
+    return context_parts(longest_context(positions, seqs), per_sequence ? 1 : seqs, threads);
 }
 
 /* Floats of a call's partials. */
@@ -1397,12 +1402,6 @@ static inline int64_t partial_floats(int64_t seqs, int64_t heads, int64_t parts,
     return seqs * heads * parts * (dim + 2);
 }
 
-/* The longest context of the call, which sizes each thread's scores (heads · (longest + 1) floats). */
-static inline int64_t longest_context(const int64_t *positions, int64_t seqs) {
-    int64_t longest = 0;
-    for (int64_t s = 0; s < seqs; s++) longest = positions[s] + 1 > longest ? positions[s] + 1 : longest;
-    return longest;
-}
 
 /* tanh(u) = 1 − 2 / (e^{2u} + 1) for 8 floats (exp_ps saturates, so large |u| gives ±1). */
 static inline __m256 tanh_ps(__m256 u) {
