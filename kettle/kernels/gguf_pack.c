@@ -89,18 +89,22 @@ int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
     for (int64_t s = b0 / 8; s < b1 / 8; s++) {
         q6_k_unpack(row + s * 210, q, sc, d + (G * supers + s) * 16 + c);
         for (int i = 0; i < 16; i++) scales[(G * (k / 16) + 16 * s + i) * 16 + c] = sc[i];
-        for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32 */
-            uint8_t *unit = weight + (G * (k / 32) + 8 * s + b8) * 384, *bits = unit + 256;
-            put_pairs(unit, c, join_nibbles(_mm256_and_si256(q[b8], low4)));
-            /* vector v8's byte 2c + e: the high 2 bits of inputs 4v8 + e, 16 + 4v8 + e, 4v8 + 2 + e, 16 + 4v8 + 2 + e
-             * at bits 0, 2, 4, 6: p[i] = high[i] | high[16 + i] << 2, then p[i] | p[i + 2] << 4 at i = 4v8 + e */
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(q[b8], 4), low2);
-            const __m128i p =
-                _mm_or_si128(_mm256_castsi256_si128(high), _mm_slli_epi16(_mm256_extracti128_si256(high, 1), 2));
-            const __m128i r = _mm_or_si128(p, _mm_slli_epi16(_mm_srli_si128(p, 2), 4));
-            uint16_t pairs[8];
-            _mm_storeu_si128((__m128i *)pairs, r);
-            for (int v8 = 0; v8 < 4; v8++) memcpy(bits + 32 * v8 + 2 * c, pairs + 2 * v8, 2);
+        for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32, each its 16 bytes in t order */
+            uint8_t *block = weight + (G * (k / 32) + 8 * s + b8) * 384 + 4 * c;
+            const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+            const __m128i low = _mm_shuffle_epi8(join_nibbles(_mm256_and_si256(q[b8], low4)), order);
+            /* byte i(m, t): the high 2 bits of input i(m, t) at 0-1 and of 16 + i(m, t) at 2-3; even m's to 4-7 */
+            const __m256i two = _mm256_and_si256(_mm256_srli_epi16(q[b8], 4), low2);
+            const __m128i fields = _mm_shuffle_epi8(
+                _mm_or_si128(_mm256_castsi256_si128(two), _mm_slli_epi16(_mm256_extracti128_si256(two, 1), 2)), order);
+            const __m128i odd = _mm_srli_si128(fields, 4); /* vector m + 1's bytes beside vector m's */
+            const __m128i high = _mm_or_si128(odd, _mm_slli_epi16(fields, 4));
+            uint32_t words[4];
+            _mm_storeu_si128((__m128i *)words, low);
+            for (int m = 0; m < 4; m++) memcpy(block + 64 * m, words + m, 4);
+            _mm_storeu_si128((__m128i *)words, high);
+            memcpy(block + 256, words, 4);
+            memcpy(block + 320, words + 2, 4);
         }
     }
     return 0;

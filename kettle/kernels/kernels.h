@@ -29,11 +29,15 @@
  * [N/16][K/32][16] float16. kettle/quantization/q8.py packs it.
  *
  * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI only):
- * w = d · sc · (q - 32), q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes: for block b, the low
- * 4 bits of q laid out as Q4L's 256 bytes, then their high 2 bits in 4 vectors of 32 bytes, byte 2c + e of vector v
- * holding in bits 2j, 2j + 1 those of unit 2v + j / 2's input 2(2v + j / 2) + e + 16 (j % 2) of channel 16G + c
- * (the two units one vector widened feeds). scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d);
- * 6.56 bits a weight as in the file. kettle/quantization/q6.py packs it.
+ * w = d · sc · (q - 32), q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes,
+ * each block already in the order the tile reads it (no interleaving in the decode loop): with t's inputs
+ * i(m, t) = 4m + (0, 2, 1, 3)[t] (a quad m of the int8 rows, as Q4L's two units interleaved give it),
+ * - 4 vectors of 64 bytes, byte 4c + t of vector m holding q[16G + c][32b + i(m, t)]'s low 4 bits and, in its high
+ *   nibble, those of input 16 + i(m, t);
+ * - 2 vectors of 64 bytes of high 2 bits, byte 4c + t of vector p holding inputs i(2p, t) and 16 + i(2p, t)'s at bits
+ *   4-5 and 6-7, i(2p + 1, t) and 16 + i(2p + 1, t)'s at bits 0-1 and 2-3.
+ * scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d); 6.56 bits a weight as in the file.
+ * kettle/quantization/q6.py and gguf_pack.c pack it.
  *
  * Q5L layout (LINEAR_Q5L: GGUF's Q5_K, Q5_0 and Q5_1 in lanes, N a multiple of 16, AVX-512 VNNI only): q in 0..31, with
  * Q4_K's scales (w = d · sc · q - dmin · m; sc, m 6-bit per 32 inputs, d and dmin per 256, K a multiple of 256) in
@@ -1050,21 +1054,26 @@ static inline void q8l_dequant_row(const Linear *w, int64_t j, float *dst) {
 }
 
 /* Block b of channel j of a Q6L weight: its 32 values q - 32 (-32..31) in input order, as two vectors of 16 bytes
- * (inputs 0..15, 16..31). The low bits come as a Q4L block's (input i in byte i's low nibble, 16 + i in its high);
- * the high bits from the channel's two bytes in each of the block's four vectors, which a byte shuffle spreads to
- * the inputs (input 2u + e reads byte 2 (u / 2) + e, at bit 4 (u % 2), and 2 more for the second half). */
+ * (inputs 0..15, 16..31). The channel's 4 bytes of each low vector and of each high-bits vector, gathered in t order
+ * (byte 4m + t: inputs i(m, t) and 16 + i(m, t)), then put in input order by one shuffle (the order is its own
+ * inverse). */
 static inline void q6l_block(const Linear *w, int64_t j, int64_t b, __m128i q[2]) {
-    const uint8_t *low = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 384 + 2 * (j % 16);
-    const __m128i nibbles = strided_pairs(low), mask = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3);
-    const __m128i bits = _mm_setr_epi16(load_u16(low + 256), load_u16(low + 288), load_u16(low + 320), load_u16(low + 352), 0, 0, 0, 0);
-    const __m128i spread = _mm_shuffle_epi8(bits, _mm_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7));
-    const __m128i odd_units = _mm_setr_epi8(0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1, 0, 0, -1, -1);
-    const __m128i fields = _mm_blendv_epi8(spread, _mm_and_si128(_mm_srli_epi16(spread, 4), mask), odd_units);
+    const uint8_t *block = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 384 + 4 * (j % 16);
+    uint32_t low[4], high[2];
+    for (int m = 0; m < 4; m++) memcpy(low + m, block + 64 * m, 4);
+    for (int p = 0; p < 2; p++) memcpy(high + p, block + 256 + 64 * p, 4);
+    const __m128i nibbles = _mm_setr_epi32((int)low[0], (int)low[1], (int)low[2], (int)low[3]);
+    const __m128i mask = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3);
+    /* vector m's 4 bits (inputs' high 2 bits at 0-1, 16 + its at 2-3): the high nibble of vector m / 2 for even m */
+    const __m128i spread = _mm_shuffle_epi8(_mm_setr_epi32((int)high[0], (int)high[1], 0, 0),
+                                            _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
+    const __m128i even_m = _mm_setr_epi32(-1, 0, -1, 0);
+    const __m128i fields = _mm_and_si128(_mm_blendv_epi8(spread, _mm_srli_epi16(spread, 4), even_m), mask);
     const __m128i first = _mm_slli_epi16(_mm_and_si128(fields, two), 4);
     const __m128i second = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(fields, 2), two), 4);
-    const __m128i offset = _mm_set1_epi8(32);
-    q[0] = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(nibbles, mask), first), offset);
-    q[1] = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(nibbles, 4), mask), second), offset);
+    const __m128i offset = _mm_set1_epi8(32), order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    q[0] = _mm_shuffle_epi8(_mm_sub_epi8(_mm_or_si128(_mm_and_si128(nibbles, mask), first), offset), order);
+    q[1] = _mm_shuffle_epi8(_mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(nibbles, 4), mask), second), offset), order);
 }
 
 /* Channel j's weight scale per sub-block of 16 inputs of a Q6L weight (K/16 floats): d · sc, exact in float32. */

@@ -1,12 +1,13 @@
 """GGUF's Q6_K on Kettle's CPU kernels, in lanes (kernels.h's Q6L layout): the file's own 6.56 bits a weight.
 
 Q6_K stores w = d · sc · (q - 32) with q in 0..63 (its low 4 bits and high 2 bits in separate arrays), an int8
-scale sc per 16 inputs and a float16 d per 256. Kettle keeps exactly those values: the low bits in the Q4L layout
-(16 output channels side by side, kettle/quantization/q4.py `to_lanes`), the high bits beside them in each block,
-and the two scale tables side by side for 16 channels, so the lanes kernel multiplies q (0..63) with int8
-activations as it does Q4L's nibbles, keeping the sums of each sub-block of 16 apart for its own scale, less 32 ·
-the sub-block's inputs. The
-dequantized weights are gguf's own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
+scale sc per 16 inputs and a float16 d per 256. Kettle keeps exactly those values: the low bits of 16 output
+channels side by side (Q4L's, kettle/quantization/q4.py `to_lanes`, stored as its kernel interleaves them), the
+high bits beside them in each block, and the two scale tables side by side for 16 channels, so the lanes kernel
+multiplies q (0..63) with int8 activations as it does Q4L's nibbles, keeping the sums of each sub-block of 16 apart
+for its own scale, less 32 · the sub-block's inputs. Each block is stored in the order the kernel reads it: a decode
+step of a Q6_K file is bound by the kernel's work per byte, not only by memory. The dequantized weights are gguf's
+own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
 
 Only where weights are held in lanes (AVX-512 VNNI, N a multiple of 16, K of 256: `fits`); elsewhere Q6_K serves
 on the nearest scheme, requantized to Q8_0's blocks (kettle/quantization/gguf_scheme.py `_requantized`): on an AVX2
@@ -52,16 +53,17 @@ def decode_blocks(data: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch
 
 
 def to_lanes(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] (0..63) → kernels.h's Q6L weight bytes [N, K · 3/4]: per 16 channels and block of 32, the low 4 bits
-    as Q4L's units (byte 2c + e of unit u: inputs 2u + e and 16 + 2u + e), then the high 2 bits, byte 2c + e of
-    vector v holding units 2v and 2v + 1's (bits 2j: unit 2v + j / 2, half j % 2)."""
+    """q [N, K] (0..63) → kernels.h's Q6L weight bytes [N, K · 3/4]: per 16 channels and block of 32, in t order
+    (inputs i(m, t) = 4m + (0, 2, 1, 3)[t]), 4 vectors of the low 4 bits (byte 4c + t of vector m: input i(m, t)'s,
+    16 + i(m, t)'s in the high nibble), then 2 of the high 2 bits (byte 4c + t of vector p: inputs i(2p + 1, t) and
+    16 + i(2p + 1, t) at bits 0-1 and 2-3, i(2p, t) and 16 + i(2p, t) at 4-5 and 6-7)."""
     n, k = q.shape
-    q = q.view(n // LANES, LANES, k // 32, 2, 8, 2)  # [G, c, b, half, u, e]
+    q = q.view(n // LANES, LANES, k // 32, 2, 4, 4)[..., [0, 2, 1, 3]]  # [G, c, b, half, m, t]
     low, high = q & 0x0F, q >> 4
-    units = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, u, c, e]
-    pairs = high.view(n // LANES, LANES, k // 32, 2, 4, 2, 2)  # [G, c, b, half, v, t, e]
-    shifts = torch.tensor([[0, 4], [2, 6]], dtype=torch.uint8).view(1, 1, 1, 2, 1, 2, 1)  # 2j, j = 2t + half
-    bits = (pairs << shifts).sum(dim=(3, 5), dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [G, b, v, c, e]
+    units = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, m, c, t]
+    fields = high[:, :, :, 0] | (high[:, :, :, 1] << 2)
+    fields = fields.view(n // LANES, LANES, k // 32, 2, 2, 4)  # [G, c, b, p, odd, t]
+    bits = (fields[:, :, :, :, 1] | (fields[:, :, :, :, 0] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, p, c, t]
     blocks = torch.cat([units.reshape(n // LANES, k // 32, 256), bits.reshape(n // LANES, k // 32, 128)], dim=2)
     return blocks.reshape(n, k * 3 // 4).contiguous()
 
