@@ -38,12 +38,18 @@ static inline void transpose8(__m256 r[8]) {
     }
 }
 
-/* Bytes 2c (v[0]) and 2c + 1 (v[1]) of a lanes unit's 32 (16 channels × 2 inputs): each input's 16 channels. */
-static inline void unit_inputs(const uint8_t *unit, __m128i v[2]) {
-    const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)unit), order), 0xD8);
-    v[0] = _mm256_castsi256_si128(split), v[1] = _mm256_extracti128_si256(split, 1);
+/* Bytes 4c + t (v[t]) of a lanes quad vector's 64 (16 channels × 4 inputs, kernels.h): each input's 16 channels, the
+ * block's inputs i(m, t) = 4m + QUAD_INPUT[t]. Each 4 channels' bytes grouped by t, then a 4 × 4 transpose of
+ * 32-bit pieces. */
+static const int QUAD_INPUT[4] = {0, 2, 1, 3};
+static inline void quad_inputs(const uint8_t *quads, __m128i v[4]) {
+    const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m128i x[4];
+    for (int i = 0; i < 4; i++) x[i] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(quads + 16 * i)), order);
+    const __m128i lo01 = _mm_unpacklo_epi32(x[0], x[1]), hi01 = _mm_unpackhi_epi32(x[0], x[1]);
+    const __m128i lo23 = _mm_unpacklo_epi32(x[2], x[3]), hi23 = _mm_unpackhi_epi32(x[2], x[3]);
+    v[0] = _mm_unpacklo_epi64(lo01, lo23), v[1] = _mm_unpackhi_epi64(lo01, lo23);
+    v[2] = _mm_unpacklo_epi64(hi01, hi23), v[3] = _mm_unpackhi_epi64(hi01, hi23);
 }
 
 /* 16 values (u8 or s8 as `is_signed`) of one input for 16 channels, as floats at panel row `dst`: q · scale + minimum
@@ -57,7 +63,7 @@ static inline void panel_row16(__m128i q, int is_signed, const __m256 scale[2], 
 }
 
 /* The 16 channels of lanes group G of a Q4L weight straight into panel columns (`panel` at the group's first column,
- * rows `ld` floats apart; the table's `panel_group`): each unit's bytes split by input once, no channel gathered
+ * rows `ld` floats apart; the table's `panel_group`): each quad vector's bytes split by input once, no channel gathered
  * byte by byte and no transpose. The values are the table's `dequantize` ones, bit for bit. */
 void q4l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld) {
     const int64_t blocks = w->k / 32;
@@ -67,19 +73,19 @@ void q4l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld) {
         float d[16], m[16];
         for (int c = 0; c < 16; c++) q4l_scale(w, G * 16 + c, b * 32 / w->group, d + c, m + c);
         const __m256 scale[2] = {_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8)}, minimum[2] = {_mm256_loadu_ps(m), _mm256_loadu_ps(m + 8)};
-        for (int u = 0; u < 8; u++) {
-            __m128i v[2];
-            unit_inputs(base + b * 256 + u * 32, v);
-            for (int e = 0; e < 2; e++) {
-                float *row = panel + (b * 32 + 2 * u + e) * ld;
-                panel_row16(_mm_and_si128(v[e], mask), 0, scale, minimum, row);
-                panel_row16(_mm_and_si128(_mm_srli_epi16(v[e], 4), mask), 0, scale, minimum, row + 16 * ld);
+        for (int m = 0; m < 4; m++) {
+            __m128i v[4];
+            quad_inputs(base + b * 256 + m * 64, v);
+            for (int t = 0; t < 4; t++) {
+                float *row = panel + (b * 32 + 4 * m + QUAD_INPUT[t]) * ld;
+                panel_row16(_mm_and_si128(v[t], mask), 0, scale, minimum, row);
+                panel_row16(_mm_and_si128(_mm_srli_epi16(v[t], 4), mask), 0, scale, minimum, row + 16 * ld);
             }
         }
     }
 }
 
-/* `q4l_panel_group` for a Q8L weight: each pair's bytes split by input, times the block's scales. */
+/* `q4l_panel_group` for a Q8L weight: each quad vector's bytes split by input, times the block's scales. */
 void q8l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld) {
     const int64_t blocks = w->k / 32;
     const uint8_t *base = (const uint8_t *)w->weight + G * blocks * 512;
@@ -87,10 +93,10 @@ void q8l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld) {
         float d[16];
         for (int c = 0; c < 16; c++) d[c] = q8l_scale(w, G * 16 + c, b);
         const __m256 scale[2] = {_mm256_loadu_ps(d), _mm256_loadu_ps(d + 8)};
-        for (int p = 0; p < 16; p++) {
-            __m128i v[2];
-            unit_inputs(base + b * 512 + p * 32, v);
-            for (int e = 0; e < 2; e++) panel_row16(v[e], 1, scale, NULL, panel + (b * 32 + 2 * p + e) * ld);
+        for (int m = 0; m < 8; m++) {
+            __m128i v[4];
+            quad_inputs(base + b * 512 + m * 64, v);
+            for (int t = 0; t < 4; t++) panel_row16(v[t], 1, scale, NULL, panel + (b * 32 + 4 * m + QUAD_INPUT[t]) * ld);
         }
     }
 }

@@ -38,12 +38,14 @@ enum {
     GGML_IQ4_XS = 23
 }; /* gguf's GGMLQuantizationType numbers */
 
-/* One channel's pairs of a lanes unit: bytes 2u, 2u + 1 of `bytes` (u = 0 .. 7) to unit[32u + 2c ..], the unit's
- * rows being 16 channels' pairs each. Every packer writes its channel's bytes this way, 16 at a time. */
-static inline void put_pairs(uint8_t *unit, int c, __m128i bytes) {
-    uint16_t pairs[8];
-    _mm_storeu_si128((__m128i *)pairs, bytes);
-    for (int u = 0; u < 8; u++) memcpy(unit + 32 * u + 2 * c, pairs + u, 2);
+/* One channel's 16 bytes of a lanes block's 4 quad vectors (`quads`: the first's start), from unit order (byte 2u + e:
+ * its input 2u + e, as the file's blocks hold them) to quad order, 4 bytes at 4c of each vector (kernels.h; the
+ * inverse of `channel_quads`). Every packer writes its channel's bytes this way, 16 at a time. */
+static inline void put_quads(uint8_t *quads, int c, __m128i bytes) {
+    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    uint32_t pieces[4];
+    _mm_storeu_si128((__m128i *)pieces, _mm_shuffle_epi8(bytes, order));
+    for (int m = 0; m < 4; m++) memcpy(quads + 64 * m + 4 * c, pieces + m, 4);
 }
 
 /* 32 values of 4 bits as 16 bytes: byte i = v[i] | v[16 + i] << 4 (a lanes unit's pair order). */
@@ -90,9 +92,9 @@ int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
         q6_k_unpack(row + s * 210, q, sc, d + (G * supers + s) * 16 + c);
         for (int i = 0; i < 16; i++) scales[(G * (k / 16) + 16 * s + i) * 16 + c] = sc[i];
         for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32, each its 16 bytes in t order */
-            uint8_t *block = weight + (G * (k / 32) + 8 * s + b8) * 384 + 4 * c;
+            uint8_t *block = weight + (G * (k / 32) + 8 * s + b8) * 384;
+            put_quads(block, c, join_nibbles(_mm256_and_si256(q[b8], low4)));
             const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-            const __m128i low = _mm_shuffle_epi8(join_nibbles(_mm256_and_si256(q[b8], low4)), order);
             /* byte i(m, t): the high 2 bits of input i(m, t) at 0-1 and of 16 + i(m, t) at 2-3; even m's to 4-7 */
             const __m256i two = _mm256_and_si256(_mm256_srli_epi16(q[b8], 4), low2);
             const __m128i fields = _mm_shuffle_epi8(
@@ -100,11 +102,9 @@ int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
             const __m128i odd = _mm_srli_si128(fields, 4); /* vector m + 1's bytes beside vector m's */
             const __m128i high = _mm_or_si128(odd, _mm_slli_epi16(fields, 4));
             uint32_t words[4];
-            _mm_storeu_si128((__m128i *)words, low);
-            for (int m = 0; m < 4; m++) memcpy(block + 64 * m, words + m, 4);
             _mm_storeu_si128((__m128i *)words, high);
-            memcpy(block + 256, words, 4);
-            memcpy(block + 320, words + 2, 4);
+            memcpy(block + 256 + 4 * c, words, 4);
+            memcpy(block + 320 + 4 * c, words + 2, 4);
         }
     }
     return 0;
@@ -132,7 +132,7 @@ static int pack_q4l_legacy(const Linear *w, int source, const uint8_t *row, int6
         const int64_t at = (G * (k / 32) + b) * 16 + c;
         memcpy(scales + at, block, 2);
         if (mins) memcpy(mins + at, block + 2, 2);
-        put_pairs(weight + (G * (k / 32) + b) * 256, c, _mm_loadu_si128((const __m128i *)qs));
+        put_quads(weight + (G * (k / 32) + b) * 256, c, _mm_loadu_si128((const __m128i *)qs));
     }
     return 0;
 }
@@ -157,22 +157,24 @@ int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
             /* sub-block j: qs[32 (j / 2) + l], low nibbles for even j, high for odd */
             const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
             const __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(0x0F));
-            put_pairs(weight + (G * (k / 32) + b) * 256, c, join_nibbles(v));
+            put_quads(weight + (G * (k / 32) + b) * 256, c, join_nibbles(v));
         }
     }
     return 0;
 }
 
-/* Block b's 32 values q (0..31) of channel c into Q5L's unit bytes and fifth-bit masks (zeroed by the caller). */
-static void put_q5l_block(uint8_t *unit, int c, const uint8_t v[32]) {
-    for (int u = 0; u < 8; u++) {
-        uint8_t *low = unit + 256 + 8 * u, *high = low + 4; /* the masks' bytes, little-endian */
-        for (int e = 0; e < 2; e++) {
-            const uint8_t first = v[2 * u + e], second = v[16 + 2 * u + e];
-            const int lane = 2 * c + e;
-            unit[32 * u + lane] = (uint8_t)((first & 0x0F) | (second & 0x0F) << 4);
-            low[lane / 8] |= (uint8_t)((first >> 4) << (lane % 8));
-            high[lane / 8] |= (uint8_t)((second >> 4) << (lane % 8));
+/* Block b's 32 values q (0..31) of channel c into Q5L's quad vectors and fifth-bit masks (zeroed by the caller). */
+static void put_q5l_block(uint8_t *block, int c, const uint8_t v[32]) {
+    uint8_t nibbles[16];
+    for (int i = 0; i < 16; i++) nibbles[i] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
+    put_quads(block, c, _mm_loadu_si128((const __m128i *)nibbles));
+    static const int input[4] = {0, 2, 1, 3}; /* i(m, t) - 4m */
+    for (int m = 0; m < 4; m++) {
+        uint8_t *low = block + 256 + 16 * m, *high = low + 8; /* the masks' bytes, little-endian: bits 4c + t */
+        for (int t = 0; t < 4; t++) {
+            const int i = 4 * m + input[t], at = 4 * c + t;
+            low[at / 8] |= (uint8_t)((v[i] >> 4) << (at % 8));
+            high[at / 8] |= (uint8_t)((v[16 + i] >> 4) << (at % 8));
         }
     }
 }
@@ -249,7 +251,7 @@ int pack_iq4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c,
             const int ls = ((low[i / 2] >> 4 * (i % 2)) & 15) | ((high >> 2 * i) & 3) << 4;
             scales[(G * (k / 32) + b) * 16 + c] = (int8_t)(ls - 32);
             /* byte l: input l (low nibble) and 16 + l (high) of the block */
-            put_pairs(weight + (G * (k / 32) + b) * 256, c, _mm_loadu_si128((const __m128i *)(qs + 16 * i)));
+            put_quads(weight + (G * (k / 32) + b) * 256, c, _mm_loadu_si128((const __m128i *)(qs + 16 * i)));
         }
     }
     return 0;
@@ -265,9 +267,9 @@ int pack_q8l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *block = row + b * 34, *qs = block + 2;
         memcpy(scales + (G * (k / 32) + b) * 16 + c, block, 2);
-        uint8_t *pairs = weight + (G * (k / 32) + b) * 512; /* pair p: q[2p + e] of channel c at 2c + e */
-        put_pairs(pairs, c, _mm_loadu_si128((const __m128i *)qs));
-        put_pairs(pairs + 256, c, _mm_loadu_si128((const __m128i *)(qs + 16)));
+        uint8_t *quads = weight + (G * (k / 32) + b) * 512; /* inputs 0..15 in the first 4 vectors, 16..31 after */
+        put_quads(quads, c, _mm_loadu_si128((const __m128i *)qs));
+        put_quads(quads + 256, c, _mm_loadu_si128((const __m128i *)(qs + 16)));
     }
     return 0;
 }

@@ -16,8 +16,13 @@
  * weight is stored 16 output channels at a time, so that one vector holds those 16 channels' weights for a few
  * inputs and `vpdpbusd` multiplies it with those inputs of one activation row broadcast (lanes.c): 16 channels
  * advance by four inputs in one instruction, every scale is applied once per block of 32 inputs for 16 channels together, and
- * several rows share each weight vector. weight [N/16][K/32][256] bytes: for channels 16G .. 16G + 15 and block b,
- * unit u (0..7) of 32 bytes holds, at byte 2c + e, q[16G + c][32b + 2u + e] | q[16G + c][32b + 16 + 2u + e] << 4.
+ * several rows share each weight vector. Every lanes layout stores a block's bytes in the order the tile multiplies
+ * them, in quads: byte 4c + t of a quad vector m holds channel 16G + c's input i(m, t) = 4m + (0, 2, 1, 3)[t] of the
+ * block (the int8 rows' quad m holds the same inputs, `QuantizedRows`), so a decode step loads each vector straight
+ * into `vpdpbusd` (interleaving two 32-byte units there cost a third of the loop: a 1.7B Q4_K_M file's projections
+ * computed at 65 GB/s on 2 threads from cache, 88 without). weight [N/16][K/32][256] bytes: for channels
+ * 16G .. 16G + 15 and block b, 4 quad vectors of 64 bytes, byte 4c + t of vector m holding
+ * q[16G + c][32b + i(m, t)] | q[16G + c][32b + 16 + i(m, t)] << 4.
  * Scales and minimums [N/16][K/group][16] float16 (minimums NULL: symmetric, as Q4). kettle/quantization/q4.py
  * packs it. A Q4L weight with `supers` holds GGUF Q4_K's own scales instead (group 32): scales and minimums
  * [N/16][K/32][16] uint8, the 6-bit sc and m of each sub-block, and supers [N/16][K/256][2][16] float16, each
@@ -25,15 +30,12 @@
  * dequantization, and 148 bytes a channel's 256 weights where float16 scales and minimums take 160 (the file: 144).
  *
  * Q8L layout (LINEAR_Q8L: GGUF's Q8_0 in lanes, N a multiple of 16, AVX-512 VNNI or AVX2): weight
- * [N/16][K/32][16][32] int8, pair p of block b holding q[16G + c][32b + 2p + e] at byte 2c + e; scales
- * [N/16][K/32][16] float16. kettle/quantization/q8.py packs it.
+ * [N/16][K/32][512] int8, 8 quad vectors of 64 bytes, byte 4c + t of vector m holding q[16G + c][32b + i(m, t)];
+ * scales [N/16][K/32][16] float16. kettle/quantization/q8.py packs it.
  *
  * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI only):
- * w = d · sc · (q - 32), q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes,
- * each block already in the order the tile reads it (no interleaving in the decode loop): with t's inputs
- * i(m, t) = 4m + (0, 2, 1, 3)[t] (a quad m of the int8 rows, as Q4L's two units interleaved give it),
- * - 4 vectors of 64 bytes, byte 4c + t of vector m holding q[16G + c][32b + i(m, t)]'s low 4 bits and, in its high
- *   nibble, those of input 16 + i(m, t);
+ * w = d · sc · (q - 32), q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes:
+ * - the low 4 bits of q as Q4L's 256 bytes;
  * - 2 vectors of 64 bytes of high 2 bits, byte 4c + t of vector p holding inputs i(2p, t) and 16 + i(2p, t)'s at bits
  *   4-5 and 6-7, i(2p + 1, t) and 16 + i(2p + 1, t)'s at bits 0-1 and 2-3.
  * scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d); 6.56 bits a weight as in the file.
@@ -43,14 +45,13 @@
  * Q4_K's scales (w = d · sc · q - dmin · m; sc, m 6-bit per 32 inputs, d and dmin per 256, K a multiple of 256) in
  * Q4L's tables (scales, mins, supers), or without `supers` a float16 scale and minimum per 32 inputs in Q4L's tables
  * (w = q · scale + minimum: Q5_1's d and m, Q5_0's d and -16 · d, exact in float16).
- * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then per unit u two 32-bit
- * masks, bit 2c + e of the first the fifth bit of input 2u + e of channel 16G + c, of the second that of input
- * 16 + 2u + e (lanes.c interleaves two units' masks as their bytes, `pdep`, for one masked add of 16). 5.5 bits a weight as in the
- * file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
+ * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then per quad vector m two
+ * 64-bit masks, bit 4c + t of the first the fifth bit of input i(m, t) of channel 16G + c, of the second that of
+ * input 16 + i(m, t) (each a masked add of 16 to the vector's bytes). 5.5 bits a weight as in the file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
  *
  * IQ4L layout (LINEAR_IQ4L: GGUF's IQ4_XS in lanes, N a multiple of 16, K of 256, AVX-512 VNNI or AVX2): w = d · (ls - 32) ·
  * IQ4_VALUES[q], q in 0..15 an index into a fixed non-uniform grid, ls a 6-bit scale per 32 inputs, d a float16 per
- * 256. weight [N/16][K/32][256] bytes of indices laid out as Q4L's units; scales [N/16][K/32][16] int8 (ls - 32),
+ * 256. weight [N/16][K/32][256] bytes of indices laid out as Q4L's nibbles; scales [N/16][K/32][16] int8 (ls - 32),
  * supers [N/16][K/256][16] float16 (d); no minimums. 4.25 bits a weight as in the file. gguf_pack.c packs it.
  */
 #ifndef KETTLE_KERNELS_H
@@ -233,7 +234,7 @@ static inline __attribute__((always_inline)) void q8_row(
  *   activations, per 256 inputs for the K-quants). On the bundled model over 1,024 tokens of text: perplexity 40.61
  *   against 40.60 with float32 rows (int16: 40.61), next-token KL to float32 rows 3.8e-3 (int16: 9e-7).
  * The int8 values of a block are stored as 8 quads, quad m holding inputs 4m, 4m + 2, 4m + 1, 4m + 3 (one int32 to
- * broadcast): the order two lanes units (or Q8L pairs) widened and interleaved byte by byte give each channel. */
+ * broadcast): the order of each channel's 4 bytes in a lanes quad vector. */
 
 typedef struct {
     int16_t *q;    /* [rows, K], 32-byte aligned */
@@ -917,25 +918,22 @@ static inline void q8g_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
-/* Two bytes at p, unaligned. */
-static inline short load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return (short)v;
-}
-
-/* Eight 2-byte pieces 32 bytes apart from p (one channel's bytes of 8 units or pairs of a lanes block), inserted
- * into the vector one by one: eight 2-byte stores read back as one 16-byte load stall on store forwarding, in every
- * block the prefill panels widen. */
-static inline __m128i strided_pairs(const uint8_t *p) {
-    return _mm_setr_epi16(load_u16(p), load_u16(p + 32), load_u16(p + 64), load_u16(p + 96), load_u16(p + 128),
-                          load_u16(p + 160), load_u16(p + 192), load_u16(p + 224));
+/* Channel c's 16 bytes of 4 quad vectors of a lanes block (`quads`: the first vector's start), in unit order: byte
+ * 2u + e is its byte of input 2u + e (and 16 + 2u + e, for nibbles) as in the file's blocks. Four 4-byte pieces 64
+ * bytes apart inserted one by one (four stores read back as one 16-byte load stall on store forwarding, in every
+ * block the prefill panels widen), then put in input order by one shuffle (quad order is its own inverse). */
+static inline __m128i channel_quads(const uint8_t *quads, int64_t c) {
+    const uint8_t *p = quads + 4 * c;
+    uint32_t piece[4];
+    for (int m = 0; m < 4; m++) memcpy(piece + m, p + 64 * m, 4);
+    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    return _mm_shuffle_epi8(_mm_setr_epi32((int)piece[0], (int)piece[1], (int)piece[2], (int)piece[3]), order);
 }
 
 /* Block b of channel j of a Q4L weight as 16 bytes: byte i holds input i of the block in its low nibble and input
- * 16 + i in its high nibble (the channel's two bytes of each of the block's 8 units, gathered in order). */
+ * 16 + i in its high nibble. */
 static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
-    return strided_pairs((const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256 + 2 * (j % 16));
+    return channel_quads((const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256, j % 16);
 }
 
 /* Channel j's scale and minimum of group g of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
@@ -968,24 +966,22 @@ static inline void q4l_dequant_row(const Linear *w, int64_t j, float *dst) {
 /* Block b of channel j of a Q5L weight: its 32 values q (0..31) in input order, one a byte. */
 static inline __m256i q5l_block(const Linear *w, int64_t j, int64_t b) {
     const uint8_t *base = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 320;
-    const __m128i bytes = strided_pairs(base + 2 * (j % 16)), mask = _mm_set1_epi8(0x0F);
+    const __m128i bytes = channel_quads(base, j % 16), mask = _mm_set1_epi8(0x0F);
     const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-    /* The fifth bits, in vectors rather than bit by bit (the panels widen every block of every channel per call):
-     * word t of the unit's 64 bytes is L_u (t = 2u) or H_u (t = 2u + 1); its bits 2c and 2c + 1 (c = j % 16) are
-     * the fifth bits of inputs 2u, 2u + 1 (L) or 16 + 2u, 17 + 2u (H). Each word's two bits become a byte of B
-     * (packs leave B in the order t = 0-3, 8-11, 4-7, 12-15), then input i takes its word's byte and tests its bit. */
-    const __m128i count = _mm_cvtsi32_si128(2 * (int)(j % 16));
-    const __m256i three = _mm256_set1_epi32(3);
-    const __m256i a = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(base + 256)), count), three);
-    const __m256i c = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(base + 288)), count), three);
-    const __m256i packed = _mm256_packus_epi16(_mm256_packus_epi32(a, c), _mm256_setzero_si256());
-    const __m128i order = _mm_unpacklo_epi64(_mm256_castsi256_si128(packed), _mm256_extracti128_si256(packed, 1));
-    /* input i's byte of B: t = i & ~1 (i < 16) or ((i - 16) & ~1) + 1, at its place in the packed order */
-    const __m256i source = _mm256_setr_epi8(0, 0, 2, 2, 8, 8, 10, 10, 4, 4, 6, 6, 12, 12, 14, 14,
-                                            1, 1, 3, 3, 9, 9, 11, 11, 5, 5, 7, 7, 13, 13, 15, 15);
-    const __m256i bit = _mm256_setr_epi8(1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2,
-                                         1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2);
-    const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(order), source), bit);
+    /* The fifth bits, in vectors rather than bit by bit (the panels widen every block of every channel per call): the
+     * channel's 4 bits of each mask (bits 4c .. 4c + 3: t = 0..3) gathered into one word, bit 4m + t of its low half
+     * input i(m, t)'s, of its high half input 16 + i(m, t)'s; each input takes its bit's byte and tests it. */
+    const int shift = 4 * (int)(j % 16);
+    uint64_t masks[8];
+    memcpy(masks, base + 256, 64);
+    uint32_t bits = 0;
+    for (int m = 0; m < 4; m++)
+        bits |= (uint32_t)((masks[2 * m] >> shift) & 15) << 4 * m | (uint32_t)((masks[2 * m + 1] >> shift) & 15) << (16 + 4 * m);
+    const __m256i source = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_setr_epi8(1, 4, 2, 8, 16, 64, 32, (char)128, 1, 4, 2, 8, 16, 64, 32, (char)128,
+                                         1, 4, 2, 8, 16, 64, 32, (char)128, 1, 4, 2, 8, 16, 64, 32, (char)128);
+    const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), source), bit);
     const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
     return _mm256_or_si256(nibbles, fifth);
 }
@@ -1029,10 +1025,10 @@ static inline void iq4l_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
-/* Block b of channel j of a Q8L weight: its 32 int8 values in input order (two from each of the block's 16 pairs). */
+/* Block b of channel j of a Q8L weight: its 32 int8 values in input order (16 from each half of its quad vectors). */
 static inline __m256i q8l_block(const Linear *w, int64_t j, int64_t b) {
-    const uint8_t *pair = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 512 + 2 * (j % 16);
-    return _mm256_set_m128i(strided_pairs(pair + 256), strided_pairs(pair));
+    const uint8_t *quads = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 512;
+    return _mm256_set_m128i(channel_quads(quads + 256, j % 16), channel_quads(quads, j % 16));
 }
 
 /* Channel j's scale of block b of a Q8L weight. */
@@ -1054,26 +1050,23 @@ static inline void q8l_dequant_row(const Linear *w, int64_t j, float *dst) {
 }
 
 /* Block b of channel j of a Q6L weight: its 32 values q - 32 (-32..31) in input order, as two vectors of 16 bytes
- * (inputs 0..15, 16..31). The channel's 4 bytes of each low vector and of each high-bits vector, gathered in t order
- * (byte 4m + t: inputs i(m, t) and 16 + i(m, t)), then put in input order by one shuffle (the order is its own
- * inverse). */
+ * (inputs 0..15, 16..31): the low bits as a Q4L block's, the high bits from the channel's 4 bytes of each high-bits
+ * vector, spread to quad vector m's place (even m's the high nibble) and put in input order as `channel_quads`. */
 static inline void q6l_block(const Linear *w, int64_t j, int64_t b, __m128i q[2]) {
-    const uint8_t *block = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 384 + 4 * (j % 16);
-    uint32_t low[4], high[2];
-    for (int m = 0; m < 4; m++) memcpy(low + m, block + 64 * m, 4);
-    for (int p = 0; p < 2; p++) memcpy(high + p, block + 256 + 64 * p, 4);
-    const __m128i nibbles = _mm_setr_epi32((int)low[0], (int)low[1], (int)low[2], (int)low[3]);
-    const __m128i mask = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3);
-    /* vector m's 4 bits (inputs' high 2 bits at 0-1, 16 + its at 2-3): the high nibble of vector m / 2 for even m */
+    const uint8_t *block = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 384;
+    const __m128i nibbles = channel_quads(block, j % 16), mask = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3);
+    uint32_t high[2];
+    for (int p = 0; p < 2; p++) memcpy(high + p, block + 256 + 64 * p + 4 * (j % 16), 4);
     const __m128i spread = _mm_shuffle_epi8(_mm_setr_epi32((int)high[0], (int)high[1], 0, 0),
                                             _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
-    const __m128i even_m = _mm_setr_epi32(-1, 0, -1, 0);
-    const __m128i fields = _mm_and_si128(_mm_blendv_epi8(spread, _mm_srli_epi16(spread, 4), even_m), mask);
+    const __m128i even_m = _mm_setr_epi32(-1, 0, -1, 0), order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    /* byte i: input i's high 2 bits at 0-1, input 16 + i's at 2-3 */
+    const __m128i fields = _mm_shuffle_epi8(_mm_and_si128(_mm_blendv_epi8(spread, _mm_srli_epi16(spread, 4), even_m), mask), order);
     const __m128i first = _mm_slli_epi16(_mm_and_si128(fields, two), 4);
     const __m128i second = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(fields, 2), two), 4);
-    const __m128i offset = _mm_set1_epi8(32), order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-    q[0] = _mm_shuffle_epi8(_mm_sub_epi8(_mm_or_si128(_mm_and_si128(nibbles, mask), first), offset), order);
-    q[1] = _mm_shuffle_epi8(_mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(nibbles, 4), mask), second), offset), order);
+    const __m128i offset = _mm_set1_epi8(32);
+    q[0] = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(nibbles, mask), first), offset);
+    q[1] = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(nibbles, 4), mask), second), offset);
 }
 
 /* Channel j's weight scale per sub-block of 16 inputs of a Q6L weight (K/16 floats): d · sc, exact in float32. */

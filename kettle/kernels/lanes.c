@@ -3,16 +3,15 @@
  * Decode steps and small batches run here, op by op (linear.c) and in the fused step (decoder_step.c); one
  * translation unit holds the tiles, so the library compiles them once.
  *
- * Two units of a block (or two Q8L pairs), 64 bytes, interleaved byte by byte (`pair_bytes`) give each channel four
- * bytes in its 32-bit lane: its two bytes of the first unit and of the second, alternating. Their low nibbles are
- * then the channel's inputs 4m, 4m + 2, 4m + 1, 4m + 3 (units 2m, 2m + 1), the int8 rows' quad m, and their high
+ * Each quad vector of a block (64 bytes, stored in this order: kernels.h) gives each channel four bytes in its 32-bit
+ * lane. Their low nibbles are the channel's inputs 4m, 4m + 2, 4m + 1, 4m + 3, the int8 rows' quad m, and their high
  * nibbles the same inputs + 16 (quad 4 + m): one `vpdpbusd` per quad and row, the weight the unsigned side. A signed
  * type is held as q + offset (kernels.h `WeightType.offset`), and offset · (the inputs' sum) comes off the block's
  * integer sums, exactly. */
 
 #include "kernels.h"
 
-#define LANES512 __attribute__((target("avx512f,avx512bw,avx512vnni,bmi2")))
+#define LANES512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 /* Scales and minimums of group g (a sub-block of 32) of channels 16G .. 16G + 15 of a Q4L weight with Q4_K's scales
  * (`supers`): d · sc and -(dmin · m), sc and m widened from bytes (the products exact, as GGUF computes them). */
@@ -29,13 +28,6 @@ static inline LANES512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m
     *minimum = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
 }
 
-/* 64 bytes at p (two units of 32) interleaved byte by byte: byte 2i the first unit's byte i, 2i + 1 the second's. */
-static inline LANES512 __m512i pair_bytes(const uint8_t *p) {
-    const __m512i halves = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), _mm512_loadu_si512(p));
-    const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
-    return _mm512_shuffle_epi8(halves, order);
-}
-
 /* Row r's quad q of block b, broadcast to the 16 lanes. */
 #define QUAD(r, q) _mm512_set1_epi32(((const int32_t *)(xq->b + (r0 + (r)) * k + b * 32))[q])
 /* Row r's scale of block b, and offset · the sum of its 32 int8 inputs (`QuantizedRows.half`). */
@@ -43,7 +35,7 @@ static inline LANES512 __m512i pair_bytes(const uint8_t *p) {
 #define BLOCK_SUM(r) (xq->half[(r0 + (r)) * (k / 16) + 2 * b] + xq->half[(r0 + (r)) * (k / 16) + 2 * b + 1])
 
 /* Output channels 16G .. 16G + 15 of a Q4L weight for rows r0 .. r0 + R - 1 of xq (R ≤ LANES_TILE, a constant at
- * each call): per block, each pair of units interleaved once gives two vectors of input quads (low and high nibbles)
+ * each call): per block, each quad vector gives two vectors of input quads (low and high nibbles)
  * that every row multiplies by its broadcast quad, the block's int32 sums then scaled for the 16 channels at once. */
 static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
@@ -58,7 +50,7 @@ static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         for (int m = 0; m < 4; m++) {
-            const __m512i v = pair_bytes(qw + b * 256 + m * 64);
+            const __m512i v = _mm512_loadu_si512(qw + b * 256 + m * 64);
             const __m512i low = _mm512_and_si512(v, mask), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             for (int r = 0; r < R; r++) {
                 acc[r] = _mm512_dpbusd_epi32(acc[r], low, QUAD(r, m));
@@ -84,13 +76,12 @@ static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear
 }
 
 /* `q4l_tile` for a Q5L weight (Q4_K's scales, or Q5_0's and Q5_1's per block): the nibbles as Q4L's, the fifth bits
- * of the two units' masks interleaved as their bytes (`pdep`) and added as 16 byte by byte. */
+ * of each quad vector's bytes two 64-bit masks, added as 16 byte by byte. */
 static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 320;
     const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-    const uint64_t even = 0x5555555555555555ull, odd = 0xAAAAAAAAAAAAAAAAull;
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -98,11 +89,10 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         const uint8_t *block = qw + b * 320;
         for (int m = 0; m < 4; m++) {
-            const __m512i v = pair_bytes(block + m * 64);
-            uint32_t fifth[4]; /* units 2m and 2m + 1: the masks of their low, then high nibbles */
+            const __m512i v = _mm512_loadu_si512(block + m * 64);
+            uint64_t fifth[2]; /* the masks of the low, then the high nibbles */
             memcpy(fifth, block + 256 + 16 * m, 16);
-            const __mmask64 lo = _pdep_u64(fifth[0], even) | _pdep_u64(fifth[2], odd);
-            const __mmask64 hi = _pdep_u64(fifth[1], even) | _pdep_u64(fifth[3], odd);
+            const __mmask64 lo = _cvtu64_mask64(fifth[0]), hi = _cvtu64_mask64(fifth[1]);
             const __m512i nibbles = _mm512_and_si512(v, mask), upper = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             const __m512i low = _mm512_mask_add_epi8(nibbles, lo, nibbles, sixteen);
             const __m512i high = _mm512_mask_add_epi8(upper, hi, upper, sixteen);
@@ -144,7 +134,7 @@ static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linea
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
         for (int m = 0; m < 4; m++) {
-            const __m512i v = pair_bytes(qw + b * 256 + m * 64);
+            const __m512i v = _mm512_loadu_si512(qw + b * 256 + m * 64);
             const __m512i low = _mm512_shuffle_epi8(grid, _mm512_and_si512(v, mask));
             const __m512i high = _mm512_shuffle_epi8(grid, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
             for (int r = 0; r < R; r++) {
@@ -161,8 +151,7 @@ static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linea
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for a Q8L weight: each two pairs interleaved give the quad, + 128 (a sign flip) as u8, less 128 · the
- * block's inputs. */
+/* `q4l_tile` for a Q8L weight: each quad vector + 128 (a sign flip) as u8, less 128 · the block's inputs. */
 static inline __attribute__((always_inline)) LANES512 void q8l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32, first = G * blocks;
@@ -175,7 +164,7 @@ static inline __attribute__((always_inline)) LANES512 void q8l_tile(const Linear
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
         for (int m = 0; m < 8; m++) {
-            const __m512i quad = _mm512_xor_si512(pair_bytes(qw + b * 512 + m * 64), flip);
+            const __m512i quad = _mm512_xor_si512(_mm512_loadu_si512(qw + b * 512 + m * 64), flip);
             for (int r = 0; r < R; r++) acc[r] = _mm512_dpbusd_epi32(acc[r], quad, QUAD(r, m));
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 16)));
@@ -186,9 +175,8 @@ static inline __attribute__((always_inline)) LANES512 void q8l_tile(const Linear
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));
 }
 
-/* `q4l_tile` for a Q6L weight, whose blocks are stored in the order this loop reads them (kernels.h): each low vector
- * is the quads Q4L's interleaved pair gives, and each high-bits vector holds two of them, moved to bits 4-5 of their
- * bytes by one shift each. The low nibbles (inputs 0..15) and high ones (16..31) are Q6_K's two sub-blocks of 16,
+/* `q4l_tile` for a Q6L weight: the low 4 bits as Q4L's, and each high-bits vector holds two quad vectors' high
+ * bits, moved to bits 4-5 of their bytes by one shift each. The low nibbles (inputs 0..15) and high ones (16..31) are Q6_K's two sub-blocks of 16,
  * so each keeps its own int32 sums, less 32 · its inputs' sum, scaled by its own d · sc. */
 static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
@@ -206,8 +194,8 @@ static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear
             lo[r] = _mm512_set1_epi32(-32 * half[0]), hi[r] = _mm512_set1_epi32(-32 * half[1]);
         }
         const uint8_t *block = qw + b * 384;
-        /* The hardware's prefetch alone fell behind this loop once it no longer interleaved bytes: from memory, a
-         * 1.7B file's projections read 39-41 GB/s against 43-44 before; fetched 1 KiB ahead, 47-48. */
+        /* The hardware's prefetch alone fell behind this loop once its blocks were stored in quad order: from
+         * memory, a 1.7B file's projections read 39-41 GB/s against 43-44 before; fetched 1 KiB ahead, 47-48. */
         for (int line = 0; line < 6; line++) _mm_prefetch((const char *)block + 1024 + 64 * line, _MM_HINT_T0);
         for (int m = 0; m < 4; m++) {
             const __m512i v = _mm512_loadu_si512(block + m * 64), bits = _mm512_loadu_si512(block + 256 + m / 2 * 64);

@@ -1,7 +1,7 @@
 /* The lanes kernels on AVX2 CPUs: tiles for Q4L, Q8L and IQ4L (weight_types.c's `quantized_rows_avx2`), so that
  * those types (Q4_0, Q4_1, Q4_K and int4; Q8_0; IQ4_XS) are held in lanes with int8 rows on any AVX2 CPU. A unit of
- * 32 bytes is two halves of 16 (channels 16G .. 16G + 7, then + 8 .. + 15); two units' bytes interleaved give each
- * channel its quad (lanes.c). `vpmaddubsw` (an unsigned byte times a signed one, pairs summed into int16) then
+ * 64 bytes (a quad vector, kernels.h) is two halves of 32 (channels 16G .. 16G + 7, then + 8 .. + 15), each channel's
+ * quad in its 32-bit lane (lanes.c). `vpmaddubsw` (an unsigned byte times a signed one, pairs summed into int16) then
  * `vpmaddwd` by ones give each channel's quad sums in its int32 lane: Q4's unsigned q directly, signed values
  * (IQ4_XS's grid, Q8_0's q) through the sign trick (`quad_dot`). These are the integer sums of AVX-512's `vpdpbusd`
  * over q + offset less offset · the inputs' sum, exactly, and every float operation is lane by lane the AVX-512
@@ -30,45 +30,30 @@
 /* AVX-512 for the lanes tiles where the CPU has it: -1 (the default) the CPU's answer, 0 the AVX2 ones (tests). */
 int kettle_lanes_avx512 = -1;
 
-/* ---- Q4L and Q8L: both halves of a unit at once ----
- * Two whole units (32 bytes each) interleaved byte by byte within each 128-bit lane (`pair_units`) give the quads of
- * channels 0-3 and 8-11 of the 16 in one vector, of 4-7 and 12-15 in the other (the "lanes order" of these tiles,
- * which their scale tables are loaded in, `lanes_ph`, `lanes_bytes`, and their outputs stored back out of,
- * `store_lanes`): one load per unit instead of iq4l_tile's two halves. Q4's q are unsigned: `vpmaddubsw`
- * multiplies them with the signed quads directly, and its pair sums add in int16 over the whole block (at most
- * 15 · 128 · 2 · 8 < 2^15), then one `vpmaddwd` by ones (`vpdpbusd` sums them in int32 at once): exact integers,
- * the AVX-512 tile's block sums. */
+/* ---- Q4L and Q8L: both halves of a quad vector at once ----
+ * Q4's q are unsigned: `vpmaddubsw` multiplies them with the signed quads directly, and its pair sums add in int16
+ * over the whole block (at most 15 · 128 · 2 · 8 < 2^15), then one `vpmaddwd` by ones (`vpdpbusd` sums them in int32
+ * at once): exact integers, the AVX-512 tile's block sums. */
 
-/* Units p and p + 32 interleaved within each 128-bit lane: v[0] channels 0-3 | 8-11, v[1] channels 4-7 | 12-15. */
-static inline void pair_units(const uint8_t *p, __m256i v[2]) {
-    const __m256i first = _mm256_loadu_si256((const __m256i *)p), second = _mm256_loadu_si256((const __m256i *)(p + 32));
-    v[0] = _mm256_unpacklo_epi8(first, second);
-    v[1] = _mm256_unpackhi_epi8(first, second);
-}
-
-/* 16 channels' float16 values (a table's row of 16) as floats in lanes order. */
+/* 16 channels' float16 values (a table's row of 16) as floats, 8 a half. */
 static inline void lanes_ph(const uint16_t *p, __m256 out[2]) {
-    const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)p), 0xD8);
-    out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
-    out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+    out[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    out[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
 }
 
-/* 16 channels' unsigned bytes as floats in lanes order, exact. */
+/* 16 channels' unsigned bytes as floats, 8 a half, exact. */
 static inline void lanes_bytes(const uint8_t *p, __m256 out[2]) {
-    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-    const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p), order);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 }
 
-/* out (lanes order) + bias into channels 16G .. 16G + 15 of y's row. */
+/* out + bias into channels 16G .. 16G + 15 of y's row. */
 static inline void store_lanes(const __m256 out[2], const float *bias, float *y) {
-    const __m256 first = _mm256_permute2f128_ps(out[0], out[1], 0x20), second = _mm256_permute2f128_ps(out[0], out[1], 0x31);
-    _mm256_storeu_ps(y, _mm256_add_ps(first, bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps()));
-    _mm256_storeu_ps(y + 8, _mm256_add_ps(second, bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps()));
+    _mm256_storeu_ps(y, _mm256_add_ps(out[0], bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps()));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(out[1], bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps()));
 }
 
-/* `q4k_lanes` (lanes.c) in lanes order: d · sc and -(dmin · m) of group g, the same products and sign flip. */
+/* `q4k_lanes` (lanes.c) in halves: d · sc and -(dmin · m) of group g, the same products and sign flip. */
 static inline void q4k_lanes_avx2(const Linear *w, int64_t G, int64_t g, __m256 scale[2], __m256 minimum[2]) {
     const int64_t groups = w->k / 32, at = (G * groups + g) * 16;
     const uint16_t *super = w->supers + (G * (groups / 8) + g / 8) * 32;

@@ -3,7 +3,7 @@
  * header of its own: lanes_avx2.c sets AVX2_FORM, the helpers and the QUAD, ROW_SCALE and AVX2_PASSES macros first. */
 
 /* `iq4l_tile` on AVX2, output channels 16G .. 16G + 15 for rows r0 .. r0 + R - 1 (R ≤ AVX2_TILE, a constant): per
- * half of 8 channels, each pair of units' halves interleaved, looked up in the grid with `pshufb`, and multiplied
+ * half of 8 channels (32 bytes of each quad vector), looked up in the grid with `pshufb`, and multiplied
  * with the row's quads by the sign trick (|grid value| as u8, the quad with its sign: the grid's -127..113 keep
  * vpmaddubsw's pairs below 2^15). */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_tile)(
@@ -22,9 +22,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
             __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* more: a second chain at few rows (AVX2_CHAINS) */
             for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
             for (int m = 0; m < 4; m++) {
-                const __m128i first = _mm_loadu_si128((const __m128i *)(qw + b * 256 + 2 * m * 32 + 16 * h));
-                const __m128i second = _mm_loadu_si128((const __m128i *)(qw + b * 256 + (2 * m + 1) * 32 + 16 * h));
-                const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(first, second), _mm_unpacklo_epi8(first, second));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qw + b * 256 + 64 * m + 32 * h));
                 const __m256i low = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, mask));
                 const __m256i high = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
                 const __m256i low_size = _mm256_sign_epi8(low, low), high_size = _mm256_sign_epi8(high, high);
@@ -50,7 +48,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
     }
 }
 
-/* `q4l_tile` (lanes.c) on AVX2: per block, each pair of units interleaved once, the nibbles' products with each row's
+/* `q4l_tile` (lanes.c) on AVX2: per block, each quad vector's two halves, the nibbles' products with each row's
  * quads summed over the block in the form's accumulator (maddubs: int16, at most 15 · 128 · 2 · 8 < 2^15), then
  * the AVX-512 tile's float operations lane by lane. */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_tile)(
@@ -67,11 +65,11 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
         __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         for (int m = 0; m < 4; m++) {
-            __m256i v[2], low[2], high[2];
-            pair_units(qw + b * 256 + m * 64, v);
+            __m256i low[2], high[2];
             for (int h = 0; h < 2; h++) {
-                low[h] = _mm256_and_si256(v[h], mask);
-                high[h] = _mm256_and_si256(_mm256_srli_epi16(v[h], 4), mask);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qw + b * 256 + 64 * m + 32 * h));
+                low[h] = _mm256_and_si256(v, mask);
+                high[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             }
             for (int r = 0; r < R; r++) {
                 const __m256i first = QUAD(r, m), second = QUAD(r, 4 + m);
@@ -109,7 +107,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
     for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
 }
 
-/* `q8l_tile` on AVX2: each two pairs interleaved give the quads, signed: the sign trick (|q| as u8, -128 too; pairs
+/* `q8l_tile` on AVX2: each quad vector's two halves, signed: the sign trick (|q| as u8, -128 too; pairs
  * at most 2 · 128 · 127 in int16), whose sums are the AVX-512 tile's (q + 128 less 128 · the block's inputs). */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_tile)(
     const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
@@ -124,8 +122,10 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_til
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         for (int m = 0; m < 8; m++) {
             __m256i v[2], size[2];
-            pair_units(qw + b * 512 + m * 64, v);
-            for (int h = 0; h < 2; h++) size[h] = _mm256_sign_epi8(v[h], v[h]);
+            for (int h = 0; h < 2; h++) {
+                v[h] = _mm256_loadu_si256((const __m256i *)(qw + b * 512 + 64 * m + 32 * h));
+                size[h] = _mm256_sign_epi8(v[h], v[h]);
+            }
             for (int r = 0; r < R; r++) {
                 const __m256i quad = QUAD(r, m);
                 for (int h = 0; h < 2; h++) {

@@ -79,21 +79,21 @@ def table_from_lanes(table: torch.Tensor) -> torch.Tensor:
 
 def to_lanes(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """`pack_q4`'s [N, K/2] with scales and minimums [N, K/g] → kernels.h's Q4L layout, in tensors of the same
-    shapes: unit u of block b of channels 16G.. holds, at byte 2c + e, inputs 2u + e (low nibble) and 16 + 2u + e
-    (high) of channel 16G + c; scales and minimums go [N/16][K/g][16]."""
+    shapes: quad vector m of block b of channels 16G.. holds, at byte 4c + 2e + j, inputs 4m + 2j + e (low nibble)
+    and 16 + 4m + 2j + e (high) of channel 16G + c; scales and minimums go [N/16][K/g][16]."""
     n, k = packed.shape[0], packed.shape[1] * 2
     chunks = packed.view(n, k // CHUNK, 1, CHUNK // 2)  # one byte a weight from here, never int32 (load time)
-    q = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(n // LANES, LANES, k // BLOCK, 2, 8, 2)  # [G, c, b, h, u, e]
-    units = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [G, b, u, c, e]
-    lanes = units.reshape(n, k // 2).contiguous()
+    q = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(n // LANES, LANES, k // BLOCK, 2, 4, 2, 2)
+    quads = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 5, 4)  # [G, c, b, m, j, e] → [G, b, m, c, e, j]
+    lanes = quads.reshape(n, k // 2).contiguous()
     return lanes, table_to_lanes(scales), None if mins is None else table_to_lanes(mins)
 
 
 def from_lanes(lanes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The inverse of `to_lanes`."""
     n, k = lanes.shape[0], lanes.shape[1] * 2
-    units = lanes.view(n // LANES, k // BLOCK, 8, LANES, 2).permute(0, 3, 1, 2, 4)  # [G, c, b, u, e]
-    q = torch.stack([units & 0xF, units >> 4], dim=3).reshape(n, k)  # [G, c, b, half, u, e]
+    quads = lanes.view(n // LANES, k // BLOCK, 4, LANES, 2, 2).permute(0, 3, 1, 2, 5, 4)  # [G, c, b, m, j, e]
+    q = torch.stack([quads & 0xF, quads >> 4], dim=3).reshape(n, k)  # [G, c, b, half, m, j, e]
     return pack_q4(q), table_from_lanes(scales), None if mins is None else table_from_lanes(mins)
 
 

@@ -53,17 +53,18 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def to_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] int8 and scales [N, K/32] → kernels.h's Q8L layout in tensors of the same shapes: pair p of block b
-    of channels 16G.. holds inputs 2p, 2p + 1 of channel 16G + c at bytes 2c, 2c + 1; scales [N/16][K/32][16]."""
+    """q [N, K] int8 and scales [N, K/32] → kernels.h's Q8L layout in tensors of the same shapes: quad vector m of
+    block b of channels 16G.. holds input 4m + 2j + e of channel 16G + c at byte 4c + 2e + j; scales
+    [N/16][K/32][16]."""
     n, k = q.shape
-    pairs = q.view(n // LANES, LANES, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [G, b, p, c, e]
-    return pairs.reshape(n, k).contiguous(), table_to_lanes(scales)
+    quads = q.view(n // LANES, LANES, k // BLOCK, BLOCK // 4, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [G, b, m, c, e, j]
+    return quads.reshape(n, k).contiguous(), table_to_lanes(scales)
 
 
 def from_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `to_lanes`."""
     n, k = q.shape
-    rows = q.view(n // LANES, k // BLOCK, BLOCK // 2, LANES, 2).permute(0, 3, 1, 2, 4)  # [G, c, b, p, e]
+    rows = q.view(n // LANES, k // BLOCK, BLOCK // 4, LANES, 2, 2).permute(0, 3, 1, 2, 5, 4)  # [G, c, b, m, j, e]
     return rows.reshape(n, k).contiguous(), table_from_lanes(scales)
 
 
