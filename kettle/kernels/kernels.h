@@ -33,7 +33,7 @@
  * [N/16][K/32][512] int8, 8 quad vectors of 64 bytes, byte 4c + t of vector m holding q[16G + c][32b + i(m, t)];
  * scales [N/16][K/32][16] float16. kettle/quantization/q8.py packs it.
  *
- * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI only):
+ * Q6L layout (LINEAR_Q6L: GGUF's Q6_K in lanes, N a multiple of 16, K of 256, AVX-512 VNNI or AVX2):
  * w = d · sc · (q - 32), q in 0..63, sc an int8 per 16 inputs, d a float16 per 256. weight [N/16][K/32][384] bytes:
  * - the low 4 bits of q as Q4L's 256 bytes;
  * - 2 vectors of 64 bytes of high 2 bits, byte 4c + t of vector p holding inputs i(2p, t) and 16 + i(2p, t)'s at bits
@@ -273,7 +273,7 @@ typedef struct {
     /* y[:, j0 .. j1) for the rows quantized in xq, one pass over the weights. */
     void (*quantized_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                            int64_t ldy);
-    /* The same on AVX2 CPUs for a lanes layout (lanes_avx2.c, the same bits: Q4L, Q8L, IQ4L), or NULL (Q5L, Q6L):
+    /* The same on AVX2 CPUs for a lanes layout (lanes_avx2.c, the same bits: Q4L, Q8L, IQ4L, Q6L), or NULL (Q5L):
      * the type is held in lanes only where the CPU has AVX-512 VNNI. */
     void (*quantized_rows_avx2)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1,
                                 float *y, int64_t ldy);
@@ -285,8 +285,9 @@ typedef struct {
     void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
     /* The integer panels have an AVX2 micro-kernel for the type (gemm.c, `vpmaddubsw`), with the bits of its AVX2
-     * tiles: `widen`'s values must then be 0..15 (offset 0: summed in int16 over a block) or int8 + 128 (offset 128:
-     * flipped back to int8, the sign trick). The lanes types with AVX2 tiles: Q4L, Q8L, IQ4L. */
+     * tiles: `widen`'s values must then be 0..15 (offset 0: summed in int16 over a block), int8 + 128 (offset 128:
+     * flipped back to int8, the sign trick) or, with sub_blocks, 0..63 (summed in int32 a quad at a time). The lanes
+     * types with AVX2 tiles: Q4L, Q8L, IQ4L, Q6L. */
     int avx2_panels;
     /* The float32 panels, for a lanes layout that has it (else channel by channel through `dequantize`): the 16
      * channels of group G into panel columns, rows `ld` floats apart, the same values as `dequantize`. */
@@ -736,6 +737,7 @@ INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, 
 INTERNAL void iq4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q8l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q6l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
 

@@ -1,5 +1,6 @@
 /* lanes_avx2.c's tiles in one form of the dot-product step (kernels.h, `AVX2_FORM`): included once per form, each
- * inclusion defining iq4l_rows_<form>, q4l_rows_<form> and q8l_rows_<form> compiled for that form's target. Not a
+ * inclusion defining iq4l_rows_<form>, q4l_rows_<form>, q6l_rows_<form> and q8l_rows_<form> compiled for that form's
+ * target. Not a
  * header of its own: lanes_avx2.c sets AVX2_FORM, the helpers and the QUAD, ROW_SCALE and AVX2_PASSES macros first. */
 
 /* `iq4l_tile` on AVX2, output channels 16G .. 16G + 15 for rows r0 .. r0 + R - 1 (R ≤ AVX2_TILE, a constant): per
@@ -145,6 +146,60 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_til
         }
     }
     for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
+}
+
+/* `q6l_tile` (lanes.c) on AVX2: per block and half of 8 channels, each quad vector's half with its high bits moved in
+ * as the AVX-512 tile does, q (0..63) times the row's quads summed per sub-block of 16 inputs in int32 (`QUAD_DOT`:
+ * vpmaddubsw's pairs at most 2 · 63 · 128 < 2^15), less 32 · the sub-block's inputs, then the AVX-512 tile's float
+ * operations lane by lane. */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_tile)(
+    const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
+) {
+    const int64_t k = w->k, blocks = k / 32;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 384;
+    const int8_t *sc = (const int8_t *)w->scales + G * (k / 16) * 16;
+    const uint16_t *d = w->supers + G * (k / 256) * 16;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+    __m256 out[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = qw + b * 384;
+        for (int line = 0; line < 6; line++) _mm_prefetch((const char *)block + 1024 + 64 * line, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i lo[AVX2_TILE], hi[AVX2_TILE]; /* each sub-block's sums */
+            for (int r = 0; r < R; r++) {
+                const int32_t *half = xq->half + (r0 + r) * (k / 16) + 2 * b;
+                lo[r] = _mm256_set1_epi32(-32 * half[0]), hi[r] = _mm256_set1_epi32(-32 * half[1]);
+            }
+            for (int m = 0; m < 4; m++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(block + 64 * m + 32 * h));
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + 256 + 64 * (m / 2) + 32 * h));
+                const __m256i first = _mm256_and_si256(m % 2 ? _mm256_slli_epi16(bits, 4) : bits, high2);
+                const __m256i second = _mm256_and_si256(m % 2 ? _mm256_slli_epi16(bits, 2) : _mm256_srli_epi16(bits, 2), high2);
+                const __m256i low = _mm256_or_si256(_mm256_and_si256(v, low4), first);
+                const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), second);
+                for (int r = 0; r < R; r++) {
+                    lo[r] = AVX2_QUAD_DOT(lo[r], low, QUAD(r, m));
+                    hi[r] = AVX2_QUAD_DOT(hi[r], high, QUAD(r, 4 + m));
+                }
+            }
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b / 8 * 16 + 8 * h)));
+            const int8_t *subs = sc + 2 * b * 16 + 8 * h;
+            const __m256 first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs))));
+            const __m256 second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)))));
+            for (int r = 0; r < R; r++) {
+                const __m256 dx = ROW_SCALE(r);
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(first, dx), out[r][h]);
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(second, dx), out[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
+}
+
+static AVX2_TARGET void AVX2_NAMED(q6l_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0,
+                                             int64_t j1, float *y, int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) AVX2_PASSES(AVX2_NAMED(q6l_tile))
 }
 
 static AVX2_TARGET void AVX2_NAMED(iq4l_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0,

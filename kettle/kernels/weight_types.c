@@ -175,5 +175,6 @@ const WeightType WEIGHT_TYPES[] = {
                      .quantized_rows = iq4l_rows, .quantized_rows_avx2 = iq4l_rows_avx2, .widen = iq4l_widen,
                      .scales = iq4l_scales, .avx2_panels = 1, .pack = pack_iq4l},
     [LINEAR_Q6L] = {.name = "q6_k_lanes", .lanes = 1, .quantized = 1, .sub_blocks = 1, .offset = 32, .dequantize = q6l_dequant_row,
-                    .quantized_rows = q6l_rows, .widen = q6l_widen, .scales = q6l_panel_scales, .pack = pack_q6l},
+                    .quantized_rows = q6l_rows, .quantized_rows_avx2 = q6l_rows_avx2, .widen = q6l_widen,
+                    .scales = q6l_panel_scales, .avx2_panels = 1, .pack = pack_q6l},
 };

@@ -9,10 +9,12 @@ for its own scale, less 32 · the sub-block's inputs. Each block is stored in th
 step of a Q6_K file is bound by the kernel's work per byte, not only by memory. The dequantized weights are gguf's
 own, bit for bit ((d · sc) · (q - 32), the products gguf forms).
 
-Only where weights are held in lanes (AVX-512 VNNI, N a multiple of 16, K of 256: `fits`); elsewhere Q6_K serves
-on the nearest scheme, requantized to Q8_0's blocks (kettle/quantization/gguf_scheme.py `_requantized`): on an AVX2
-CPU an AVX2 tile for Q6L with int8 rows decoded a 1.7B Q6_K file more slowly than int8 per channel does
-(kettle/kernels/lanes_avx2.c), and Q8_0's AVX2 tiles and integer panels read the requantized weights.
+Where weights are held in lanes (AVX-512 VNNI, or AVX2 with kettle/kernels/lanes_avx2.c's tiles; N a multiple of
+16, K of 256: `fits`); elsewhere Q6_K serves on the nearest scheme, requantized to Q8_0's blocks
+(kettle/quantization/gguf_scheme.py `_requantized`). On AVX2 Q6_K was requantized so until its blocks were stored in
+quad order (its tile then unpacked each block's high bits per pair of units, slower than Q8_0's blocks); now the
+file's own values decode a 1.7B Q6_K file as fast as Q8_0's blocks did or faster, and a Q4_K_M file's Q6_K parts
+1.2-1.4x faster (bench/RESULTS.md).
 """
 
 from __future__ import annotations

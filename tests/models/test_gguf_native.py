@@ -245,15 +245,15 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     assert_greedy_tokens(loaded, reference, bound)
 
 
-AVX2_TYPES = {T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ4Linear}
+AVX2_TYPES = {T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ4Linear, T.Q6_K: Q6Linear}
 
 
 @pytest.mark.parametrize("qtype", list(AVX2_TYPES), ids=[qtype.name for qtype in AVX2_TYPES])
 def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_path, monkeypatch, qtype):
     """On a CPU without AVX-512 VNNI (this one, told so: `kettle_cpu_vnni512` 0, which Python's `ops.vnni` reads too)
-    the types with AVX2 tiles (lanes_avx2.c: Q4_*, Q8_0, IQ4_XS) still sit in lanes, on those tiles: the file's values
-    (Q4_K's own scales), its logits and transformers' greedy tokens, prompts and decode rows on the AVX2 tiles (the
-    AVX2 integer panels from 64 rows), the fused step too; Q6_K and the 5-bit types are not in lanes there."""
+    the types with AVX2 tiles (lanes_avx2.c: Q4_*, Q8_0, IQ4_XS, Q6_K) still sit in lanes, on those tiles: the file's
+    values (Q4_K's own scales), its logits and transformers' greedy tokens, prompts and decode rows on the AVX2 tiles
+    (the AVX2 integer panels from 64 rows), the fused step too; the 5-bit types are not in lanes there."""
     from tests.fixtures import kernel_switch
 
     if not ops.available():
@@ -261,7 +261,7 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
     add_tuning(monkeypatch, quantized_activations=True)
     folder, reference = build(tmp_path, "llama", qtype)
     with kernel_switch("kettle_cpu_vnni512", 0):
-        assert not ops.vnni() and not ops.lanes() and not ops.lanes(LINEAR_Q5L) and not ops.lanes(LINEAR_Q6L)
+        assert not ops.vnni() and not ops.lanes() and not ops.lanes(LINEAR_Q5L) and ops.lanes(LINEAR_Q6L)
         model = load_model(str(folder), torch.float32, torch.device("cpu"))
         layers = [m for m in model.modules() if "Linear" in type(m).__name__]
         assert {type(m) for m in layers} == {AVX2_TYPES[qtype]}
@@ -274,9 +274,9 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
         assert_greedy_tokens(model, reference, atol)
 
 
-@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q5_K, T.Q5_0], ids=["Q6_K", "Q5_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q5_0], ids=["Q5_K", "Q5_0"])
 def test_an_avx2_cpu_serves_the_types_without_avx2_tiles_in_q8_0s_blocks(tmp_path, monkeypatch, qtype):
-    """Without AVX-512 VNNI (told so) Q6_K and the 5-bit types have no lanes: they are requantized from gguf's
+    """Without AVX-512 VNNI (told so) the 5-bit types have no lanes: they are requantized from gguf's
     dequantization to Q8_0's blocks of 32, exactly as gguf's own Q8_0 quantizer rounds those values, and held in
     lanes (the AVX2 tiles and integer panels), said so on the start-up line; the logits stay within the nearest
     scheme's bounds."""

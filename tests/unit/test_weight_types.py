@@ -201,17 +201,22 @@ def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name, dot):
 
 
 @pytest.mark.parametrize("dot", AVX2_DOTS)
-@pytest.mark.parametrize("name", ["q4_lanes", "q8_0_lanes"])
+@pytest.mark.parametrize("name", ["q4_lanes", "q8_0_lanes", "q6_k_lanes"])
 def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name, dot):
     """The largest products `vpmaddubsw` meets: Q4's 15s against int8 rows of ±127 (a block's int16 pair sums at
     8 · 2 · 15 · 127 = 30,480, below 2^15), Q8_0's -128 and 127 against them (|q| 128 on the unsigned side through
-    the sign trick, pairs at 2 · 128 · 127): no saturation, the dense products exactly (the tiles' too), in either
-    dot-product form."""
+    the sign trick, pairs at 2 · 128 · 127), Q6_K's 0s and 63s (pairs at 2 · 63 · 127, summed a quad at a time): no
+    saturation, the dense products exactly (the tiles' too), in either dot-product form."""
     from kettle.quantization.q4 import Q4Linear, pack_q4
+    from kettle.quantization.q6 import Q6Linear
     from kettle.quantization.q8 import Q8Linear
 
     n = 48
-    if name == "q4_lanes":
+    if name == "q6_k_lanes":
+        q = torch.where(torch.rand(n, K) < 0.5, 0, 63).to(torch.uint8)
+        layer = Q6Linear(q, torch.ones(n, K // 16, dtype=torch.int8), torch.full((n, K // 256), 0.5).half())
+        dense = (q.float() - 32) * 0.5
+    elif name == "q4_lanes":
         q = torch.full((n, K), 15, dtype=torch.uint8)
         scales = torch.full((n, K // 32), 0.5)
         layer = Q4Linear.from_groups(pack_q4(q), scales, torch.zeros_like(scales), 32, torch.zeros(n))
