@@ -567,7 +567,7 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
     store_lanes(tile, n, (int)count, bias, y, ldy);
 }
 
-/* ---- the integer panels on AVX2 (the types with `avx2_panels`: Q4L, Q8L, IQ4L, Q6L): the same laid-out int8 rows and
+/* ---- the integer panels on AVX2 (the types with `avx2_panels`: all the lanes types): the same laid-out int8 rows and
  * widened weights, each weight quad broadcast against 8 rows' quads (a half of the group's 16 lanes) by `vpmaddubsw`
  * (u8 × s8, pairs summed into int16) and `vpmaddwd` by ones (the quad's sum in its int32 lane), as lanes_avx2.c's
  * tiles do. Every block's integer sums are exact, and the float operations per lane those of `micro_vnni` (and of
@@ -575,7 +575,8 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
  * the int8 rows sum in int16 over the whole block (pairs ≤ 2 · 15 · 127, eight quads ≤ 30,480 < 2^15), one
  * `vpmaddwd` a block; the signed types' q + 128 are flipped back to q and multiplied by the sign trick (|q| times x
  * with q's sign: pairs ≤ 2 · 128 · 127 < 2^15, so one `vpmaddwd` a quad), which saturation would otherwise break on
- * q + 128; Q6L's 0..63 (pairs ≤ 2 · 63 · 128) are summed a quad at a time in int32, per sub-block of 16 inputs. */
+ * q + 128; Q5L's 0..31 and Q6L's 0..63 (pairs ≤ 2 · 63 · 128) are summed a quad at a time in int32 (`wide_values`),
+ * Q6L's per sub-block of 16 inputs. */
 
 #define AVX2_CHANNELS 4 /* output channels per AVX2 micro-kernel call: 2 × 4 int and 2 × 4 float accumulators */
 
@@ -597,7 +598,7 @@ static void signed_quads(const uint8_t *widened, int64_t k, uint8_t *dst) {
 
 /* The AVX2 micro-kernels in the form this CPU runs (`avx2_dot`), indexed by it. */
 typedef void IntChannelsAvx2(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int n, int64_t rows,
-                             int is_signed, int sub_blocks, int offset, float *tile);
+                             int is_signed, int sub_blocks, int wide, int offset, float *tile);
 static IntChannelsAvx2 *const INT_CHANNELS_AVX2[] = {
     [AVX2_DOT_MADDUBS] = int_channels_maddubs, [AVX2_DOT_AVXVNNI] = int_channels_avxvnni, [AVX2_DOT_VNNI256] = int_channels_vnni256};
 
@@ -685,8 +686,8 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
                 if (wide) {
                     int_group_avx512(&x, k, w, &c, n, count, tile, bias, y + r0 * ldy + j0, ldy);
                 } else {
-                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, type->sub_blocks, offset,
-                                      tile);
+                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, type->sub_blocks,
+                                      type->wide_values, offset, tile);
                     store_lanes_avx2(tile, n, (int)count, bias, y + r0 * ldy + j0, ldy);
                 }
             }

@@ -6,11 +6,12 @@
  * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
  * sizes (`signed_quads`, the sign trick), else widened u8 q + `offset`, whose term comes off each span's start (as
  * `micro_vnni8`): a non-zero offset only where the sums are int32 from the first product (the VNNI forms, or
- * `sub_blocks`). `sub_blocks` (a constant): each block's two spans of 16 inputs keep their own sums and scales
- * (Q6_K's 0..63, summed a quad at a time in int32), else a block is one span. */
+ * `wide`). `wide` (a constant): values past 0..15, summed a quad at a time in int32 (kernels.h `wide_values`);
+ * `sub_blocks` (a constant): each block's two spans of 16 inputs keep their own sums and scales (Q6_K), else a block
+ * is one span. */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_avx2_int)(
     const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int c0, const int channels, const int halves,
-    const int is_signed, const int sub_blocks, const int offset, float *tile
+    const int is_signed, const int sub_blocks, const int wide, const int offset, float *tile
 ) {
     const int64_t blocks = k / 32, groups = k / group;
     const int spans = sub_blocks ? 2 : 1, quads = 8 / spans; /* a span's quads of int8 rows */
@@ -37,7 +38,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
                     if (is_signed) {
                         const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_DOT(dot[c][h], size, _mm256_sign_epi8(a[h], q));
-                    } else if (sub_blocks) {
+                    } else if (wide) {
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_DOT(dot[c][h], q, a[h]);
                     } else {
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_BLOCK_DOT(dot[c][h], q, a[h]);
@@ -47,7 +48,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
             for (int h = 0; h < halves; h++) {
                 const __m256 d = _mm256_load_ps(x->scale + b * LANES + 8 * h); /* the rows' scale of this block */
                 for (int c = 0; c < channels; c++) {
-                    const __m256i sums = is_signed || sub_blocks ? dot[c][h] : AVX2_BLOCK_SUMS(dot[c][h]);
+                    const __m256i sums = is_signed || wide ? dot[c][h] : AVX2_BLOCK_SUMS(dot[c][h]);
                     const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(w->scale[((c0 + c) * blocks + b) * spans + s]));
                     acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c][h]);
                 }
@@ -69,17 +70,18 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
 /* The AVX2 micro-kernel over the `n` channels of c, AVX2_CHANNELS at a time: the group's first half of lanes only
  * where its `rows` fit there (as `micro_vnni8`). */
 static AVX2_TARGET void AVX2_NAMED(int_channels)(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w,
-                                                 int n, int64_t rows, int is_signed, int sub_blocks, int offset,
-                                                 float *tile) {
+                                                 int n, int64_t rows, int is_signed, int sub_blocks, int wide,
+                                                 int offset, float *tile) {
     const int halves = rows <= LANES / 2 ? 1 : 2;
     for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
         const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
-#define CALL(C, H, S, B) AVX2_NAMED(micro_avx2_int)(x, k, group, w, c0, C, H, S, B, offset, tile)
-#define HALVES(C, S, B) if (halves == 2) CALL(C, 2, S, B); else CALL(C, 1, S, B);
-#define CHANNELS(S, B) switch (channels) { case 4: HALVES(4, S, B) break; case 3: HALVES(3, S, B) break; case 2: HALVES(2, S, B) break; default: HALVES(1, S, B) }
-        if (is_signed) { CHANNELS(1, 0) }
-        else if (sub_blocks) { CHANNELS(0, 1) }
-        else { CHANNELS(0, 0) }
+#define CALL(C, H, S, B, W) AVX2_NAMED(micro_avx2_int)(x, k, group, w, c0, C, H, S, B, W, offset, tile)
+#define HALVES(C, S, B, W) if (halves == 2) CALL(C, 2, S, B, W); else CALL(C, 1, S, B, W);
+#define CHANNELS(S, B, W) switch (channels) { case 4: HALVES(4, S, B, W) break; case 3: HALVES(3, S, B, W) break; case 2: HALVES(2, S, B, W) break; default: HALVES(1, S, B, W) }
+        if (is_signed) { CHANNELS(1, 0, 0) }
+        else if (sub_blocks) { CHANNELS(0, 1, 1) }
+        else if (wide) { CHANNELS(0, 0, 1) }
+        else { CHANNELS(0, 0, 0) }
 #undef CHANNELS
 #undef HALVES
 #undef CALL

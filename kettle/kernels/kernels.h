@@ -41,7 +41,7 @@
  * scales [N/16][K/16][16] int8, supers [N/16][K/256][16] float16 (d); 6.56 bits a weight as in the file.
  * kettle/quantization/q6.py and gguf_pack.c pack it.
  *
- * Q5L layout (LINEAR_Q5L: GGUF's Q5_K, Q5_0 and Q5_1 in lanes, N a multiple of 16, AVX-512 VNNI only): q in 0..31, with
+ * Q5L layout (LINEAR_Q5L: GGUF's Q5_K, Q5_0 and Q5_1 in lanes, N a multiple of 16, AVX-512 VNNI or AVX2): q in 0..31, with
  * Q4_K's scales (w = d · sc · q - dmin · m; sc, m 6-bit per 32 inputs, d and dmin per 256, K a multiple of 256) in
  * Q4L's tables (scales, mins, supers), or without `supers` a float16 scale and minimum per 32 inputs in Q4L's tables
  * (w = q · scale + minimum: Q5_1's d and m, Q5_0's d and -16 · d, exact in float16).
@@ -260,6 +260,8 @@ typedef struct {
     int lanes;         /* output channels stored 16 at a time (N a multiple of 16; AVX-512 VNNI, or AVX2 tiles) */
     int quantized;     /* 0: float32 weights, read in place by the tiles at every row count */
     int sub_blocks;    /* scales per 16 inputs (Q6_K) */
+    int wide_values;   /* values past 0..15 (Q5L's 0..31, Q6L's 0..63): the AVX2 kernels sum them a quad at a time in
+                        * int32, where `vpmaddubsw`'s int16 pairs would overflow summed over a block as Q4L's are */
     int offset;        /* the kernels hold q + offset as u8 (`vpdpbusd`'s unsigned side): Q6's q, Q8's and IQ4's
                         * q + 128; the sums take offset · (the inputs' sum) off per block (sub-block) */
     int minimums;      /* a minimum per group (w = q · scale + minimum), which the integer panels add */
@@ -737,6 +739,7 @@ INTERNAL void iq4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, 
 INTERNAL void iq4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q4l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q8l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
+INTERNAL void q5l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 INTERNAL void q6l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }

@@ -1,5 +1,5 @@
-/* The lanes kernels on AVX2 CPUs: tiles for Q4L, Q8L, IQ4L and Q6L (weight_types.c's `quantized_rows_avx2`), so that
- * those types (Q4_0, Q4_1, Q4_K and int4; Q8_0; IQ4_XS; Q6_K) are held in lanes with int8 rows on any AVX2 CPU. A unit of
+/* The lanes kernels on AVX2 CPUs: tiles for every lanes type (weight_types.c's `quantized_rows_avx2`), so that
+ * Q4_0, Q4_1, Q4_K and int4, Q8_0, IQ4_XS, Q6_K and Q5_* are held in lanes with int8 rows on any AVX2 CPU. A unit of
  * 64 bytes (a quad vector, kernels.h) is two halves of 32 (channels 16G .. 16G + 7, then + 8 .. + 15), each channel's
  * quad in its 32-bit lane (lanes.c). `vpmaddubsw` (an unsigned byte times a signed one, pairs summed into int16) then
  * `vpmaddwd` by ones give each channel's quad sums in its int32 lane: Q4's unsigned q directly, signed values
@@ -13,12 +13,13 @@
  * panels, which then dequantized a lanes channel from strided bytes; since they read Q4L and Q8L 16 channels at a
  * time (the table's `panel_group`) Q4_K_M's prompts run as from rows (49.0 against 48.6, decode 31.5 against
  * 24.9, alternated in one process). Prompts of 64 rows and more now take the integer panels' AVX2 micro-kernel
- * (gemm.c), fewer these tiles: int8 rows with these tiles' bits (Q4_K_M's prefill 52.3 → 84.3 tok/s). Q5L has no
- * AVX2 tile: with int8 rows its lost to int8 per channel, where Q5_K, Q5_0 and Q5_1 stay on such CPUs (the nearest
- * scheme): Q5_K_M 15.3 against 18.3 (its fifth-bit masks widened to bytes, `vpshufb` and a compare per 32). Q6L's
- * lost too (19.6 against 20.5) while its high bits were interleaved per unit pair in the loop; stored in quad order,
- * a 1.7B Q6_K file decodes at 28-30 tok/s against 25-31 in Q8_0's blocks, its prompts 78-82 against 73 with
- * `vpmaddubsw` (99-103 against 120 with VNNI-256), and a Q4_K_M file's Q6_K parts 39-41 against 27-33.
+ * (gemm.c), fewer these tiles: int8 rows with these tiles' bits (Q4_K_M's prefill 52.3 → 84.3 tok/s). Q6L's and
+ * Q5L's first tiles lost to requantizing them to Q8_0's blocks (Q6_K 19.6 against 20.5 tok/s, Q5_K_M 15.3 against
+ * 18.3) while they interleaved unit pairs in the loop; stored in quad order (kernels.h) they read the file's own
+ * bits as fast or faster: a 1.7B Q6_K file decodes at 28-30 tok/s against 25-31 in Q8_0's blocks, its prompts 78-82
+ * against 73 with `vpmaddubsw` (99-103 against 120 with VNNI-256); a Q4_K_M file's Q6_K parts 39-41 against 27-33;
+ * Q5_K_M 1.28-1.45x llama.cpp's AVX2 build against 0.96-1.42x with `vpmaddubsw`, 1.44-1.61x against 1.59x with
+ * VNNI-256 (prompts 1.27-1.34x against 1.21x, 1.85-1.98x against 2.12x).
  *
  * The tiles themselves are lanes_avx2_tiles.h, compiled once per form of the u8 × s8 dot-product step (kernels.h,
  * `avx2_dot`): `vpmaddubsw` + `vpmaddwd` on plain AVX2, one `vpdpbusd ymm` where the CPU has AVX-VNNI (VEX) or
@@ -110,4 +111,5 @@ AVX2_ROWS(iq4l_rows)
 AVX2_ROWS(q4l_rows)
 AVX2_ROWS(q8l_rows)
 AVX2_ROWS(q6l_rows)
+AVX2_ROWS(q5l_rows)
 #undef AVX2_ROWS

@@ -1,6 +1,6 @@
 /* lanes_avx2.c's tiles in one form of the dot-product step (kernels.h, `AVX2_FORM`): included once per form, each
- * inclusion defining iq4l_rows_<form>, q4l_rows_<form>, q6l_rows_<form> and q8l_rows_<form> compiled for that form's
- * target. Not a
+ * inclusion defining iq4l_rows_<form>, q4l_rows_<form>, q5l_rows_<form>, q6l_rows_<form> and q8l_rows_<form>
+ * compiled for that form's target. Not a
  * header of its own: lanes_avx2.c sets AVX2_FORM, the helpers and the QUAD, ROW_SCALE and AVX2_PASSES macros first. */
 
 /* `iq4l_tile` on AVX2, output channels 16G .. 16G + 15 for rows r0 .. r0 + R - 1 (R ≤ AVX2_TILE, a constant): per
@@ -146,6 +146,68 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_til
         }
     }
     for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
+}
+
+/* `q5l_tile` (lanes.c) on AVX2: per block and half of 8 channels, the nibbles as Q4L's, each quad vector's fifth bits
+ * (its masks' 32 bits for this half) spread to bytes of 16 (`vpshufb` of the broadcast word, a bit test) and added;
+ * q (0..31) times the row's quads: with `vpmaddubsw` summed in int16 over each nibble's 4 quads (at most
+ * 4 · 2 · 31 · 127 = 31,496; over the whole block, as Q4L's, it would overflow), in the VNNI forms in int32 as
+ * `AVX2_CHAINS` says (one projection of a 1.7B Q5_K_M file's step from memory, all layers: 36-38 ms either way,
+ * where each form in the other's loop took 45-46); then the AVX-512 tile's float operations lane by lane. */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q5l_tile)(
+    const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
+) {
+    const int64_t k = w->k, blocks = k / 32;
+    const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 320;
+    const __m256i mask = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    /* byte j of a half takes bit j % 8 of its mask word's byte j / 8 (the word broadcast to both 128-bit lanes) */
+    const __m256i source = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, (char)128, 1, 2, 4, 8, 16, 32, 64, (char)128,
+                                         1, 2, 4, 8, 16, 32, 64, (char)128, 1, 2, 4, 8, 16, 32, 64, (char)128);
+    __m256 out[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = qw + b * 320;
+        __m256 d[2], mn[2];
+        if (w->supers) {
+            q4k_lanes_avx2(w, G, b, d, mn);
+        } else { /* Q5_0, Q5_1: a float16 scale and minimum per block */
+            lanes_ph((const uint16_t *)w->scales + (G * blocks + b) * 16, d);
+            lanes_ph(w->mins + (G * blocks + b) * 16, mn);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* the low nibbles' quads, the high ones' */
+            for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
+            for (int m = 0; m < 4; m++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(block + 64 * m + 32 * h));
+                int32_t fifth[2]; /* this half's bits of the low and the high nibbles' masks */
+                memcpy(fifth, block + 256 + 16 * m + 4 * h, 4);
+                memcpy(fifth + 1, block + 264 + 16 * m + 4 * h, 4);
+                const __m256i lo = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(fifth[0]), source), bit);
+                const __m256i hi = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(fifth[1]), source), bit);
+                const __m256i low = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_cmpeq_epi8(lo, bit), sixteen));
+                const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                                     _mm256_and_si256(_mm256_cmpeq_epi8(hi, bit), sixteen));
+                for (int r = 0; r < R; r++) {
+                    acc[r] = AVX2_BLOCK_DOT(acc[r], low, QUAD(r, m));
+                    if (!AVX2_ACCUMULATES || AVX2_CHAINS(R)) more[r] = AVX2_BLOCK_DOT(more[r], high, QUAD(r, 4 + m));
+                    else acc[r] = AVX2_BLOCK_DOT(acc[r], high, QUAD(r, 4 + m));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i sums = _mm256_add_epi32(AVX2_BLOCK_SUMS(acc[r]), AVX2_BLOCK_SUMS(more[r]));
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d[h], ROW_SCALE(r)), out[r][h]);
+                out[r][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xq->sum8[(r0 + r) * blocks + b]), out[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store_lanes(out[r], w->bias ? w->bias + G * 16 : NULL, y + (r0 + r) * ldy + G * 16);
+}
+
+static AVX2_TARGET void AVX2_NAMED(q5l_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0,
+                                             int64_t j1, float *y, int64_t ldy) {
+    for (int64_t G = j0 / 16; G < j1 / 16; G++) AVX2_PASSES(AVX2_NAMED(q5l_tile))
 }
 
 /* `q6l_tile` (lanes.c) on AVX2: per block and half of 8 channels, each quad vector's half with its high bits moved in

@@ -16,9 +16,8 @@ WEIGHT_TYPES = (None, "q4", "q8", "f32", "q8_0", "q4_lanes", "q8_0_lanes", "q6_k
 LINEAR_Q4, LINEAR_Q8, LINEAR_F32, LINEAR_Q8G, LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L, LINEAR_Q5L, LINEAR_IQ4L = range(1, 10)
 LANES_TYPES = frozenset({LINEAR_Q4L, LINEAR_Q8L, LINEAR_Q6L, LINEAR_Q5L, LINEAR_IQ4L})
 # The lanes types with AVX2 tiles too (weight_types.c's `quantized_rows_avx2`) and AVX2 integer panels (its
-# `avx2_panels`): held in lanes on any AVX2 CPU. Q5L has none (lanes_avx2.c: its fifth bits cost more there than the
-# bytes they save): in lanes only with AVX-512 VNNI, requantized to Q8L's blocks elsewhere.
-AVX2_LANES_TYPES = frozenset({LINEAR_Q4L, LINEAR_Q8L, LINEAR_IQ4L, LINEAR_Q6L})
+# `avx2_panels`): held in lanes on any AVX2 CPU (all of them).
+AVX2_LANES_TYPES = frozenset({LINEAR_Q4L, LINEAR_Q8L, LINEAR_IQ4L, LINEAR_Q6L, LINEAR_Q5L})
 
 # kernels.h's PATH_*: how one projection multiplies (linear.c `choose_path` picks one per call).
 PATHS = ("plain", "tiles", "quantized", "invariant", "gemm", "int_gemm")

@@ -5,10 +5,9 @@ With no `--quantize` and no float `--dtype`, a GGUF model's projections load fro
   Q4_K in lanes with its own 6-bit scales);
 - Q8_0 → int8 with a float16 scale per block of 32 (`Q8Linear`), the file's own values;
 - Q6_K, Q5_K, Q5_0, Q5_1 and IQ4_XS → their own layouts in lanes (`Q6Linear`, `Q5Linear`, `IQ4Linear`), the file's
-  values, packed from its blocks, where weights are held in lanes: IQ4_XS and Q6_K (as Q4_* and Q8_0) on any CPU
-  the kernels run on (AVX-512 VNNI, or AVX2 with kettle/kernels/lanes_avx2.c's tiles), the 5-bit types with
-  AVX-512 VNNI only (their AVX2 tiles lost to int8 per channel);
-- elsewhere (no lanes for them: an AVX2 CPU's 5-bit types) those → Q8_0's blocks of 32 in lanes
+  values, packed from its blocks, where weights are held in lanes (as Q4_* and Q8_0): on any CPU the kernels run on
+  (AVX-512 VNNI, or AVX2 with kettle/kernels/lanes_avx2.c's tiles);
+- elsewhere (a shape the lanes do not fit) those → Q8_0's blocks of 32 in lanes
   (`Q8Linear.from_weight`), requantized from gguf's dequantization, where Q8_0 is held in lanes (its AVX2 tiles and
   integer panels); else int8 with one scale per output channel (`Int8Linear`), the nearest the rows layouts have;
 - F32, F16, BF16 → dense, as any float checkpoint.
@@ -178,12 +177,11 @@ class GgufScheme:
         return self._requantized(names, bias)
 
     def _requantized(self, names: list[str], bias: torch.Tensor | None) -> Q8Linear | Int8Linear:
-        """Tensors `names` (stacked along the outputs) of a type the kernels do not read here (the 5-bit types on an
-        AVX2 CPU, a tensor whose shape the lanes do not fit, a mix with a float part), from gguf's dequantization: in
-        Q8_0's blocks of 32 where Q8_0 is held in lanes, whose AVX2 tiles and integer panels run where Q5_K's lanes do
-        not (on an AVX2 CPU a 1.7B Q6_K file, before Q6_K had AVX2 tiles, prefilled at 47 tok/s in int8 per channel,
-        on the float32 panels), and which round each weight within its block's range rather than its channel's;
-        else in int8 per channel."""
+        """Tensors `names` (stacked along the outputs) of a type the kernels do not read here (a tensor whose shape the
+        lanes do not fit, a mix with a float part), from gguf's dequantization: in Q8_0's blocks of 32 where Q8_0 is
+        held in lanes, whose tiles and integer panels run on any CPU the kernels do (an AVX2 CPU's 1.7B Q6_K file,
+        before Q6_K had AVX2 tiles, prefilled at 47 tok/s in int8 per channel, on the float32 panels), and which
+        round each weight within its block's range rather than its channel's; else in int8 per channel."""
         parts = [self.gguf.dense(name) for name in names]
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # a vocabulary table: no copy of 0.4 GB
         if q8.fits(*weight.shape):

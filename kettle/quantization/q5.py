@@ -1,11 +1,12 @@
 """GGUF's 5-bit types on Kettle's CPU kernels, from the file's own bits, q in 0..31: Q5_K (w = d · sc · q - dmin · m,
 Q4_K's 6-bit scales per 32 inputs and d, dmin per 256), Q5_1 (w = d · q + m per 32) and Q5_0 (w = d · (q - 16)).
 
-The kernels hold them in lanes (kernels.h's Q5L: the nibbles as Q4L lays them out, the fifth bits as two 32-bit masks
-per unit of 16 channels, Q4_K's scale tables or a float16 scale and minimum per block) and pack them straight from
-the file's blocks at load (kettle/kernels/gguf_pack.c). Where lanes do not apply (no AVX-512 VNNI: Q5L has no AVX2
-tile, one lost to int8 per channel there, kettle/kernels/lanes_avx2.c; or a shape that is not whole blocks of 16
-channels) they take the nearest scheme, Q8_0's blocks requantized (gguf_scheme.py `_requantized`).
+The kernels hold them in lanes (kernels.h's Q5L: the nibbles as Q4L lays them out, the fifth bits as two 64-bit masks
+per quad vector of 16 channels, Q4_K's scale tables or a float16 scale and minimum per block) and pack them straight
+from the file's blocks at load (kettle/kernels/gguf_pack.c), with AVX-512 VNNI or on AVX2's tiles
+(kettle/kernels/lanes_avx2.c). Where lanes do not apply (a shape that is not whole blocks of 16 channels, or the
+kernels' lanes switched off) they take the nearest scheme, Q8_0's blocks requantized (gguf_scheme.py
+`_requantized`).
 """
 
 from __future__ import annotations

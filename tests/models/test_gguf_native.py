@@ -245,15 +245,18 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     assert_greedy_tokens(loaded, reference, bound)
 
 
-AVX2_TYPES = {T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ4Linear, T.Q6_K: Q6Linear}
+AVX2_TYPES = {
+    T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ4Linear, T.Q6_K: Q6Linear, T.Q5_K: Q5Linear,
+    T.Q5_0: Q5Linear,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("qtype", list(AVX2_TYPES), ids=[qtype.name for qtype in AVX2_TYPES])
 def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_path, monkeypatch, qtype):
     """On a CPU without AVX-512 VNNI (this one, told so: `kettle_cpu_vnni512` 0, which Python's `ops.vnni` reads too)
-    the types with AVX2 tiles (lanes_avx2.c: Q4_*, Q8_0, IQ4_XS, Q6_K) still sit in lanes, on those tiles: the file's
-    values (Q4_K's own scales), its logits and transformers' greedy tokens, prompts and decode rows on the AVX2 tiles
-    (the AVX2 integer panels from 64 rows), the fused step too; the 5-bit types are not in lanes there."""
+    every lanes type has AVX2 tiles (lanes_avx2.c: Q4_*, Q8_0, IQ4_XS, Q6_K, Q5_*) and still sits in lanes, on those
+    tiles: the file's values (Q4_K's own scales), its logits and transformers' greedy tokens, prompts and decode rows
+    on the AVX2 tiles (the AVX2 integer panels from 64 rows), the fused step too."""
     from tests.fixtures import kernel_switch
 
     if not ops.available():
@@ -261,7 +264,7 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
     add_tuning(monkeypatch, quantized_activations=True)
     folder, reference = build(tmp_path, "llama", qtype)
     with kernel_switch("kettle_cpu_vnni512", 0):
-        assert not ops.vnni() and not ops.lanes() and not ops.lanes(LINEAR_Q5L) and ops.lanes(LINEAR_Q6L)
+        assert not ops.vnni() and not ops.lanes() and ops.lanes(LINEAR_Q5L) and ops.lanes(LINEAR_Q6L)
         model = load_model(str(folder), torch.float32, torch.device("cpu"))
         layers = [m for m in model.modules() if "Linear" in type(m).__name__]
         assert {type(m) for m in layers} == {AVX2_TYPES[qtype]}
@@ -274,34 +277,35 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
         assert_greedy_tokens(model, reference, atol)
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q5_0], ids=["Q5_K", "Q5_0"])
-def test_an_avx2_cpu_serves_the_types_without_avx2_tiles_in_q8_0s_blocks(tmp_path, monkeypatch, qtype):
-    """Without AVX-512 VNNI (told so) the 5-bit types have no lanes: they are requantized from gguf's
-    dequantization to Q8_0's blocks of 32, exactly as gguf's own Q8_0 quantizer rounds those values, and held in
-    lanes (the AVX2 tiles and integer panels), said so on the start-up line; the logits stay within the nearest
-    scheme's bounds."""
+def test_a_projection_mixing_a_float_part_is_requantized_to_q8_0s_blocks(tmp_path, monkeypatch):
+    """A fused q/k/v whose v the file stores in F16 beside Q5_K q and k has no one kernel type: its parts are
+    requantized from gguf's dequantization to Q8_0's blocks of 32, exactly as gguf's own Q8_0 quantizer rounds those
+    values, and held in lanes (`_requantized`); the other layers keep Q5_K's own bits; the logits stay within the
+    nearest scheme's bounds."""
     import numpy as np
     from gguf import quants
 
     from kettle.tensors.gguf_file import GgufTensors
-    from tests.fixtures import kernel_switch
 
     if not ops.available():
         pytest.skip(EXACT_NEEDS_KERNELS)
     add_tuning(monkeypatch, quantized_activations=True)
-    folder, reference = build(tmp_path, "llama", qtype)
-    with kernel_switch("kettle_cpu_vnni512", 0):
-        model = load_model(str(folder), torch.float32, torch.device("cpu"))
-        layers = [m for m in model.modules() if "Linear" in type(m).__name__]
-        assert {type(m) for m in layers} == {Q8Linear} and all(m.lanes for m in layers)
-        assert model.quantization == f"gguf {qtype.name} → q8_0_lanes (requantized)"
-        dense = GgufTensors(folder / "model.gguf").dense("model.layers.0.mlp.down_proj.weight").numpy()
+    model = tiny_model("llama", 256)
+    folder = write_gguf(model, tmp_path / "mixed", "llama", T.Q5_K, types={"blk.0.attn_v.weight": T.F16})
+    reference = dequantized_reference(model, folder, "llama")
+    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+    qkv = loaded.layers[0].attn.qkv
+    assert isinstance(qkv, nearest_kind()) and isinstance(loaded.layers[1].attn.qkv, Q5Linear)
+    if isinstance(qkv, Q8Linear):
+        file = GgufTensors(folder / "model.gguf")
+        names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+        dense = np.concatenate([file.dense(name).numpy() for name in names])
         grid = quants.dequantize(quants.quantize(dense, T.Q8_0), T.Q8_0)
-        assert np.array_equal(model.layers[0].mlp.down.dequantized().numpy(), grid)
-        expected, logits = reference_logits(reference), kettle_logits(model)
-        kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
-        assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
-        assert float(kl.mean()) < NEAREST_KL
+        assert np.array_equal(qkv.dequantized().numpy(), grid)
+    expected, logits = reference_logits(reference), kettle_logits(loaded)
+    kl = (expected.softmax(-1) * (expected.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
+    assert float((logits - expected).abs().max() / expected.abs().max()) < NEAREST_RTOL
+    assert float(kl.mean()) < NEAREST_KL
 
 
 def test_phi3_long_context_factors_come_from_the_file(tmp_path):
