@@ -309,13 +309,6 @@ void lay_out_lanes(const QuantizedRows *xq, int64_t rows, int64_t k, int64_t gro
     }
 }
 
-/* 32 values in input order (a 128-bit lane each 16) in the int8 rows' quad order: inputs 4m, 4m + 2, 4m + 1, 4m + 3. */
-static inline __m256i quad_order(__m256i natural) {
-    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
-                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-    return _mm256_shuffle_epi8(natural, order);
-}
-
 /* Signed int8 values + 128 as u8 (Q8's and IQ4's offset). */
 static inline __m256i flipped(__m256i values) { return _mm256_xor_si256(values, _mm256_set1_epi8((char)0x80)); }
 

@@ -42,9 +42,8 @@ enum {
  * its input 2u + e, as the file's blocks hold them) to quad order, 4 bytes at 4c of each vector (kernels.h; the
  * inverse of `channel_quads`). Every packer writes its channel's bytes this way, 16 at a time. */
 static inline void put_quads(uint8_t *quads, int c, __m128i bytes) {
-    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
     uint32_t pieces[4];
-    _mm_storeu_si128((__m128i *)pieces, _mm_shuffle_epi8(bytes, order));
+    _mm_storeu_si128((__m128i *)pieces, quad_order16(bytes));
     for (int m = 0; m < 4; m++) memcpy(quads + 64 * m + 4 * c, pieces + m, 4);
 }
 
@@ -94,11 +93,10 @@ int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
         for (int b8 = 0; b8 < 8; b8++) { /* the super-block's 8 blocks of 32, each its 16 bytes in t order */
             uint8_t *block = weight + (G * (k / 32) + 8 * s + b8) * 384;
             put_quads(block, c, join_nibbles(_mm256_and_si256(q[b8], low4)));
-            const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
             /* byte i(m, t): the high 2 bits of input i(m, t) at 0-1 and of 16 + i(m, t) at 2-3; even m's to 4-7 */
             const __m256i two = _mm256_and_si256(_mm256_srli_epi16(q[b8], 4), low2);
-            const __m128i fields = _mm_shuffle_epi8(
-                _mm_or_si128(_mm256_castsi256_si128(two), _mm_slli_epi16(_mm256_extracti128_si256(two, 1), 2)), order);
+            const __m128i fields = quad_order16(
+                _mm_or_si128(_mm256_castsi256_si128(two), _mm_slli_epi16(_mm256_extracti128_si256(two, 1), 2)));
             const __m128i odd = _mm_srli_si128(fields, 4); /* vector m + 1's bytes beside vector m's */
             const __m128i high = _mm_or_si128(odd, _mm_slli_epi16(fields, 4));
             uint32_t words[4];

@@ -341,14 +341,22 @@ static inline int alloc_lanes(int64_t rows, int64_t k, QuantizedRows *out) {
     return out->lanes ? 0 : -1;
 }
 
+/* Bytes in input order to the quad order, within each 128-bit lane: byte 4m + t takes input 4m + (0, 2, 1, 3)[t]
+ * (the int8 rows' quads, the lanes layouts' quad vectors). The order is its own inverse. */
+static inline __m128i quad_order16(__m128i natural) {
+    return _mm_shuffle_epi8(natural, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
+}
+static inline __m256i quad_order(__m256i natural) {
+    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    return _mm256_shuffle_epi8(natural, order);
+}
+
 /* 32 int8 values (four vectors of 8 int32, inputs in order) in the quad order. packs leave them as the quads
  * 0, 2, 4, 6 | 1, 3, 5, 7; a dword permute puts the quads in order, a byte shuffle each quad's inputs. */
 static inline __m256i int8_quads(const __m256i q[4]) {
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    const __m256i quads = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
-                                           0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-    return _mm256_shuffle_epi8(quads, order);
+    return quad_order(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 /* Row `r` of `out` (laid out for K = k) from x[k]: int16 and int8 values with their scales per block, each group's
@@ -931,8 +939,7 @@ static inline __m128i channel_quads(const uint8_t *quads, int64_t c) {
     const uint8_t *p = quads + 4 * c;
     uint32_t piece[4];
     for (int m = 0; m < 4; m++) memcpy(piece + m, p + 64 * m, 4);
-    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-    return _mm_shuffle_epi8(_mm_setr_epi32((int)piece[0], (int)piece[1], (int)piece[2], (int)piece[3]), order);
+    return quad_order16(_mm_setr_epi32((int)piece[0], (int)piece[1], (int)piece[2], (int)piece[3]));
 }
 
 /* Block b of channel j of a Q4L weight as 16 bytes: byte i holds input i of the block in its low nibble and input
@@ -1064,9 +1071,9 @@ static inline void q6l_block(const Linear *w, int64_t j, int64_t b, __m128i q[2]
     for (int p = 0; p < 2; p++) memcpy(high + p, block + 256 + 64 * p + 4 * (j % 16), 4);
     const __m128i spread = _mm_shuffle_epi8(_mm_setr_epi32((int)high[0], (int)high[1], 0, 0),
                                             _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
-    const __m128i even_m = _mm_setr_epi32(-1, 0, -1, 0), order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    const __m128i even_m = _mm_setr_epi32(-1, 0, -1, 0);
     /* byte i: input i's high 2 bits at 0-1, input 16 + i's at 2-3 */
-    const __m128i fields = _mm_shuffle_epi8(_mm_and_si128(_mm_blendv_epi8(spread, _mm_srli_epi16(spread, 4), even_m), mask), order);
+    const __m128i fields = quad_order16(_mm_and_si128(_mm_blendv_epi8(spread, _mm_srli_epi16(spread, 4), even_m), mask));
     const __m128i first = _mm_slli_epi16(_mm_and_si128(fields, two), 4);
     const __m128i second = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(fields, 2), two), 4);
     const __m128i offset = _mm_set1_epi8(32);
