@@ -41,7 +41,6 @@ static inline void transpose8(__m256 r[8]) {
 /* Bytes 4c + t (v[t]) of a lanes quad vector's 64 (16 channels × 4 inputs, kernels.h): each input's 16 channels, the
  * block's inputs i(m, t) = 4m + QUAD_INPUT[t]. Each 4 channels' bytes grouped by t, then a 4 × 4 transpose of
  * 32-bit pieces. */
-static const int QUAD_INPUT[4] = {0, 2, 1, 3};
 static inline void quad_inputs(const uint8_t *quads, __m128i v[4]) {
     const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __m128i x[4];

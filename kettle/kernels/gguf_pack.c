@@ -166,11 +166,10 @@ static void put_q5l_block(uint8_t *block, int c, const uint8_t v[32]) {
     uint8_t nibbles[16];
     for (int i = 0; i < 16; i++) nibbles[i] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
     put_quads(block, c, _mm_loadu_si128((const __m128i *)nibbles));
-    static const int input[4] = {0, 2, 1, 3}; /* i(m, t) - 4m */
     for (int m = 0; m < 4; m++) {
         uint8_t *low = block + 256 + 16 * m, *high = low + 8; /* the masks' bytes, little-endian: bits 4c + t */
         for (int t = 0; t < 4; t++) {
-            const int i = 4 * m + input[t], at = 4 * c + t;
+            const int i = 4 * m + QUAD_INPUT[t], at = 4 * c + t;
             low[at / 8] |= (uint8_t)((v[i] >> 4) << (at % 8));
             high[at / 8] |= (uint8_t)((v[16 + i] >> 4) << (at % 8));
         }

@@ -341,8 +341,9 @@ static inline int alloc_lanes(int64_t rows, int64_t k, QuantizedRows *out) {
     return out->lanes ? 0 : -1;
 }
 
-/* Bytes in input order to the quad order, within each 128-bit lane: byte 4m + t takes input 4m + (0, 2, 1, 3)[t]
+/* Bytes in input order to the quad order, within each 128-bit lane: byte 4m + t takes input 4m + QUAD_INPUT[t]
  * (the int8 rows' quads, the lanes layouts' quad vectors). The order is its own inverse. */
+static const int QUAD_INPUT[4] = {0, 2, 1, 3};
 static inline __m128i quad_order16(__m128i natural) {
     return _mm_shuffle_epi8(natural, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
 }
