@@ -33,7 +33,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
                 __m256i a[2];
                 for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
                 for (int c = 0; c < channels; c++) {
-                    const int32_t *row = (const int32_t *)(w->q + (c0 + c) * (is_signed ? 2 * k : k));
+                    const int32_t *row = (const int32_t *)(w->q + (c0 + c) * w->stride);
                     const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
                     if (is_signed) {
                         const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
