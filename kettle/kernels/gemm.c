@@ -439,34 +439,30 @@ static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (widened
 /* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
 #define TILE_FLOATS (16 * LANES)
 
-/* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]; the
- * weights' scales each cover `quads` input quads (a constant: 8, a block; 4 for Q6_K's sub-blocks of 16 inputs), and
- * each span's sums start at -offset · its inputs' sum. */
+/* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]; each
+ * block's sums start at -offset · its inputs' sum. */
 static inline __attribute__((always_inline)) VNNI void micro_vnni(
-    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, const int quads, int offset,
-    float *tile
+    const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels, int offset, float *tile
 ) {
-    const int64_t spans = k / (4 * quads), groups = k / group;
+    const int64_t blocks = k / 32, groups = k / group;
     __m512 acc[INT_CHANNELS];
     for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < spans; b++) {
+    for (int64_t b = 0; b < blocks; b++) {
         __m512i start = _mm512_setzero_si512();
         if (offset) {
-            const __m512i sum = quads == 4 ? _mm512_load_si512(x->half + b * LANES)
-                                           : _mm512_add_epi32(_mm512_load_si512(x->half + 2 * b * LANES),
-                                                              _mm512_load_si512(x->half + (2 * b + 1) * LANES));
+            const __m512i sum = _mm512_add_epi32(_mm512_load_si512(x->half + 2 * b * LANES), _mm512_load_si512(x->half + (2 * b + 1) * LANES));
             start = _mm512_mullo_epi32(sum, _mm512_set1_epi32(-offset));
         }
         __m512i dot[INT_CHANNELS];
         for (int c = 0; c < channels; c++) dot[c] = start;
-        for (int64_t i = b * quads; i < b * quads + quads; i++) {
+        for (int64_t i = b * 8; i < b * 8 + 8; i++) {
             const __m512i a = _mm512_load_si512(x->quads + i * LANES);
             for (int c = 0; c < channels; c++)
                 dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(((const int32_t *)(w->q + c * w->stride))[i]), a);
         }
-        const __m512 d = _mm512_load_ps(x->scale + b * quads / 8 * LANES); /* the rows' scale of this block */
+        const __m512 d = _mm512_load_ps(x->scale + b * LANES); /* the rows' scale of this block */
         for (int c = 0; c < channels; c++)
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * spans + b])), acc[c]);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * blocks + b])), acc[c]);
         /* minimum_g · (Σ x over group g) right after the group's first block, where lanes.c's tiles add it: a row
          * then has the same bits here as in a decode step of a few rows (batch invariance) */
         if (w->minimum && b % (group / 32) == 0) {
@@ -474,6 +470,40 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
             const __m512 sum = _mm512_load_ps(x->sum + g * LANES);
             for (int c = 0; c < channels; c++) acc[c] = _mm512_fmadd_ps(sum, _mm512_set1_ps(w->minimum[c * groups + g]), acc[c]);
         }
+    }
+    for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
+}
+
+/* Q6_CHANNELS: `micro_vnni` for Q6_K's scales per sub-block of 16 inputs (q + 32, offset 32), in the float steps of
+ * lanes.c's `q6l_tile`: a block adds d · (sums₀ · scale₀ + sums₁ · scale₁), three float instructions per 16 lanes
+ * and channel where scaling each sub-block apart took four, the share of the 8 vpdpbusd's port that limits these
+ * panels. The first sub-block's products wait in float while the second's sums accumulate, so a call holds three
+ * vectors a channel: 8 channels (12 spilled; one thread in cache, 12 channels in the old form 254 GOP/s, 8 + 4 in
+ * this one 326). */
+#define Q6_CHANNELS 8
+static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneRows *x, int64_t k, const IntChannels *w,
+                                                                     int channels, float *tile) {
+    const int64_t blocks = k / 32;
+    __m512 acc[Q6_CHANNELS];
+    for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 part[Q6_CHANNELS];
+        for (int s = 0; s < 2; s++) {
+            const __m512i start = _mm512_mullo_epi32(_mm512_load_si512(x->half + (2 * b + s) * LANES), _mm512_set1_epi32(-32));
+            __m512i dot[Q6_CHANNELS];
+            for (int c = 0; c < channels; c++) dot[c] = start;
+            for (int64_t i = b * 8 + s * 4; i < b * 8 + s * 4 + 4; i++) {
+                const __m512i a = _mm512_load_si512(x->quads + i * LANES);
+                for (int c = 0; c < channels; c++)
+                    dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(((const int32_t *)(w->q + c * w->stride))[i]), a);
+            }
+            for (int c = 0; c < channels; c++) {
+                const __m512 scale = _mm512_set1_ps(w->scale[(c * blocks + b) * 2 + s]), sums = _mm512_cvtepi32_ps(dot[c]);
+                part[c] = s ? _mm512_fmadd_ps(sums, scale, part[c]) : _mm512_mul_ps(sums, scale);
+            }
+        }
+        const __m512 d = _mm512_load_ps(x->scale + b * LANES);
+        for (int c = 0; c < channels; c++) acc[c] = _mm512_fmadd_ps(part[c], d, acc[c]);
     }
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
@@ -520,7 +550,7 @@ int kettle_integer_lanes8 = 1;
 /* The micro-kernel for `channels` (a constant at each call) and the group's `rows`: 8 lanes when they hold them. */
 static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int channels,
                                int64_t rows, int offset, float *tile) {
-#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, offset, tile); else micro_vnni(x, k, group, w, t, 8, offset, tile); break;
+#define CASE(t) case t: if (narrow) micro_vnni8(x, k, group, w, t, offset, tile); else micro_vnni(x, k, group, w, t, offset, tile); break;
     const int narrow = kettle_integer_lanes8 && rows <= LANES / 2;
     switch (channels) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
@@ -528,13 +558,18 @@ static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, cons
 #undef CASE
 }
 
-/* `int_channels` for Q6_K's scales per 16 inputs (16 lanes at any row count: its panels are a few layers' share). */
-static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels *w, int channels, float *tile) {
-#define CASE(t) case t: micro_vnni(x, k, 32, w, t, 4, 32, tile); break;
-    switch (channels) {
-        CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
-    }
+/* `int_channels` for Q6_K's scales per 16 inputs (16 lanes at any row count: its panels are a few layers' share),
+ * Q6_CHANNELS at a time. */
+static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels *w, int n, float *tile) {
+    for (int c0 = 0; c0 < n; c0 += Q6_CHANNELS) {
+        IntChannels part = *w;
+        part.q += c0 * w->stride, part.scale += c0 * (k / 16);
+#define CASE(t) case t: micro_vnni_q6(x, k, &part, t, tile + c0 * LANES); break;
+        switch (n - c0 < Q6_CHANNELS ? n - c0 : Q6_CHANNELS) {
+            CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
+        }
 #undef CASE
+    }
 }
 
 /* The tile's outputs [channels][16 lanes] into y's rows (`rows` of them, ldy floats apart) at `channels` consecutive

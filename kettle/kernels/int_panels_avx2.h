@@ -19,6 +19,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
     for (int c = 0; c < channels; c++)
         for (int h = 0; h < halves; h++) acc[c][h] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        __m256 part[AVX2_CHANNELS][2]; /* sub_blocks: the block's sums · scales so far, as `micro_vnni_q6` */
         for (int s = 0; s < spans; s++) {
             __m256i dot[AVX2_CHANNELS][2], start[2]; /* u8: the form's block sums (`block_dot`), else int32 quad sums */
             for (int h = 0; h < halves; h++) {
@@ -49,8 +50,13 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
                 const __m256 d = _mm256_load_ps(x->scale + b * LANES + 8 * h); /* the rows' scale of this block */
                 for (int c = 0; c < channels; c++) {
                     const __m256i sums = is_signed || wide ? dot[c][h] : AVX2_BLOCK_SUMS(dot[c][h]);
-                    const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(w->scale[((c0 + c) * blocks + b) * spans + s]));
-                    acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c][h]);
+                    const __m256 weight = _mm256_set1_ps(w->scale[((c0 + c) * blocks + b) * spans + s]);
+                    if (!sub_blocks)
+                        acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, weight), acc[c][h]);
+                    else if (s == 0)
+                        part[c][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), weight);
+                    else
+                        acc[c][h] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), weight, part[c][h]), d, acc[c][h]);
                 }
             }
         }

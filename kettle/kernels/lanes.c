@@ -213,10 +213,11 @@ static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear
         const __m128i *subs = (const __m128i *)(sc + 2 * b * 16);
         const __m512 first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(subs))));
         const __m512 second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(subs + 1))));
+        /* d_x · (sums₀ · scale₀ + sums₁ · scale₁): one float instruction fewer than scaling each sub-block by its
+         * own d_x · scale, and the steps of the integer panels (gemm.c `micro_vnni_q6`) */
         for (int r = 0; r < R; r++) {
-            const __m512 dx = ROW_SCALE(r);
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(first, dx), out[r]);
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(second, dx), out[r]);
+            const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), second, _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), first));
+            out[r] = _mm512_fmadd_ps(part, ROW_SCALE(r), out[r]);
         }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();

@@ -254,9 +254,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_til
             const __m256 first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs))));
             const __m256 second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)))));
             for (int r = 0; r < R; r++) {
-                const __m256 dx = ROW_SCALE(r);
-                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(first, dx), out[r][h]);
-                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(second, dx), out[r][h]);
+                const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), second, _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), first));
+                out[r][h] = _mm256_fmadd_ps(part, ROW_SCALE(r), out[r][h]);
             }
         }
     }
