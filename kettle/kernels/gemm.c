@@ -439,6 +439,16 @@ static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (widened
 /* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
 #define TILE_FLOATS (16 * LANES)
 
+/* dot[c] += the products of quads i0 .. i1 - 1 of x's 16 lanes with channel c's widened quads, each broadcast. */
+static inline __attribute__((always_inline)) VNNI void quad_dots(const LaneRows *x, const IntChannels *w, int channels,
+                                                                 int64_t i0, int64_t i1, __m512i *dot) {
+    for (int64_t i = i0; i < i1; i++) {
+        const __m512i a = _mm512_load_si512(x->quads + i * LANES);
+        for (int c = 0; c < channels; c++)
+            dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(((const int32_t *)(w->q + c * w->stride))[i]), a);
+    }
+}
+
 /* `channels` (≤ INT_CHANNELS, a constant at each call) output channels for the 16 lanes of x into tile [C][16]; each
  * block's sums start at -offset · its inputs' sum. */
 static inline __attribute__((always_inline)) VNNI void micro_vnni(
@@ -455,11 +465,7 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
         }
         __m512i dot[INT_CHANNELS];
         for (int c = 0; c < channels; c++) dot[c] = start;
-        for (int64_t i = b * 8; i < b * 8 + 8; i++) {
-            const __m512i a = _mm512_load_si512(x->quads + i * LANES);
-            for (int c = 0; c < channels; c++)
-                dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(((const int32_t *)(w->q + c * w->stride))[i]), a);
-        }
+        quad_dots(x, w, channels, b * 8, b * 8 + 8, dot);
         const __m512 d = _mm512_load_ps(x->scale + b * LANES); /* the rows' scale of this block */
         for (int c = 0; c < channels; c++)
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->scale[c * blocks + b])), acc[c]);
@@ -492,11 +498,7 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
             const __m512i start = _mm512_mullo_epi32(_mm512_load_si512(x->half + (2 * b + s) * LANES), _mm512_set1_epi32(-32));
             __m512i dot[Q6_CHANNELS];
             for (int c = 0; c < channels; c++) dot[c] = start;
-            for (int64_t i = b * 8 + s * 4; i < b * 8 + s * 4 + 4; i++) {
-                const __m512i a = _mm512_load_si512(x->quads + i * LANES);
-                for (int c = 0; c < channels; c++)
-                    dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(((const int32_t *)(w->q + c * w->stride))[i]), a);
-            }
+            quad_dots(x, w, channels, b * 8 + s * 4, b * 8 + s * 4 + 4, dot);
             for (int c = 0; c < channels; c++) {
                 const __m512 scale = _mm512_set1_ps(w->scale[(c * blocks + b) * 2 + s]), sums = _mm512_cvtepi32_ps(dot[c]);
                 part[c] = s ? _mm512_fmadd_ps(sums, scale, part[c]) : _mm512_mul_ps(sums, scale);
