@@ -89,7 +89,9 @@ def test_fused_step_over_the_gemm_panels_equals_the_layer_by_layer_forward(
     down = model.layers[0].mlp.down.describe()  # (a weight in lanes keeps its kernel below 128 rows)
     assert ops.path(down, 2) == "quantized" if ops.in_lanes(down) else ("int_gemm" if panels == "integer" else "gemm")
     assert torch.equal(fused, reference)
-    if panels == "integer":
+    if panels == "integer" or ops.in_lanes(down):
+        # A weight in lanes runs int8 rows below its panels' threshold (128 rows with AVX-512 VNNI, 64 on AVX2):
+        # the 68-row prefill reaches the float32 panels at gemm-rows=2 on AVX2 only, and int8 rows are not exact.
         return
     # Both exact to the dequantized weights, as the float32 tiles are: float32 rounding apart.
     tune(monkeypatch, "batch-invariant=off", "gemm-rows=0", "float-rows=2", "integer-gemm=off")
