@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kettle.kernels import ops
-from kettle.kernels.structs import LINEAR_F32, Linear
+from kettle.kernels.structs import LANES_TYPES, LINEAR_F32, Linear
 
 
 @dataclass
@@ -171,7 +171,7 @@ def _f32(n: int, k: int) -> Weight:
     return Weight(linear, weight, bias, (weight, bias))
 
 
-# Each type's builder: name → (n, k) → Weight; the lanes types need AVX-512 VNNI (`ops.vnni()`).
+# Each type's builder: name → (n, k) → Weight; the lanes types need them on (`lanes_here`).
 def build(name: str, n: int, k: int) -> Weight:
     torch.manual_seed(0)
     if name == "f32":
@@ -206,7 +206,9 @@ LANES_NAMES += ("q5_lanes q5_k", "q5_lanes q5_0", "q5_lanes q5_1", "iq4_xs_lanes
 
 
 def lanes_here() -> bool:
-    return ops.available() and ops.vnni()
+    """Whether every lanes type is in lanes here: with AVX-512 VNNI, and on any AVX2 CPU on its AVX2 tiles and panels
+    (`structs.AVX2_LANES_TYPES`: every lanes type has them)."""
+    return ops.available() and all(ops.lanes(kind) for kind in LANES_TYPES)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,12 @@ def default_server() -> tuple[list[str], dict]:
 
 def served_types() -> str:
     """/info's quantization for the bundled file: each GGUF type and the kernels' weight type serving it (in lanes
-    where this CPU has AVX-512 VNNI)."""
+    wherever the kernels run: AVX-512 VNNI's tiles or AVX2's)."""
     from kettle.kernels import ops
+    from kettle.kernels.structs import LINEAR_Q4L, LINEAR_Q8L
 
-    lanes = "_lanes" if ops.lanes() else ""
-    return f"gguf Q4_1 → q4{lanes}, Q8_0 → q8_0{lanes}"
+    q4, q8 = ("_lanes" if ops.lanes(kind) else "" for kind in (LINEAR_Q4L, LINEAR_Q8L))
+    return f"gguf Q4_1 → q4{q4}, Q8_0 → q8_0{q8}"
 
 
 def test_bundled_model_answers_paris_on_the_int4_path_by_default(default_server):

@@ -10,6 +10,7 @@ import pytest
 
 from kettle import settings
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q4L
 from kettle.proto import generate_pb2 as pb
 from tests.models.engine_driver import make_batch, warm_engine
 
@@ -27,10 +28,10 @@ DRAFT_EVERY_STEP = "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-ro
 
 @pytest.fixture(scope="module", params=["rows", "lanes"])
 def engine(request, tiny_llama_path):
-    """The tiny Llama under int4 in the rows layout (every CPU's) or in lanes (AVX-512 VNNI)."""
+    """The tiny Llama under int4 in the rows layout or in lanes (the default wherever the kernels run)."""
     settings.reload()
-    if request.param == "lanes" and not ops.lanes():
-        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    if request.param == "lanes" and not ops.lanes(LINEAR_Q4L):
+        pytest.skip("the lanes layout needs the kernels (AVX-512 VNNI or AVX2)")
     # (a module's fixture runs before tests/conftest.py's per-test settings: it reads them afresh itself)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KETTLE_TUNING", "" if request.param == "lanes" else "lanes=off")

@@ -15,6 +15,7 @@ import torch
 from kettle.bench import drive
 from kettle.bench.drive import BLOCK_SIZE, new_cache
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q4L
 from kettle.layers.attention import AttentionMetadata
 from kettle.models import decoder_step
 from kettle.models.registry import load_model
@@ -134,8 +135,8 @@ def test_fused_step_under_batch_invariance_equals_the_layer_by_layer_forward(
     (weight_types.c's `invariant_rows`, or gemm.c's row panels from `kettle_row_gemm_rows` rows: forced at every
     count here, and never) and lanes' tiles inside its parallel region, as the layer-by-layer forward runs them per
     call: the same numbers, and the same whichever kernel the row count picks."""
-    if layout == "lanes" and not ops.vnni():
-        pytest.skip("the lanes layout needs AVX-512 VNNI")
+    if layout == "lanes" and not ops.lanes(LINEAR_Q4L):
+        pytest.skip("the lanes layout needs the kernels (AVX-512 VNNI or AVX2)")
     tune(monkeypatch, "" if layout == "lanes" else "lanes=off")
     model = load_model(str(family_path(tmp_path, "qwen2")), torch.float32, torch.device("cpu"), quantize=quantize)
     with kernel_switch("kettle_row_gemm_rows", row_panels):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kettle.kernels import ops
+from kettle.kernels.structs import LINEAR_Q6L
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear, pack_q4
 from kettle.quantization.q8 import Q8Linear
@@ -160,8 +161,8 @@ def test_iq4_xs_rows_are_computed_as_alone(lanes_width):
 
 
 def test_q6_k_rows_are_computed_as_alone():
-    if not ops.lanes():
-        pytest.skip("Q6_K runs on its own kernel in lanes only (AVX-512 VNNI); elsewhere it is int8, above")
+    if not ops.lanes(LINEAR_Q6L):
+        pytest.skip("Q6_K runs on its own kernel in lanes only (the kernels' tiles, AVX-512 or AVX2); elsewhere int8")
     from gguf import GGMLQuantizationType as T
 
     from kettle.quantization.q6 import Q6Linear
