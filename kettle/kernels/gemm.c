@@ -612,8 +612,8 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
  * the int8 rows sum in int16 over the whole block (pairs ≤ 2 · 15 · 127, eight quads ≤ 30,480 < 2^15), one
  * `vpmaddwd` a block; the signed types' q + 128 are flipped back to q and multiplied by the sign trick (|q| times x
  * with q's sign: pairs ≤ 2 · 128 · 127 < 2^15, so one `vpmaddwd` a quad), which saturation would otherwise break on
- * q + 128; Q5L's 0..31 and Q6L's 0..63 (pairs ≤ 2 · 63 · 128) are summed a quad at a time in int32 (`wide_values`),
- * Q6L's per sub-block of 16 inputs. */
+ * q + 128; Q5L's 0..31 and Q6L's 0..63 (pairs ≤ 2 · 63 · 128) are summed two quads at a time into int32
+ * (`wide_values`, kernels.h `quad_pair_dot`), Q6L's per sub-block of 16 inputs. */
 
 #define AVX2_CHANNELS 4 /* output channels per AVX2 micro-kernel call: 2 × 4 int and 2 × 4 float accumulators */
 

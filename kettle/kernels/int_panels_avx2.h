@@ -6,7 +6,7 @@
  * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
  * sizes (`signed_quads`, the sign trick), else widened u8 q + `offset`, whose term comes off each span's start (as
  * `micro_vnni8`): a non-zero offset only where the sums are int32 from the first product (the VNNI forms, or
- * `wide`). `wide` (a constant): values past 0..15, summed a quad at a time in int32 (kernels.h `wide_values`);
+ * `wide`). `wide` (a constant): values past 0..15, summed two quads at a time into int32 (kernels.h `wide_values`);
  * `sub_blocks` (a constant): each block's two spans of 16 inputs keep their own sums and scales (Q6_K), else a block
  * is one span. */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_avx2_int)(
@@ -30,9 +30,12 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
             }
             for (int c = 0; c < channels; c++)
                 for (int h = 0; h < halves; h++) dot[c][h] = start[h];
-            for (int64_t i = b * 8 + s * quads; i < b * 8 + (s + 1) * quads; i++) {
-                __m256i a[2];
+            /* `wide` takes two quads a step (`quad_pair_dot`), the others one */
+            for (int64_t i = b * 8 + s * quads; i < b * 8 + (s + 1) * quads; i += 1 + wide) {
+                __m256i a[2], next[2];
                 for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
+                if (wide)
+                    for (int h = 0; h < halves; h++) next[h] = _mm256_load_si256((const __m256i *)(x->quads + (i + 1) * LANES + 8 * h));
                 for (int c = 0; c < channels; c++) {
                     const int32_t *row = (const int32_t *)(w->q + (c0 + c) * w->stride);
                     const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
@@ -40,7 +43,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
                         const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_DOT(dot[c][h], size, _mm256_sign_epi8(a[h], q));
                     } else if (wide) {
-                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_DOT(dot[c][h], q, a[h]);
+                        const __m256i then = _mm256_set1_epi32(row[i + 1]);
+                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_PAIR_DOT(dot[c][h], q, a[h], then, next[h]);
                     } else {
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_BLOCK_DOT(dot[c][h], q, a[h]);
                     }
