@@ -19,6 +19,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
     __m256 out[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        prefetch_ahead(qw + b * 256, 256, 2048);
         for (int h = 0; h < 2; h++) {
             __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* more: a second chain at few rows (AVX2_CHAINS) */
             for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
@@ -63,6 +64,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
     __m256 out[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        prefetch_ahead(qw + b * 256, 256, 2048);
         __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         for (int m = 0; m < 4; m++) {
@@ -119,6 +121,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_til
     __m256 out[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        prefetch_ahead(qw + b * 512, 512, 2048);
         __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2]; /* more: the odd units at few rows (AVX2_CHAINS) */
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         /* Unrolled, the 16 loads of a block were issued out of order (offsets 0, 416, 448, 32, ...) and the stream
@@ -173,6 +176,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q5l_til
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = qw + b * 320;
+        prefetch_ahead(block, 320, 2048);
         __m256 d[2], mn[2];
         if (w->supers) {
             q4k_lanes_avx2(w, G, b, d, mn);
@@ -230,7 +234,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_til
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = qw + b * 384;
-        for (int line = 0; line < 6; line++) _mm_prefetch((const char *)block + 1024 + 64 * line, _MM_HINT_T0);
+        prefetch_ahead(block, 384, 1024);
         for (int h = 0; h < 2; h++) {
             __m256i lo[AVX2_TILE], hi[AVX2_TILE]; /* each sub-block's sums */
             for (int r = 0; r < R; r++) {
