@@ -755,8 +755,9 @@ extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
 
 /* Asks for the `bytes` (whole lines) of the weight block `ahead` bytes past `block`. A decode step reads each weight
- * once, and the hardware's own prefetch alone kept the AVX2 tiles below the memory's pace: on a Zen 3, 2 threads, the
- * 1.7B files' decode, alternated: IQ4_XS 26 -> 30 tok/s, Q5_K_M 20 -> 23, Q4_K_M 25 -> 31, Q8_0 18 -> 19-20. */
+ * once, and the hardware's own prefetch alone kept the AVX2 tiles below the memory's pace while the host was loud: on
+ * a Zen 3, 2 threads, the 1.7B files' decode, alternated: IQ4_XS 26 -> 30 tok/s, Q5_K_M 20 -> 23, Q4_K_M 25 -> 31,
+ * Q8_0 18 -> 19-20 (even while it was quiet). */
 static inline void prefetch_ahead(const void *block, int bytes, int ahead) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)block + ahead + line, _MM_HINT_T0);
 }
