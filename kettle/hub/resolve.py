@@ -18,7 +18,6 @@ model file (in its folder, or its repository's, downloaded with it, as llama.cpp
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,14 +144,25 @@ def _resolve(
 
 
 def local_gguf(model_id: str | None, gguf_file: str | None = None) -> Path | None:
-    """The GGUF file `model_id` names, where it is one on this machine: the bundled model (None), a `.gguf` path,
-    or a local folder's `gguf_file`. None for anything else (a Hub id, safetensors, a folder of several)."""
+    """The GGUF file `model_id` names, where it is one on this machine: the bundled model (None), a `.gguf` path, a
+    local folder's `gguf_file`, its one GGUF model file (as `local_folder` serves it), or the file a prepared folder
+    links to (`GGUF_LINK`). None for anything else (a Hub id, safetensors, a folder of several)."""
+    from kettle.hub.gguf import GGUF_LINK
+
     if model_id is None:
         try:
             return bundled_gguf()
         except ModelNotFound:
             return None
-    path = Path(model_id) / gguf_file if gguf_file and os.path.isdir(model_id) else Path(model_id)
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if gguf_file:
+            path = path / gguf_file
+        elif (path / "config.json").is_file():
+            path = path / GGUF_LINK  # absent beside safetensors
+        else:
+            ggufs = [file for file in path.glob("*.gguf") if not is_mmproj(file.name)]
+            path = ggufs[0] if len(ggufs) == 1 else path
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 

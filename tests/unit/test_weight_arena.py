@@ -114,8 +114,30 @@ def test_the_launcher_asks_for_a_local_gguf_s_size_when_it_is_served_as_stored(t
     assert weight_bytes(LauncherConfig(model_id=str(gguf), quantize="int8")) is None
     assert weight_bytes(LauncherConfig(model_id=str(gguf), dtype="float32")) is None
     assert weight_bytes(LauncherConfig(model_id="org/model")) is None
-    assert weight_bytes(LauncherConfig(model_id=str(tmp_path))) is None  # a folder: safetensors, or a choice to make
     assert "--weight-bytes" not in shard_spec(LauncherConfig(model_id="org/model"), "/m", rank=0).argv
+
+
+def test_a_folder_s_one_gguf_or_a_prepared_folder_s_link_is_sized_too(tmp_path):
+    """A folder served from its one GGUF file, and a prepared folder (config.json beside the link to its GGUF, as
+    `bench peers --shape` serves its files) reserve the file's size; a folder of safetensors or of several GGUF
+    files does not (its weights are not known ahead)."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "model-Q4_K_M.gguf").write_bytes(b"\0" * 3000)
+    (alone / "mmproj-model-f16.gguf").write_bytes(b"\0" * 500)  # a projector beside it is not the model
+    assert weight_bytes(LauncherConfig(model_id=str(alone))) == 3000
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "config.json").write_text("{}")
+    (prepared / "model.gguf").symlink_to(alone / "model-Q4_K_M.gguf")
+    assert weight_bytes(LauncherConfig(model_id=str(prepared))) == 3000
+    (alone / "model-Q8_0.gguf").write_bytes(b"\0" * 6000)
+    assert weight_bytes(LauncherConfig(model_id=str(alone))) is None  # several: --gguf-file picks one
+    safetensors = tmp_path / "safetensors"
+    safetensors.mkdir()
+    (safetensors / "config.json").write_text("{}")
+    (safetensors / "model.safetensors").write_bytes(b"\0" * 100)
+    assert weight_bytes(LauncherConfig(model_id=str(safetensors))) is None
 
 
 def test_each_rank_asks_for_its_share(tmp_path):
