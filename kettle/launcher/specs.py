@@ -13,9 +13,10 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kettle import settings
-from kettle.hub.resolve import local_gguf
+from kettle.hub.resolve import cached_hub_gguf, local_gguf
 from kettle.hub.types import ResolvedModel
 from kettle.launcher.config import LauncherConfig
 from kettle.router.config import MODEL_FROM_LAUNCHER
@@ -90,10 +91,14 @@ def shard_spec(config: LauncherConfig, model_path: str, rank: int) -> ProcessSpe
 def weight_bytes(config: LauncherConfig) -> int | None:
     """About what one shard's packed weights take, where the launcher knows before the model is prepared: a GGUF
     file on this machine served as stored (no --quantize, no float --dtype) packs into about the file's size, split
-    among the ranks. None otherwise (a Hub id, safetensors, a conversion to another scheme)."""
+    among the ranks; a Hub id's GGUF pick counts once the Hub cache holds it. None otherwise (safetensors, a Hub id
+    not yet downloaded, a conversion to another scheme)."""
     if config.quantize is not None or config.dtype is not None:
         return None
-    path = local_gguf(config.weights_cache_override or config.model_id, config.gguf_file)
+    model_id = config.weights_cache_override or config.model_id
+    path = local_gguf(model_id, config.gguf_file)
+    if path is None and model_id and not Path(model_id).expanduser().exists():
+        path = cached_hub_gguf(model_id, config.gguf_file, config.revision, config.huggingface_hub_cache)
     return None if path is None else path.stat().st_size // config.world_size
 
 

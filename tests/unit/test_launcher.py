@@ -295,6 +295,16 @@ def test_a_model_on_this_machine_starts_the_shards_beside_its_look_up_at_once(ti
     assert ModelRequest(model_id="org/model", weights_cache_override=str(tiny_llama_path)).on_this_machine()
     assert not ModelRequest(model_id="org/model").on_this_machine()
     assert not ModelRequest(model_id=str(tmp_path / "missing")).on_this_machine()
+    # A Hub id's GGUF pick already in the Hub cache (a later start): nothing to download, and it resolved before.
+    snapshot = tmp_path / "hub" / "models--org--model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    (snapshot / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    hub = str(tmp_path / "hub")
+    assert ModelRequest(model_id="org/model:Q4_K_M", hub_cache=hub).on_this_machine()
+    assert not ModelRequest(model_id="org/model:Q8_0", hub_cache=hub).on_this_machine()
+    assert not ModelRequest(model_id="org/model", hub_cache=hub).on_this_machine()
     started = []
     model = prepare_model(LauncherConfig(model_id=str(tiny_llama_path)), meanwhile=lambda: started.append(True))
     assert started == [True] and (model.path / "config.json").is_file()

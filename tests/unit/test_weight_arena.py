@@ -140,6 +140,29 @@ def test_a_folder_s_one_gguf_or_a_prepared_folder_s_link_is_sized_too(tmp_path):
     assert weight_bytes(LauncherConfig(model_id=str(safetensors))) is None
 
 
+def test_a_hub_gguf_pick_is_sized_once_the_hub_cache_holds_it(tmp_path):
+    """`org/name:TAG` (or --gguf-file) in huggingface_hub's cache layout: the file the cached snapshot of the revision
+    holds for that pick; nothing for a pick or revision the cache lacks, nor for a Hub id without a pick."""
+    repo = tmp_path / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "name-Q4_K_M.gguf").write_bytes(b"\0" * 3000)
+    (snapshot / "name-Q8_0.gguf").write_bytes(b"\0" * 6000)
+    (snapshot / "mmproj-name-Q8_0.gguf").write_bytes(b"\0" * 500)
+    cache = {"huggingface_hub_cache": str(tmp_path)}
+    assert weight_bytes(LauncherConfig(model_id="org/name:Q4_K_M", **cache)) == 3000
+    assert weight_bytes(LauncherConfig(model_id="org/name:q8_0", **cache)) == 6000  # the projector is not the model
+    assert weight_bytes(LauncherConfig(model_id="org/name", gguf_file="name-Q8_0.gguf", **cache)) == 6000
+    assert weight_bytes(LauncherConfig(model_id="org/name:Q4_K_M", num_shard=2, **cache)) == 1500
+    assert weight_bytes(LauncherConfig(model_id="org/name:Q5_K_M", **cache)) is None  # not downloaded
+    assert weight_bytes(LauncherConfig(model_id="org/name:Q4_K_M", revision="v2", **cache)) is None
+    assert weight_bytes(LauncherConfig(model_id="org/name", **cache)) is None  # safetensors, or a choice to make
+    assert weight_bytes(LauncherConfig(model_id="org/other:Q4_K_M", **cache)) is None
+    assert weight_bytes(LauncherConfig(model_id="org/name:Q4_K_M", quantize="int8", **cache)) is None
+
+
 def test_each_rank_asks_for_its_share(tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * 3000)
