@@ -166,19 +166,14 @@ def local_gguf(model_id: str | None, gguf_file: str | None = None) -> Path | Non
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, hub_cache: str | None) -> Path | None:
-    """The GGUF file a Hub id's pick (`org/name:TAG`, or `--gguf-file`) names where the local cache's snapshot of that
-    revision already holds it (a later start); None otherwise. A guess at what resolving will download, for sizing
-    memory ahead: it asks no network, and a cache that lags the Hub only makes the guess wrong."""
+def cached_hub_snapshot(repo: str, revision: str | None, hub_cache: str | None) -> Path | None:
+    """The local cache's snapshot folder of Hub repository `repo` (`org/name`) at `revision` (default: its main
+    branch), found in huggingface_hub's cache layout without the network; None where the cache has none."""
     from huggingface_hub import constants
 
     from kettle.hub.download import hub_cache_dir
 
-    try:
-        repo, pick = GgufPick.parse(model_id, gguf_file)
-    except ModelNotFound:
-        return None
-    if pick is None or repo.count("/") != 1:
+    if repo.count("/") != 1:
         return None
     folder = Path(hub_cache_dir(hub_cache) or constants.HF_HUB_CACHE) / constants.REPO_ID_SEPARATOR.join(
         ["models", *repo.split("/")]
@@ -186,7 +181,19 @@ def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, 
     ref = folder / "refs" / (revision or constants.DEFAULT_REVISION)
     commit = ref.read_text().strip() if ref.is_file() else revision
     snapshot = folder / "snapshots" / commit if commit else None
-    if snapshot is None or not snapshot.is_dir():
+    return snapshot if snapshot is not None and snapshot.is_dir() else None
+
+
+def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, hub_cache: str | None) -> Path | None:
+    """The GGUF file a Hub id's pick (`org/name:TAG`, or `--gguf-file`) names where the local cache's snapshot of that
+    revision already holds it (a later start); None otherwise. A guess at what resolving will download, for sizing
+    memory ahead: it asks no network, and a cache that lags the Hub only makes the guess wrong."""
+    try:
+        repo, pick = GgufPick.parse(model_id, gguf_file)
+    except ModelNotFound:
+        return None
+    snapshot = None if pick is None else cached_hub_snapshot(repo, revision, hub_cache)
+    if snapshot is None:
         return None
     names = sorted(path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*.gguf"))
     try:
@@ -194,6 +201,19 @@ def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, 
     except ModelNotFound:
         return None
     return path if path.is_file() else None
+
+
+def hub_model_cached(model_id: str, gguf_file: str | None, revision: str | None, hub_cache: str | None) -> bool:
+    """Whether the local cache already holds a Hub id's model (a later start): its GGUF pick's file, or, with no
+    pick, a snapshot with the model's config. What a mistyped or never-downloaded id never has."""
+    if cached_hub_gguf(model_id, gguf_file, revision, hub_cache) is not None:
+        return True
+    try:
+        repo, pick = GgufPick.parse(model_id, gguf_file)
+    except ModelNotFound:
+        return False
+    snapshot = None if pick is not None else cached_hub_snapshot(repo, revision, hub_cache)
+    return snapshot is not None and (snapshot / "config.json").is_file()
 
 
 def bundled_gguf() -> Path:

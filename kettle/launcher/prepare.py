@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kettle.hub import ModelNotFound, PreparationError, ResolvedModel, resolve_model
-from kettle.hub.resolve import cached_hub_gguf
+from kettle.hub.resolve import hub_model_cached
 
 if TYPE_CHECKING:
     from kettle.launcher.child import Child
@@ -66,14 +66,14 @@ class ModelRequest:
     weights_cache_override: str | None = None
 
     def on_this_machine(self) -> bool:
-        """Whether the model is on this machine (the bundled one, an existing file or folder, a Hub id's GGUF pick the
-        Hub cache already holds): no download, no mistyped Hub id. Its look-up or preparation then starts the shards
-        and the router beside it at once; a later start's look-up (a Python start, ~0.15 s; ~0.45 s for a Hub id)
-        no longer comes before their imports (~1.5 s)."""
+        """Whether the model is on this machine (the bundled one, an existing file or folder, a Hub id the Hub cache
+        already holds: `hub_model_cached`): no download, no mistyped Hub id. Its look-up or preparation then starts
+        the shards and the router beside it at once; a later start's look-up (a Python start, ~0.15 s; ~0.45 s for a
+        Hub id) no longer comes before their imports (~1.5 s)."""
         local = self.weights_cache_override or self.model_id
         if local is None or os.path.exists(local):
             return True
-        return cached_hub_gguf(local, self.gguf_file, self.revision, self.hub_cache) is not None
+        return hub_model_cached(local, self.gguf_file, self.revision, self.hub_cache)
 
     @classmethod
     def of(cls, config: LauncherConfig) -> ModelRequest:

@@ -304,7 +304,12 @@ def test_a_model_on_this_machine_starts_the_shards_beside_its_look_up_at_once(ti
     hub = str(tmp_path / "hub")
     assert ModelRequest(model_id="org/model:Q4_K_M", hub_cache=hub).on_this_machine()
     assert not ModelRequest(model_id="org/model:Q8_0", hub_cache=hub).on_this_machine()
-    assert not ModelRequest(model_id="org/model", hub_cache=hub).on_this_machine()
+    assert not ModelRequest(model_id="org/model", hub_cache=hub).on_this_machine()  # no config: a GGUF repository
+    # A Hub id without a pick whose snapshot holds the model's config (safetensors beside it): on this machine too.
+    (snapshot / "config.json").write_text("{}")
+    assert ModelRequest(model_id="org/model", hub_cache=hub).on_this_machine()
+    assert not ModelRequest(model_id="org/model", revision="v2", hub_cache=hub).on_this_machine()
+    assert not ModelRequest(model_id="org/other", hub_cache=hub).on_this_machine()
     started = []
     model = prepare_model(LauncherConfig(model_id=str(tiny_llama_path)), meanwhile=lambda: started.append(True))
     assert started == [True] and (model.path / "config.json").is_file()
