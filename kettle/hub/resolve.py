@@ -206,13 +206,13 @@ def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, 
 def hub_model_cached(model_id: str, gguf_file: str | None, revision: str | None, hub_cache: str | None) -> bool:
     """Whether the local cache already holds a Hub id's model (a later start): its GGUF pick's file, or, with no
     pick, a snapshot with the model's config. What a mistyped or never-downloaded id never has."""
-    if cached_hub_gguf(model_id, gguf_file, revision, hub_cache) is not None:
-        return True
     try:
         repo, pick = GgufPick.parse(model_id, gguf_file)
     except ModelNotFound:
         return False
-    snapshot = None if pick is not None else cached_hub_snapshot(repo, revision, hub_cache)
+    if pick is not None:
+        return cached_hub_gguf(model_id, gguf_file, revision, hub_cache) is not None
+    snapshot = cached_hub_snapshot(repo, revision, hub_cache)
     return snapshot is not None and (snapshot / "config.json").is_file()
 
 
