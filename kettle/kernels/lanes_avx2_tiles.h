@@ -249,7 +249,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_til
                 for (int odd = 0; odd < 2; odd++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(block + 64 * (m + odd) + 32 * h));
                     const __m256i first = _mm256_and_si256(odd ? _mm256_slli_epi16(bits, 4) : bits, high2);
-                    const __m256i second = _mm256_and_si256(odd ? _mm256_slli_epi16(bits, 2) : _mm256_srli_epi16(bits, 2), high2);
+                    const __m256i second =
+                        _mm256_and_si256(odd ? _mm256_slli_epi16(bits, 2) : _mm256_srli_epi16(bits, 2), high2);
                     low[odd] = _mm256_or_si256(_mm256_and_si256(v, low4), first);
                     high[odd] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), second);
                 }
