@@ -192,7 +192,12 @@ def cached_hub_gguf(model_id: str, gguf_file: str | None, revision: str | None, 
         repo, pick = GgufPick.parse(model_id, gguf_file)
     except ModelNotFound:
         return None
-    snapshot = None if pick is None else cached_hub_snapshot(repo, revision, hub_cache)
+    return None if pick is None else _cached_pick(repo, pick, revision, hub_cache)
+
+
+def _cached_pick(repo: str, pick: GgufPick, revision: str | None, hub_cache: str | None) -> Path | None:
+    """`cached_hub_gguf` for an id already parsed into its repository and pick."""
+    snapshot = cached_hub_snapshot(repo, revision, hub_cache)
     if snapshot is None:
         return None
     names = sorted(path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*.gguf"))
@@ -211,7 +216,7 @@ def hub_model_cached(model_id: str, gguf_file: str | None, revision: str | None,
     except ModelNotFound:
         return False
     if pick is not None:
-        return cached_hub_gguf(model_id, gguf_file, revision, hub_cache) is not None
+        return _cached_pick(repo, pick, revision, hub_cache) is not None
     snapshot = cached_hub_snapshot(repo, revision, hub_cache)
     return snapshot is not None and (snapshot / "config.json").is_file()
 
