@@ -171,8 +171,10 @@ def _plain_arrays() -> Iterator[None]:
     model's vocabulary and merges, ~3 s of a 7 s preparation. Inside the block the reader gets a plain ndarray view
     of the same mapping, sliced in C; the values read are the same bytes. Its arrays of strings and numbers are
     also cut into their items in one pass (`_array_parts`) instead of a recursive call and four NumPy views per
-    item: the same parts, as memoryviews (strings) and NumPy slices (numbers); 2.9 s → ~0.2 s on the bundled file."""
+    item: the same parts, as memoryviews (strings) and NumPy slices (numbers); 2.9 s → ~0.2 s on the bundled file.
+    transformers' parse then decodes each string item's bytes at once (`parse`)."""
     from gguf import gguf_reader
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     numpy = gguf_reader.np
     reader = gguf_reader.GGUFReader
@@ -191,11 +193,17 @@ def _plain_arrays() -> Iterator[None]:
     def parts(self, offset: int, raw_type: int):
         return _array_parts(self, offset, raw_type) or field_parts(self, offset, raw_type)
 
-    gguf_reader.np, reader._get_field_parts = PlainMapping(), parts
+    def parse(value, types):
+        # An array's string item as `_array_parts` cuts it: its bytes decoded at once, where transformers' parse
+        # makes a list of their ints, an array of that and bytes of the array (the same UTF-8 decode).
+        return str(value, "utf-8") if type(value) is memoryview else parse_value(value, types)
+
+    parse_value = gguf_utils._gguf_parse_value
+    gguf_reader.np, reader._get_field_parts, gguf_utils._gguf_parse_value = PlainMapping(), parts, parse
     try:
         yield
     finally:
-        gguf_reader.np, reader._get_field_parts = numpy, field_parts
+        gguf_reader.np, reader._get_field_parts, gguf_utils._gguf_parse_value = numpy, field_parts, parse_value
 
 
 def _array_parts(reader, offset: int, raw_type: int) -> tuple | None:

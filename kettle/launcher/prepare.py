@@ -177,9 +177,11 @@ def _read_result(result: Path, code: int) -> ResolvedModel:
 
 def main(argv: list[str]) -> int:
     """The child: `python -m kettle.launcher.prepare RESULT_FILE REQUEST_JSON [--json-output]`."""
+    from kettle.hub import preparation_process
     from kettle.hub.failures import unexpected_failure
     from kettle.logging_setup import setup_logging
 
+    preparation_process.set_up()
     result, request = Path(argv[0]), ModelRequest(**json.loads(argv[1]))
     setup_logging("--json-output" in argv[2:])
     # SIGTERM (forwarded by the launcher) unwinds like Ctrl-C, so a download or conversion in progress removes

@@ -8,11 +8,14 @@ tokenizer (the weights stay in the GGUF) and leaves the folder that the bundled 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
 
 from kettle.hub import BUNDLED_MODEL_ID, resolve_model
+from kettle.hub.gguf import GGUF_LINK
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +114,38 @@ def test_the_router_reads_the_bundled_tokenizer_without_transformers(bundled):
     for text in ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n", "naïve café 東京 🙂  x"]:
         assert _encode(ours, text, None, True) == _encode(theirs, text, None, True)
         assert _tokenize(ours, text, False) == _tokenize(theirs, text, False)
+
+
+def test_the_preparation_process_writes_the_same_folder_without_the_distributed_imports(bundled, tmp_path):
+    """The preparation's own process (`preparation_process.set_up`: no cyclic collection, torch.distributed reported
+    unavailable from transformers' first import on) writes the folder this process wrote, byte for byte, and
+    transformers leaves torch's distributed tensor stack (and sympy) out of its imports there."""
+    from kettle.hub.resolve import bundled_gguf
+
+    code = (
+        "import gc, sys\n"
+        "from pathlib import Path\n"
+        "from kettle.hub import preparation_process\n"
+        "preparation_process.set_up()\n"
+        "from kettle.hub.gguf import prepare_gguf\n"
+        f"prepare_gguf(Path({str(bundled_gguf())!r}), Path({str(tmp_path)!r}))\n"
+        "assert 'transformers' in sys.modules and not gc.isenabled()\n"
+        "assert 'torch.distributed.tensor' not in sys.modules and 'sympy' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    written = {path.name for path in tmp_path.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= written
+    for name in written - {GGUF_LINK}:
+        assert (tmp_path / name).read_bytes() == (bundled.path / name).read_bytes(), name
+
+
+def test_a_later_start_s_look_up_in_the_preparation_process_imports_neither_torch_nor_transformers(bundled):
+    """`set_up` only arms a hook: a look-up that finds the folder prepared (a later start) stays a light Python."""
+    code = (
+        "import sys\n"
+        "from kettle.hub import preparation_process, resolve_model\n"
+        "preparation_process.set_up()\n"
+        f"assert str(resolve_model().path) == {str(bundled.path)!r}\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
