@@ -79,7 +79,7 @@ def serve(
 ) -> None:
     """Run one shard (the model) as a gRPC server on a Unix socket. Started by `kettle launch`."""
     settings = dict(locals())  # exactly the parameters, which are named like ShardConfig's fields
-    from kettle.process_memory import reuse_freed_memory, use_one_heap
+    from kettle.process_memory import collection_paused, reuse_freed_memory, use_one_heap
     from kettle.tensors import weight_arena
 
     use_one_heap()  # first: before torch, gRPC or the engine start a thread
@@ -92,14 +92,15 @@ def serve(
     setup_logging(settings.pop("json_output"))
     endpoint, service = settings.pop("otlp_endpoint"), settings.pop("otlp_service_name")
     config = _config_or_usage_error(ShardConfig, **settings)
-    from kettle.shard.server import serve as serve_shard
+    with collection_paused():  # torch's imports and the load: until the shard is ready
+        from kettle.shard.server import serve as serve_shard
 
-    # The shards' spans join the router's traces under their own service name, as TGI's `.server` ones do.
-    tracing.setup_tracing(endpoint, f"{service}.shard")
-    try:
-        serve_shard(config)
-    finally:
-        tracing.shutdown_tracing()
+        # The shards' spans join the router's traces under their own service name, as TGI's `.server` ones do.
+        tracing.setup_tracing(endpoint, f"{service}.shard")
+        try:
+            serve_shard(config)
+        finally:
+            tracing.shutdown_tracing()
 
 
 @app.command()
@@ -134,9 +135,12 @@ def router(
 
     settings["hostname"] = listen_address(settings["hostname"])
     config = _config_or_usage_error(RouterConfig, **settings)
-    from kettle.router.server import run
+    from kettle.process_memory import collection_paused
 
-    run(config)
+    with collection_paused():  # the imports, the tokenizer and the warm-up: until the router serves
+        from kettle.router.server import run
+
+        run(config)
 
 
 @app.command("download-weights")

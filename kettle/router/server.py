@@ -20,7 +20,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from kettle import settings, tracing
-from kettle.process_memory import exit_without_teardown, log_resident_memory
+from kettle.process_memory import exit_without_teardown, keep_start_objects, log_resident_memory
 from kettle.proto import generate_pb2
 from kettle.router import metrics
 from kettle.router.app import create_app
@@ -150,6 +150,7 @@ async def _serve_with(config: RouterConfig, client: ShardedClient, tokenizers: T
     drain = Drain()
     app = create_app(config, infer, validation, info, validation_limits, drain)
     _log_serving(config, info, validation_limits)
+    keep_start_objects()
     log_resident_memory(logger, "router")
     metrics.track_process_memory(config.launcher_pid)
     # The first reading before serving, so /metrics has every process from its first answer.

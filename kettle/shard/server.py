@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from kettle import settings, tracing
-from kettle.process_memory import exit_without_teardown, release_free_memory
+from kettle.process_memory import exit_without_teardown, keep_start_objects, release_free_memory
 from kettle.proto import generate_pb2 as pb
 from kettle.proto import generate_pb2_grpc
 from kettle.shard.config import MODEL_FROM_LAUNCHER, ShardConfig
@@ -175,6 +175,7 @@ async def _serve(config: ShardConfig) -> None:
         os.unlink(config.socket_path)
     server.add_insecure_port(f"unix://{config.socket_path}")
     await server.start()
+    keep_start_objects()
     logger.info(
         "Shard %d/%d ready on %s (%s, %s, %s, weights %s)",
         config.rank,

@@ -1,5 +1,5 @@
-"""The start-up line of each process's resident memory, a CPU shard's split of it (KV cache and the rest), and the
-library pages a shard drops once it is ready."""
+"""The start-up line of each process's resident memory, a CPU shard's split of it (KV cache and the rest), the
+library pages a shard drops once it is ready, and the garbage collector's pause over a start."""
 
 from __future__ import annotations
 
@@ -155,3 +155,33 @@ def test_the_environment_and_the_off_switch_keep_glibc_s_own_behaviour():
     assert reuse("reuse", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")[0] == "False"
     took, faults = reuse("reuse", KETTLE_TUNING="reuse-freed-memory=off")
     assert took == "False" and faults >= (64 << 20) // 4096
+
+
+def test_a_start_pauses_the_collector_and_its_objects_leave_later_walks():
+    """In a process of its own (the freeze is process-wide): the collector is off inside the block; once ready, what
+    the start made is out of the generations a collection walks, and collection is back on; a block left without
+    `keep_start_objects` (a start that failed) turns it back on too."""
+    code = """
+import gc
+from kettle.process_memory import collection_paused, keep_start_objects
+
+with collection_paused():
+    assert not gc.isenabled()
+    made = {"start": [object()]}
+    assert any(o is made for o in gc.get_objects())
+    keep_start_objects()
+    assert gc.isenabled()
+    assert not any(o is made for o in gc.get_objects()) and gc.get_freeze_count() > 0
+    later = {"request": []}
+    assert any(o is later for o in gc.get_objects())
+assert gc.isenabled()
+with collection_paused():
+    pass
+assert gc.isenabled()
+try:
+    with collection_paused():
+        raise ValueError
+except ValueError:
+    assert gc.isenabled()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
