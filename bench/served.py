@@ -178,7 +178,7 @@ def trees(args: argparse.Namespace) -> None:
             env |= {"KETTLE_CACHE": tempfile.mkdtemp(prefix="kettle-cache-")} if args.fresh_cache else {}
             key = f"{name} {' '.join(flags) or '(no flags)'}"
             started = time.perf_counter()
-            server = KettleServer(None, *flags, *args.server_args.split(), env=env, timeout=1200)
+            server = KettleServer(None, *flags, *args.server_args.split(), env=env, timeout=1200, cwd=env["PYTHONPATH"])
             servers[key] = (server, time.perf_counter() - started)
             rates |= {(key, streams): [] for streams in args.streams}
             print(json.dumps({"tree": tree, "flags": flags, "ready_s": round(servers[key][1], 1)}), flush=True)

@@ -16,7 +16,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 from safetensors import safe_open
 from tqdm import tqdm
 
+import kettle
 from kettle.proto import generate_pb2 as pb
 from kettle.router.client import ShardedClient
 
@@ -196,10 +196,12 @@ def _own_shard(config: BenchmarkConfig) -> Iterator[str]:
 
     path = str(resolve_model(config.model_id).path)
     uds = os.path.join(tempfile.mkdtemp(prefix="kettle-bench-"), "shard")
-    argv = [sys.executable, "-m", "kettle.cli", "serve", path, "--uds-path", uds]
+    argv = [*kettle.python_command("kettle.cli"), "serve", path, "--uds-path", uds]
     argv += ["--dtype", config.dtype] if config.dtype else []
     argv += ["--quantize", config.quantize] if config.quantize else []
-    shard = subprocess.Popen(argv)
+    shard = subprocess.Popen(
+        argv, env={**os.environ, "PYTHONPATH": kettle.child_pythonpath(os.environ.get("PYTHONPATH"))}
+    )
     try:
         yield f"{uds}-0"
     finally:

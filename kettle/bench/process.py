@@ -64,11 +64,14 @@ class KettleServer:
         own_sockets: bool = True,
         max_kv_tokens: int | None = 65536,
         poll: float = 0.5,
+        cwd: str | None = None,
     ) -> None:
         """`hostname=None` leaves --hostname out (the launcher's default, or HOSTNAME from `env`);
         `own_sockets=False` leaves the shard socket path to the launcher's default instead of a private folder;
         `max_kv_tokens` caps the KV cache (KETTLE_TUNING's max-kv-tokens; None: no cap of ours, sized as `make
-        serve` sizes it; `child_environment`); /health is polled every `poll` seconds until it answers."""
+        serve` sizes it; `child_environment`); /health is polled every `poll` seconds until it answers; `cwd`: the
+        launcher's working directory (a tree's own, so that a tree from before the launcher ran its children from its
+        own package still does: their `python -m` put the working directory first on their path)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = flags
@@ -81,7 +84,7 @@ class KettleServer:
         # The log outlives this call (the launcher writes to it until stopped), so no context manager here.
         self.log = tempfile.NamedTemporaryFile(prefix="kettle-e2e-", suffix=".log", delete=False)  # noqa: SIM115
         child_env = child_environment(env or {}, max_kv_tokens)
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=child_env)
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=child_env, cwd=cwd)
         self._wait_ready(timeout, poll)
 
     def _wait_ready(self, timeout: float, poll: float = 0.5) -> None:

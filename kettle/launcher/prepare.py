@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import kettle
 from kettle.hub import ModelNotFound, PreparationError, ResolvedModel, resolve_model
 from kettle.hub.resolve import hub_model_cached
 
@@ -122,7 +123,7 @@ def prepare_model(config: LauncherConfig, meanwhile: Callable[[], None] | None =
     handle, result = tempfile.mkstemp(prefix="kettle-model-", suffix=".json")
     os.close(handle)
     request = ModelRequest.of(config)
-    argv = [sys.executable, "-m", __name__, result, json.dumps(dataclasses.asdict(request))]
+    argv = [*kettle.python_command(__name__), result, json.dumps(dataclasses.asdict(request))]
     if config.json_output:
         argv.append("--json-output")
     try:

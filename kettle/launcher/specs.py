@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import kettle
 from kettle import settings
 from kettle.hub.resolve import cached_hub_gguf, local_gguf
 from kettle.hub.types import ResolvedModel
@@ -35,8 +35,8 @@ class ProcessSpec:
 
 
 def kettle_command() -> list[str]:
-    """The command that runs Kettle's CLI with this very interpreter."""
-    return [sys.executable, "-m", "kettle.cli"]
+    """The command that runs Kettle's CLI with this very interpreter and package (with `child_env`)."""
+    return kettle.python_command("kettle.cli")
 
 
 def config_argv(config: object, skip: frozenset[str] = frozenset()) -> list[str]:
@@ -61,9 +61,11 @@ def config_argv(config: object, skip: frozenset[str] = frozenset()) -> list[str]
 
 
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's environment plus `extra`; Python output unbuffered so child logs appear at once."""
+    """The launcher's environment plus `extra`; Python output unbuffered so child logs appear at once, and this
+    package first on the path, so the child runs the launcher's own code (`kettle.python_command`)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = kettle.child_pythonpath(os.environ.get("PYTHONPATH"))
     env.update(extra)
     return env
 

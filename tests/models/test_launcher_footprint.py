@@ -26,7 +26,7 @@ from kettle.launcher.config import LauncherConfig
 
 class Supervisor:
     def __init__(self, shards, router, **_):
-        self.model_path = shards[0].argv[4]
+        self.model_path = shards[0].argv[shards[0].argv.index("serve") + 1]
 
     def run(self):
         rss_kib = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])

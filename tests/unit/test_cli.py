@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kettle.cli import app
 from kettle.hub import ResolvedModel
 from kettle.launcher.config import INACTIVE_FLAGS, LauncherConfig
-from kettle.launcher.specs import router_spec, shard_spec
+from kettle.launcher.specs import kettle_command, router_spec, shard_spec
 from kettle.router.config import RouterConfig
 from kettle.shard.config import ShardConfig
 
@@ -246,8 +246,9 @@ def test_shard_argv_round_trips_to_the_same_shard_config(captured):
         cuda_graphs="1,2",
     )
     spec = shard_spec(config, "/models/m", rank=0)
-    assert list(spec.argv[:4]) == [sys.executable, "-m", "kettle.cli", "serve"]
-    result = runner.invoke(app, list(spec.argv[3:]), env={"RANK": "", "WORLD_SIZE": ""})
+    command = kettle_command()
+    assert list(spec.argv[: len(command) + 1]) == [*command, "serve"]
+    result = runner.invoke(app, list(spec.argv[len(command) :]), env={"RANK": "", "WORLD_SIZE": ""})
     assert result.exit_code == 0, result.output
     assert captured["kettle.shard.server"] == config.shard_config("/models/m", rank=0)
 
@@ -257,7 +258,7 @@ def test_router_argv_round_trips_to_the_same_router_config(captured):
         max_total_tokens=512, cors_allow_origin=("http://a", "http://b"), api_key="k", disable_prefix_caching=True
     )
     model = ResolvedModel(Path("/models/m"), "org/model", "abc123")
-    result = runner.invoke(app, list(router_spec(config, model).argv[3:]))
+    result = runner.invoke(app, list(router_spec(config, model).argv[len(kettle_command()) :]))
     assert result.exit_code == 0, result.output
     assert captured["kettle.router.server"] == config.router_config("/models/m", "org/model", "abc123")
 

@@ -17,7 +17,7 @@ from kettle.hub import ModelNotFound, ResolvedModel
 from kettle.launcher import config as launcher_config
 from kettle.launcher import main as launcher_main
 from kettle.launcher.config import LauncherConfig
-from kettle.launcher.specs import config_argv, router_spec, shard_specs
+from kettle.launcher.specs import child_env, config_argv, kettle_command, router_spec, shard_specs
 
 # A dummy shard: serves a Unix socket, records its pid, and notes when SIGTERM arrives.
 SHARD = """
@@ -59,7 +59,7 @@ sys.exit(Supervisor(specs[:-1], specs[-1], plan["timeout"], start_timeout=10, ro
 def test_shard_specs_carry_the_distributed_environment():
     config = LauncherConfig(master_addr="10.0.0.1", master_port=1234, shard_uds_path="/tmp/k")
     (spec,) = shard_specs(config, "/models/m")
-    assert spec.argv[:5] == (sys.executable, "-m", "kettle.cli", "serve", "/models/m")
+    assert spec.argv[: len(kettle_command()) + 2] == (*kettle_command(), "serve", "/models/m")
     assert {k: spec.env[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -74,7 +74,7 @@ def test_router_spec_points_at_shard_zero_and_the_resolved_model():
     config = LauncherConfig(shard_uds_path="/tmp/k", port=8080, json_output=True)
     spec = router_spec(config, ResolvedModel(Path("/cache/m"), "org/m", "deadbeef"))
     argv = list(spec.argv)
-    assert argv[3] == "router"
+    assert argv[len(kettle_command())] == "router"
     for flag, value in [
         ("--master-shard-uds-path", "/tmp/k-0"),
         ("--tokenizer-name", "/cache/m"),
@@ -325,3 +325,20 @@ def test_a_child_starts_at_its_specs_lower_cpu_priority():
     child = Child(ProcessSpec("niced", argv, dict(os.environ), niceness=5))
     assert child.process.wait(30) == min(os.nice(0) + 5, 19)
     assert router_spec(LauncherConfig(), None).niceness == 10  # KETTLE_TUNING's router-nice default
+
+
+def test_a_child_runs_the_launcher_s_own_kettle_whatever_its_working_directory_holds(tmp_path):
+    """Started from a folder that holds another `kettle` package (a checkout of another version, say), a child still
+    imports the launcher's: `python -m` alone would put that folder first on its path. What a child of the launcher
+    imports is this very package."""
+    decoy = tmp_path / "kettle"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy kettle in the working directory')\n")
+    code = "import kettle, sys; print(kettle.__file__)"
+    python = kettle_command()[:-2]  # the interpreter and its flags, before `-m kettle.cli`
+    found = subprocess.run(
+        [*python, "-c", code], cwd=tmp_path, env=child_env({}), capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert Path(found).resolve() == Path(launcher_main.__file__).resolve().parent.parent / "__init__.py"
+    shown = subprocess.run([*kettle_command(), "--help"], cwd=tmp_path, env=child_env({}), capture_output=True)
+    assert shown.returncode == 0, shown.stderr
