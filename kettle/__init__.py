@@ -16,6 +16,11 @@ def python_command(module: str) -> list[str]:
 
 
 def child_pythonpath(inherited: str | None) -> str:
-    """A child's PYTHONPATH: the folder this package was imported from, then what the parent's had."""
+    """A child's PYTHONPATH: the folder this package was imported from, then what the parent's had. Not an installed
+    package's site-packages, which the child finds anyway: on PYTHONPATH it would come before the standard library,
+    and a stale backport installed there (`typing`, say) would then replace the standard module."""
+    import site
+
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.pathsep.join([here, *([inherited] if inherited else [])])
+    installed = {os.path.abspath(path) for path in [*site.getsitepackages(), site.getusersitepackages()]}
+    return os.pathsep.join([*([here] if here not in installed else []), *([inherited] if inherited else [])])

@@ -342,3 +342,17 @@ def test_a_child_runs_the_launcher_s_own_kettle_whatever_its_working_directory_h
     assert Path(found).resolve() == Path(launcher_main.__file__).resolve().parent.parent / "__init__.py"
     shown = subprocess.run([*kettle_command(), "--help"], cwd=tmp_path, env=child_env({}), capture_output=True)
     assert shown.returncode == 0, shown.stderr
+
+
+def test_an_installed_kettle_s_site_packages_stays_off_the_children_s_pythonpath(monkeypatch):
+    """Installed (not a checkout), the package's folder is a site-packages the child finds by itself; put on
+    PYTHONPATH it would come before the standard library. What the parent's PYTHONPATH had still goes on."""
+    import site
+
+    import kettle
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kettle.__file__)))
+    assert kettle.child_pythonpath("/elsewhere") == os.pathsep.join([root, "/elsewhere"])  # a checkout: first
+    monkeypatch.setattr(site, "getsitepackages", lambda: [root])
+    assert kettle.child_pythonpath(None) == ""
+    assert kettle.child_pythonpath("/elsewhere") == "/elsewhere"
