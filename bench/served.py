@@ -174,11 +174,12 @@ def trees(args: argparse.Namespace) -> None:
     servers, rates = {}, {}
     try:
         for (name, tree), flags in configs:
-            env = {"PYTHONPATH": str(Path(tree).resolve())}
+            root = str(Path(tree).resolve())
+            env = {"PYTHONPATH": root}
             env |= {"KETTLE_CACHE": tempfile.mkdtemp(prefix="kettle-cache-")} if args.fresh_cache else {}
             key = f"{name} {' '.join(flags) or '(no flags)'}"
             started = time.perf_counter()
-            server = KettleServer(None, *flags, *args.server_args.split(), env=env, timeout=1200, cwd=env["PYTHONPATH"])
+            server = KettleServer(None, *flags, *args.server_args.split(), env=env, timeout=1200, cwd=root)
             servers[key] = (server, time.perf_counter() - started)
             rates |= {(key, streams): [] for streams in args.streams}
             print(json.dumps({"tree": tree, "flags": flags, "ready_s": round(servers[key][1], 1)}), flush=True)

@@ -193,12 +193,13 @@ def _plain_arrays() -> Iterator[None]:
     def parts(self, offset: int, raw_type: int):
         return _array_parts(self, offset, raw_type) or field_parts(self, offset, raw_type)
 
+    parse_value = gguf_utils._gguf_parse_value
+
     def parse(value, types):
         # An array's string item as `_array_parts` cuts it: its bytes decoded at once, where transformers' parse
         # makes a list of their ints, an array of that and bytes of the array (the same UTF-8 decode).
         return str(value, "utf-8") if type(value) is memoryview else parse_value(value, types)
 
-    parse_value = gguf_utils._gguf_parse_value
     gguf_reader.np, reader._get_field_parts, gguf_utils._gguf_parse_value = PlainMapping(), parts, parse
     try:
         yield
