@@ -74,7 +74,7 @@ static void q6_k_unpack(const uint8_t *block, __m256i q[8], int8_t scales[16], u
 /* Each packer writes channel c of group G (16 channels) of `w` from that channel's row of blocks in the file (`row`),
  * its blocks of 32 inputs [b0, b1) (multiples of 8 but the row's end: a K-quant's super-blocks whole), and returns -1
  * for a source type it does not pack into `w`'s layout; with `row` NULL it only answers that. The channels of one
- * group share bytes (Q5L's masks), so one thread packs a whole group (`kettle_pack`). */
+ * group interleave in the same cache lines, so one thread packs a whole group (`kettle_pack`). */
 
 /* Q6_K → Q6L. */
 int pack_q6l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
@@ -161,18 +161,18 @@ int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
     return 0;
 }
 
-/* Block b's 32 values q (0..31) of channel c into Q5L's quad vectors and fifth-bit masks (zeroed by the caller). */
+/* Block b's 32 values q (0..31) of channel c into Q5L's quad vectors and fifth-bit planes (zeroed by the caller). */
 static void put_q5l_block(uint8_t *block, int c, const uint8_t v[32]) {
     uint8_t nibbles[16];
     for (int i = 0; i < 16; i++) nibbles[i] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
     put_quads(block, c, _mm_loadu_si128((const __m128i *)nibbles));
-    for (int m = 0; m < 4; m++) {
-        uint8_t *low = block + 256 + 16 * m, *high = low + 8; /* the masks' bytes, little-endian: bits 4c + t */
-        for (int t = 0; t < 4; t++) {
-            const int i = 4 * m + QUAD_INPUT[t], at = 4 * c + t;
-            low[at / 8] |= (uint8_t)((v[i] >> 4) << (at % 8));
-            high[at / 8] |= (uint8_t)((v[16 + i] >> 4) << (at % 8));
+    for (int t = 0; t < 4; t++) {
+        uint8_t planes = 0; /* the byte beside the quad vectors' byte 4c + t: bit m of quad m's low nibble, 4 + m high */
+        for (int m = 0; m < 4; m++) {
+            const int i = 4 * m + QUAD_INPUT[t];
+            planes |= (uint8_t)((v[i] >> 4) << m | (v[16 + i] >> 4) << (4 + m));
         }
+        block[256 + 4 * c + t] = planes;
     }
 }
 
@@ -202,7 +202,7 @@ static int pack_q5l_legacy(const Linear *w, int source, const uint8_t *row, int6
     return 0;
 }
 
-/* Q5_K → Q5L (the caller zeroes the weight: channels OR their fifth bits into shared masks); Q5_0 and Q5_1 into a
+/* Q5_K → Q5L (each channel writes its own bytes of the fifth-bit planes); Q5_0 and Q5_1 into a
  * Q5L weight without `supers`. */
 int pack_q5l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, int64_t b0, int64_t b1) {
     if ((source == GGML_Q5_0 || source == GGML_Q5_1) && !w->supers)

@@ -45,9 +45,11 @@
  * Q4_K's scales (w = d · sc · q - dmin · m; sc, m 6-bit per 32 inputs, d and dmin per 256, K a multiple of 256) in
  * Q4L's tables (scales, mins, supers), or without `supers` a float16 scale and minimum per 32 inputs in Q4L's tables
  * (w = q · scale + minimum: Q5_1's d and m, Q5_0's d and -16 · d, exact in float16).
- * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then per quad vector m two
- * 64-bit masks, bit 4c + t of the first the fifth bit of input i(m, t) of channel 16G + c, of the second that of
- * input 16 + i(m, t) (each a masked add of 16 to the vector's bytes). 5.5 bits a weight as in the file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
+ * weight [N/16][K/32][320] bytes: for block b, the low 4 bits of q as Q4L's 256 bytes, then 64 bytes of fifth-bit
+ * planes: byte 4c + t, beside every quad vector's byte 4c + t, holds at bit m the fifth bit of quad vector m's input
+ * i(m, t) of channel 16G + c and at bit 4 + m that of input 16 + i(m, t), so that one shift and a mask move a quad
+ * vector's fifth bits to bit 4 of its bytes (AVX2), or one test makes them a byte mask (AVX-512). 5.5 bits a weight as
+ * in the file. kettle/kernels/gguf_pack.c packs it from the file's blocks.
  *
  * IQ4L layout (LINEAR_IQ4L: GGUF's IQ4_XS in lanes, N a multiple of 16, K of 256, AVX-512 VNNI or AVX2): w = d · (ls - 32) ·
  * IQ4_VALUES[q], q in 0..15 an index into a fixed non-uniform grid, ls a 6-bit scale per 32 inputs, d a float16 per
@@ -1018,20 +1020,15 @@ static inline __m256i q5l_block(const Linear *w, int64_t j, int64_t b) {
     const uint8_t *base = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 320;
     const __m128i bytes = channel_quads(base, j % 16), mask = _mm_set1_epi8(0x0F);
     const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-    /* The fifth bits, in vectors rather than bit by bit (the panels widen every block of every channel per call): the
-     * channel's 4 bits of each mask (bits 4c .. 4c + 3: t = 0..3) gathered into one word, bit 4m + t of its low half
-     * input i(m, t)'s, of its high half input 16 + i(m, t)'s; each input takes its bit's byte and tests it. */
-    const int shift = 4 * (int)(j % 16);
-    uint64_t masks[8];
-    memcpy(masks, base + 256, 64);
-    uint32_t bits = 0;
-    for (int m = 0; m < 4; m++)
-        bits |= (uint32_t)((masks[2 * m] >> shift) & 15) << 4 * m | (uint32_t)((masks[2 * m + 1] >> shift) & 15) << (16 + 4 * m);
-    const __m256i source = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_setr_epi8(1, 4, 2, 8, 16, 64, 32, (char)128, 1, 4, 2, 8, 16, 64, 32, (char)128,
-                                         1, 4, 2, 8, 16, 64, 32, (char)128, 1, 4, 2, 8, 16, 64, 32, (char)128);
-    const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), source), bit);
+    /* The fifth bits in vectors (the panels widen every block of every channel per call): the channel's 4 plane bytes
+     * broadcast, input i(m, t) taking byte t's bit m (its low lane) or bit 4 + m (16 + i(m, t), the high one). */
+    int32_t planes;
+    memcpy(&planes, base + 256 + 4 * (j % 16), 4);
+    const __m256i source = _mm256_setr_epi8(0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3,
+                                            0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3);
+    const __m256i bit = _mm256_setr_epi8(1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 32,
+                                         64, 64, 64, 64, (char)128, (char)128, (char)128, (char)128);
+    const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(planes), source), bit);
     const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
     return _mm256_or_si256(nibbles, fifth);
 }

@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear
 }
 
 /* `q4l_tile` for a Q5L weight (Q4_K's scales, or Q5_0's and Q5_1's per block): the nibbles as Q4L's, the fifth bits
- * of each quad vector's bytes two 64-bit masks, added as 16 byte by byte. */
+ * of each quad vector's bytes tested in the block's planes (a byte mask) and added as 16 byte by byte. */
 static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
@@ -88,11 +88,11 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         const uint8_t *block = qw + b * 320;
-        for (int m = 0; m < 4; m++) {
+        const __m512i planes = _mm512_loadu_si512(block + 256);
+        for (int m = 0; m < 4; m++) { /* quad m's fifth bits: the planes' bit m (low nibbles), 4 + m (high) */
             const __m512i v = _mm512_loadu_si512(block + m * 64);
-            uint64_t fifth[2]; /* the masks of the low, then the high nibbles */
-            memcpy(fifth, block + 256 + 16 * m, 16);
-            const __mmask64 lo = _cvtu64_mask64(fifth[0]), hi = _cvtu64_mask64(fifth[1]);
+            const __mmask64 lo = _mm512_test_epi8_mask(planes, _mm512_set1_epi8((char)(1 << m)));
+            const __mmask64 hi = _mm512_test_epi8_mask(planes, _mm512_set1_epi8((char)(16 << m)));
             const __m512i nibbles = _mm512_and_si512(v, mask), upper = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             const __m512i low = _mm512_mask_add_epi8(nibbles, lo, nibbles, sixteen);
             const __m512i high = _mm512_mask_add_epi8(upper, hi, upper, sixteen);

@@ -1,8 +1,8 @@
 """GGUF's 5-bit types on Kettle's CPU kernels, from the file's own bits, q in 0..31: Q5_K (w = d · sc · q - dmin · m,
 Q4_K's 6-bit scales per 32 inputs and d, dmin per 256), Q5_1 (w = d · q + m per 32) and Q5_0 (w = d · (q - 16)).
 
-The kernels hold them in lanes (kernels.h's Q5L: the nibbles as Q4L lays them out, the fifth bits as two 64-bit masks
-per quad vector of 16 channels, Q4_K's scale tables or a float16 scale and minimum per block) and pack them straight
+The kernels hold them in lanes (kernels.h's Q5L: the nibbles as Q4L lays them out, the fifth bits in a byte beside each
+of the quad vectors' bytes, Q4_K's scale tables or a float16 scale and minimum per block) and pack them straight
 from the file's blocks at load (kettle/kernels/gguf_pack.c), with AVX-512 VNNI or on AVX2's tiles
 (kettle/kernels/lanes_avx2.c). Where lanes do not apply (a shape that is not whole blocks of 16 channels, or the
 kernels' lanes switched off) they take the nearest scheme, Q8_0's blocks requantized (gguf_scheme.py
@@ -42,9 +42,8 @@ class Q5Linear(KernelWeight):
         6-bit sc and m as bytes, d and dmin per 256), else Q5_0's and Q5_1's (a float16 scale and minimum per 32)."""
         super().__init__()
         self.out_features, self.in_features, self.dense_rows = n, k, DENSE_ROWS
-        # 320 bytes a block of 32 inputs for 16 channels (nibbles and fifth-bit masks), zeroed: the packer ORs
-        # each channel's fifth bits into masks its unit's 16 channels share.
-        self.register_buffer("weight_bytes", huge_pages.zeros(n, k * 5 // 8, dtype=torch.uint8), persistent=False)
+        # 320 bytes a block of 32 inputs for 16 channels: the nibbles, then the fifth bits' planes.
+        self.register_buffer("weight_bytes", huge_pages.empty(n, k * 5 // 8, dtype=torch.uint8), persistent=False)
         table = torch.uint8 if k_quant else torch.float16
         self.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=table), persistent=False)
         self.register_buffer("mins", torch.empty(n, k // BLOCK, dtype=table), persistent=False)
