@@ -41,6 +41,19 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
+	$(MAKE) test-avx512
+
+# The kernel tests again on the AVX-512 paths, emulated in software where the CPU has no AVX-512 VNNI (SIMDe's
+# portable intrinsics: kettle/kernels/kernels.h), so that a run on any CPU checks their bits too. About 3 minutes on
+# 2 cores, a minute of it the emulated build.
+AVX512_TESTS = tests/unit/test_weight_types.py tests/unit/test_gguf_blocks.py tests/unit/test_cpu_kernels.py \
+	tests/unit/test_prefill_kernels.py tests/unit/test_batch_invariance.py tests/unit/test_kv_cache_dtype.py \
+	tests/models/test_decoder_step.py tests/models/test_gguf_native.py tests/models/test_batch_invariance_engine.py \
+	tests/models/test_lora.py
+.PHONY: test-avx512
+test-avx512: install-test
+	@if grep -q avx512_vnni /proc/cpuinfo; then echo "test-avx512: this CPU runs the AVX-512 paths in the suite itself"; \
+	else KETTLE_TUNING=emulate-avx512=on $(BIN)/pytest -q -n 2 -p no:cacheprovider $(AVX512_TESTS); fi
 
 # Unit and model tests, no server launches: the edit-test loop (under two minutes on 2 cores). Two workers
 # (pytest-xdist): many of these tests wait on a child process's start (torch's import), and two keep a 2-core machine

@@ -45,6 +45,7 @@ class Settings:
     quant_lm_head: str  # KETTLE_QUANT_LM_HEAD: int8, int4 or dense, for --quantize int8/int4
     cpu_kernels: bool  # cpu-kernels
     installed_kernels: bool  # installed-kernels
+    emulate_avx512: bool  # emulate-avx512
     release_library_pages: bool  # release-library-pages
     huge_pages: bool  # huge-pages
     reuse_freed_memory: bool  # reuse-freed-memory
@@ -152,6 +153,12 @@ TUNING: dict[str, Knob] = {
     "cpu-kernels": Knob("cpu_kernels", _switch, True, "off: PyTorch's ops instead of Kettle's C kernels"),
     "installed-kernels": Knob(
         "installed_kernels", _switch, True, "off: ignore the kernels the install built; build them into the cache"
+    ),
+    "emulate-avx512": Knob(
+        "emulate_avx512",
+        _switch,
+        False,
+        "on: the kernels' AVX-512 paths emulated in software (SIMDe) and taken on any CPU, for their tests; slow",
     ),
     "release-library-pages": Knob(
         "release_library_pages", _switch, True, "off: a warm shard keeps the library pages start-up ran resident"

@@ -57,16 +57,23 @@ if [ "$extras" = test ]; then
     # text-generation (the TGI client the tests drive) pins an old huggingface_hub; its one runtime need,
     # aiohttp, is in the test extra.
     pip_install --no-deps text-generation
-    # The browser pages' tests drive a headless Chromium with its matching driver, Debian's packages (a fresh
-    # CI machine has neither). Only when missing, and only through apt as root; elsewhere the tests say what is
-    # missing.
+    # The browser pages' tests drive a headless Chromium with its matching driver, and `make test-avx512` builds
+    # the kernels on SIMDe's portable AVX-512 intrinsics: Debian's packages (a fresh CI machine has none). Only when
+    # missing, and only through apt as root; elsewhere the tests say what is missing.
+    packages=""
     if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+        packages="chromium chromium-driver"
+    fi
+    if [ ! -f /usr/include/simde/x86/avx512.h ]; then
+        packages="$packages libsimde-dev"
+    fi
+    if [ -n "$packages" ]; then
         if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
             apt-get update -q
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+            # shellcheck disable=SC2086 # the packages' names, split
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q $packages
         else
-            echo "install.sh: chromium and chromedriver are missing (the browser tests need them):" \
-                "apt-get install chromium chromium-driver, as root" >&2
+            echo "install.sh: missing for the tests: $packages (apt-get install them, as root)" >&2
         fi
     fi
 fi

@@ -23,6 +23,18 @@ FOLDER_MARKERS = {"unit": "unit", "models": "model", "e2e": "e2e"}
 def pytest_configure(config):
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    if settings.current().emulate_avx512:
+        _check_the_emulated_build()
+
+
+def _check_the_emulated_build():
+    """`make test-avx512` runs the kernel tests on the emulated AVX-512 build: a build that failed (no SIMDe headers)
+    would leave them on PyTorch's ops or the AVX2 paths and pass without testing what they are run for."""
+    from kettle.kernels import build, ops
+
+    if build.library() is None or not ops.vnni():
+        missing = "the emulated AVX-512 kernels did not build: SIMDe's headers (Debian's libsimde-dev)?"
+        pytest.exit(missing, returncode=1)
 
 
 def pytest_collection_modifyitems(items):

@@ -238,9 +238,10 @@ def vector_width(symbol: str, avx512: bool) -> Iterator[None]:
 
     import pytest
 
+    from kettle import settings
     from kettle.kernels import build
 
-    if avx512 and "avx512f" not in build._cpu_flags():
+    if avx512 and "avx512f" not in build._cpu_flags() and not settings.current().emulate_avx512:
         pytest.skip("no AVX-512 here")
     choice = ctypes.c_int.in_dll(build.library(), symbol)
     choice.value = int(avx512)

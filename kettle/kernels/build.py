@@ -51,7 +51,13 @@ SOURCES = tuple(
         "decode_attention.c",
     )
 )
-HEADERS = (FOLDER / "kernels.h", FOLDER / "avx2_forms.h", FOLDER / "lanes_avx2_tiles.h", FOLDER / "int_panels_avx2.h")
+HEADERS = (
+    FOLDER / "kernels.h",
+    FOLDER / "avx2_forms.h",
+    FOLDER / "lanes_avx2_tiles.h",
+    FOLDER / "int_panels_avx2.h",
+    FOLDER / "avx512_emulation.h",
+)
 LIBRARY = "libkettle_cpu.so"
 # Where the install puts the library (`install`): inside the environment, so it goes with it (a venv removed, an
 # image layer) and never mixes with another environment's build of other sources.
@@ -60,6 +66,9 @@ INSTALLED = Path(sys.prefix) / "share" / "kettle" / "kernels"
 # them (gcc's ISO C mode already does so; clang's default would fuse some): kernels written to one row's arithmetic
 # (weight_types.c's `invariant_rows`) then compute its bits, not a contraction that one inlining chose.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# `KETTLE_TUNING=emulate-avx512=on` (tests): the AVX-512 paths in SIMDe's portable intrinsics, taken on any CPU
+# (kernels.h); a build of its own, never the installed one.
+EMULATED_AVX512 = "-DEMULATE_AVX512"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 OFF_SWITCH = "cpu-kernels=off"  # the KETTLE_TUNING item that turns the kernels off (kettle.settings)
 COMPILER_NICE = 10  # the compilers' niceness (see `_lower_priority`)
@@ -182,7 +191,7 @@ def _compiler(compiler: str):
     def build(out: Path) -> None:
         # One compiler per source, all at once, then the link: a first start waits for this build, and the sources
         # compiled one after another kept a core idle (11.5 s in one process against ~6 s on 2 cores here).
-        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+        compile_flags = [flag for flag in _flags() if flag != "-shared"]
         objects = [out / f"{source.stem}.o" for source in SOURCES]
         jobs = [
             _start([compiler, *compile_flags, "-c", str(source), "-o", str(obj)])
@@ -192,7 +201,7 @@ def _compiler(compiler: str):
         for job, errors in finished:
             if job.returncode:
                 raise subprocess.CalledProcessError(job.returncode, job.args, stderr=errors)
-        link = [compiler, *FLAGS, *map(str, objects), "-o", str(out / LIBRARY), "-lm"]
+        link = [compiler, *_flags(), *map(str, objects), "-o", str(out / LIBRARY), "-lm"]
         job = _start(link)
         errors = _wait(job)
         if job.returncode:
@@ -247,10 +256,14 @@ def _lower_priority() -> None:
     os.nice(COMPILER_NICE)
 
 
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, EMULATED_AVX512) if settings.current().emulate_avx512 else FLAGS
+
+
 def _key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode())
+    digest = hashlib.sha256(sources + " ".join(_flags()).encode() + version.encode())
     return digest.hexdigest()[:12]
 
 

@@ -26,12 +26,12 @@ static int has_avxvnni(void) {
 __attribute__((constructor)) static void ask_the_cpu(void) {
     __builtin_cpu_init(); /* a library's constructor may run before libgcc's own, which fills in the CPU model */
     /* BW for the byte widening, VL for the integer panels' 8-lane groups */
-    kettle_cpu_vnni512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    kettle_cpu_vnni512 = CPU_HAS_AVX512("avx512f") && CPU_HAS_AVX512("avx512bw") &&
+                         CPU_HAS_AVX512("avx512vnni") && CPU_HAS_AVX512("avx512vl");
     /* The VEX form where the CPU has it (the AVX2 kernels' CPUs: Intel's client cores); the EVEX form only where
      * AVX-512's own kernels are switched off (tests, measurement), as `avx2_dot` runs these kernels for no other. */
     if (has_avxvnni()) kettle_cpu_vnni256 = AVX2_DOT_AVXVNNI;
-    else if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) kettle_cpu_vnni256 = AVX2_DOT_VNNI256;
+    else if (CPU_HAS_AVX512("avx512vnni") && CPU_HAS_AVX512("avx512vl")) kettle_cpu_vnni256 = AVX2_DOT_VNNI256;
 }
 
 /* ---- element-wise kernels of a decoder layer (float32): each replaces a chain of PyTorch ops whose fixed

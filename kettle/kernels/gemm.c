@@ -172,7 +172,7 @@ static void panel_rows_avx2(const float *x, int64_t ldx, int64_t m, int64_t k, c
 }
 
 /* AVX-512: `rows` (≤ 12) rows × the panel's 32 channels in two 16-wide vectors. */
-static inline __attribute__((always_inline, target("avx512f"))) void micro_avx512(
+static inline __attribute__((always_inline)) AVX512_TARGET("avx512f") void micro_avx512(
     const float *x, int64_t ldx, int rows, int64_t k, const float *panel, float *tile
 ) {
     __m512 acc[12][2];
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline, target("avx512f"))) void micro_avx51
     }
 }
 
-static __attribute__((target("avx512f"))) void panel_rows_avx512(
+static AVX512_TARGET("avx512f") void panel_rows_avx512(
     const float *x, int64_t ldx, int64_t m, int64_t k, const float *panel, float *tile, int64_t r0
 ) {
     const float *xr = x + r0 * ldx;
@@ -226,7 +226,7 @@ static void panel_rows(const Linear *w, const float *x, int64_t ldx, int64_t r0,
  * tile's outputs (64-byte multiples). */
 int64_t gemm_buffer_floats(int64_t k) { return (k * PANEL + 8 * k + 12 * PANEL + 15) / 16 * 16; }
 
-static int wide_kernel(void) { return kettle_gemm_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_gemm_avx512; }
+static int wide_kernel(void) { return kettle_gemm_avx512 < 0 ? CPU_HAS_AVX512("avx512f") : kettle_gemm_avx512; }
 
 /* Panel p of w dequantized into `buffer` (gemm_buffer_floats(K) floats), then multiplied with rows r0 .. r1 - 1. */
 static void panel_gemm(const Linear *w, int64_t p, const float *x, int64_t ldx, int64_t r0, int64_t r1, float *buffer,
@@ -264,8 +264,8 @@ void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float 
 
 #define LANES 16        /* rows per vector */
 #define INT_CHANNELS 12 /* output channels per micro-kernel call: 12 float and 12 int32 accumulators */
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#define VNNI8 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl"))) /* 256-bit vpdpbusd */
+#define VNNI AVX512_TARGET("avx512f,avx512bw,avx512vnni")
+#define VNNI8 AVX512_TARGET("avx512f,avx512bw,avx512vnni,avx512vl") /* 256-bit vpdpbusd */
 
 /* Group g of 16 rows in lanes (kernels.h `lane_floats`): quads [K/4][16] (each row's int8 quad as one int32), scale
  * [K/32][16], sum [K/group][16], half [K/16][16] (int32); rows past the last are zero. */

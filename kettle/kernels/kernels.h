@@ -65,6 +65,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The AVX-512 paths' target and the CPU's answer for them. Built with EMULATE_AVX512 (build.py, for tests on a
+ * CPU without AVX-512: `KETTLE_TUNING=emulate-avx512=on`), the AVX-512 intrinsics are SIMDe's portable ones compiled
+ * for AVX2 and every AVX-512 path is taken, so that its bits are tested on any CPU, slowly. */
+#ifdef EMULATE_AVX512
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include "avx512_emulation.h"
+#define AVX512_TARGET(features) __attribute__((target("avx2,fma,f16c")))
+#define CPU_HAS_AVX512(feature) 1
+#else
+#define AVX512_TARGET(features) __attribute__((target(features)))
+#define CPU_HAS_AVX512(feature) __builtin_cpu_supports(feature)
+#endif
+
 #define MAX_TILE 4
 
 /* Runs ROW(tile) over the activation rows in tiles of up to MAX_TILE, each tile size a compile-time constant at
@@ -673,7 +687,7 @@ static inline __attribute__((always_inline)) void q8g_channel_rows(const Quantiz
  * summed by one vpdpwssd where AVX2 takes two vpmaddwd and an add. The block sums are the same integers; only the
  * float accumulation runs over 16 lanes instead of 8. */
 
-#define ONE512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define ONE512 AVX512_TARGET("avx512f,avx512bw,avx512vnni")
 
 /* AVX-512 for the one-row channels: -1 where the CPU has it (`one_row_avx512`), 0 or 1 to force (tests, measurement). */
 extern int kettle_channel_avx512;
@@ -786,7 +800,7 @@ static inline int avx2_dot(void) { return kettle_avx2_vnni == 0 ? AVX2_DOT_MADDU
 
 #define AVX2_TARGET_maddubs
 #define AVX2_TARGET_avxvnni __attribute__((target("avxvnni")))
-#define AVX2_TARGET_vnni256 __attribute__((target("avx512vnni,avx512vl")))
+#define AVX2_TARGET_vnni256 AVX512_TARGET("avx512vnni,avx512vl")
 #define AVX2_CAT_(a, b) a##b
 #define AVX2_CAT(a, b) AVX2_CAT_(a, b)
 /* name_<form> and the form's target attribute, for the template headers' functions. */

@@ -11,7 +11,7 @@
 
 #include "kernels.h"
 
-#define LANES512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define LANES512 AVX512_TARGET("avx512f,avx512bw,avx512vnni")
 
 /* Scales and minimums of group g (a sub-block of 32) of channels 16G .. 16G + 15 of a Q4L weight with Q4_K's scales
  * (`supers`): d · sc and -(dmin · m), sc and m widened from bytes (the products exact, as GGUF computes them). */

@@ -33,7 +33,7 @@ typedef struct {
 } PagedPrefill;
 
 #define MASKED -1e30f /* a masked score: finite, so a row that has seen no key yet never computes inf - inf */
-#define A512 __attribute__((target("avx512f")))
+#define A512 AVX512_TARGET("avx512f")
 
 /* The vector width: -1 picks AVX-512 where the CPU has it; the tests set 0 or 1 to run each. */
 int kettle_attention_avx512 = -1;
@@ -332,7 +332,7 @@ static void prefill_item(const PagedPrefill *p, int64_t h, int64_t t0, int64_t c
 
 /* AVX-512 when the CPU has it (or the tests ask) and the head size is whole vectors of 16. */
 static int wide_attention(int64_t dim) {
-    const int avx512 = kettle_attention_avx512 < 0 ? __builtin_cpu_supports("avx512f") : kettle_attention_avx512;
+    const int avx512 = kettle_attention_avx512 < 0 ? CPU_HAS_AVX512("avx512f") : kettle_attention_avx512;
     return avx512 && dim % 16 == 0;
 }
 

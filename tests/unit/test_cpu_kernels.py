@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kettle import settings
 from kettle.kernels import build, ops, structs
 from kettle.layers.attention import AttentionMetadata
 from kettle.layers.rotary import RotaryEmbedding
@@ -438,6 +439,7 @@ def _fake_compiler(tmp_path):
     return compiler
 
 
+@pytest.mark.skipif(settings.current().emulate_avx512, reason="the emulated build is never the installed one")
 def test_kernels_built_at_install_serve_a_first_start_with_an_empty_cache(tmp_path, monkeypatch):
     """`python -m kettle.kernels.build` (the install's step) builds into the environment, replacing older keys'
     builds; a server whose cache is empty then loads that build instead of compiling, unless

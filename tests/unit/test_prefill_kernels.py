@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kettle.kernels import build, ops
+from kettle.kernels import ops
 from kettle.quantization.int8 import Int8Linear
 from kettle.quantization.q4 import Q4Linear
 from kettle.quantization.q8 import Q8Linear
@@ -15,7 +15,6 @@ from tests.kernel_weights import INT8_RTOL, reference
 
 CAN_BUILD = kernels_buildable()
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
-AVX512 = "avx512f" in build._cpu_flags()
 
 
 FAST = "batch-invariant=off"
@@ -138,7 +137,7 @@ def test_one_row_channels_are_the_tiles_sums(kind, k, avx512):
     minimums' term in the same vector; in 256- or 512-bit vectors): the same integer block products and scales as the
     tiles' kernel, summed in another order, so equal to float32 rounding; and both within the int16 activations' bound
     of the dequantized weight."""
-    if avx512 and not {"avx512bw", "avx512_vnni"} <= build._cpu_flags():
+    if avx512 and not ops.vnni():
         pytest.skip("no AVX-512 VNNI here")
     torch.manual_seed(k)
     layer = LAYERS[kind](100, k)

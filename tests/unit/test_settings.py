@@ -30,6 +30,7 @@ KEPT = {
 OLD_DEFAULTS = {
     "cpu_kernels": True,
     "installed_kernels": True,
+    "emulate_avx512": False,
     "release_library_pages": True,
     "huge_pages": True,
     "reuse_freed_memory": True,
@@ -60,6 +61,7 @@ OLD_DEFAULTS = {
 GOOD = {
     "cpu-kernels": ("off", False),
     "installed-kernels": ("off", False),
+    "emulate-avx512": ("on", True),
     "release-library-pages": ("off", False),
     "huge-pages": ("off", False),
     "reuse-freed-memory": ("off", False),
@@ -113,7 +115,7 @@ def test_the_table_covers_every_field_once():
         "cuda_graphs",
     }
     # every knob but those added after the separate variables were retired replaced a variable of its own
-    assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING) - {"huge-pages", "reuse-freed-memory"}
+    assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING) - {"huge-pages", "reuse-freed-memory", "emulate-avx512"}
 
 
 @pytest.mark.parametrize("key", list(TUNING))

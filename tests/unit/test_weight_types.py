@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 
+from kettle import settings
 from kettle.kernels import decoder_step, ops, structs
 from tests.fixtures import kernel_switch, kernels_buildable
 from tests.kernel_weights import INT8_RTOL, LANES_NAMES, NAMES, Weight, build, int8_reads, int8_rows, lanes_here
@@ -133,6 +134,7 @@ def avx2_dot(dot: str):
         yield
 
 
+@pytest.mark.skipif(settings.current().emulate_avx512, reason="the emulated build takes AVX-512 on any CPU")
 def test_the_cpu_reports_its_256_bit_vnni():
     """The library's answer (cpu_kernels.c, cpuid) agrees with the kernel's flags: the VEX form where the CPU has
     AVX-VNNI, else the EVEX one where it has AVX512-VNNI and VL, else none; and the switch at 0 keeps vpmaddubsw."""
