@@ -6,67 +6,43 @@
 
 #define EMULATED static inline __attribute__((unused))
 
-#ifndef _mm512_cvtepi32_ps
-EMULATED simde__m512 emulated_cvtepi32_ps(simde__m512i a) {
-    const simde__m512i_private in = simde__m512i_to_private(a);
-    simde__m512_private out;
-    for (int i = 0; i < 16; i++) out.f32[i] = (float)in.i32[i];
-    return simde__m512_from_private(out);
-}
-#define _mm512_cvtepi32_ps emulated_cvtepi32_ps
-#endif
+/* emulated_<name>: out lane i = `expr` of the input's lanes `in` (SIMDe's private unions) for `lanes` lanes */
+#define LANEWISE(name, In, Out, lanes, out_lane, expr)                                                               \
+    EMULATED simde__##Out emulated_##name(simde__##In a) {                                                           \
+        const simde__##In##_private in = simde__##In##_to_private(a);                                                \
+        simde__##Out##_private out;                                                                                  \
+        for (int i = 0; i < (lanes); i++) out.out_lane[i] = (expr);                                                  \
+        return simde__##Out##_from_private(out);                                                                     \
+    }
 
 /* vcvtps2dq: to the nearest, ties to even (the default rounding the kernels run under); out of range 0x80000000 */
-#ifndef _mm512_cvtps_epi32
-EMULATED simde__m512i emulated_cvtps_epi32(simde__m512 a) {
-    const simde__m512_private in = simde__m512_to_private(a);
-    simde__m512i_private out;
-    for (int i = 0; i < 16; i++) {
-        const float v = nearbyintf(in.f32[i]);
-        out.i32[i] = v >= -2147483648.0f && v < 2147483648.0f ? (int32_t)v : INT32_MIN;
-    }
-    return simde__m512i_from_private(out);
+EMULATED int32_t nearest_int32(float x) {
+    const float v = nearbyintf(x);
+    return v >= -2147483648.0f && v < 2147483648.0f ? (int32_t)v : INT32_MIN;
 }
+
+#ifndef _mm512_cvtepi32_ps
+LANEWISE(cvtepi32_ps, m512i, m512, 16, f32, (float)in.i32[i])
+#define _mm512_cvtepi32_ps emulated_cvtepi32_ps
+#endif
+#ifndef _mm512_cvtps_epi32
+LANEWISE(cvtps_epi32, m512, m512i, 16, i32, nearest_int32(in.f32[i]))
 #define _mm512_cvtps_epi32 emulated_cvtps_epi32
 #endif
-
 #ifndef _mm512_cvtph_ps
-EMULATED simde__m512 emulated_cvtph_ps(simde__m256i a) {
-    const simde__m256i_private in = simde__m256i_to_private(a);
-    simde__m512_private out;
-    for (int i = 0; i < 16; i++) out.f32[i] = _cvtsh_ss(in.u16[i]);
-    return simde__m512_from_private(out);
-}
+LANEWISE(cvtph_ps, m256i, m512, 16, f32, _cvtsh_ss(in.u16[i]))
 #define _mm512_cvtph_ps emulated_cvtph_ps
 #endif
-
 #ifndef _mm512_cvtepu8_epi32
-EMULATED simde__m512i emulated_cvtepu8_epi32(simde__m128i a) {
-    const simde__m128i_private in = simde__m128i_to_private(a);
-    simde__m512i_private out;
-    for (int i = 0; i < 16; i++) out.i32[i] = in.u8[i];
-    return simde__m512i_from_private(out);
-}
+LANEWISE(cvtepu8_epi32, m128i, m512i, 16, i32, in.u8[i])
 #define _mm512_cvtepu8_epi32 emulated_cvtepu8_epi32
 #endif
-
 #ifndef _mm512_cvtepi8_epi32
-EMULATED simde__m512i emulated_cvtepi8_epi32(simde__m128i a) {
-    const simde__m128i_private in = simde__m128i_to_private(a);
-    simde__m512i_private out;
-    for (int i = 0; i < 16; i++) out.i32[i] = in.i8[i];
-    return simde__m512i_from_private(out);
-}
+LANEWISE(cvtepi8_epi32, m128i, m512i, 16, i32, in.i8[i])
 #define _mm512_cvtepi8_epi32 emulated_cvtepi8_epi32
 #endif
-
 #ifndef _mm512_cvtepu8_epi16
-EMULATED simde__m512i emulated_cvtepu8_epi16(simde__m256i a) {
-    const simde__m256i_private in = simde__m256i_to_private(a);
-    simde__m512i_private out;
-    for (int i = 0; i < 32; i++) out.i16[i] = in.u8[i];
-    return simde__m512i_from_private(out);
-}
+LANEWISE(cvtepu8_epi16, m256i, m512i, 32, i16, in.u8[i])
 #define _mm512_cvtepu8_epi16 emulated_cvtepu8_epi16
 #endif
 
@@ -102,5 +78,6 @@ EMULATED void emulated_mask_storeu_ps(void *p, uint8_t mask, __m256 v) {
 #define _mm256_mask_storeu_ps emulated_mask_storeu_ps
 #endif
 
+#undef LANEWISE
 #undef EMULATED
 #endif
