@@ -161,7 +161,7 @@ int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
     return 0;
 }
 
-/* Block b's 32 values q (0..31) of channel c into Q5L's quad vectors and fifth-bit planes (zeroed by the caller). */
+/* Block b's 32 values q (0..31) of channel c into Q5L's quad vectors and fifth-bit planes (the channel's own bytes). */
 static void put_q5l_block(uint8_t *block, int c, const uint8_t v[32]) {
     uint8_t nibbles[16];
     for (int i = 0; i < 16; i++) nibbles[i] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);

@@ -111,16 +111,18 @@ typedef void RowsKernel(const Linear *w, const QuantizedRows *xq, int64_t rows, 
 static void run_channels(const Linear *w, RowsKernel *kernel, const QuantizedRows *xq, int64_t rows, float *y,
                          int64_t ldy) {
     const int64_t units = (w->n + 15) / 16, team = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t first = units * me / team, tail = (units * (me + 1) / team - first) / SHARED_TAIL;
-    const int64_t head = units * (me + 1) / team - tail;
+#define SHARE_END(t) (units * ((t) + 1) / team)
+#define TAIL_START(t) (SHARE_END(t) - (SHARE_END(t) - units * (t) / team) / SHARED_TAIL)
+    const int64_t first = units * me / team, head = TAIL_START(me);
     if (head > first) kernel(w, xq, rows, 16 * first, min64(w->n, 16 * head), y, ldy);
     const int64_t longest = (units + team - 1) / team / SHARED_TAIL;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < longest * team; i++) {
-        const int64_t owner = i % team, end = units * (owner + 1) / team;
-        const int64_t start = end - (end - units * owner / team) / SHARED_TAIL, unit = start + i / team;
-        if (unit < end) kernel(w, xq, rows, 16 * unit, min64(w->n, 16 * (unit + 1)), y, ldy);
+        const int64_t owner = i % team, unit = TAIL_START(owner) + i / team;
+        if (unit < SHARE_END(owner)) kernel(w, xq, rows, 16 * unit, min64(w->n, 16 * (unit + 1)), y, ldy);
     }
+#undef TAIL_START
+#undef SHARE_END
 }
 
 void team_linear(const Linear *w, int path, const float *x, int64_t ldx, const QuantizedRows *xq, int64_t rows,
