@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kettle.kernels import ops
-from kettle.kernels.structs import LANES_TYPES, LINEAR_F32, Linear
+from kettle.kernels.structs import LANES_TYPES, LINEAR_F32, LINEAR_Q4L, LINEAR_Q5L, Linear
 
 
 @dataclass
@@ -211,10 +211,23 @@ def lanes_here() -> bool:
     return ops.available() and all(ops.lanes(kind) for kind in LANES_TYPES)
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] as the lanes kernels and the integer panels multiply it: each block of 32 inputs rounded to int8
-    with absmax / 127, the same float operations as kernels.h's `quantize_row` (scale, reciprocal, round to even)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def int8_span(weight: Linear) -> int:
+    """The inputs per int8 scale of the rows the kernels multiply `weight` by (kernels.h `int8_span`): 256 where a
+    part of it holds Q4_K's or Q5_K's scales in lanes, whose kernels combine a super-block's blocks in integers."""
+    part = weight
+    while True:
+        if part.supers and part.kind in (LINEAR_Q4L, LINEAR_Q5L):
+            return 256
+        if not part.next:
+            return 32
+        part = part.next.contents
+
+
+def int8_rows(x: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """x [rows, K] as the lanes kernels and the integer panels multiply it: each `span` of inputs (`int8_span`)
+    rounded to int8 with absmax / 127, the same float operations as kernels.h's `quantize_row` (scale, reciprocal,
+    round to even)."""
+    blocks = x.float().reshape(x.shape[0], -1, span)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse) * d).reshape(x.shape)
@@ -232,4 +245,5 @@ def int8_reads(weight: Linear, path: str) -> bool:
 
 def reference(layer: torch.nn.Module, x: torch.Tensor, int8: bool) -> torch.Tensor:
     """layer's dense product for rows x, as the kernels see them: int8-rounded where they multiply int8 rows."""
-    return torch.nn.functional.linear(int8_rows(x) if int8 else x, layer.dequantized(), layer.bias)
+    rows = int8_rows(x, int8_span(layer.describe())) if int8 else x
+    return torch.nn.functional.linear(rows, layer.dequantized(), layer.bias)

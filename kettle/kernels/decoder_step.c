@@ -304,7 +304,7 @@ static void add_norm(const Decoder *m, Scratch *s, float *a, const float *b, con
             if (ar) for (int64_t i = 0; i < dim; i++) h[i] += ar[i];
             if (norm->kind != NORM_NONE) norm_row(norm, h, dim, x);
         }
-        if (quantize) quantize_row(x, dim, next->group, &s->xq, r);
+        if (quantize) quantize_row(x, next, int8_span(next), &s->xq, r);
     }
 }
 
@@ -347,7 +347,7 @@ static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Li
                          int64_t rows) {
     if (!quantized_input(m, next, rows)) return;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, dim, next->group, xq, r);
+    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, next, int8_span(next), xq, r);
 }
 
 /* act(fc(x)) or act(gate) · up for each row, quantized for the down projection when it takes quantized rows. */
@@ -358,7 +358,7 @@ static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear 
     for (int64_t r = 0; r < rows; r++) {
         const float *in = s->gate_up + r * width;
         activate_row(l->act, in, l->gated ? in + inner : NULL, inner, s->act + r * inner);
-        if (quantize) quantize_row(s->act + r * inner, inner, next->group, &s->xq, r);
+        if (quantize) quantize_row(s->act + r * inner, next, int8_span(next), &s->xq, r);
     }
 }
 

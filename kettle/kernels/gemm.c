@@ -408,6 +408,14 @@ void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     for (int64_t b = 0; b < w->k / 32; b++) scale[b] = q8l_scale(w, j, b);
 }
 
+/* Q4_K's scales of a Q4L or Q5L weight (`sub_scales`): each block's 6-bit sc as an int16 pair, d per super-block. */
+void q4k_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d) {
+    const int64_t blocks = w->k / 32;
+    const uint8_t *sc = (const uint8_t *)w->scales + j / 16 * blocks * 16 + j % 16;
+    for (int64_t b = 0; b < blocks; b++) pairs[b] = sc[b * 16] * 0x10001;
+    for (int64_t s = 0; s < blocks / 8; s++) super_d[s] = _cvtsh_ss(w->supers[(j / 16 * (blocks / 8) + s) * 32 + j % 16]);
+}
+
 /* The rows layouts' float16 scales per group (Q4, Q8_0: groups of 32) and Q4's minimums. */
 void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
@@ -421,11 +429,13 @@ void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
 }
 
 /* The widened weights of INT_CHANNELS channels: q [C][stride] u8 (K of each row used), scale [C][K/32], minimum
- * [C][K/group] (Q4). */
+ * [C][K/group] (Q4); with `sub_scales`, sub [C][K/32] and super [C][K/256]. */
 typedef struct {
     uint8_t *q;
     float *scale, *minimum;
     int64_t stride; /* bytes from one channel's widened row to the next */
+    int32_t *sub;
+    float *super;
 } IntChannels;
 
 /* A widened row's stride: K plus one cache line. The micro-kernels read the same quad of every channel at once, and
@@ -434,7 +444,9 @@ typedef struct {
  * 362 at K + 64. */
 static inline int64_t widened_stride(int64_t k) { return k + 64; }
 
-static inline int64_t channel_floats(int64_t k) { return INT_CHANNELS * (widened_stride(k) / 4 + 2 * (k / 32)); }
+static inline int64_t channel_floats(int64_t k) {
+    return INT_CHANNELS * (widened_stride(k) / 4 + 3 * (k / 32) + k / 256);
+}
 
 /* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
 #define TILE_FLOATS (16 * LANES)
@@ -510,6 +522,51 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
 
+/* SCALED_CHANNELS: `micro_vnni` for a weight with `sub_scales` (kernels.h): each block's int32 sums times its
+ * scales into the super-block's sums, + minimum · (the block's int8 sum) per block, the super-block's sums scaled
+ * in float at its last block, as the tiles (lanes.c `q4l_tile`). Three vectors a channel (8 channels: 24 of the 32
+ * registers). `NARROW` (a constant): the first 8 lanes only, in 256-bit vectors, as `micro_vnni8`. */
+#define SCALED_CHANNELS 8
+#define SCALED_MICRO(name, target, vec, veci, load, loadi, zero, zeroi, set1, set1i, add, mullo, dpbusd, cvt, mul,  \
+                     fmadd, store)                                                                                \
+    static inline __attribute__((always_inline)) target void name(const LaneRows *x, int64_t k,                  \
+                                                                  const IntChannels *w, int channels,            \
+                                                                  float *tile) {                                 \
+        const int64_t blocks = k / 32;                                                                           \
+        vec acc[SCALED_CHANNELS];                                                                                \
+        veci super[SCALED_CHANNELS];                                                                             \
+        for (int c = 0; c < channels; c++) acc[c] = zero(), super[c] = zeroi();                                  \
+        for (int64_t b = 0; b < blocks; b++) {                                                                   \
+            veci dot[SCALED_CHANNELS];                                                                           \
+            for (int c = 0; c < channels; c++) dot[c] = zeroi();                                                 \
+            for (int64_t i = b * 8; i < b * 8 + 8; i++) {                                                        \
+                const veci a = loadi((const void *)(x->quads + i * LANES));                                      \
+                for (int c = 0; c < channels; c++)                                                               \
+                    dot[c] = dpbusd(dot[c], set1i(((const int32_t *)(w->q + c * w->stride))[i]), a);             \
+            }                                                                                                    \
+            for (int c = 0; c < channels; c++) {                                                                 \
+                const veci scaled = mullo(dot[c], set1i(w->sub[c * blocks + b] >> 16));                          \
+                super[c] = b % 8 ? add(super[c], scaled) : scaled;                                               \
+            }                                                                                                    \
+            const vec sum = load(x->sum + b * LANES);                                                            \
+            for (int c = 0; c < channels; c++) acc[c] = fmadd(sum, set1(w->minimum[c * blocks + b]), acc[c]);    \
+            if (b % 8 < 7) continue;                                                                             \
+            const vec d = load(x->scale + b * LANES); /* the rows' scale of the super-block */                   \
+            for (int c = 0; c < channels; c++)                                                                   \
+                acc[c] = fmadd(cvt(super[c]), mul(d, set1(w->super[c * (blocks / 8) + b / 8])), acc[c]);         \
+        }                                                                                                        \
+        for (int c = 0; c < channels; c++) store(tile + c * LANES, acc[c]);                                      \
+    }
+static inline VNNI __m512i load512i(const void *p) { return _mm512_load_si512(p); }
+static inline __m256i load256i(const void *p) { return _mm256_load_si256((const __m256i *)p); }
+SCALED_MICRO(micro_vnni_scaled, VNNI, __m512, __m512i, _mm512_load_ps, load512i, _mm512_setzero_ps, _mm512_setzero_si512,
+             _mm512_set1_ps, _mm512_set1_epi32, _mm512_add_epi32, _mm512_mullo_epi32, _mm512_dpbusd_epi32,
+             _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
+SCALED_MICRO(micro_vnni8_scaled, VNNI8, __m256, __m256i, _mm256_load_ps, load256i, _mm256_setzero_ps,
+             _mm256_setzero_si256, _mm256_set1_ps, _mm256_set1_epi32, _mm256_add_epi32, _mm256_mullo_epi32,
+             _mm256_dpbusd_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_storeu_ps)
+#undef SCALED_MICRO
+
 /* `micro_vnni` over the first 8 lanes only (256-bit vectors), for a group of 8 rows or fewer: half the
  * instructions where the lanes past them hold only padding (17-24 rows: the second group; a prompt chunk's last
  * group). Same layout, same sums: the lanes it leaves out are zero rows. */
@@ -574,6 +631,21 @@ static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels
     }
 }
 
+/* `int_channels` for a weight with `sub_scales`, SCALED_CHANNELS at a time. */
+static VNNI8 void int_channels_scaled(const LaneRows *x, int64_t k, const IntChannels *w, int n, int64_t rows,
+                                      float *tile) {
+    const int narrow = kettle_integer_lanes8 && rows <= LANES / 2;
+    for (int c0 = 0; c0 < n; c0 += SCALED_CHANNELS) {
+        IntChannels part = *w;
+        part.q += c0 * w->stride, part.minimum += c0 * (k / 32), part.sub += c0 * (k / 32), part.super += c0 * (k / 256);
+#define CASE(t) case t: if (narrow) micro_vnni8_scaled(x, k, &part, t, tile + c0 * LANES); else micro_vnni_scaled(x, k, &part, t, tile + c0 * LANES); break;
+        switch (n - c0 < SCALED_CHANNELS ? n - c0 : SCALED_CHANNELS) {
+            CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
+        }
+#undef CASE
+    }
+}
+
 /* The tile's outputs [channels][16 lanes] into y's rows (`rows` of them, ldy floats apart) at `channels` consecutive
  * columns, with the bias: 8 lanes × 8 channels at a time through the register transpose, so each row takes one
  * vector store instead of a strided scalar store per output. `tile` has room for 16 channels (the missing ones are
@@ -600,6 +672,7 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
                                    int64_t count, float *tile, const float *bias, float *y, int64_t ldy) {
     const WeightType *type = type_of(w);
     if (type->sub_blocks) int_channels_q6(x, k, c, n, tile);
+    else if (c->sub) int_channels_scaled(x, k, c, n, count, tile);
     else int_channels(x, k, w->group, c, n, count, type->offset, tile);
     store_lanes(tile, n, (int)count, bias, y, ldy);
 }
@@ -635,7 +708,7 @@ static void signed_quads(const uint8_t *widened, int64_t k, uint8_t *dst) {
 
 /* The AVX2 micro-kernels in the form this CPU runs (`avx2_dot`), indexed by it. */
 typedef void IntChannelsAvx2(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w, int n, int64_t rows,
-                             int is_signed, int sub_blocks, int wide, int offset, float *tile);
+                             int is_signed, int sub_blocks, int wide, int scaled, int offset, float *tile);
 static IntChannelsAvx2 *const INT_CHANNELS_AVX2[] = {
     [AVX2_DOT_MADDUBS] = int_channels_maddubs, [AVX2_DOT_AVXVNNI] = int_channels_avxvnni, [AVX2_DOT_VNNI256] = int_channels_vnni256};
 
@@ -685,8 +758,11 @@ static void store_lanes_avx2(const float *tile, int channels, int rows, const fl
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     const int64_t stride = widened_stride(k);
-    IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * stride / 4, NULL, stride};
+    IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * stride / 4, NULL, stride, NULL, NULL};
     const WeightType *type = type_of(w);
+    const int scaled = w->supers && type->sub_scales;
+    if (scaled) /* after the scales and minimums (`channel_floats`) */
+        c.sub = (int32_t *)(c.scale + 2 * INT_CHANNELS * blocks), c.super = c.scale + 3 * INT_CHANNELS * blocks;
     const int wide = lanes_avx512() || !type->avx2_panels, dot = avx2_dot();
     /* The signed types' q + 128 meet vpmaddubsw's int16 pairs only through the sign trick; vpdpbusd sums any u8 in
      * int32, so the VNNI forms multiply the widened bytes as the AVX-512 kernels do, the offset's term off each
@@ -717,6 +793,7 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
                  * (`channel_floats`) */
                 const int64_t spans = type->sub_blocks ? 2 * blocks : blocks;
                 type->scales(w, j0 + i, c.scale + i * spans, c.minimum ? c.minimum + i * groups : NULL);
+                if (scaled) type->sub_scales(w, j0 + i, c.sub + i * blocks, c.super + i * (blocks / 8));
             }
             for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
                 const LaneRows x = lane_group(xq, r0 / LANES, k);
@@ -726,7 +803,7 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
                     int_group_avx512(&x, k, w, &c, n, count, tile, bias, y + r0 * ldy + j0, ldy);
                 } else {
                     int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, type->sub_blocks,
-                                      type->wide_values, offset, tile);
+                                      type->wide_values, scaled, offset, tile);
                     store_lanes_avx2(tile, n, (int)count, bias, y + r0 * ldy + j0, ldy);
                 }
             }

@@ -77,21 +77,91 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
         for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
 }
 
+/* `micro_avx2_int` for a weight with `sub_scales` (kernels.h; offset 0, a minimum per block): each block's sums
+ * times its scales (`block_scaled`; the vpmaddubsw form's wide values as it sums their pairs, `quad_pair_scaled`)
+ * into the super-block's int32 sums, + minimum · (the block's int8 sum) per block, and the super-block's sums times
+ * d · the rows' scale after its last block, as the tiles. A loop of its own over the super-blocks: folded into
+ * `micro_avx2_int`'s block loop the same steps ran 5% slower than the per-block float steps they replace, here 20%
+ * faster (one thread, 2,048 × 48 in cache, 512 rows: Q4L 175 → 216 GOP/s, Q5L 155 → 183). */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_avx2_scaled)(
+    const LaneRows *x, int64_t k, const IntChannels *w, int c0, const int channels, const int halves, const int wide,
+    float *tile
+) {
+    const int64_t blocks = k / 32;
+    const int pair_scaled = wide && !AVX2_ACCUMULATES;
+    __m256 acc[AVX2_CHANNELS][2];
+    for (int c = 0; c < channels; c++)
+        for (int h = 0; h < halves; h++) acc[c][h] = _mm256_setzero_ps();
+    for (int64_t s0 = 0; s0 < blocks; s0 += 8) {
+        __m256i super[AVX2_CHANNELS][2];
+        for (int c = 0; c < channels; c++)
+            for (int h = 0; h < halves; h++) super[c][h] = _mm256_setzero_si256();
+        for (int64_t b = s0; b < s0 + 8; b++) {
+            __m256i dot[AVX2_CHANNELS][2];
+            for (int c = 0; c < channels; c++)
+                for (int h = 0; h < halves; h++) dot[c][h] = _mm256_setzero_si256();
+            for (int64_t i = b * 8; i < b * 8 + 8; i += 1 + wide) {
+                __m256i a[2], next[2];
+                for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
+                if (wide)
+                    for (int h = 0; h < halves; h++) next[h] = _mm256_load_si256((const __m256i *)(x->quads + (i + 1) * LANES + 8 * h));
+                for (int c = 0; c < channels; c++) {
+                    const int32_t *row = (const int32_t *)(w->q + (c0 + c) * w->stride);
+                    const __m256i q = _mm256_set1_epi32(row[i]);
+                    if (pair_scaled) {
+                        const __m256i then = _mm256_set1_epi32(row[i + 1]), pair = _mm256_set1_epi32(w->sub[(c0 + c) * blocks + b]);
+                        for (int h = 0; h < halves; h++) super[c][h] = quad_pair_scaled_maddubs(super[c][h], q, a[h], then, next[h], pair);
+                    } else if (wide) {
+                        const __m256i then = _mm256_set1_epi32(row[i + 1]);
+                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_PAIR_DOT(dot[c][h], q, a[h], then, next[h]);
+                    } else {
+                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_BLOCK_DOT(dot[c][h], q, a[h]);
+                    }
+                }
+            }
+            for (int c = 0; !pair_scaled && c < channels; c++) {
+                const __m256i pair = _mm256_set1_epi32(w->sub[(c0 + c) * blocks + b]);
+                for (int h = 0; h < halves; h++) super[c][h] = add_into_epi32(super[c][h], AVX2_BLOCK_SCALED(dot[c][h], pair));
+            }
+            for (int h = 0; h < halves; h++) {
+                const __m256 sum = _mm256_load_ps(x->sum + b * LANES + 8 * h);
+                for (int c = 0; c < channels; c++)
+                    acc[c][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(w->minimum[(c0 + c) * blocks + b]), acc[c][h]);
+            }
+        }
+        for (int h = 0; h < halves; h++) {
+            const __m256 d = _mm256_load_ps(x->scale + (s0 + 7) * LANES + 8 * h); /* the rows' scale of the super-block */
+            for (int c = 0; c < channels; c++) {
+                const __m256 weight = _mm256_set1_ps(w->super[(c0 + c) * (blocks / 8) + s0 / 8]);
+                acc[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super[c][h]), _mm256_mul_ps(d, weight), acc[c][h]);
+            }
+        }
+    }
+    for (int c = 0; c < channels; c++)
+        for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
+}
+
 /* The AVX2 micro-kernel over the `n` channels of c, AVX2_CHANNELS at a time: the group's first half of lanes only
  * where its `rows` fit there (as `micro_vnni8`). */
 static AVX2_TARGET void AVX2_NAMED(int_channels)(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w,
                                                  int n, int64_t rows, int is_signed, int sub_blocks, int wide,
-                                                 int offset, float *tile) {
+                                                 int scaled, int offset, float *tile) {
     const int halves = rows <= LANES / 2 ? 1 : 2;
     for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
         const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
 #define CALL(C, H, S, B, W) AVX2_NAMED(micro_avx2_int)(x, k, group, w, c0, C, H, S, B, W, offset, tile)
 #define HALVES(C, S, B, W) if (halves == 2) CALL(C, 2, S, B, W); else CALL(C, 1, S, B, W);
 #define CHANNELS(S, B, W) switch (channels) { case 4: HALVES(4, S, B, W) break; case 3: HALVES(3, S, B, W) break; case 2: HALVES(2, S, B, W) break; default: HALVES(1, S, B, W) }
-        if (is_signed) { CHANNELS(1, 0, 0) }
+#define SCALED(C, W) if (halves == 2) AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 2, W, tile); else AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 1, W, tile);
+#define SCALED_CHANNELS(W) switch (channels) { case 4: SCALED(4, W) break; case 3: SCALED(3, W) break; case 2: SCALED(2, W) break; default: SCALED(1, W) }
+        if (scaled && wide) { SCALED_CHANNELS(1) }
+        else if (scaled) { SCALED_CHANNELS(0) }
+        else if (is_signed) { CHANNELS(1, 0, 0) }
         else if (sub_blocks) { CHANNELS(0, 1, 1) }
         else if (wide) { CHANNELS(0, 0, 1) }
         else { CHANNELS(0, 0, 0) }
+#undef SCALED_CHANNELS
+#undef SCALED
 #undef CHANNELS
 #undef HALVES
 #undef CALL

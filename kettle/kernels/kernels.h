@@ -248,7 +248,9 @@ static inline __attribute__((always_inline)) void q8_row(
  *   times four s8 inputs into each 32-bit lane, twice the multiply-adds of `vpdpwssd` an instruction, which is what
  *   prompt chunks are bound by; a 1.7B Q4_K_M prompt 60 → 110 tok/s). llama.cpp makes the same choice (its Q8
  *   activations, per 256 inputs for the K-quants). On the bundled model over 1,024 tokens of text: perplexity 40.61
- *   against 40.60 with float32 rows (int16: 40.61), next-token KL to float32 rows 3.8e-3 (int16: 9e-7).
+ *   against 40.60 with float32 rows (int16: 40.61), next-token KL to float32 rows 3.8e-3 (int16: 9e-7). For the
+ *   weights whose kernels sum a super-block in integers (Q4_K's and Q5_K's scales, `int8_span`) the int8 scale is
+ *   one per 256 inputs, as llama.cpp's Q8_K.
  * The int8 values of a block are stored as 8 quads, quad m holding inputs 4m, 4m + 2, 4m + 1, 4m + 3 (one int32 to
  * broadcast): the order of each channel's 4 bytes in a lanes quad vector. */
 
@@ -303,6 +305,13 @@ typedef struct {
      * block (sub_blocks: per 16 inputs) and minimums per group. */
     void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
+    /* For a weight with `supers` whose sub-block scales are small integers (Q4_K's and Q5_K's 6 bits), or NULL:
+     * channel j's scale per block of 32 as an int16 pair (`block_scaled`) and its float d per 256 inputs. Its integer
+     * kernels then sum a super-block's blocks in int32 over int8 rows scaled per 256 (`int8_span`), and a row's
+     * float operations are, per block, + minimum · (the block's int8 sum), then at the super-block's last block
+     * + (Σ scale · sums) · (d · the row's scale): a conversion and an FMA per 256 inputs where each block took a
+     * conversion, a multiply and an FMA (a 1.7B Q4_K_M prompt 82 → 92 tok/s on a Zen 3). */
+    void (*sub_scales)(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
     /* The integer panels have an AVX2 micro-kernel for the type (gemm.c, `vpmaddubsw`), with the bits of its AVX2
      * tiles: `widen`'s values must then be 0..15 (offset 0: summed in int16 over a block), int8 + 128 (offset 128:
      * flipped back to int8, the sign trick) or, with sub_blocks, 0..63 (summed in int32 a quad at a time). The lanes
@@ -377,41 +386,61 @@ static inline __m256i int8_quads(const __m256i q[4]) {
     return quad_order(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-/* Row `r` of `out` (laid out for K = k) from x[k]: int16 and int8 values with their scales per block, each group's
- * float sum of x and of the int8 values, the int8 sums per 16. */
-static inline void quantize_row(const float *x, int64_t k, int64_t group, QuantizedRows *out, int64_t r) {
-    const int64_t blocks = k / 32, groups = k / group;
+/* Whether a projection's integer kernels combine its sub-blocks in integers (`w->supers` with the table's
+ * `sub_scales`: Q4_K's and Q5_K's 6-bit scales under a float16 d per 256 inputs), so its int8 rows take one scale per
+ * 256 inputs, as llama.cpp's Q8_K; a fused projection's parts share the rows (`Linear.next`), so any such part makes
+ * them so. The other kernels read the rows' scale per block as ever, the super-block's at each of its 8 blocks. */
+static inline int int8_span(const Linear *w) {
+    for (; w; w = w->next)
+        if (w->supers && type_of(w)->sub_scales) return 256;
+    return 32;
+}
+
+/* Row `r` of `out` (laid out for w: K = w->k, groups of w->group) from x[K]: int16 and int8 values with their scales
+ * per block (int8: one absmax per `span` inputs, the projection's `int8_span`, written at each of its blocks), each
+ * group's float sum of x and of the int8 values, the int8 sums per 16. */
+static inline void quantize_row(const float *x, const Linear *w, int64_t span, QuantizedRows *out, int64_t r) {
+    const int64_t k = w->k, group = w->group, blocks = k / 32, groups = k / group;
+    span /= 32; /* blocks a span */
     const __m256 sign = _mm256_set1_ps(-0.0f);
     float *sums = out->sum + r * groups, *sums8 = out->sum8 + r * groups;
     for (int64_t g = 0; g < groups; g++) sums[g] = sums8[g] = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *src = x + b * 32;
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
-        const __m256 amax8 = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))
-        );
-        __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-        amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
-        amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
-        const float amax = _mm_cvtss_f32(amax4), d = amax / 32767.0f, d8 = amax / 127.0f;
-        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), inv8 = _mm256_set1_ps(d8 > 0.0f ? 1.0f / d8 : 0.0f);
-        __m256i q[4], q8[4]; /* rounded to nearest */
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-        for (int i = 0; i < 4; i++) q8[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv8));
-        const int32_t first = hsum_epi32(_mm256_add_epi32(q8[0], q8[1])), second = hsum_epi32(_mm256_add_epi32(q8[2], q8[3]));
-        out->half[r * (k / 16) + 2 * b] = first;
-        out->half[r * (k / 16) + 2 * b + 1] = second;
-        sums8[b * 32 / group] += d8 * (float)(first + second);
-        _mm256_storeu_si256((__m256i *)(out->b + r * k + b * 32), int8_quads(q8));
-        out->scale8[r * blocks + b] = d8;
-        /* packs works within 128-bit lanes: [0-3, 8-11 | 4-7, 12-15]; the permute restores the order. */
-        int16_t *dst = out->q + r * k + b * 32;
-        _mm256_store_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-        _mm256_store_si256((__m256i *)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
-        out->scale[r * blocks + b] = d;
-        sums[b * 32 / group] += hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    for (int64_t s0 = 0; s0 < blocks; s0 += span) {
+        float amax[8], amax8 = 0.0f; /* each block's absmax, and the span's */
+        for (int64_t b = s0; b < s0 + span; b++) {
+            const float *src = x + b * 32;
+            __m256 m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + 8 * i)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            amax[b - s0] = _mm_cvtss_f32(m4);
+            amax8 = amax[b - s0] > amax8 ? amax[b - s0] : amax8;
+        }
+        const float d8 = amax8 / 127.0f;
+        const __m256 inv8 = _mm256_set1_ps(d8 > 0.0f ? 1.0f / d8 : 0.0f);
+        for (int64_t b = s0; b < s0 + span; b++) {
+            const float *src = x + b * 32;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
+            const float d = amax[b - s0] / 32767.0f;
+            const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m256i q[4], q8[4]; /* rounded to nearest */
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+            for (int i = 0; i < 4; i++) q8[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv8));
+            const int32_t first = hsum_epi32(_mm256_add_epi32(q8[0], q8[1])), second = hsum_epi32(_mm256_add_epi32(q8[2], q8[3]));
+            out->half[r * (k / 16) + 2 * b] = first;
+            out->half[r * (k / 16) + 2 * b + 1] = second;
+            sums8[b * 32 / group] += d8 * (float)(first + second);
+            _mm256_storeu_si256((__m256i *)(out->b + r * k + b * 32), int8_quads(q8));
+            out->scale8[r * blocks + b] = d8;
+            /* packs works within 128-bit lanes: [0-3, 8-11 | 4-7, 12-15]; the permute restores the order. */
+            int16_t *dst = out->q + r * k + b * 32;
+            _mm256_store_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+            _mm256_store_si256((__m256i *)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+            out->scale[r * blocks + b] = d;
+            sums[b * 32 / group] += hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        }
     }
 }
 
@@ -816,6 +845,7 @@ static inline int avx2_dot(void) { return kettle_avx2_vnni == 0 ? AVX2_DOT_MADDU
 #define AVX2_QUAD_PAIR_DOT AVX2_CAT(quad_pair_dot_, AVX2_FORM)
 #define AVX2_BLOCK_DOT AVX2_CAT(block_dot_, AVX2_FORM)
 #define AVX2_BLOCK_SUMS AVX2_CAT(block_sums_, AVX2_FORM)
+#define AVX2_BLOCK_SCALED AVX2_CAT(block_scaled_, AVX2_FORM)
 
 /* acc + v, the sum written over acc's own register. GCC otherwise adds an accumulator of the AVX2 micro-kernels into
  * the product's register and copies it back, one `vmovdqa` per product (a quarter of the loop's instructions): on a
@@ -865,6 +895,21 @@ static inline __m256i block_sums_maddubs(__m256i acc) { return _mm256_madd_epi16
 #define block_dot_vnni256 quad_dot_vnni256
 static inline __m256i block_sums_avxvnni(__m256i acc) { return acc; }
 #define block_sums_vnni256 block_sums_avxvnni
+/* A block's sums, as `block_dot` leaves them in the form's accumulator, times each lane's sub-block scale, in int32
+ * (`sub_scales`): `pair` holds the scale in both int16 halves of each lane, so vpmaddubsw's int16 pair sums take it
+ * in the one vpmaddwd that sums them (|sums| · 63 · 2 < 2^31); the VNNI forms' int32 sums multiply by it. */
+static inline __m256i block_scaled_maddubs(__m256i acc, __m256i pair) { return _mm256_madd_epi16(acc, pair); }
+static inline __m256i block_scaled_avxvnni(__m256i acc, __m256i pair) {
+    return _mm256_mullo_epi32(acc, _mm256_srli_epi32(pair, 16));
+}
+#define block_scaled_vnni256 block_scaled_avxvnni
+/* `quad_pair_dot` whose int16 pair sums take the scale in `pair` (as `block_scaled`) in place of ones: the
+ * vpmaddubsw form's wide values (Q5L) scaled at no cost. */
+static inline __m256i quad_pair_scaled_maddubs(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1,
+                                               __m256i pair) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return add_into_epi32(acc, _mm256_madd_epi16(pairs, pair));
+}
 /* Whether the integer panels can run a weight of `type` on this CPU: any type they widen where it has AVX-512 VNNI,
  * else those with an AVX2 micro-kernel (`avx2_panels`). */
 static inline int integer_panels_run(const WeightType *type) {
@@ -899,6 +944,7 @@ INTERNAL void iq4l_widen(const Linear *w, int64_t j, uint8_t *dst);
 INTERNAL void iq4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
+INTERNAL void q4k_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
 INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum);

@@ -28,6 +28,24 @@ static inline LANES512 void q4k_lanes(const Linear *w, int64_t G, int64_t g, __m
     *minimum = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), sign));
 }
 
+/* Block g's 6-bit scales of 16 channels as int32 (Q4_K's `sub_scales`, kernels.h). */
+static inline LANES512 __m512i q4k_subs(const Linear *w, int64_t G, int64_t g) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w->scales + (G * (w->k / 32) + g) * 16)));
+}
+
+/* A block of a weight with Q4_K's scales into its super-block's sums `super` and `out` (kernels.h `sub_scales`): the
+ * block's sums times its scales, + minimum · (the block's int8 sum), then at the super-block's last block its sums
+ * times d · the row's scale. */
+static inline LANES512 void q4k_block(const Linear *w, int64_t G, int64_t b, const __m512i sums, __m512i *super,
+                                      __m512 mn, float sum8, float row_scale, __m512 *out) {
+    const __m512i scaled = _mm512_mullo_epi32(sums, q4k_subs(w, G, b));
+    *super = b % 8 ? _mm512_add_epi32(*super, scaled) : scaled;
+    *out = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum8), *out);
+    if (b % 8 < 7) return;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->supers + (G * (w->k / 256) + b / 8) * 32)));
+    *out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*super), _mm512_mul_ps(d, _mm512_set1_ps(row_scale)), *out);
+}
+
 /* Row r's quad q of block b, broadcast to the 16 lanes. */
 #define QUAD(r, q) _mm512_set1_epi32(((const int32_t *)(xq->b + (r0 + (r)) * k + b * 32))[q])
 /* Row r's scale of block b, and offset · the sum of its 32 int8 inputs (`QuantizedRows.half`). */
@@ -45,7 +63,8 @@ static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear
     const uint16_t *mins = w->mins ? w->mins + G * groups * 16 : NULL;
     const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 out[LANES_TILE];
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    __m512i super[LANES_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
@@ -59,8 +78,11 @@ static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear
         }
         const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
         __m512 d, mn;
-        if (w->supers) {
+        if (w->supers) { /* groups of 32: g is b */
             q4k_lanes(w, G, g, &d, &mn);
+            for (int r = 0; r < R; r++)
+                q4k_block(w, G, b, acc[r], &super[r], mn, xq->sum8[(r0 + r) * groups + g], xq->scale8[(r0 + r) * blocks + b], &out[r]);
+            continue;
         } else {
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
             mn = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)))
@@ -83,7 +105,8 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 320;
     const __m512i mask = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
     __m512 out[LANES_TILE];
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    __m512i super[LANES_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
@@ -104,6 +127,9 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
         __m512 d, mn;
         if (w->supers) {
             q4k_lanes(w, G, b, &d, &mn);
+            for (int r = 0; r < R; r++)
+                q4k_block(w, G, b, acc[r], &super[r], mn, xq->sum8[(r0 + r) * blocks + b], xq->scale8[(r0 + r) * blocks + b], &out[r]);
+            continue;
         } else { /* Q5_0, Q5_1: a float16 scale and minimum per block */
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scales + (G * blocks + b) * 16)));
             mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + (G * blocks + b) * 16)));

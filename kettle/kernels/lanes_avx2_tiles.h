@@ -62,9 +62,12 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
     const uint16_t *mins = w->mins ? w->mins + G * groups * 16 : NULL;
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 out[AVX2_TILE][2], super_d[2], super_dmin[2];
-    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    __m256i super[AVX2_TILE][2]; /* Q4_K's: the super-block's scaled sums (kernels.h `sub_scales`) */
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps(), super[r][0] = super[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < blocks; b++) {
         prefetch_ahead(qw + b * 256, 256, 2048);
+        if (w->supers && b % 8 == 0)
+            for (int r = 0; r < R; r++) super[r][0] = super[r][1] = _mm256_setzero_si256();
         __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         for (int m = 0; m < 4; m++) {
@@ -88,9 +91,21 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
         }
         const int64_t g = b / per_group; /* the group's minimum term once, with its first block */
         __m256 d[2], mn[2];
-        if (w->supers) {
+        if (w->supers) { /* groups of 32: g is b */
             if (g % 8 == 0) q4k_super_avx2(w, G, g, super_d, super_dmin);
             q4k_group_avx2(w, G, g, super_d, super_dmin, d, mn);
+            __m256i pair[2];
+            q4k_pairs_avx2(w, G, g, pair);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i scaled = AVX2_CHAINS(R) ? AVX2_BLOCK_SCALED(_mm256_add_epi32(acc[r][h], more[r][h]), pair[h])
+                                                          : AVX2_BLOCK_SCALED(acc[r][h], pair[h]);
+                    super[r][h] = _mm256_add_epi32(super[r][h], scaled);
+                    out[r][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xq->sum8[(r0 + r) * groups + g]), out[r][h]);
+                    if (b % 8 == 7)
+                        out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super[r][h]), _mm256_mul_ps(super_d[h], ROW_SCALE(r)), out[r][h]);
+                }
+            continue;
         } else {
             lanes_ph(scales + g * 16, d);
             if (mins) lanes_ph(mins + g * 16, mn);
@@ -171,14 +186,19 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q5l_til
     const uint8_t *qw = (const uint8_t *)w->weight + G * blocks * 320;
     const __m256i mask = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     __m256 out[AVX2_TILE][2], super_d[2], super_dmin[2];
-    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    __m256i super[AVX2_TILE][2], pair[2]; /* Q5_K's: as `q4l_tile`'s */
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps(), super[r][0] = super[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = qw + b * 320;
         prefetch_ahead(block, 320, 2048);
         __m256 d[2], mn[2];
         if (w->supers) {
-            if (b % 8 == 0) q4k_super_avx2(w, G, b, super_d, super_dmin);
+            if (b % 8 == 0) {
+                q4k_super_avx2(w, G, b, super_d, super_dmin);
+                for (int r = 0; r < R; r++) super[r][0] = super[r][1] = _mm256_setzero_si256();
+            }
             q4k_group_avx2(w, G, b, super_d, super_dmin, d, mn);
+            q4k_pairs_avx2(w, G, b, pair);
         } else { /* Q5_0, Q5_1: a float16 scale and minimum per block */
             lanes_ph((const uint16_t *)w->scales + (G * blocks + b) * 16, d);
             lanes_ph(w->mins + (G * blocks + b) * 16, mn);
@@ -201,6 +221,14 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q5l_til
                 }
             }
             for (int r = 0; r < R; r++) {
+                if (w->supers) {
+                    super[r][h] = _mm256_add_epi32(super[r][h], AVX2_ACCUMULATES ? AVX2_BLOCK_SCALED(_mm256_add_epi32(acc[r], more[r]), pair[h])
+                                                                                 : _mm256_add_epi32(AVX2_BLOCK_SCALED(acc[r], pair[h]), AVX2_BLOCK_SCALED(more[r], pair[h])));
+                    out[r][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xq->sum8[(r0 + r) * blocks + b]), out[r][h]);
+                    if (b % 8 == 7)
+                        out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super[r][h]), _mm256_mul_ps(super_d[h], ROW_SCALE(r)), out[r][h]);
+                    continue;
+                }
                 const __m256i sums = _mm256_add_epi32(AVX2_BLOCK_SUMS(acc[r]), AVX2_BLOCK_SUMS(more[r]));
                 out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d[h], ROW_SCALE(r)), out[r][h]);
                 out[r][h] = _mm256_fmadd_ps(mn[h], _mm256_set1_ps(xq->sum8[(r0 + r) * blocks + b]), out[r][h]);

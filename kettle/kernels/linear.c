@@ -180,19 +180,9 @@ static int alloc_input(const Linear *w, int path, int64_t rows, QuantizedRows *x
     return path == PATH_INT_GEMM && alloc_lanes(rows, w->k, xq) ? -1 : 0;
 }
 
-/* y [rows, N] = x [rows, K] · Wᵀ (+ bias) for any weight type (rows ldx and ldy floats apart), on `path` (PATH_*) or
- * on the chooser's pick for decode rows (PATH_DECODE_ROWS) or prompt rows (PATH_PROMPT_ROWS) under `tuning`. -1 when
- * out of memory (nothing written), -2 for a path `w` has no kernel for. With y NULL nothing is computed: the call
- * returns the path it would take (how Python asks, for /info and the tests). */
-int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
-                  const Tuning *tuning, int threads) {
-    if (!y) return choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning); /* asked which path, nothing computed */
-    if (w->next) { /* a stacked projection: each part on its own path, its outputs after the part before */
-        Linear part = *w;
-        part.next = NULL;
-        const int failed = kettle_linear(&part, x, ldx, rows, y, ldy, path, tuning, threads);
-        return failed ? failed : kettle_linear(w->next, x, ldx, rows, y + w->n, ldy, path, tuning, threads);
-    }
+/* One part of `linear` (w->next NULL), its rows quantized with `span` inputs to an int8 scale. */
+static int linear_part(const Linear *w, int64_t span, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy,
+                       int path, const Tuning *tuning, int threads) {
     if (path < 0) path = choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning);
     if (!path_runs(w, path)) return -2;
     const int quantized = reads_quantized(path);
@@ -204,12 +194,30 @@ int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, fl
     {
         if (quantized) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) quantize_row(x + r * ldx, w->k, w->group, &xq, r);
+            for (int64_t r = 0; r < rows; r++) quantize_row(x + r * ldx, w, span, &xq, r);
         }
         team_linear(w, path, x, ldx, &xq, rows, y, ldy, buffers ? buffers + omp_get_thread_num() * per_thread : NULL);
     }
     free(buffers);
     free_rows(&xq);
+    return 0;
+}
+
+/* y [rows, N] = x [rows, K] · Wᵀ (+ bias) for any weight type (rows ldx and ldy floats apart), on `path` (PATH_*) or
+ * on the chooser's pick for decode rows (PATH_DECODE_ROWS) or prompt rows (PATH_PROMPT_ROWS) under `tuning`. -1 when
+ * out of memory (nothing written), -2 for a path `w` has no kernel for. With y NULL nothing is computed: the call
+ * returns the path it would take (how Python asks, for /info and the tests). A stacked projection's parts each take
+ * their own path, their outputs after the part before, over rows quantized as the fused step does for all of them. */
+int kettle_linear(const Linear *w, const float *x, int64_t ldx, int64_t rows, float *y, int64_t ldy, int path,
+                  const Tuning *tuning, int threads) {
+    if (!y) return choose_path(w, rows, path == PATH_PROMPT_ROWS, tuning); /* asked which path, nothing computed */
+    const int64_t span = int8_span(w);
+    for (const Linear *p = w; p; y += p->n, p = p->next) {
+        Linear part = *p;
+        part.next = NULL;
+        const int failed = linear_part(&part, span, x, ldx, rows, y, ldy, path, tuning, threads);
+        if (failed) return failed;
+    }
     return 0;
 }
 

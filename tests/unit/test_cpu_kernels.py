@@ -23,6 +23,7 @@ from tests.kernel_weights import (
     INT8_RTOL,
     int8_reads,
     int8_rows,
+    int8_span,
     lanes_here,
     random_q4_k_blocks,
     random_q6_k_blocks,
@@ -189,7 +190,7 @@ def test_a_q6_k_weight_in_lanes_holds_the_files_values_in_its_row_order():
     assert sum(t.numel() * t.element_size() for t in fused.buffers()) == 2 * n * k * 210 // 256
     assert torch.equal(fused.dequantized(), dense)
     x = torch.randn(5, k)
-    assert relative(fused(x), F.linear(int8_rows(x), dense, fused.bias)) < INT8_RTOL
+    assert relative(fused(x), F.linear(int8_rows(x, int8_span(fused.describe())), dense, fused.bias)) < INT8_RTOL
 
 
 def test_the_kernels_pack_gguf_blocks_as_the_tensor_ops_lay_them_out():

@@ -19,7 +19,17 @@ from gguf.quants import dequantize as gguf_dequantize
 from kettle import settings
 from kettle.kernels import decoder_step, ops, structs
 from tests.fixtures import kernel_switch, kernels_buildable
-from tests.kernel_weights import INT8_RTOL, LANES_NAMES, NAMES, Weight, build, int8_reads, int8_rows, lanes_here
+from tests.kernel_weights import (
+    INT8_RTOL,
+    LANES_NAMES,
+    NAMES,
+    Weight,
+    build,
+    int8_reads,
+    int8_rows,
+    int8_span,
+    lanes_here,
+)
 
 pytestmark = pytest.mark.skipif(not kernels_buildable(), reason="needs gcc, an AVX2/FMA/F16C CPU and the kernels on")
 KERNELS = Path(ops.__file__).parent
@@ -84,7 +94,7 @@ def test_every_type_on_every_path_multiplies_by_its_dense_values(name, path, row
         return
     got = ops.linear_on(x, w.linear, path)
     if int8_reads(w.linear, path):
-        assert relative(got, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
+        assert relative(got, F.linear(int8_rows(x, int8_span(w.linear)), w.dense, w.bias)) < INT8_RTOL
         assert relative(got, F.linear(x, w.dense, w.bias)) < INT8_ROUNDING
         return
     bound = INT16_RTOL if path in INT16_PATHS else FLOAT32_RTOL
@@ -158,7 +168,7 @@ def test_the_avx2_lanes_tiles_compute_the_avx512_tiles_bits(name, dot):
         for rows in range(1, 11):  # every pass of 1..4 rows, and passes after a whole one
             assert torch.equal(ops.linear_on(x[:rows], w.linear, "quantized"), wide[:rows]), rows
     assert torch.equal(narrow, wide)
-    assert relative(narrow, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
+    assert relative(narrow, F.linear(int8_rows(x, int8_span(w.linear)), w.dense, w.bias)) < INT8_RTOL
 
 
 # The lanes types with the integer panels' AVX2 micro-kernel (weight_types.c's `avx2_panels`: those with AVX2 tiles).
@@ -198,7 +208,7 @@ def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name, dot):
         for rows in range(1, 41):
             assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
     assert torch.equal(tiles, reference)
-    assert relative(tiles, F.linear(int8_rows(x), w.dense, w.bias)) < INT8_RTOL
+    assert relative(tiles, F.linear(int8_rows(x, int8_span(w.linear)), w.dense, w.bias)) < INT8_RTOL
     if lanes_here():
         assert torch.equal(ops.linear_on(x, w.linear, "int_gemm"), tiles)
         assert torch.equal(ops.linear_on(x, w.linear, "quantized"), tiles)
