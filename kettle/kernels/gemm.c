@@ -416,6 +416,14 @@ void q4k_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d) 
     for (int64_t s = 0; s < blocks / 8; s++) super_d[s] = _cvtsh_ss(w->supers[(j / 16 * (blocks / 8) + s) * 32 + j % 16]);
 }
 
+/* IQ4L's (`sub_scales`): each block's ls - 32 as an int16 pair, d per super-block. */
+void iq4l_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d) {
+    const int64_t blocks = w->k / 32;
+    const int8_t *sc = (const int8_t *)w->scales + j / 16 * blocks * 16 + j % 16;
+    for (int64_t b = 0; b < blocks; b++) pairs[b] = (int32_t)((uint32_t)(uint16_t)sc[b * 16] * 0x10001u);
+    for (int64_t s = 0; s < blocks / 8; s++) super_d[s] = _cvtsh_ss(w->supers[(j / 16 * (blocks / 8) + s) * 16 + j % 16]);
+}
+
 /* The rows layouts' float16 scales per group (Q4, Q8_0: groups of 32) and Q4's minimums. */
 void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
@@ -522,8 +530,9 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
 
-/* SCALED_CHANNELS: `micro_vnni` for a weight with `sub_scales` (kernels.h): each block's int32 sums times its
- * scales into the super-block's sums, + minimum · (the block's int8 sum) per block, the super-block's sums scaled
+/* SCALED_CHANNELS: `micro_vnni` for a weight with `sub_scales` (kernels.h): each block's int32 sums (from -offset ·
+ * its inputs' sum) times its scales into the super-block's sums, + minimum · (the block's int8 sum) per block where
+ * the weight has minimums, the super-block's sums scaled
  * in float at its last block, as the tiles (lanes.c `q4l_tile`). Three vectors a channel (8 channels: 24 of the 32
  * registers). `NARROW` (a constant): the first 8 lanes only, in 256-bit vectors, as `micro_vnni8`. */
 #define SCALED_CHANNELS 8
@@ -531,14 +540,19 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
                      fmadd, store)                                                                                \
     static inline __attribute__((always_inline)) target void name(const LaneRows *x, int64_t k,                  \
                                                                   const IntChannels *w, int channels,            \
-                                                                  float *tile) {                                 \
+                                                                  int offset, float *tile) {                     \
         const int64_t blocks = k / 32;                                                                           \
         vec acc[SCALED_CHANNELS];                                                                                \
         veci super[SCALED_CHANNELS];                                                                             \
         for (int c = 0; c < channels; c++) acc[c] = zero(), super[c] = zeroi();                                  \
         for (int64_t b = 0; b < blocks; b++) {                                                                   \
-            veci dot[SCALED_CHANNELS];                                                                           \
-            for (int c = 0; c < channels; c++) dot[c] = zeroi();                                                 \
+            veci dot[SCALED_CHANNELS], start = zeroi();                                                          \
+            if (offset) {                                                                                        \
+                const veci sum = add(loadi((const void *)(x->half + 2 * b * LANES)),                             \
+                                     loadi((const void *)(x->half + (2 * b + 1) * LANES)));                      \
+                start = mullo(sum, set1i(-offset));                                                              \
+            }                                                                                                    \
+            for (int c = 0; c < channels; c++) dot[c] = start;                                                   \
             for (int64_t i = b * 8; i < b * 8 + 8; i++) {                                                        \
                 const veci a = loadi((const void *)(x->quads + i * LANES));                                      \
                 for (int c = 0; c < channels; c++)                                                               \
@@ -549,7 +563,8 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
                 super[c] = b % 8 ? add(super[c], scaled) : scaled;                                               \
             }                                                                                                    \
             const vec sum = load(x->sum + b * LANES);                                                            \
-            for (int c = 0; c < channels; c++) acc[c] = fmadd(sum, set1(w->minimum[c * blocks + b]), acc[c]);    \
+            for (int c = 0; w->minimum && c < channels; c++)                                                     \
+                acc[c] = fmadd(sum, set1(w->minimum[c * blocks + b]), acc[c]);                                   \
             if (b % 8 < 7) continue;                                                                             \
             const vec d = load(x->scale + b * LANES); /* the rows' scale of the super-block */                   \
             for (int c = 0; c < channels; c++)                                                                   \
@@ -633,12 +648,13 @@ static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels
 
 /* `int_channels` for a weight with `sub_scales`, SCALED_CHANNELS at a time. */
 static VNNI8 void int_channels_scaled(const LaneRows *x, int64_t k, const IntChannels *w, int n, int64_t rows,
-                                      float *tile) {
+                                      int offset, float *tile) {
     const int narrow = kettle_integer_lanes8 && rows <= LANES / 2;
     for (int c0 = 0; c0 < n; c0 += SCALED_CHANNELS) {
         IntChannels part = *w;
-        part.q += c0 * w->stride, part.minimum += c0 * (k / 32), part.sub += c0 * (k / 32), part.super += c0 * (k / 256);
-#define CASE(t) case t: if (narrow) micro_vnni8_scaled(x, k, &part, t, tile + c0 * LANES); else micro_vnni_scaled(x, k, &part, t, tile + c0 * LANES); break;
+        part.q += c0 * w->stride, part.sub += c0 * (k / 32), part.super += c0 * (k / 256);
+        if (part.minimum) part.minimum += c0 * (k / 32);
+#define CASE(t) case t: if (narrow) micro_vnni8_scaled(x, k, &part, t, offset, tile + c0 * LANES); else micro_vnni_scaled(x, k, &part, t, offset, tile + c0 * LANES); break;
         switch (n - c0 < SCALED_CHANNELS ? n - c0 : SCALED_CHANNELS) {
             CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
         }
@@ -672,7 +688,7 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
                                    int64_t count, float *tile, const float *bias, float *y, int64_t ldy) {
     const WeightType *type = type_of(w);
     if (type->sub_blocks) int_channels_q6(x, k, c, n, tile);
-    else if (c->sub) int_channels_scaled(x, k, c, n, count, tile);
+    else if (c->sub) int_channels_scaled(x, k, c, n, count, type->offset, tile);
     else int_channels(x, k, w->group, c, n, count, type->offset, tile);
     store_lanes(tile, n, (int)count, bias, y, ldy);
 }

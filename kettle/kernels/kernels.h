@@ -305,10 +305,12 @@ typedef struct {
      * block (sub_blocks: per 16 inputs) and minimums per group. */
     void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
-    /* For a weight with `supers` whose sub-block scales are small integers (Q4_K's and Q5_K's 6 bits), or NULL:
+    /* For a weight with `supers` whose sub-block scales are small integers (Q4_K's and Q5_K's 6 bits, IQ4_XS's
+     * ls - 32), or NULL:
      * channel j's scale per block of 32 as an int16 pair (`block_scaled`) and its float d per 256 inputs. Its integer
      * kernels then sum a super-block's blocks in int32 over int8 rows scaled per 256 (`int8_span`), and a row's
-     * float operations are, per block, + minimum · (the block's int8 sum), then at the super-block's last block
+     * float operations are, per block, + minimum · (the block's int8 sum) where it has minimums, then at the
+     * super-block's last block
      * + (Σ scale · sums) · (d · the row's scale): a conversion and an FMA per 256 inputs where each block took a
      * conversion, a multiply and an FMA (a 1.7B Q4_K_M prompt 82 → 92 tok/s on a Zen 3). */
     void (*sub_scales)(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
@@ -900,9 +902,14 @@ static inline __m256i block_sums_avxvnni(__m256i acc) { return acc; }
  * in the one vpmaddwd that sums them (|sums| · 63 · 2 < 2^31); the VNNI forms' int32 sums multiply by it. */
 static inline __m256i block_scaled_maddubs(__m256i acc, __m256i pair) { return _mm256_madd_epi16(acc, pair); }
 static inline __m256i block_scaled_avxvnni(__m256i acc, __m256i pair) {
-    return _mm256_mullo_epi32(acc, _mm256_srli_epi32(pair, 16));
+    return _mm256_mullo_epi32(acc, _mm256_srai_epi32(pair, 16)); /* the scale's sign too (IQ4_XS's ls - 32) */
 }
 #define block_scaled_vnni256 block_scaled_avxvnni
+/* `quad_dot` of the vpmaddubsw form whose int16 pair sums take the scale in `pair` in place of ones (the sign
+ * trick's signed types: |pairs| · 32 · 2 < 2^31). */
+static inline __m256i quad_dot_scaled_maddubs(__m256i acc, __m256i u, __m256i s, __m256i pair) {
+    return add_into_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), pair));
+}
 /* `quad_pair_dot` whose int16 pair sums take the scale in `pair` (as `block_scaled`) in place of ones: the
  * vpmaddubsw form's wide values (Q5L) scaled at no cost. */
 static inline __m256i quad_pair_scaled_maddubs(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1,
@@ -945,6 +952,7 @@ INTERNAL void iq4l_scales(const Linear *w, int64_t j, float *scale, float *minim
 INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4k_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
+INTERNAL void iq4l_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
 INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum);

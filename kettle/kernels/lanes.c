@@ -144,7 +144,8 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
 }
 
 /* `q4l_tile` for an IQ4L weight: each index looked up in the grid + 128 (`vpshufb`, the 16 values in every 128-bit
- * lane), then the same products less 128 · the block's inputs; the block's scale d · (ls - 32) for 16 channels. */
+ * lane), then the same products less 128 · the block's inputs, times its ls - 32 into the super-block's sums, scaled
+ * by d · the row's scale after its last block (kernels.h `sub_scales`). */
 static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                      int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
@@ -155,7 +156,8 @@ static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linea
     const __m512i grid = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES)),
                                           _mm512_set1_epi8((char)0x80)); /* + 128 as u8 */
     __m512 out[LANES_TILE];
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    __m512i super[LANES_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
@@ -168,10 +170,14 @@ static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linea
                 acc[r] = _mm512_dpbusd_epi32(acc[r], high, QUAD(r, 4 + m));
             }
         }
-        const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16))),
-                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + b * 16)))));
-        for (int r = 0; r < R; r++)
-            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(scale, ROW_SCALE(r)), out[r]);
+        const __m512i subs = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + b * 16)));
+        for (int r = 0; r < R; r++) super[r] = _mm512_add_epi32(super[r], _mm512_mullo_epi32(acc[r], subs));
+        if (b % 8 < 7) continue;
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16)));
+        for (int r = 0; r < R; r++) {
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(super[r]), _mm512_mul_ps(scale, ROW_SCALE(r)), out[r]);
+            super[r] = _mm512_setzero_si512();
+        }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * ldy + G * 16, _mm512_add_ps(out[r], bias));

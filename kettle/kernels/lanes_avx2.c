@@ -91,6 +91,14 @@ static inline void q4k_pairs_avx2(const Linear *w, int64_t G, int64_t g, __m256i
                                                           12, z, 12, z, 13, z, 13, z, 14, z, 14, z, 15, z, 15, z));
 }
 
+/* 16 IQ4L channels' ls - 32 of a block (`sc`) as int16 pairs (`block_scaled`), 8 a half: its `sub_scales`. */
+static inline void iq4l_pairs_avx2(const int8_t *sc, __m256i pair[2]) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)));
+        pair[h] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+    }
+}
+
 /* Row r's quad q of block b, broadcast; its scale of block b. */
 #define QUAD(r, q) _mm256_set1_epi32(((const int32_t *)(xq->b + (r0 + (r)) * k + b * 32))[q])
 #define ROW_SCALE(r) _mm256_set1_ps(xq->scale8[(r0 + (r)) * blocks + b])

@@ -6,7 +6,8 @@
 /* `iq4l_tile` on AVX2, output channels 16G .. 16G + 15 for rows r0 .. r0 + R - 1 (R ≤ AVX2_TILE, a constant): per
  * half of 8 channels (32 bytes of each quad vector), looked up in the grid with `pshufb`, and multiplied
  * with the row's quads by the sign trick (|grid value| as u8, the quad with its sign: the grid's -127..113 keep
- * vpmaddubsw's pairs below 2^15). */
+ * vpmaddubsw's pairs below 2^15), each block's sums times its ls - 32 into the super-block's (kernels.h
+ * `sub_scales`: the vpmaddubsw form as it sums the pairs), scaled by d · the row's scale after its last block. */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_tile)(
     const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
 ) {
@@ -17,9 +18,12 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
     const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 out[AVX2_TILE][2];
-    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    __m256i super[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps(), super[r][0] = super[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < blocks; b++) {
         prefetch_ahead(qw + b * 256, 256, 2048);
+        __m256i pair[2];
+        iq4l_pairs_avx2(sc + b * 16, pair);
         for (int h = 0; h < 2; h++) {
             __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* more: a second chain at few rows (AVX2_CHAINS) */
             for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
@@ -29,18 +33,24 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
                 const __m256i high = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
                 const __m256i low_size = _mm256_sign_epi8(low, low), high_size = _mm256_sign_epi8(high, high);
                 for (int r = 0; r < R; r++) {
-                    const __m256i x_low = QUAD(r, m), x_high = QUAD(r, 4 + m);
-                    acc[r] = AVX2_QUAD_DOT(acc[r], low_size, _mm256_sign_epi8(x_low, low));
-                    if (AVX2_CHAINS(R)) more[r] = AVX2_QUAD_DOT(more[r], high_size, _mm256_sign_epi8(x_high, high));
-                    else acc[r] = AVX2_QUAD_DOT(acc[r], high_size, _mm256_sign_epi8(x_high, high));
+                    const __m256i x_low = _mm256_sign_epi8(QUAD(r, m), low), x_high = _mm256_sign_epi8(QUAD(r, 4 + m), high);
+                    if (!AVX2_ACCUMULATES) {
+                        super[r][h] = quad_dot_scaled_maddubs(super[r][h], low_size, x_low, pair[h]);
+                        super[r][h] = quad_dot_scaled_maddubs(super[r][h], high_size, x_high, pair[h]);
+                        continue;
+                    }
+                    acc[r] = AVX2_QUAD_DOT(acc[r], low_size, x_low);
+                    if (AVX2_CHAINS(R)) more[r] = AVX2_QUAD_DOT(more[r], high_size, x_high);
+                    else acc[r] = AVX2_QUAD_DOT(acc[r], high_size, x_high);
                 }
             }
-            const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b / 8 * 16 + 8 * h))),
-                                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + b * 16 + 8 * h)))));
+            for (int r = 0; AVX2_ACCUMULATES && r < R; r++)
+                super[r][h] = _mm256_add_epi32(super[r][h], AVX2_BLOCK_SCALED(_mm256_add_epi32(acc[r], more[r]), pair[h]));
+            if (b % 8 < 7) continue;
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b / 8 * 16 + 8 * h)));
             for (int r = 0; r < R; r++) {
-                const __m256 combined = _mm256_mul_ps(scale, ROW_SCALE(r));
-                const __m256i sums = AVX2_CHAINS(R) ? _mm256_add_epi32(acc[r], more[r]) : acc[r];
-                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), combined, out[r][h]);
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super[r][h]), _mm256_mul_ps(scale, ROW_SCALE(r)), out[r][h]);
+                super[r][h] = _mm256_setzero_si256();
             }
         }
     }

@@ -174,7 +174,7 @@ const WeightType WEIGHT_TYPES[] = {
                     .widen = q5l_widen, .scales = q4l_scales, .sub_scales = q4k_sub_scales, .avx2_panels = 1, .pack = pack_q5l},
     [LINEAR_IQ4L] = {.name = "iq4_xs_lanes", .lanes = 1, .quantized = 1, .offset = 128, .dequantize = iq4l_dequant_row,
                      .quantized_rows = iq4l_rows, .quantized_rows_avx2 = iq4l_rows_avx2, .widen = iq4l_widen,
-                     .scales = iq4l_scales, .avx2_panels = 1, .pack = pack_iq4l},
+                     .scales = iq4l_scales, .sub_scales = iq4l_sub_scales, .avx2_panels = 1, .pack = pack_iq4l},
     [LINEAR_Q6L] = {.name = "q6_k_lanes", .lanes = 1, .quantized = 1, .sub_blocks = 1, .wide_values = 1, .offset = 32,
                     .dequantize = q6l_dequant_row, .quantized_rows = q6l_rows, .quantized_rows_avx2 = q6l_rows_avx2,
                     .widen = q6l_widen, .scales = q6l_panel_scales, .avx2_panels = 1, .pack = pack_q6l},
