@@ -2,6 +2,25 @@
  * included once per form, each inclusion defining int_channels_<form> compiled for that form's target. Not a header
  * of its own: gemm.c's LaneRows, IntChannels, LANES and AVX2_CHANNELS come first. */
 
+/* Quad i of the group's rows, and quad i + 1 where `wide` (a constant), in `halves` of 8 lanes. */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(row_quads)(const LaneRows *x, int64_t i,
+                                                                                    const int halves, const int wide,
+                                                                                    __m256i a[2], __m256i next[2]) {
+    for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
+    for (int h = 0; wide && h < halves; h++) next[h] = _mm256_load_si256((const __m256i *)(x->quads + (i + 1) * LANES + 8 * h));
+}
+
+/* Channel c's widened quad i broadcast (`q`), and beside it (`second`) its |q| where `is_signed` (the signed quads)
+ * or quad i + 1 where `wide` (constants). */
+static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(weight_quads)(const IntChannels *w, int c,
+                                                                                      int64_t i, const int is_signed,
+                                                                                      const int wide, __m256i *q,
+                                                                                      __m256i *second) {
+    const int32_t *row = (const int32_t *)(w->q + c * w->stride);
+    *q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
+    *second = is_signed ? _mm256_set1_epi32(row[2 * i + 1]) : wide ? _mm256_set1_epi32(row[i + 1]) : *q;
+}
+
 /* `channels` (≤ AVX2_CHANNELS, a constant at each call) output channels from c0 of w × `halves` (1 or 2, a constant)
  * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
  * sizes (`signed_quads`, the sign trick), else widened u8 q + `offset`, whose term comes off each span's start (as
@@ -33,18 +52,14 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
             /* `wide` takes two quads a step (`quad_pair_dot`), the others one */
             for (int64_t i = b * 8 + s * quads; i < b * 8 + (s + 1) * quads; i += 1 + wide) {
                 __m256i a[2], next[2];
-                for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
-                if (wide)
-                    for (int h = 0; h < halves; h++) next[h] = _mm256_load_si256((const __m256i *)(x->quads + (i + 1) * LANES + 8 * h));
+                AVX2_NAMED(row_quads)(x, i, halves, wide, a, next);
                 for (int c = 0; c < channels; c++) {
-                    const int32_t *row = (const int32_t *)(w->q + (c0 + c) * w->stride);
-                    const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
+                    __m256i q, size; /* size: |q| (is_signed), or quad i + 1 (wide) */
+                    AVX2_NAMED(weight_quads)(w, c0 + c, i, is_signed, wide, &q, &size);
                     if (is_signed) {
-                        const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_DOT(dot[c][h], size, _mm256_sign_epi8(a[h], q));
                     } else if (wide) {
-                        const __m256i then = _mm256_set1_epi32(row[i + 1]);
-                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_PAIR_DOT(dot[c][h], q, a[h], then, next[h]);
+                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_PAIR_DOT(dot[c][h], q, a[h], size, next[h]);
                     } else {
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_BLOCK_DOT(dot[c][h], q, a[h]);
                     }
@@ -110,21 +125,16 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
             for (int c = 0; c < channels; c++) pair[c] = _mm256_set1_epi32(w->sub[(c0 + c) * blocks + b]);
             for (int64_t i = b * 8; i < b * 8 + 8; i += 1 + wide) {
                 __m256i a[2], next[2];
-                for (int h = 0; h < halves; h++) a[h] = _mm256_load_si256((const __m256i *)(x->quads + i * LANES + 8 * h));
-                if (wide)
-                    for (int h = 0; h < halves; h++) next[h] = _mm256_load_si256((const __m256i *)(x->quads + (i + 1) * LANES + 8 * h));
+                AVX2_NAMED(row_quads)(x, i, halves, wide, a, next);
                 for (int c = 0; c < channels; c++) {
-                    const int32_t *row = (const int32_t *)(w->q + (c0 + c) * w->stride);
-                    const __m256i q = _mm256_set1_epi32(row[is_signed ? 2 * i : i]);
+                    __m256i q, size; /* size: |q| (is_signed), or quad i + 1 (wide) */
+                    AVX2_NAMED(weight_quads)(w, c0 + c, i, is_signed, wide, &q, &size);
                     if (is_signed) {
-                        const __m256i size = _mm256_set1_epi32(row[2 * i + 1]);
                         for (int h = 0; h < halves; h++) super[c][h] = quad_dot_scaled_maddubs(super[c][h], size, _mm256_sign_epi8(a[h], q), pair[c]);
                     } else if (pair_scaled) {
-                        const __m256i then = _mm256_set1_epi32(row[i + 1]);
-                        for (int h = 0; h < halves; h++) super[c][h] = quad_pair_scaled_maddubs(super[c][h], q, a[h], then, next[h], pair[c]);
+                        for (int h = 0; h < halves; h++) super[c][h] = quad_pair_scaled_maddubs(super[c][h], q, a[h], size, next[h], pair[c]);
                     } else if (wide) {
-                        const __m256i then = _mm256_set1_epi32(row[i + 1]);
-                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_PAIR_DOT(dot[c][h], q, a[h], then, next[h]);
+                        for (int h = 0; h < halves; h++) dot[c][h] = AVX2_QUAD_PAIR_DOT(dot[c][h], q, a[h], size, next[h]);
                     } else {
                         for (int h = 0; h < halves; h++) dot[c][h] = AVX2_BLOCK_DOT(dot[c][h], q, a[h]);
                     }
@@ -150,30 +160,46 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
         for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
 }
 
+/* `micro_avx2_scaled` over the `n` channels of c (a weight with `sub_scales`), AVX2_CHANNELS at a time, each case's
+ * steps constant in its loop (a variable offset or minimum cost Q4L's and Q5L's loops 10-15%). A function apart from
+ * `int_channels`: inlined there, its loops moved the others' code and Q6L's panels ran 30% slower (150 → 105 GOP/s,
+ * one thread in cache). */
+static __attribute__((noinline)) AVX2_TARGET void AVX2_NAMED(scaled_channels)(const LaneRows *x, int64_t k,
+                                                                              const IntChannels *w, int n,
+                                                                              int halves, int is_signed, int wide,
+                                                                              int offset, float *tile) {
+    for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
+        const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
+#define SCALED(C, W, S, O, M) if (halves == 2) AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 2, W, S, O, M, offset, tile); else AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 1, W, S, O, M, offset, tile);
+#define SCALED_FORMS(W, S, O, M) switch (channels) { case 4: SCALED(4, W, S, O, M) break; case 3: SCALED(3, W, S, O, M) break; case 2: SCALED(2, W, S, O, M) break; default: SCALED(1, W, S, O, M) }
+        if (wide) { SCALED_FORMS(1, 0, 0, 1) }              /* Q5_K */
+        else if (is_signed) { SCALED_FORMS(0, 1, 0, 0) }    /* IQ4_XS, the sign trick */
+        else if (offset) { SCALED_FORMS(0, 0, 1, 0) }       /* IQ4_XS, the VNNI forms */
+        else { SCALED_FORMS(0, 0, 0, 1) }                   /* Q4_K */
+#undef SCALED_FORMS
+#undef SCALED
+    }
+}
+
 /* The AVX2 micro-kernel over the `n` channels of c, AVX2_CHANNELS at a time: the group's first half of lanes only
  * where its `rows` fit there (as `micro_vnni8`). */
 static AVX2_TARGET void AVX2_NAMED(int_channels)(const LaneRows *x, int64_t k, int64_t group, const IntChannels *w,
                                                  int n, int64_t rows, int is_signed, int sub_blocks, int wide,
                                                  int scaled, int offset, float *tile) {
     const int halves = rows <= LANES / 2 ? 1 : 2;
+    if (scaled) {
+        AVX2_NAMED(scaled_channels)(x, k, w, n, halves, is_signed, wide, offset, tile);
+        return;
+    }
     for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
         const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
 #define CALL(C, H, S, B, W) AVX2_NAMED(micro_avx2_int)(x, k, group, w, c0, C, H, S, B, W, offset, tile)
 #define HALVES(C, S, B, W) if (halves == 2) CALL(C, 2, S, B, W); else CALL(C, 1, S, B, W);
 #define CHANNELS(S, B, W) switch (channels) { case 4: HALVES(4, S, B, W) break; case 3: HALVES(3, S, B, W) break; case 2: HALVES(2, S, B, W) break; default: HALVES(1, S, B, W) }
-#define SCALED(C, W, S, O, M) if (halves == 2) AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 2, W, S, O, M, offset, tile); else AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 1, W, S, O, M, offset, tile);
-#define SCALED_FORMS(W, S, O, M) switch (channels) { case 4: SCALED(4, W, S, O, M) break; case 3: SCALED(3, W, S, O, M) break; case 2: SCALED(2, W, S, O, M) break; default: SCALED(1, W, S, O, M) }
-        /* each case's steps constant in its loop: a variable offset or minimum cost Q4L's and Q5L's loops 10-15% */
-        if (scaled && wide) { SCALED_FORMS(1, 0, 0, 1) }         /* Q5_K */
-        else if (scaled && is_signed) { SCALED_FORMS(0, 1, 0, 0) } /* IQ4_XS, the sign trick */
-        else if (scaled && offset) { SCALED_FORMS(0, 0, 1, 0) }   /* IQ4_XS, the VNNI forms */
-        else if (scaled) { SCALED_FORMS(0, 0, 0, 1) }             /* Q4_K */
-        else if (is_signed) { CHANNELS(1, 0, 0) }
+        if (is_signed) { CHANNELS(1, 0, 0) }
         else if (sub_blocks) { CHANNELS(0, 1, 1) }
         else if (wide) { CHANNELS(0, 0, 1) }
         else { CHANNELS(0, 0, 0) }
-#undef SCALED_FORMS
-#undef SCALED
 #undef CHANNELS
 #undef HALVES
 #undef CALL
