@@ -532,9 +532,9 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
 
 /* SCALED_CHANNELS: `micro_vnni` for a weight with `sub_scales` (kernels.h): each block's int32 sums (from -offset ·
  * its inputs' sum) times its scales into the super-block's sums, + minimum · (the block's int8 sum) per block where
- * the weight has minimums, the super-block's sums scaled
- * in float at its last block, as the tiles (lanes.c `q4l_tile`). Three vectors a channel (8 channels: 24 of the 32
- * registers). `NARROW` (a constant): the first 8 lanes only, in 256-bit vectors, as `micro_vnni8`. */
+ * the weight has minimums, the super-block's sums scaled in float at its last block, as the tiles (lanes.c
+ * `q4l_tile`). Three vectors a channel (8 channels: 24 of the 32 registers). Written once for both widths:
+ * micro_vnni_scaled (16 lanes) and micro_vnni8_scaled (the first 8 lanes, in 256-bit vectors, as `micro_vnni8`). */
 #define SCALED_CHANNELS 8
 #define SCALED_MICRO(name, target, vec, veci, load, loadi, zero, zeroi, set1, set1i, add, mullo, dpbusd, cvt, mul,  \
                      fmadd, store)                                                                                \
