@@ -295,6 +295,7 @@ static void add_norm(const Decoder *m, Scratch *s, float *a, const float *b, con
                      int64_t rows) {
     const int64_t dim = m->hidden;
     const int quantize = next && quantized_input(m, next, rows); /* the path, chosen once for every row */
+    const int64_t span = quantize ? int8_span(next) : 32;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *h = s->h + r * dim, *x = s->x + r * dim, *ar = a ? a + r * dim : NULL;
@@ -304,7 +305,7 @@ static void add_norm(const Decoder *m, Scratch *s, float *a, const float *b, con
             if (ar) for (int64_t i = 0; i < dim; i++) h[i] += ar[i];
             if (norm->kind != NORM_NONE) norm_row(norm, h, dim, x);
         }
-        if (quantize) quantize_row(x, next, int8_span(next), &s->xq, r);
+        if (quantize) quantize_row(x, next, span, &s->xq, r);
     }
 }
 
@@ -346,19 +347,21 @@ static void rope_and_store(const Decoder *m, const Layer *l, Scratch *s, const f
 static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Linear *next, QuantizedRows *xq,
                          int64_t rows) {
     if (!quantized_input(m, next, rows)) return;
+    const int64_t span = int8_span(next);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, next, int8_span(next), xq, r);
+    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, next, span, xq, r);
 }
 
 /* act(fc(x)) or act(gate) · up for each row, quantized for the down projection when it takes quantized rows. */
 static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear *next, int64_t rows) {
     const int64_t inner = m->inner, width = l->gated ? 2 * inner : inner;
     const int quantize = quantized_input(m, next, rows);
+    const int64_t span = quantize ? int8_span(next) : 32;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *in = s->gate_up + r * width;
         activate_row(l->act, in, l->gated ? in + inner : NULL, inner, s->act + r * inner);
-        if (quantize) quantize_row(s->act + r * inner, next, int8_span(next), &s->xq, r);
+        if (quantize) quantize_row(s->act + r * inner, next, span, &s->xq, r);
     }
 }
 
