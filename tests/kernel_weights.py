@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kettle.kernels import ops
-from kettle.kernels.structs import LANES_TYPES, LINEAR_F32, LINEAR_IQ4L, LINEAR_Q4L, LINEAR_Q5L, Linear
+from kettle.kernels.structs import LANES_TYPES, LINEAR_F32, LINEAR_IQ4L, LINEAR_Q4L, LINEAR_Q5L, LINEAR_Q6L, Linear
 
 
 @dataclass
@@ -213,11 +213,11 @@ def lanes_here() -> bool:
 
 def int8_span(weight: Linear) -> int:
     """The inputs per int8 scale of the rows the kernels multiply `weight` by (kernels.h `int8_span`): 256 where a
-    part of it holds Q4_K's, Q5_K's or IQ4_XS's scales in lanes, whose kernels combine a super-block's blocks in
-    integers."""
+    part of it holds Q4_K's, Q5_K's, Q6_K's or IQ4_XS's scales in lanes, whose kernels combine a super-block's blocks
+    in integers."""
     part = weight
     while True:
-        if part.supers and part.kind in (LINEAR_Q4L, LINEAR_Q5L, LINEAR_IQ4L):
+        if part.supers and part.kind in (LINEAR_Q4L, LINEAR_Q5L, LINEAR_IQ4L, LINEAR_Q6L):
             return 256
         if not part.next:
             return 32

@@ -377,12 +377,7 @@ static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) 
 }
 
 /* Channel j's weight scale per block of 32 inputs (K/32 floats) and, where the type has them, its minimum per group
- * (the table's `scales`): Q6L's per sub-block of 16 (K/16 floats). */
-void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
-    (void)minimum;
-    q6l_scales(w, j, scale);
-}
-
+ * (the table's `scales`). */
 void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     float d, m;
     for (int64_t g = 0; g < w->k / w->group; g++) {
@@ -424,6 +419,19 @@ void iq4l_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d)
     for (int64_t s = 0; s < blocks / 8; s++) super_d[s] = _cvtsh_ss(w->supers[(j / 16 * (blocks / 8) + s) * 16 + j % 16]);
 }
 
+/* Q6L's (`sub_scales`, three a block): each sub-block's int8 sc as an int16 pair, then 32 · (sc₀, sc₁), the offset's
+ * term against the rows' sums per 16 inputs (|32 · sc| ≤ 4,096 fits int16); d per super-block. */
+void q6l_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d) {
+    const int64_t blocks = w->k / 32;
+    const int8_t *sc = (const int8_t *)w->scales + j / 16 * (2 * blocks) * 16 + j % 16;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint32_t first = (uint16_t)sc[2 * b * 16], second = (uint16_t)sc[(2 * b + 1) * 16];
+        pairs[3 * b] = (int32_t)(first * 0x10001u), pairs[3 * b + 1] = (int32_t)(second * 0x10001u);
+        pairs[3 * b + 2] = (int32_t)((uint16_t)(32 * sc[2 * b * 16]) | (uint32_t)(uint16_t)(32 * sc[(2 * b + 1) * 16]) << 16);
+    }
+    for (int64_t s = 0; s < blocks / 8; s++) super_d[s] = _cvtsh_ss(w->supers[(j / 16 * (blocks / 8) + s) * 16 + j % 16]);
+}
+
 /* The rows layouts' float16 scales per group (Q4, Q8_0: groups of 32) and Q4's minimums. */
 void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
@@ -437,7 +445,7 @@ void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
 }
 
 /* The widened weights of INT_CHANNELS channels: q [C][stride] u8 (K of each row used), scale [C][K/32], minimum
- * [C][K/group] (Q4); with `sub_scales`, sub [C][K/32] and super [C][K/256]. */
+ * [C][K/group] (Q4); with `sub_scales`, sub [C][K/32] (Q6L: [C][3K/32], `sub_entries`) and super [C][K/256]. */
 typedef struct {
     uint8_t *q;
     float *scale, *minimum;
@@ -500,32 +508,32 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni(
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
 
-/* Q6_CHANNELS: `micro_vnni` for Q6_K's scales per sub-block of 16 inputs (q + 32, offset 32), in the float steps of
- * lanes.c's `q6l_tile`: a block adds d · (sums₀ · scale₀ + sums₁ · scale₁), three float instructions per 16 lanes
- * and channel where scaling each sub-block apart took four, the share of the 8 vpdpbusd's port that limits these
- * panels. The first sub-block's products wait in float while the second's sums accumulate, so a call holds three
- * vectors a channel: 8 channels (12 spilled; one thread in cache, 12 channels in the old form 254 GOP/s, 8 + 4 in
- * this one 326). */
+/* Q6_CHANNELS: `micro_vnni` for Q6_K's scales per sub-block of 16 inputs (q + 32, offset 32), as lanes.c's
+ * `q6l_tile`: each sub-block's int32 sums (from -32 · its inputs' sum) times its sc into the super-block's sums (its
+ * `sub_scales`: entries 3b and 3b + 1 of a channel's), scaled in float at the super-block's last block. Three vectors
+ * a channel: 8 channels. */
 #define Q6_CHANNELS 8
 static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneRows *x, int64_t k, const IntChannels *w,
                                                                      int channels, float *tile) {
     const int64_t blocks = k / 32;
     __m512 acc[Q6_CHANNELS];
-    for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps();
+    __m512i super[Q6_CHANNELS];
+    for (int c = 0; c < channels; c++) acc[c] = _mm512_setzero_ps(), super[c] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
-        __m512 part[Q6_CHANNELS];
         for (int s = 0; s < 2; s++) {
             const __m512i start = _mm512_mullo_epi32(_mm512_load_si512(x->half + (2 * b + s) * LANES), _mm512_set1_epi32(-32));
             __m512i dot[Q6_CHANNELS];
             for (int c = 0; c < channels; c++) dot[c] = start;
             quad_dots(x, w, channels, b * 8 + s * 4, b * 8 + s * 4 + 4, dot);
-            for (int c = 0; c < channels; c++) {
-                const __m512 scale = _mm512_set1_ps(w->scale[(c * blocks + b) * 2 + s]), sums = _mm512_cvtepi32_ps(dot[c]);
-                part[c] = s ? _mm512_fmadd_ps(sums, scale, part[c]) : _mm512_mul_ps(sums, scale);
-            }
+            for (int c = 0; c < channels; c++)
+                super[c] = _mm512_add_epi32(super[c], _mm512_mullo_epi32(dot[c], _mm512_set1_epi32(w->sub[(c * blocks + b) * 3 + s] >> 16)));
         }
-        const __m512 d = _mm512_load_ps(x->scale + b * LANES);
-        for (int c = 0; c < channels; c++) acc[c] = _mm512_fmadd_ps(part[c], d, acc[c]);
+        if (b % 8 < 7) continue;
+        const __m512 d = _mm512_load_ps(x->scale + b * LANES); /* the rows' scale of the super-block */
+        for (int c = 0; c < channels; c++) {
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(super[c]), _mm512_mul_ps(d, _mm512_set1_ps(w->super[c * (blocks / 8) + b / 8])), acc[c]);
+            super[c] = _mm512_setzero_si512();
+        }
     }
     for (int c = 0; c < channels; c++) _mm512_storeu_ps(tile + c * LANES, acc[c]);
 }
@@ -637,7 +645,7 @@ static VNNI8 void int_channels(const LaneRows *x, int64_t k, int64_t group, cons
 static VNNI void int_channels_q6(const LaneRows *x, int64_t k, const IntChannels *w, int n, float *tile) {
     for (int c0 = 0; c0 < n; c0 += Q6_CHANNELS) {
         IntChannels part = *w;
-        part.q += c0 * w->stride, part.scale += c0 * (k / 16);
+        part.q += c0 * w->stride, part.sub += c0 * 3 * (k / 32), part.super += c0 * (k / 256);
 #define CASE(t) case t: micro_vnni_q6(x, k, &part, t, tile + c0 * LANES); break;
         switch (n - c0 < Q6_CHANNELS ? n - c0 : Q6_CHANNELS) {
             CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
@@ -776,9 +784,9 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
     const int64_t stride = widened_stride(k);
     IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * stride / 4, NULL, stride, NULL, NULL};
     const WeightType *type = type_of(w);
-    const int scaled = w->supers && type->sub_scales;
-    if (scaled) /* after the scales and minimums (`channel_floats`) */
-        c.sub = (int32_t *)(c.scale + 2 * INT_CHANNELS * blocks), c.super = c.scale + 3 * INT_CHANNELS * blocks;
+    const int scaled = w->supers && type->sub_scales, entries = sub_entries(type);
+    if (scaled) /* after the minimums (`channel_floats`); Q6L's three a block in the room of its scales and minimums */
+        c.sub = (int32_t *)(c.scale + (3 - entries) * INT_CHANNELS * blocks), c.super = c.scale + 3 * INT_CHANNELS * blocks;
     const int wide = lanes_avx512() || !type->avx2_panels, dot = avx2_dot();
     /* The signed types' q + 128 meet vpmaddubsw's int16 pairs only through the sign trick; vpdpbusd sums any u8 in
      * int32, so the VNNI forms multiply the widened bytes as the AVX-512 kernels do, the offset's term off each
@@ -805,11 +813,8 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
             for (int i = 0; i < n; i++) {
                 type->widen(w, j0 + i, c.q + i * stride);
                 if (is_signed) signed_quads(c.q + i * stride, k, paired.q + i * paired.stride);
-                /* sub-blocks: two scales a block, in the room of the minimums such a type has none of
-                 * (`channel_floats`) */
-                const int64_t spans = type->sub_blocks ? 2 * blocks : blocks;
-                type->scales(w, j0 + i, c.scale + i * spans, c.minimum ? c.minimum + i * groups : NULL);
-                if (scaled) type->sub_scales(w, j0 + i, c.sub + i * blocks, c.super + i * (blocks / 8));
+                if (type->scales) type->scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
+                if (scaled) type->sub_scales(w, j0 + i, c.sub + i * entries * blocks, c.super + i * (blocks / 8));
             }
             for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
                 const LaneRows x = lane_group(xq, r0 / LANES, k);

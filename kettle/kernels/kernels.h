@@ -249,7 +249,7 @@ static inline __attribute__((always_inline)) void q8_row(
  *   prompt chunks are bound by; a 1.7B Q4_K_M prompt 60 → 110 tok/s). llama.cpp makes the same choice (its Q8
  *   activations, per 256 inputs for the K-quants). On the bundled model over 1,024 tokens of text: perplexity 40.61
  *   against 40.60 with float32 rows (int16: 40.61), next-token KL to float32 rows 3.8e-3 (int16: 9e-7). For the
- *   weights whose kernels sum a super-block in integers (Q4_K's and Q5_K's scales, `int8_span`) the int8 scale is
+ *   weights whose kernels sum a super-block in integers (the K-quants' and IQ4_XS's scales, `int8_span`) the int8 scale is
  *   one per 256 inputs, as llama.cpp's Q8_K.
  * The int8 values of a block are stored as 8 quads, quad m holding inputs 4m, 4m + 2, 4m + 1, 4m + 3 (one int32 to
  * broadcast): the order of each channel's 4 bytes in a lanes quad vector. */
@@ -301,22 +301,24 @@ typedef struct {
     /* The same with each row's bits those of the row alone (lanes: `quantized_rows` is that already, NULL here). */
     void (*invariant_rows)(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                            int64_t ldy);
-    /* The integer panels: channel j's values q + offset as K u8 in the int8 rows' quad order, and its scales per
-     * block (sub_blocks: per 16 inputs) and minimums per group. */
+    /* The integer panels: channel j's values q + offset as K u8 in the int8 rows' quad order, and (NULL where
+     * `sub_scales` gives them all) its scales per block and minimums per group. */
     void (*widen)(const Linear *w, int64_t j, uint8_t *dst);
     void (*scales)(const Linear *w, int64_t j, float *scale, float *minimum);
     /* For a weight with `supers` whose sub-block scales are small integers (Q4_K's and Q5_K's 6 bits, IQ4_XS's
-     * ls - 32), or NULL:
-     * channel j's scale per block of 32 as an int16 pair (`block_scaled`) and its float d per 256 inputs. Its integer
+     * ls - 32, Q6_K's int8 per 16 inputs), or NULL:
+     * channel j's scale per block of 32 as an int16 pair (`block_scaled`; Q6_K's `sub_entries`: each sub-block's,
+     * then 32 · (sc₀, sc₁), the offset's term) and its float d per 256 inputs. Its integer
      * kernels then sum a super-block's blocks in int32 over int8 rows scaled per 256 (`int8_span`), and a row's
      * float operations are, per block, + minimum · (the block's int8 sum) where it has minimums, then at the
      * super-block's last block
      * + (Σ scale · sums) · (d · the row's scale): a conversion and an FMA per 256 inputs where each block took a
-     * conversion, a multiply and an FMA (a 1.7B Q4_K_M prompt 82 → 92 tok/s on a Zen 3). */
+     * conversion, a multiply and an FMA (a 1.7B Q4_K_M prompt 82 → 92 tok/s on a Zen 3; Q6_K's AVX2 panels 150 →
+     * 179 GOP/s a core). */
     void (*sub_scales)(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
     /* The integer panels have an AVX2 micro-kernel for the type (gemm.c, `vpmaddubsw`), with the bits of its AVX2
      * tiles: `widen`'s values must then be 0..15 (offset 0: summed in int16 over a block), int8 + 128 (offset 128:
-     * flipped back to int8, the sign trick) or, with sub_blocks, 0..63 (summed in int32 a quad at a time). The lanes
+     * flipped back to int8, the sign trick) or, wide, 0..31 and 0..63 (summed in int32 two quads at a time). The lanes
      * types with AVX2 tiles: Q4L, Q8L, IQ4L, Q6L. */
     int avx2_panels;
     /* The float32 panels, for a lanes layout that has it (else channel by channel through `dequantize`): the 16
@@ -389,14 +391,17 @@ static inline __m256i int8_quads(const __m256i q[4]) {
 }
 
 /* Whether a projection's integer kernels combine its sub-blocks in integers (`w->supers` with the table's
- * `sub_scales`: Q4_K's and Q5_K's 6-bit scales under a float16 d per 256 inputs), so its int8 rows take one scale per
- * 256 inputs, as llama.cpp's Q8_K; a fused projection's parts share the rows (`Linear.next`), so any such part makes
- * them so. The other kernels read the rows' scale per block as ever, the super-block's at each of its 8 blocks. */
+ * `sub_scales`: the K-quants' and IQ4_XS's integer scales under a float16 d per 256 inputs), so its int8 rows take
+ * one scale per 256 inputs, as llama.cpp's Q8_K; a fused projection's parts share the rows (`Linear.next`), so any
+ * such part makes them so. The other kernels read the rows' scale per block as ever, the super-block's at each of its 8 blocks. */
 static inline int int8_span(const Linear *w) {
     for (; w; w = w->next)
         if (w->supers && type_of(w)->sub_scales) return 256;
     return 32;
 }
+
+/* The int32 entries a block of `sub_scales` writes: a pair per sub-block, and Q6_K's (`sub_blocks`) offset pair. */
+static inline int sub_entries(const WeightType *type) { return type->sub_blocks ? 3 : 1; }
 
 /* Row `r` of `out` (laid out for w: K = w->k, groups of w->group) from x[K]: int16 and int8 values with their scales
  * per block (int8: one absmax per `span` inputs, the projection's `int8_span`, written at each of its blocks), each
@@ -953,9 +958,9 @@ INTERNAL void group_scales(const Linear *w, int64_t j, float *scale, float *mini
 INTERNAL void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q4k_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
 INTERNAL void iq4l_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
+INTERNAL void q6l_sub_scales(const Linear *w, int64_t j, int32_t *pairs, float *super_d);
 INTERNAL void q8_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 INTERNAL void q8l_scales(const Linear *w, int64_t j, float *scale, float *minimum);
-INTERNAL void q6l_panel_scales(const Linear *w, int64_t j, float *scale, float *minimum);
 /* The float32 panels' 16 channels at a time from a lanes layout (gemm.c). */
 INTERNAL void q4l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld);
 INTERNAL void q8l_panel_group(const Linear *w, int64_t G, float *panel, int64_t ld);

@@ -208,8 +208,9 @@ static inline __attribute__((always_inline)) LANES512 void q8l_tile(const Linear
 }
 
 /* `q4l_tile` for a Q6L weight: the low 4 bits as Q4L's, and each high-bits vector holds two quad vectors' high
- * bits, moved to bits 4-5 of their bytes by one shift each. The low nibbles (inputs 0..15) and high ones (16..31) are Q6_K's two sub-blocks of 16,
- * so each keeps its own int32 sums, less 32 · its inputs' sum, scaled by its own d · sc. */
+ * bits, moved to bits 4-5 of their bytes by one shift each. The low nibbles (inputs 0..15) and high ones (16..31) are
+ * Q6_K's two sub-blocks of 16, so each keeps its own int32 sums, less 32 · its inputs' sum, times its own sc into the
+ * super-block's sums, scaled by d · the row's scale after its last block (kernels.h `sub_scales`). */
 static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear *w, int64_t G, const QuantizedRows *xq,
                                                                     int64_t r0, const int R, float *y, int64_t ldy) {
     const int64_t k = w->k, blocks = k / 32;
@@ -218,7 +219,8 @@ static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear
     const uint16_t *d = w->supers + G * (k / 256) * 16;
     const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
     __m512 out[LANES_TILE];
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    __m512i super[LANES_TILE];
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i lo[LANES_TILE], hi[LANES_TILE]; /* each sub-block's sums */
         for (int r = 0; r < R; r++) {
@@ -241,15 +243,15 @@ static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear
                 hi[r] = _mm512_dpbusd_epi32(hi[r], high, QUAD(r, 4 + m));
             }
         }
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16)));
         const __m128i *subs = (const __m128i *)(sc + 2 * b * 16);
-        const __m512 first = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(subs))));
-        const __m512 second = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(subs + 1))));
-        /* d_x · (sums₀ · scale₀ + sums₁ · scale₁): one float instruction fewer than scaling each sub-block by its
-         * own d_x · scale, and the steps of the integer panels (gemm.c `micro_vnni_q6`) */
+        const __m512i first = _mm512_cvtepi8_epi32(_mm_loadu_si128(subs)), second = _mm512_cvtepi8_epi32(_mm_loadu_si128(subs + 1));
+        for (int r = 0; r < R; r++)
+            super[r] = _mm512_add_epi32(super[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], first), _mm512_mullo_epi32(hi[r], second)));
+        if (b % 8 < 7) continue;
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b / 8 * 16)));
         for (int r = 0; r < R; r++) {
-            const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), second, _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), first));
-            out[r] = _mm512_fmadd_ps(part, ROW_SCALE(r), out[r]);
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(super[r]), _mm512_mul_ps(scale, ROW_SCALE(r)), out[r]);
+            super[r] = _mm512_setzero_si512();
         }
     }
     const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + G * 16) : _mm512_setzero_ps();

@@ -99,6 +99,15 @@ static inline void iq4l_pairs_avx2(const int8_t *sc, __m256i pair[2]) {
     }
 }
 
+/* 8 Q6L channels' sc of a block's two sub-blocks (`sc`: the first's, the second's 16 bytes on) as int16 pairs
+ * (`block_scaled`), and 32 · (sc₀, sc₁) as one pair: its `sub_scales`. */
+static inline void q6l_pairs_avx2(const int8_t *sc, __m256i pair[3]) {
+    const __m128i first = _mm_loadl_epi64((const __m128i *)sc), second = _mm_loadl_epi64((const __m128i *)(sc + 16));
+    pair[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, first));
+    pair[1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(second, second));
+    pair[2] = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second)), 5);
+}
+
 /* Row r's quad q of block b, broadcast; its scale of block b. */
 #define QUAD(r, q) _mm256_set1_epi32(((const int32_t *)(xq->b + (r0 + (r)) * k + b * 32))[q])
 #define ROW_SCALE(r) _mm256_set1_ps(xq->scale8[(r0 + (r)) * blocks + b])

@@ -254,9 +254,10 @@ static AVX2_TARGET void AVX2_NAMED(q5l_rows)(const Linear *w, const QuantizedRow
 }
 
 /* `q6l_tile` (lanes.c) on AVX2: per block and half of 8 channels, each quad vector's half with its high bits moved in
- * as the AVX-512 tile does, q (0..63) times the row's quads summed per sub-block of 16 inputs in int32, two quads a
- * step (`QUAD_PAIR_DOT`: one vpmaddwd for both quads' int16 pairs; one thread, 4 rows of 1,024 × 2,048 in cache on a
- * Zen 3, 93 → 95 GOP/s), less 32 · the sub-block's inputs, then the AVX-512 tile's float operations lane by lane. */
+ * as the AVX-512 tile does, q (0..63) times the row's quads two quads a step (`QUAD_PAIR_DOT`: one vpmaddwd for both
+ * quads' int16 pairs), each sub-block's sums times its sc into the super-block's sums (the vpmaddubsw form as it sums
+ * the pairs, `quad_pair_scaled`), less 32 · (sc₀ · the sub-block's inputs' sum + sc₁ · the next's) in one vpmaddwd
+ * of int16 pairs, scaled by d · the row's scale after the super-block's last block (kernels.h `sub_scales`). */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_tile)(
     const Linear *w, int64_t G, const QuantizedRows *xq, int64_t r0, const int R, float *y, int64_t ldy
 ) {
@@ -266,15 +267,23 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_til
     const uint16_t *d = w->supers + G * (k / 256) * 16;
     const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
     __m256 out[AVX2_TILE][2];
-    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    __m256i super[AVX2_TILE][2];
+    for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps(), super[r][0] = super[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = qw + b * 384;
         prefetch_ahead(block, 384, 1024);
+        __m256i inputs[AVX2_TILE]; /* the row's int8 sums of the two sub-blocks as an int16 pair */
+        for (int r = 0; r < R; r++) {
+            const int32_t *half = xq->half + (r0 + r) * (k / 16) + 2 * b;
+            inputs[r] = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)half[0] | (uint32_t)half[1] << 16));
+        }
         for (int h = 0; h < 2; h++) {
-            __m256i lo[AVX2_TILE], hi[AVX2_TILE]; /* each sub-block's sums */
+            __m256i pair[3]; /* sc₀ and sc₁ as int16 pairs, and 32 · (sc₀, sc₁) */
+            q6l_pairs_avx2(sc + 2 * b * 16 + 8 * h, pair);
+            __m256i lo[AVX2_TILE], hi[AVX2_TILE]; /* the VNNI forms' sums of each sub-block */
             for (int r = 0; r < R; r++) {
-                const int32_t *half = xq->half + (r0 + r) * (k / 16) + 2 * b;
-                lo[r] = _mm256_set1_epi32(-32 * half[0]), hi[r] = _mm256_set1_epi32(-32 * half[1]);
+                super[r][h] = _mm256_sub_epi32(super[r][h], _mm256_madd_epi16(pair[2], inputs[r]));
+                lo[r] = hi[r] = _mm256_setzero_si256();
             }
             for (int m = 0; m < 4; m += 2) { /* quads m and m + 1 share their high bits' vector */
                 const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + 256 + 64 * (m / 2) + 32 * h));
@@ -288,17 +297,22 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q6l_til
                     high[odd] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), second);
                 }
                 for (int r = 0; r < R; r++) {
+                    if (!AVX2_ACCUMULATES) {
+                        super[r][h] = quad_pair_scaled_maddubs(super[r][h], low[0], QUAD(r, m), low[1], QUAD(r, m + 1), pair[0]);
+                        super[r][h] = quad_pair_scaled_maddubs(super[r][h], high[0], QUAD(r, 4 + m), high[1], QUAD(r, 5 + m), pair[1]);
+                        continue;
+                    }
                     lo[r] = AVX2_QUAD_PAIR_DOT(lo[r], low[0], QUAD(r, m), low[1], QUAD(r, m + 1));
                     hi[r] = AVX2_QUAD_PAIR_DOT(hi[r], high[0], QUAD(r, 4 + m), high[1], QUAD(r, 5 + m));
                 }
             }
+            for (int r = 0; AVX2_ACCUMULATES && r < R; r++)
+                super[r][h] = _mm256_add_epi32(super[r][h], _mm256_add_epi32(AVX2_BLOCK_SCALED(lo[r], pair[0]), AVX2_BLOCK_SCALED(hi[r], pair[1])));
+            if (b % 8 < 7) continue;
             const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b / 8 * 16 + 8 * h)));
-            const int8_t *subs = sc + 2 * b * 16 + 8 * h;
-            const __m256 first = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)subs))));
-            const __m256 second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(subs + 16)))));
             for (int r = 0; r < R; r++) {
-                const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), second, _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), first));
-                out[r][h] = _mm256_fmadd_ps(part, ROW_SCALE(r), out[r][h]);
+                out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super[r][h]), _mm256_mul_ps(scale, ROW_SCALE(r)), out[r][h]);
+                super[r][h] = _mm256_setzero_si256();
             }
         }
     }

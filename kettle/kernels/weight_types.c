@@ -177,5 +177,5 @@ const WeightType WEIGHT_TYPES[] = {
                      .scales = iq4l_scales, .sub_scales = iq4l_sub_scales, .avx2_panels = 1, .pack = pack_iq4l},
     [LINEAR_Q6L] = {.name = "q6_k_lanes", .lanes = 1, .quantized = 1, .sub_blocks = 1, .wide_values = 1, .offset = 32,
                     .dequantize = q6l_dequant_row, .quantized_rows = q6l_rows, .quantized_rows_avx2 = q6l_rows_avx2,
-                    .widen = q6l_widen, .scales = q6l_panel_scales, .avx2_panels = 1, .pack = pack_q6l},
+                    .widen = q6l_widen, .sub_scales = q6l_sub_scales, .avx2_panels = 1, .pack = pack_q6l},
 };
