@@ -713,6 +713,10 @@ static VNNI8 void int_group_avx512(const LaneRows *x, int64_t k, const Linear *w
  * (`wide_values`, kernels.h `quad_pair_dot`), Q6L's per sub-block of 16 inputs. */
 
 #define AVX2_CHANNELS 4 /* output channels per AVX2 micro-kernel call: 2 × 4 int and 2 × 4 float accumulators */
+/* The same for `micro_avx2_scaled`, whose channels also hold their scales' pairs: at 4 the 16 registers no longer
+ * held the rows' quads, reloaded per channel (one thread, 2,048 × 48 in cache, 512 rows, GOP/s at 4 → 3 channels:
+ * Q4L 202 → 212, Q5L 179 → 195, Q6L 179 → 184, IQ4L even; at 2, 183, 181, 159). */
+#define SCALED_AVX2_CHANNELS 3
 
 /* A signed channel's K widened bytes (q + 128) as the AVX2 micro-kernel reads them: each quad of int8 q beside its
  * |q| (2K bytes), so that each is one broadcast (computing |q| per quad and channel cost the kernel ~10%). */

@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
         for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
 }
 
-/* `micro_avx2_scaled` over the `n` channels of c (a weight with `sub_scales`), AVX2_CHANNELS at a time, each case's
+/* `micro_avx2_scaled` over the `n` channels of c (a weight with `sub_scales`), SCALED_AVX2_CHANNELS at a time, each case's
  * steps constant in its loop (a variable offset or minimum cost Q4L's and Q5L's loops 10-15%). A function apart from
  * `int_channels`: inlined there, its loops moved the others' code and Q6L's panels (then in float per block) ran 30%
  * slower (150 → 105 GOP/s, one thread in cache). */
@@ -174,10 +174,10 @@ static __attribute__((noinline)) AVX2_TARGET void AVX2_NAMED(scaled_channels)(co
                                                                               const IntChannels *w, int n,
                                                                               int halves, int is_signed, int sub_blocks,
                                                                               int wide, int offset, float *tile) {
-    for (int c0 = 0; c0 < n; c0 += AVX2_CHANNELS) {
-        const int channels = n - c0 < AVX2_CHANNELS ? n - c0 : AVX2_CHANNELS;
+    for (int c0 = 0; c0 < n; c0 += SCALED_AVX2_CHANNELS) {
+        const int channels = n - c0 < SCALED_AVX2_CHANNELS ? n - c0 : SCALED_AVX2_CHANNELS;
 #define SCALED(C, W, S, O, M, B) if (halves == 2) AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 2, W, S, O, M, B, offset, tile); else AVX2_NAMED(micro_avx2_scaled)(x, k, w, c0, C, 1, W, S, O, M, B, offset, tile);
-#define SCALED_FORMS(W, S, O, M, B) switch (channels) { case 4: SCALED(4, W, S, O, M, B) break; case 3: SCALED(3, W, S, O, M, B) break; case 2: SCALED(2, W, S, O, M, B) break; default: SCALED(1, W, S, O, M, B) }
+#define SCALED_FORMS(W, S, O, M, B) switch (channels) { case 3: SCALED(3, W, S, O, M, B) break; case 2: SCALED(2, W, S, O, M, B) break; default: SCALED(1, W, S, O, M, B) }
         if (sub_blocks) { SCALED_FORMS(1, 0, 0, 0, 1) }        /* Q6_K: its offset by the pairs */
         else if (wide) { SCALED_FORMS(1, 0, 0, 1, 0) }         /* Q5_K */
         else if (is_signed) { SCALED_FORMS(0, 1, 0, 0, 0) }    /* IQ4_XS, the sign trick */
