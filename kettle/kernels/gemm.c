@@ -319,15 +319,17 @@ static inline __m256i flipped(__m256i values) { return _mm256_xor_si256(values, 
 WIDEN void q4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < w->k / 32; b++) {
-        const __m128i bytes = q4l_block(w, j, b);
-        const __m256i natural = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-        _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(natural));
+        const __m128i quads = lanes_quads((const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256, j % 16);
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(quads, 4), mask), _mm_and_si128(quads, mask)));
     }
 }
 
 /* Q8L's int8 values + 128. */
 WIDEN void q8l_widen(const Linear *w, int64_t j, uint8_t *dst) {
-    for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(flipped(q8l_block(w, j, b))));
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const uint8_t *quads = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 512;
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), flipped(_mm256_set_m128i(lanes_quads(quads + 256, j % 16), lanes_quads(quads, j % 16))));
+    }
 }
 
 /* Q6L's q (0..63: q - 32 + 32). */
@@ -340,14 +342,35 @@ WIDEN void q6l_widen(const Linear *w, int64_t j, uint8_t *dst) {
     }
 }
 
-/* Q5L's 0..31. */
+/* Q5L's 0..31: the nibbles as Q4L's, and byte t of the channel's 4 plane bytes holding quad M's byte t's fifth bit
+ * at bit M. */
 WIDEN void q5l_widen(const Linear *w, int64_t j, uint8_t *dst) {
-    for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(q5l_block(w, j, b)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i bit = _mm256_setr_epi8(1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 32,
+                                         64, 64, 64, 64, (char)128, (char)128, (char)128, (char)128);
+    const __m256i source = _mm256_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3,
+                                            0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const uint8_t *base = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 320;
+        const __m128i quads = lanes_quads(base, j % 16);
+        const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(quads, 4), mask), _mm_and_si128(quads, mask));
+        int32_t planes;
+        memcpy(&planes, base + 256 + 4 * (j % 16), 4);
+        const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(planes), source), bit);
+        const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_or_si256(nibbles, fifth));
+    }
 }
 
 /* IQ4L's grid values + 128. */
 WIDEN void iq4l_widen(const Linear *w, int64_t j, uint8_t *dst) {
-    for (int64_t b = 0; b < w->k / 32; b++) _mm256_storeu_si256((__m256i *)(dst + b * 32), quad_order(flipped(iq4l_block(w, j, b))));
+    const __m128i mask = _mm_set1_epi8(0x0F), grid = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    for (int64_t b = 0; b < w->k / 32; b++) {
+        const __m128i quads = lanes_quads((const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 256, j % 16);
+        const __m128i low = _mm_shuffle_epi8(grid, _mm_and_si128(quads, mask));
+        const __m128i high = _mm_shuffle_epi8(grid, _mm_and_si128(_mm_srli_epi16(quads, 4), mask));
+        _mm256_storeu_si256((__m256i *)(dst + b * 32), flipped(_mm256_set_m128i(high, low)));
+    }
 }
 
 /* Q4's 0..15 (a chunk of 64: its low nibbles the first 32 inputs, its high ones the next 32). */
@@ -379,6 +402,19 @@ static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) 
 /* Channel j's weight scale per block of 32 inputs (K/32 floats) and, where the type has them, its minimum per group
  * (the table's `scales`). */
 void q4l_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
+    if (w->supers) { /* Q4_K's (groups of 32): `q4l_scale`'s products, each super-block's d and dmin read once */
+        const int64_t blocks = w->k / 32, at = j / 16 * blocks * 16 + j % 16;
+        const uint8_t *sc = (const uint8_t *)w->scales + at, *m = (const uint8_t *)w->mins + at;
+        for (int64_t s = 0; s < blocks / 8; s++) {
+            const uint16_t *super = w->supers + (j / 16 * (blocks / 8) + s) * 32 + j % 16;
+            const float d = _cvtsh_ss(super[0]), dmin = _cvtsh_ss(super[16]);
+            for (int64_t b = 8 * s; b < 8 * s + 8; b++) {
+                scale[b] = d * (float)sc[b * 16];
+                if (minimum) minimum[b] = -(dmin * (float)m[b * 16]);
+            }
+        }
+        return;
+    }
     float d, m;
     for (int64_t g = 0; g < w->k / w->group; g++) {
         q4l_scale(w, j, g, &d, &m);

@@ -1044,16 +1044,20 @@ static inline void q8g_dequant_row(const Linear *w, int64_t j, float *dst) {
     }
 }
 
-/* Channel c's 16 bytes of 4 quad vectors of a lanes block (`quads`: the first vector's start), in unit order: byte
- * 2u + e is its byte of input 2u + e (and 16 + 2u + e, for nibbles) as in the file's blocks. Four 4-byte pieces 64
- * bytes apart inserted one by one (four stores read back as one 16-byte load stall on store forwarding, in every
- * block the prefill panels widen), then put in input order by one shuffle (quad order is its own inverse). */
-static inline __m128i channel_quads(const uint8_t *quads, int64_t c) {
+/* Channel c's 16 bytes of 4 quad vectors of a lanes block (`quads`: the first vector's start) as stored: its quad m
+ * of the int8 rows' order (and m + 4, for nibbles), what the integer panels widen. Four 4-byte pieces 64 bytes apart
+ * inserted one by one (four stores read back as one 16-byte load stall on store forwarding, in every block the
+ * prefill panels widen). */
+static inline __m128i lanes_quads(const uint8_t *quads, int64_t c) {
     const uint8_t *p = quads + 4 * c;
     uint32_t piece[4];
     for (int m = 0; m < 4; m++) memcpy(piece + m, p + 64 * m, 4);
-    return quad_order16(_mm_setr_epi32((int)piece[0], (int)piece[1], (int)piece[2], (int)piece[3]));
+    return _mm_setr_epi32((int)piece[0], (int)piece[1], (int)piece[2], (int)piece[3]);
 }
+
+/* `lanes_quads` in unit order: byte 2u + e is its byte of input 2u + e (and 16 + 2u + e, for nibbles) as in the
+ * file's blocks (quad order is its own inverse). */
+static inline __m128i channel_quads(const uint8_t *quads, int64_t c) { return quad_order16(lanes_quads(quads, c)); }
 
 /* Block b of channel j of a Q4L weight as 16 bytes: byte i holds input i of the block in its low nibble and input
  * 16 + i in its high nibble. */
