@@ -23,7 +23,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(weight_
 
 /* `channels` (≤ AVX2_CHANNELS, a constant at each call) output channels from c0 of w × `halves` (1 or 2, a constant)
  * halves of 8 lanes of x into tile [channel][16 lanes]; `is_signed` (a constant): the weights are int8 beside their
- * sizes (`signed_quads`, the sign trick), else widened u8 q + `offset`, whose term comes off each span's start (as
+ * sizes (`signed_quads`, the sign trick), else widened u8 q + `offset`, whose term comes off each block's start (as
  * `micro_vnni8`): a non-zero offset only where the sums are int32 from the first product (the VNNI forms, or
  * `wide`). `wide` (a constant): values past 0..15, summed two quads at a time into int32 (kernels.h `wide_values`). */
 static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_avx2_int)(
@@ -166,10 +166,10 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(micro_a
         for (int h = 0; h < halves; h++) _mm256_storeu_ps(tile + (c0 + c) * LANES + 8 * h, acc[c][h]);
 }
 
-/* `micro_avx2_scaled` over the `n` channels of c (a weight with `sub_scales`), SCALED_AVX2_CHANNELS at a time, each case's
- * steps constant in its loop (a variable offset or minimum cost Q4L's and Q5L's loops 10-15%). A function apart from
- * `int_channels`: inlined there, its loops moved the others' code and Q6L's panels (then in float per block) ran 30%
- * slower (150 → 105 GOP/s, one thread in cache). */
+/* `micro_avx2_scaled` over the `n` channels of c (a weight with `sub_scales`), SCALED_AVX2_CHANNELS at a time, each
+ * case's steps constant in its loop (a variable offset or minimum cost Q4L's and Q5L's loops 10-15%). A function apart
+ * from `int_channels`: inlined there, its loops moved the others' code and Q6L's panels (then in float per block) ran
+ * 30% slower (150 → 105 GOP/s, one thread in cache). */
 static __attribute__((noinline)) AVX2_TARGET void AVX2_NAMED(scaled_channels)(const LaneRows *x, int64_t k,
                                                                               const IntChannels *w, int n,
                                                                               int halves, int is_signed, int sub_blocks,
