@@ -13,7 +13,7 @@
  *
  * With AVX-512 the same walk runs 16 rows a vector in 32 registers: 8 keys × 48 rows of scores and 6 rows × 64
  * dimensions of output per register block, so each vector loaded feeds 6 to 8 FMAs where the 16 AVX2 registers
- * allow 1.3 to 2. On a CPU that executes 512-bit FMAs as two 256-bit halves (AMD Zen 4) the FMA rate is the same,
+ * allow 1.5 (3 keys × 3 row vectors of scores, 6 rows × 16 dimensions of output). On a CPU that executes 512-bit FMAs as two 256-bit halves (AMD Zen 4) the FMA rate is the same,
  * so the gain is the loads and instructions saved (1.4x on the kernel there, see docs/performance.md).
  */
 #include "kernels.h"
@@ -47,50 +47,63 @@ typedef struct {
     float *keys, *values;      /* [KEY_TILE, D] each: a 16-bit cache's key tile, widened */
 } Scratch;
 
-/* Scores of keys j0, j0 + 1 (pairs = 2) or j0 alone against row vectors v0 .. v0 + count - 1 (count ≤ 6). */
+/* Scores of keys j0 .. j0 + keys_n - 1 against row vectors v0 .. v0 + count - 1 (both ≤ 3): each dimension's query
+ * vectors loaded once into registers for every key, 9 accumulators. With 2 keys × 6 row vectors GCC read the queries
+ * as memory operands of each FMA (12 accumulators left no room for them): 14 loads per 12 FMAs, and a 2,048-token
+ * prefill's attention ran load-bound. */
 static inline __attribute__((always_inline)) void score_keys(const Scratch *s, const float *keys, int64_t stride,
-                                                             int j0, int pairs, int64_t v0, int count, int64_t rows,
+                                                             int j0, int keys_n, int64_t v0, int count, int64_t rows,
                                                              int64_t dim) {
-    __m256 acc[2][6];
-    for (int j = 0; j < pairs; j++)
+    __m256 acc[3][3];
+    for (int j = 0; j < keys_n; j++)
         for (int v = 0; v < count; v++) acc[j][v] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d++) {
         const float *qd = s->q + d * rows + v0 * 8;
-        for (int j = 0; j < pairs; j++) {
+        __m256 q[3];
+        for (int v = 0; v < count; v++) q[v] = _mm256_loadu_ps(qd + 8 * v);
+        for (int j = 0; j < keys_n; j++) {
             const __m256 k = _mm256_broadcast_ss(keys + (j0 + j) * stride + d);
-            for (int v = 0; v < count; v++) acc[j][v] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qd + 8 * v), acc[j][v]);
+            for (int v = 0; v < count; v++) acc[j][v] = _mm256_fmadd_ps(k, q[v], acc[j][v]);
         }
     }
-    for (int j = 0; j < pairs; j++)
+    for (int j = 0; j < keys_n; j++)
         for (int v = 0; v < count; v++) _mm256_storeu_ps(s->scores + (j0 + j) * rows + (v0 + v) * 8, acc[j][v]);
 }
 
 static void score_tile(const Scratch *s, const float *keys, int64_t stride, int valid, int64_t rows, int64_t dim) {
-    for (int64_t v0 = 0; v0 < rows / 8; v0 += 6) {
-        const int64_t count = rows / 8 - v0 < 6 ? rows / 8 - v0 : 6;
-        int j = 0;
-#define KEYS(pairs, c) score_keys(s, keys, stride, j, pairs, v0, c, rows, dim)
-#define COUNTS(pairs) \
-    switch (count) { case 6: KEYS(pairs, 6); break; case 5: KEYS(pairs, 5); break; case 4: KEYS(pairs, 4); break; \
-                     case 3: KEYS(pairs, 3); break; case 2: KEYS(pairs, 2); break; default: KEYS(pairs, 1); }
-        for (; j + 2 <= valid; j += 2) COUNTS(2)
-        if (j < valid) COUNTS(1)
+    for (int64_t v0 = 0; v0 < rows / 8; v0 += 3) {
+        const int64_t count = rows / 8 - v0 < 3 ? rows / 8 - v0 : 3;
+        for (int j = 0; j < valid; j += 3) {
+            const int keys_n = valid - j < 3 ? valid - j : 3;
+#define KEYS(n, c) score_keys(s, keys, stride, j, n, v0, c, rows, dim)
+#define COUNTS(n) \
+    switch (count) { case 3: KEYS(n, 3); break; case 2: KEYS(n, 2); break; default: KEYS(n, 1); }
+            switch (keys_n) { case 3: COUNTS(3) break; case 2: COUNTS(2) break; default: COUNTS(1) }
 #undef COUNTS
 #undef KEYS
+        }
     }
 }
 
 /* The online softmax over keys key0 .. key0 + valid - 1, 8 rows a vector: masked scores (a key after the row's
- * position or before its window) weigh 0; each row's rescale factor goes to `alpha`. */
-static void softmax_tile(const Scratch *s, int64_t key0, int valid, int64_t rows, int64_t window) {
+ * position or before its window) weigh 0; each row's rescale factor goes to `alpha`. `seen_all` (a constant): every
+ * row sees every key of the tile (`sees_whole_tile`), so nothing is masked: the same weights without the masks'
+ * compares and blends, which most of a long prompt's tiles need not (an item of 64 tokens: all but the 4 or 5 tiles
+ * its diagonal crosses). */
+static inline __attribute__((always_inline)) void online_softmax(const Scratch *s, int64_t key0, int valid, int64_t rows,
+                                                               int64_t window, const int seen_all) {
     for (int64_t v = 0; v < rows / 8; v++) {
         const __m256 position = _mm256_loadu_ps(s->position + 8 * v);
         const __m256 oldest = _mm256_sub_ps(position, _mm256_set1_ps(window > 0 ? (float)window : 1e30f));
         __m256 top = _mm256_loadu_ps(s->max + 8 * v);
         for (int j = 0; j < valid; j++) {
+            float *row = s->scores + j * rows + 8 * v;
+            if (seen_all) {
+                top = _mm256_max_ps(top, _mm256_loadu_ps(row));
+                continue;
+            }
             const __m256 key = _mm256_set1_ps((float)(key0 + j));
             const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(key, position, _CMP_LE_OQ), _mm256_cmp_ps(key, oldest, _CMP_GT_OQ));
-            float *row = s->scores + j * rows + 8 * v;
             const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(MASKED), _mm256_loadu_ps(row), seen);
             _mm256_storeu_ps(row, score);
             top = _mm256_max_ps(top, score);
@@ -101,8 +114,8 @@ static void softmax_tile(const Scratch *s, int64_t key0, int valid, int64_t rows
         for (int j = 0; j < valid; j++) {
             float *row = s->scores + j * rows + 8 * v;
             const __m256 score = _mm256_loadu_ps(row);
-            const __m256 seen = _mm256_cmp_ps(score, _mm256_set1_ps(MASKED), _CMP_GT_OQ);
-            const __m256 weight = _mm256_and_ps(exp_ps(_mm256_sub_ps(score, top)), seen);
+            __m256 weight = exp_ps(_mm256_sub_ps(score, top));
+            if (!seen_all) weight = _mm256_and_ps(weight, _mm256_cmp_ps(score, _mm256_set1_ps(MASKED), _CMP_GT_OQ));
             _mm256_storeu_ps(row, weight);
             sum = _mm256_add_ps(sum, weight);
         }
@@ -112,27 +125,53 @@ static void softmax_tile(const Scratch *s, int64_t key0, int valid, int64_t rows
     }
 }
 
-/* out[r] = alpha[r] · out[r] + Σ_j weight[j, r] · V[j] for rows r0 .. r0 + count - 1 (count ≤ 2), V rows read in
- * place (`stride` apart), 32 dimensions at a time: each value vector loaded feeds every row. */
-static inline __attribute__((always_inline)) void accumulate_rows(const Scratch *s, int64_t r0, int count,
-                                                                  const float *values, int64_t stride, int valid,
-                                                                  int64_t rows, int64_t dim) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-        const int width = dim - d0 < 32 ? (int)(dim - d0) / 8 : 4; /* vectors; dim is a multiple of 8 */
-        __m256 acc[2][4];
+static void softmax_tile(const Scratch *s, int64_t key0, int valid, int64_t rows, int64_t window, int seen_all) {
+    if (seen_all) online_softmax(s, key0, valid, rows, window, 1);
+    else online_softmax(s, key0, valid, rows, window, 0);
+}
+
+/* out[r] = alpha[r] · out[r] + Σ_j weight[j, r] · V[j] for rows r0 .. r0 + count - 1 (count ≤ 6), V rows read in
+ * place (`stride` apart), 16 dimensions at a time: each key's two value vectors loaded once into registers for every
+ * row, 12 accumulators (at 2 rows × 32 dimensions GCC read each value vector once per row, as
+ * memory operands). */
+static inline __attribute__((always_inline)) void accumulate_rows(const Scratch *s, int64_t r0, const int count,
+                                                                  const int width, const float *values, int64_t stride,
+                                                                  int valid, int64_t rows, int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 8 * width) {
+        __m256 acc[6][2];
         for (int r = 0; r < count; r++) {
             const __m256 a = _mm256_set1_ps(s->alpha[r0 + r]);
             for (int i = 0; i < width; i++) acc[r][i] = _mm256_mul_ps(a, _mm256_loadu_ps(s->out + (r0 + r) * dim + d0 + 8 * i));
         }
         for (int j = 0; j < valid; j++) {
-            const float *v = values + j * stride + d0;
+            __m256 v[2];
+            for (int i = 0; i < width; i++) v[i] = _mm256_loadu_ps(values + j * stride + d0 + 8 * i);
             for (int r = 0; r < count; r++) {
                 const __m256 w = _mm256_broadcast_ss(s->scores + j * rows + r0 + r);
-                for (int i = 0; i < width; i++) acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[r][i]);
+                for (int i = 0; i < width; i++) acc[r][i] = _mm256_fmadd_ps(w, v[i], acc[r][i]);
             }
         }
         for (int r = 0; r < count; r++)
             for (int i = 0; i < width; i++) _mm256_storeu_ps(s->out + (r0 + r) * dim + d0 + 8 * i, acc[r][i]);
+    }
+}
+
+/* Every used row's output over the tile's values, 6 rows a pass (dim a multiple of 8: 8 dimensions a step where it
+ * is not one of 16). */
+static inline __attribute__((always_inline)) void accumulate_tile(const Scratch *s, int64_t used, const float *values,
+                                                                  int64_t stride, int valid, int64_t rows, int64_t dim) {
+    const int wide = dim % 16 == 0;
+    for (int64_t r0 = 0; r0 < used; r0 += 6) {
+#define ROWS(c) if (wide) accumulate_rows(s, r0, c, 2, values, stride, valid, rows, dim); else accumulate_rows(s, r0, c, 1, values, stride, valid, rows, dim)
+        switch (used - r0 < 6 ? used - r0 : 6) {
+        case 6: ROWS(6); break;
+        case 5: ROWS(5); break;
+        case 4: ROWS(4); break;
+        case 3: ROWS(3); break;
+        case 2: ROWS(2); break;
+        default: ROWS(1);
+        }
+#undef ROWS
     }
 }
 
@@ -281,6 +320,15 @@ static void widen_tile(const PagedPrefill *p, int64_t off, int64_t stride, int v
     }
 }
 
+/* Whether every one of an item's `rows` (tokens t0 .. t0 + count - 1, `used` of them real) sees keys key0 ..
+ * key0 + valid - 1: no padding row (those see nothing), the last key at or before the first token's position, and
+ * the first inside the last token's window. */
+static int sees_whole_tile(const PagedPrefill *p, int64_t t0, int64_t count, int64_t used, int64_t rows, int64_t key0,
+                           int valid) {
+    const int64_t first = p->cache_len + t0, last = first + count - 1;
+    return used == rows && key0 + valid - 1 <= first && (p->window <= 0 || key0 > last - p->window);
+}
+
 /* Item (KV head h, tokens t0 .. t0 + count - 1) into out [tokens, heads, dim]. */
 static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill *p, int64_t h, int64_t t0, int64_t count,
                                                               Scratch *s, float *out, const int64_t dim, int wide) {
@@ -311,10 +359,8 @@ static inline __attribute__((always_inline)) void attend_tile(const PagedPrefill
             continue;
         }
         score_tile(s, keys_f, row_stride, valid, rows, dim);
-        softmax_tile(s, key0, valid, rows, p->window);
-        int64_t r = 0;
-        for (; r + 2 <= used; r += 2) accumulate_rows(s, r, 2, values, row_stride, valid, rows, dim);
-        if (r < used) accumulate_rows(s, r, 1, values, row_stride, valid, rows, dim);
+        softmax_tile(s, key0, valid, rows, p->window, sees_whole_tile(p, t0, count, used, rows, key0, valid));
+        accumulate_tile(s, used, values, row_stride, valid, rows, dim);
     }
     for (int64_t r = 0; r < used; r++) {
         float *dst = out + ((t0 + r / group) * p->heads + h * group + r % group) * dim;
