@@ -223,8 +223,9 @@ static void panel_rows(const Linear *w, const float *x, int64_t ldx, int64_t r0,
 }
 
 /* Floats of the per-thread buffer a panel needs for an input width of k: the panel, eight dequantized rows and a
- * tile's outputs (64-byte multiples). */
-int64_t gemm_buffer_floats(int64_t k) { return (k * PANEL + 8 * k + 12 * PANEL + 15) / 16 * 16; }
+ * tile's outputs (64-byte multiples); as much as the integer panels' widest (gemm_panels_int: 48 channels widened,
+ * their scales and signed quads, ~41K + 2,304). */
+int64_t gemm_buffer_floats(int64_t k) { return (k * PANEL + 16 * k + 96 * PANEL + 15) / 16 * 16; }
 
 static int wide_kernel(void) { return kettle_gemm_avx512 < 0 ? CPU_HAS_AVX512("avx512f") : kettle_gemm_avx512; }
 
@@ -480,7 +481,7 @@ void group_scales(const Linear *w, int64_t j, float *scale, float *minimum) {
     for (int64_t g = 0; m.factor != 1.0f && g < groups; g++) minimum[g] *= m.factor; /* exact: -8 is a power of two */
 }
 
-/* The widened weights of INT_CHANNELS channels: q [C][stride] u8 (K of each row used), scale [C][K/32], minimum
+/* The widened weights of a panel's C channels: q [C][stride] u8 (K of each row used), scale [C][K/32], minimum
  * [C][K/group] (Q4); with `sub_scales`, sub [C][K/32] (Q6L: [C][3K/32], `sub_entries`) and super [C][K/256]. */
 typedef struct {
     uint8_t *q;
@@ -496,12 +497,13 @@ typedef struct {
  * 362 at K + 64. */
 static inline int64_t widened_stride(int64_t k) { return k + 64; }
 
-static inline int64_t channel_floats(int64_t k) {
-    return INT_CHANNELS * (widened_stride(k) / 4 + 3 * (k / 32) + k / 256);
+static inline int64_t channel_floats(int64_t k, int panel) {
+    return panel * (widened_stride(k) / 4 + 3 * (k / 32) + k / 256);
 }
 
-/* The tile after the channels: 16 channels × 16 lanes (`store_lanes` reads whole 8-channel groups). */
-#define TILE_FLOATS (16 * LANES)
+/* The tile after a panel's channels: its channels rounded up to 16 × 16 lanes (`store_lanes` reads whole 8-channel
+ * groups). */
+static inline int64_t tile_floats(int panel) { return (panel + 15) / 16 * 16 * LANES; }
 
 /* dot[c] += the products of quads i0 .. i1 - 1 of x's 16 lanes with channel c's widened quads, each broadcast. */
 static inline __attribute__((always_inline)) VNNI void quad_dots(const LaneRows *x, const IntChannels *w, int channels,
@@ -814,42 +816,57 @@ static void store_lanes_avx2(const float *tile, int channels, int rows, const fl
  * at 448 KB, 126-128 at 2 MB, 130-134 at 8 MB; 2,048 tokens 94 at 448 KB, 104-106 at 8 MB, 97-102 at 16 MB. */
 #define INT_ROW_BLOCK_BYTES ((int64_t)8 << 20)
 
+/* Channels the AVX2 micro-kernels widen at a time: a multiple of INT_CHANNELS up to AVX2_PANEL_MAX, no more than keep
+ * the widened bytes (signed quads: twice K) within AVX2_PANEL_BYTES of L2 beside a group of rows, nor than leave each
+ * thread eight panels (an even static split on a many-core team). Each panel writes its channels' columns of every
+ * row of the block: at 12 channels (48 bytes) most of a row's cache lines are written by two panels a whole pass over
+ * the rows apart, and came back from L3 for the second. 512 rows × 2,048 → 8,192 Q4L: one thread 197 → 213 GOP/s at
+ * 48 channels, two threads 375-395 → 413-422; at K 8,192 (the cache's bound: 12) 12, 24 and 48 ran even. */
+#define AVX2_PANEL_MAX 48
+#define AVX2_PANEL_BYTES (192 << 10)
+static int avx2_panel_channels(int64_t k, int64_t n, int is_signed) {
+    const int64_t by_cache = AVX2_PANEL_BYTES / ((is_signed ? 2 : 1) * widened_stride(k) * INT_CHANNELS);
+    const int64_t by_team = n / (8 * INT_CHANNELS * omp_get_num_threads());
+    const int64_t units = by_cache < by_team ? by_cache : by_team;
+    return INT_CHANNELS * (int)(units < 1 ? 1 : units > AVX2_PANEL_MAX / INT_CHANNELS ? AVX2_PANEL_MAX / INT_CHANNELS : units);
+}
+
 /* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of
- * w->group), run by every thread of the calling team as `gemm_panels`: the team splits groups of INT_CHANNELS
- * channels, each widened once for every group of 16 rows. `buffer`: gemm_buffer_floats(K) floats, 64-byte
+ * w->group), run by every thread of the calling team as `gemm_panels`: the team splits panels of INT_CHANNELS
+ * channels (AVX2: `avx2_panel_channels`), each widened once for every group of 16 rows. `buffer`: gemm_buffer_floats(K) floats, 64-byte
  * aligned. The AVX-512 micro-kernels where the lanes kernels run at 512 bits (`lanes_avx512`), else the AVX2 ones of
  * a type that has them (`avx2_panels`; the chooser picks these panels on an AVX2 CPU for no other). */
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     const int64_t stride = widened_stride(k);
-    IntChannels c = {(uint8_t *)buffer, buffer + INT_CHANNELS * stride / 4, NULL, stride, NULL, NULL};
     const WeightType *type = type_of(w);
-    const int scaled = w->supers && type->sub_scales, entries = sub_entries(type);
-    if (scaled) /* after the minimums (`channel_floats`); Q6L's three a block in the room of its scales and minimums */
-        c.sub = (int32_t *)(c.scale + (3 - entries) * INT_CHANNELS * blocks), c.super = c.scale + 3 * INT_CHANNELS * blocks;
     const int wide = lanes_avx512() || !type->avx2_panels, dot = avx2_dot();
     /* The signed types' q + 128 meet vpmaddubsw's int16 pairs only through the sign trick; vpdpbusd sums any u8 in
      * int32, so the VNNI forms multiply the widened bytes as the AVX-512 kernels do, the offset's term off each
      * block's start: no sign per quad and channel (one thread, 2,048 × 2,048 Q8_0 at 512 rows: 1.37x → 1.82x over
      * vpmaddubsw; bench/RESULTS.md). */
     const int is_signed = !wide && type->offset == 128 && dot == AVX2_DOT_MADDUBS;
+    const int panel = wide ? INT_CHANNELS : avx2_panel_channels(k, w->n, is_signed);
+    IntChannels c = {(uint8_t *)buffer, buffer + panel * stride / 4, NULL, stride, NULL, NULL};
+    const int scaled = w->supers && type->sub_scales, entries = sub_entries(type);
+    if (scaled) /* after the minimums (`channel_floats`); Q6L's three a block in the room of its scales and minimums */
+        c.sub = (int32_t *)(c.scale + (3 - entries) * panel * blocks), c.super = c.scale + 3 * panel * blocks;
     const int offset = wide || is_signed ? 0 : type->offset;
     IntChannelsAvx2 *const int_channels_avx2 = INT_CHANNELS_AVX2[dot];
-    if (type->minimums) c.minimum = c.scale + INT_CHANNELS * blocks;
-    float *tile = buffer + channel_floats(k);
-    memset(tile, 0, sizeof(float) * TILE_FLOATS); /* the channels past a short group's are read, never stored */
-    /* the AVX2 micro-kernel's signed quads, after the tile (INT_CHANNELS · (2K + 64) bytes: within
-     * gemm_buffer_floats) */
+    if (type->minimums) c.minimum = c.scale + panel * blocks;
+    float *tile = buffer + channel_floats(k, panel);
+    memset(tile, 0, sizeof(float) * tile_floats(panel)); /* the channels past a short group's are read, never stored */
+    /* the AVX2 micro-kernel's signed quads, after the tile (panel · (2K + 64) bytes: within gemm_buffer_floats) */
     IntChannels paired = c;
-    paired.q = (uint8_t *)(tile + TILE_FLOATS), paired.stride = widened_stride(2 * k);
+    paired.q = (uint8_t *)(tile + tile_floats(panel)), paired.stride = widened_stride(2 * k);
     /* Prompt chunks go INT_ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in cache while every group of
      * channels meets them (each group is widened again per block). */
     const int64_t block = (INT_ROW_BLOCK_BYTES / (int64_t)sizeof(float) / lane_floats(k) + 1) * LANES;
     for (int64_t b0 = 0; b0 < m; b0 += block) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < (w->n + INT_CHANNELS - 1) / INT_CHANNELS; t++) {
-            const int64_t j0 = t * INT_CHANNELS;
-            const int n = w->n - j0 < INT_CHANNELS ? (int)(w->n - j0) : INT_CHANNELS;
+        for (int64_t t = 0; t < (w->n + panel - 1) / panel; t++) {
+            const int64_t j0 = t * panel;
+            const int n = w->n - j0 < panel ? (int)(w->n - j0) : panel;
             for (int i = 0; i < n; i++) {
                 type->widen(w, j0 + i, c.q + i * stride);
                 if (is_signed) signed_quads(c.q + i * stride, k, paired.q + i * paired.stride);

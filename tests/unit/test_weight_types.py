@@ -214,6 +214,18 @@ def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name, dot):
         assert torch.equal(ops.linear_on(x, w.linear, "quantized"), tiles)
 
 
+@pytest.mark.parametrize("name", AVX2_PANEL_NAMES)
+def test_the_avx2_integer_panels_of_a_wide_weight_compute_the_tiles_bits(name):
+    """A weight of 1,040 channels: the AVX2 panels widen 48 channels at a time (gemm.c `avx2_panel_channels`), the
+    last panel 32 (ten calls of 3 channels and one of 2), and every row still gets the tiles' bits."""
+    w = build(name, 1040, K)
+    x = torch.randn(20, K)
+    with avx2_cpu("maddubs"):
+        tiles = ops.linear_on(x, w.linear, "quantized")
+        for rows in (1, 9, 20):
+            assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
+
+
 @pytest.mark.parametrize("dot", AVX2_DOTS)
 @pytest.mark.parametrize("name", ["q4_lanes", "q8_0_lanes", "q6_k_lanes"])
 def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name, dot):
