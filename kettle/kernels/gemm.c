@@ -833,9 +833,10 @@ static int avx2_panel_channels(int64_t k, int64_t n, int is_signed) {
 
 /* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of
  * w->group), run by every thread of the calling team as `gemm_panels`: the team splits panels of INT_CHANNELS
- * channels (AVX2: `avx2_panel_channels`), each widened once for every group of 16 rows. `buffer`: gemm_buffer_floats(K) floats, 64-byte
- * aligned. The AVX-512 micro-kernels where the lanes kernels run at 512 bits (`lanes_avx512`), else the AVX2 ones of
- * a type that has them (`avx2_panels`; the chooser picks these panels on an AVX2 CPU for no other). */
+ * channels (AVX2: `avx2_panel_channels`), each widened once for every group of 16 rows. `buffer`:
+ * gemm_buffer_floats(K) floats, 64-byte aligned. The AVX-512 micro-kernels where the lanes kernels run at 512 bits
+ * (`lanes_avx512`), else the AVX2 ones of a type that has them (`avx2_panels`; the chooser picks these panels on an
+ * AVX2 CPU for no other). */
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
     const int64_t stride = widened_stride(k);
