@@ -214,16 +214,23 @@ def test_the_avx2_integer_panels_compute_the_avx2_tiles_bits(name, dot):
         assert torch.equal(ops.linear_on(x, w.linear, "quantized"), tiles)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", AVX2_PANEL_NAMES)
-def test_the_avx2_integer_panels_of_a_wide_weight_compute_the_tiles_bits(name):
-    """A weight of 1,040 channels: the AVX2 panels widen 48 channels at a time (gemm.c `avx2_panel_channels`), the
-    last panel 32 (ten calls of 3 channels and one of 2), and every row still gets the tiles' bits."""
+def test_the_avx2_integer_panels_of_a_wide_weight_compute_the_tiles_bits(name, threads):
+    """A weight of 1,040 channels on a team of 1 or 2 threads: the AVX2 panels widen 48 channels at a time (gemm.c
+    `avx2_panel_channels`: at most 1,040 / (8 · threads) channels, so 48 either way), the last panel 32 (ten calls of
+    3 channels and one of 2), and every row still gets the tiles' bits."""
     w = build(name, 1040, K)
     x = torch.randn(20, K)
-    with avx2_cpu("maddubs"):
-        tiles = ops.linear_on(x, w.linear, "quantized")
-        for rows in (1, 9, 20):
-            assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with avx2_cpu("maddubs"):
+            tiles = ops.linear_on(x, w.linear, "quantized")
+            for rows in (1, 9, 20):
+                assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dot", AVX2_DOTS)
