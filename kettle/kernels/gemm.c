@@ -827,8 +827,9 @@ static void store_lanes_avx2(const float *tile, int channels, int rows, const fl
 static int avx2_panel_channels(int64_t k, int64_t n, int is_signed) {
     const int64_t by_cache = AVX2_PANEL_BYTES / ((is_signed ? 2 : 1) * widened_stride(k) * INT_CHANNELS);
     const int64_t by_team = n / (8 * INT_CHANNELS * omp_get_num_threads());
-    const int64_t units = by_cache < by_team ? by_cache : by_team;
-    return INT_CHANNELS * (int)(units < 1 ? 1 : units > AVX2_PANEL_MAX / INT_CHANNELS ? AVX2_PANEL_MAX / INT_CHANNELS : units);
+    int64_t units = by_cache < by_team ? by_cache : by_team;
+    if (units > AVX2_PANEL_MAX / INT_CHANNELS) units = AVX2_PANEL_MAX / INT_CHANNELS;
+    return INT_CHANNELS * (int)(units < 1 ? 1 : units);
 }
 
 /* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of

@@ -13,8 +13,9 @@
  *
  * With AVX-512 the same walk runs 16 rows a vector in 32 registers: 8 keys × 48 rows of scores and 6 rows × 64
  * dimensions of output per register block, so each vector loaded feeds 6 to 8 FMAs where the 16 AVX2 registers
- * allow 1.5 (3 keys × 3 row vectors of scores, 6 rows × 16 dimensions of output). On a CPU that executes 512-bit FMAs as two 256-bit halves (AMD Zen 4) the FMA rate is the same,
- * so the gain is the loads and instructions saved (1.4x on the kernel there, see docs/performance.md).
+ * allow 1.5 (3 keys × 3 row vectors of scores, 6 rows × 16 dimensions of output). On a CPU that executes 512-bit
+ * FMAs as two 256-bit halves (AMD Zen 4) the FMA rate is the same, so the gain is the loads and instructions saved
+ * (1.4x on the kernel there, see docs/performance.md).
  */
 #include "kernels.h"
 
@@ -131,9 +132,9 @@ static void softmax_tile(const Scratch *s, int64_t key0, int valid, int64_t rows
 }
 
 /* out[r] = alpha[r] · out[r] + Σ_j weight[j, r] · V[j] for rows r0 .. r0 + count - 1 (count ≤ 6), V rows read in
- * place (`stride` apart), 16 dimensions at a time: each key's two value vectors loaded once into registers for every
- * row, 12 accumulators (at 2 rows × 32 dimensions GCC read each value vector once per row, as
- * memory operands). */
+ * place (`stride` apart), `width` (1 or 2) vectors of dimensions at a time: each key's value vectors loaded once
+ * into registers for every row, 12 accumulators (at 2 rows × 32 dimensions GCC read each value vector once per row,
+ * as memory operands). */
 static inline __attribute__((always_inline)) void accumulate_rows(const Scratch *s, int64_t r0, const int count,
                                                                   const int width, const float *values, int64_t stride,
                                                                   int valid, int64_t rows, int64_t dim) {
@@ -160,9 +161,11 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Scratch 
  * is not one of 16). */
 static inline __attribute__((always_inline)) void accumulate_tile(const Scratch *s, int64_t used, const float *values,
                                                                   int64_t stride, int valid, int64_t rows, int64_t dim) {
-    const int wide = dim % 16 == 0;
+    const int two_vectors = dim % 16 == 0;
     for (int64_t r0 = 0; r0 < used; r0 += 6) {
-#define ROWS(c) if (wide) accumulate_rows(s, r0, c, 2, values, stride, valid, rows, dim); else accumulate_rows(s, r0, c, 1, values, stride, valid, rows, dim)
+#define ROWS(c)                                                                                                        \
+    if (two_vectors) accumulate_rows(s, r0, c, 2, values, stride, valid, rows, dim);                                   \
+    else accumulate_rows(s, r0, c, 1, values, stride, valid, rows, dim)
         switch (used - r0 < 6 ? used - r0 : 6) {
         case 6: ROWS(6); break;
         case 5: ROWS(5); break;
