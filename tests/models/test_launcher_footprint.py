@@ -96,4 +96,5 @@ def test_stopping_the_launcher_mid_preparation_stops_the_child_and_leaves_no_tem
     assert "Stopped while preparing the model" in stderr and "Traceback" not in stderr
     (child,) = re.findall(r"Started model preparation \(pid (\d+)\)", stderr)
     assert not os.path.exists(f"/proc/{child}")
-    assert [path.name for path in (tmp_path / "cache" / "models").iterdir()] == []
+    left = [path.name for path in (tmp_path / "cache" / "models").iterdir()]
+    assert left == [], stderr  # the log says whether the child stopped on its own or was killed
