@@ -398,23 +398,59 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
     folder = write_model(args.shape, args.qtype, args.untied)
     engines = {"kettle": KettleRunner(folder), "llama.cpp": LlamaCppRunner(folder, threads)}
     results = {name: {"decode": [], "prefill": []} for name in engines}
+    probe, read = torch.ones(READ_PROBE_BYTES // 8, dtype=torch.int64), []
     for round_ in range(args.rounds):
+        time.sleep(SETTLE_S)
+        read.append(read_bandwidth(probe))
         for name in list(engines) if round_ % 2 == 0 else list(engines)[::-1]:
             for kind, size in (("decode", args.tokens), ("prefill", args.prompt)):
                 time.sleep(SETTLE_S)
                 results[name][kind].append(getattr(engines[name], kind)(size))
         line = (f"{n} decode {r['decode'][-1]:.1f}, prefill {r['prefill'][-1]:.1f} tok/s" for n, r in results.items())
-        print(f"round {round_ + 1}: " + ", ".join(line), flush=True)
+        print(f"round {round_ + 1}: read {read[-1] / 1e9:.1f} GB/s, " + ", ".join(line), flush=True)
+    del probe
     sizes = {"kettle": engines["kettle"].weight_bytes(), "llama.cpp": file_step_bytes(folder / "model.gguf")}
+    ops = prefill_ops(SHAPES[args.shape], args.prompt)
     print(f"\n{args.shape} {args.qtype}, {threads} threads, medians of {args.rounds} rounds")
-    print("| engine | decode tok/s | GB/s (weights a step) | prefill tok/s |\n|---|---|---|---|")
+    each = ", ".join(f"{r / 1e9:.1f}" for r in read)
+    print(f"read bandwidth ({threads} threads, a 1 GiB sum): {statistics.median(read) / 1e9:.1f} GB/s ({each})")
+    print("| engine | decode tok/s | GB/s (weights a step) | of the read bandwidth | prefill tok/s | prefill GOP/s |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        decode = statistics.median(r["decode"])
+        decode, prefill = statistics.median(r["decode"]), statistics.median(r["prefill"])
+        share = statistics.median(d * sizes[name] / b for d, b in zip(r["decode"], read, strict=True))
         print(f"| {name} | {decode:.1f} | {decode * sizes[name] / 1e9:.1f} ({sizes[name] / 2**20:.0f} MiB) "
-              f"| {statistics.median(r['prefill']):.1f} |")  # fmt: skip
+              f"| {100 * share:.0f}% | {prefill:.1f} | {prefill / args.prompt * ops / 1e9:.0f} |")  # fmt: skip
     for kind in ("decode", "prefill"):
         ratios = [a / b for a, b in zip(results["kettle"][kind], results["llama.cpp"][kind], strict=True)]
         print(f"Kettle / llama.cpp, {kind}: {ratio_summary(ratios)}")
+
+
+READ_PROBE_BYTES = 1 << 30
+
+
+def read_bandwidth(probe, passes: int = 3) -> float:
+    """Bytes a second the machine reads now: the fastest of `passes` sums of `probe` (int64, so the pass is loads
+    and adds) on torch's threads, which the caller set to the engines' count. Measured every round beside the
+    engines: a shared host's bandwidth drifts by ±15% within minutes. On this project's Zen 3 machine it reads as a
+    hand-written AVX2 loop over the same GiB does (30-35 GB/s on 2 threads)."""
+    fastest = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        probe.sum()
+        fastest = min(fastest, time.perf_counter() - started)
+    return probe.numel() * probe.element_size() / fastest
+
+
+def prefill_ops(shape: tuple[int, int, int, int, int], prompt: int) -> float:
+    """The operations (2 per multiply-add) of a `prompt`-token prefill of a `SHAPES` entry: every projection's
+    weights once per token, and causal attention's scores and weighted values (each token with itself and those
+    before it). The head runs for the last position only and is left out."""
+    hidden, layers, heads, kv_heads, inner = shape
+    dim = hidden // heads
+    weights = layers * hidden * (2 * hidden + 2 * kv_heads * dim + 3 * inner)
+    attention = layers * heads * dim * 2 * prompt * (prompt + 1) / 2
+    return 2 * (weights * prompt + attention)
 
 
 SERVED_COLUMNS = ("start s", "RSS MiB", "decode 1", "decode 4", "prefill 512", "prefill 2048")

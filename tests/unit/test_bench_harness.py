@@ -168,6 +168,33 @@ def test_ratios_are_taken_round_by_round() -> None:
     assert ratio_summary(ratios) == "2.00x (2.00, 1.50, 2.00)"
 
 
+def test_the_prefill_count_is_torchs_for_the_projections_and_the_causal_half_of_its_attention() -> None:
+    """`bench peers --shape`'s GOP/s: torch's own counter over transformers' Llama of a small shape (eager
+    attention, which multiplies the whole score matrix) gives the projections' operations exactly; attention counts
+    the scores and values of each token with itself and those before it, (L + 1) / 2L of the whole matrix's."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.peers import prefill_ops
+
+    hidden, layers, heads, kv_heads, inner, prompt = 64, 2, 4, 2, 96, 24
+    config = LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=inner, vocab_size=50, attn_implementation="eager",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.arange(prompt)[None])
+    counts = counter.get_flop_counts()
+    matmuls = sum(n for op, n in counts["Global"].items() if "bmm" not in str(op))
+    head = sum(counts["LlamaForCausalLM.lm_head"].values())
+    attention = sum(n for op, n in counts["Global"].items() if "bmm" in str(op))
+    assert attention > 0 and head == 2 * prompt * hidden * 50
+    expected = matmuls - head + attention * (prompt + 1) / (2 * prompt)
+    assert prefill_ops((hidden, layers, heads, kv_heads, inner), prompt) == pytest.approx(expected)
+
+
 def test_the_serving_mix_is_the_committed_1000_pairs_in_their_ranges() -> None:
     requests = serving.load()
     assert len(requests) == 1000
