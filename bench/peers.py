@@ -20,7 +20,9 @@ same streams are printed with their median.
 `--shape NAME` compares Kettle with llama.cpp on a model the size people run instead: a GGUF of a real model's
 shape with random weights (speed does not depend on the values), written once to ~/.cache/kettle/bench/ with the
 bundled tokenizer, timed in this process round by round: decode (greedy steps after a 16-token prompt) and a
-`--prompt`-token prefill, each engine on the largest `--threads`:
+`--prompt`-token prefill, each engine on the largest `--threads`. Each round first measures the machine's read
+bandwidth (`read_bandwidth`): the table gives decode as a share of it, round by round, and prefill in GOP/s
+(`prefill_ops`):
 
     .venv/bin/python -m bench peers --shape smollm2-1.7b --qtype Q4_K_M --rounds 3
     .venv/bin/python -m bench peers --shape llama-3.1-8b --qtype Q4_K_M --rounds 3
