@@ -46,9 +46,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kettle.bench.loadgen import chat_prompts
 from kettle.bench.timing import ratio_summary
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PACKAGES = {"transformers": "transformers", "ctranslate2": "ctranslate2", "llama.cpp": "llama_cpp"}
@@ -391,6 +395,7 @@ SHAPES = {
 TIED = {"tinyllama-1.1b": False, "llama-3.2-1b": True, "smollm2-360m": True, "smollm2-1.7b": True,
         "llama-3.2-3b": True, "llama-3.1-8b": False}  # fmt: skip
 SETTLE_S = 1.0  # the other engine's idle threads (OpenMP's, llama.cpp's pool) spin a while after their last work
+READ_PROBE_BYTES = 1 << 30  # what `read_bandwidth` sums: many times a last-level cache, so it comes from memory
 
 
 def larger_model(args: argparse.Namespace, threads: int) -> None:
@@ -414,8 +419,8 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
     sizes = {"kettle": engines["kettle"].weight_bytes(), "llama.cpp": file_step_bytes(folder / "model.gguf")}
     ops = prefill_ops(SHAPES[args.shape], args.prompt)
     print(f"\n{args.shape} {args.qtype}, {threads} threads, medians of {args.rounds} rounds")
-    each = ", ".join(f"{r / 1e9:.1f}" for r in read)
-    print(f"read bandwidth ({threads} threads, a 1 GiB sum): {statistics.median(read) / 1e9:.1f} GB/s ({each})")
+    each, gib = ", ".join(f"{r / 1e9:.1f}" for r in read), READ_PROBE_BYTES >> 30
+    print(f"read bandwidth ({threads} threads, a {gib} GiB sum): {statistics.median(read) / 1e9:.1f} GB/s ({each})")
     print("| engine | decode tok/s | GB/s (weights a step) | of the read bandwidth | prefill tok/s | prefill GOP/s |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -428,10 +433,7 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
         print(f"Kettle / llama.cpp, {kind}: {ratio_summary(ratios)}")
 
 
-READ_PROBE_BYTES = 1 << 30
-
-
-def read_bandwidth(probe, passes: int = 3) -> float:
+def read_bandwidth(probe: torch.Tensor, passes: int = 3) -> float:
     """Bytes a second the machine reads now: the fastest of `passes` sums of `probe` (int64, so the pass is loads
     and adds) on torch's threads, which the caller set to the engines' count. Measured every round beside the
     engines: a shared host's bandwidth drifts by ±15% within minutes. On this project's Zen 3 machine it reads as a
