@@ -436,8 +436,8 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
 def read_bandwidth(probe: torch.Tensor, passes: int = 3) -> float:
     """Bytes a second the machine reads now: the fastest of `passes` sums of `probe` (int64, so the pass is loads
     and adds) on torch's threads, which the caller set to the engines' count. Measured every round beside the
-    engines: a shared host's bandwidth drifts by ±15% within minutes. On this project's Zen 3 machine it reads as a
-    hand-written AVX2 loop over the same GiB does (30-35 GB/s on 2 threads)."""
+    engines: a shared host's bandwidth drifts by tens of percent within an hour. On this project's Zen 3 machine
+    it reads as a hand-written AVX2 loop over the same GiB does."""
     fastest = float("inf")
     for _ in range(passes):
         started = time.perf_counter()
