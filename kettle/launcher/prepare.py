@@ -185,9 +185,8 @@ def main(argv: list[str]) -> int:
     preparation_process.set_up()
     result, request = Path(argv[0]), ModelRequest(**json.loads(argv[1]))
     setup_logging("--json-output" in argv[2:])
-    # SIGTERM (forwarded by the launcher) unwinds like Ctrl-C, so a download or conversion in progress removes
-    # its temporary files instead of dying mid-write.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM (forwarded by the launcher) unwinds like Ctrl-C (`set_up`), so a download or conversion in progress
+    # removes its temporary files instead of dying mid-write.
     try:
         model = resolve(request)
     except KeyboardInterrupt:
