@@ -353,10 +353,10 @@ WIDEN void q5l_widen(const Linear *w, int64_t j, uint8_t *dst) {
                                             0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
     for (int64_t b = 0; b < w->k / 32; b++) {
         const uint8_t *base = (const uint8_t *)w->weight + (j / 16 * (w->k / 32) + b) * 320;
-        const __m128i quads = lanes_quads(base, j % 16);
+        const __m128i quads = lanes_quads(base + Q5L_QUADS, j % 16);
         const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(quads, 4), mask), _mm_and_si128(quads, mask));
         int32_t planes;
-        memcpy(&planes, base + 256 + 4 * (j % 16), 4);
+        memcpy(&planes, base + Q5L_PLANES + 4 * (j % 16), 4);
         const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(planes), source), bit);
         const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(0x10));
         _mm256_storeu_si256((__m256i *)(dst + b * 32), _mm256_or_si256(nibbles, fifth));

@@ -165,14 +165,14 @@ int pack_q4l(const Linear *w, int source, const uint8_t *row, int64_t G, int c, 
 static void put_q5l_block(uint8_t *block, int c, const uint8_t v[32]) {
     uint8_t nibbles[16];
     for (int i = 0; i < 16; i++) nibbles[i] = (uint8_t)((v[i] & 0x0F) | (v[16 + i] & 0x0F) << 4);
-    put_quads(block, c, _mm_loadu_si128((const __m128i *)nibbles));
+    put_quads(block + Q5L_QUADS, c, _mm_loadu_si128((const __m128i *)nibbles));
     for (int t = 0; t < 4; t++) {
         uint8_t planes = 0; /* the byte beside the quad vectors' byte 4c + t: bit m of quad m's low nibble, 4 + m high */
         for (int m = 0; m < 4; m++) {
             const int i = 4 * m + QUAD_INPUT[t];
             planes |= (uint8_t)((v[i] >> 4) << m | (v[16 + i] >> 4) << (4 + m));
         }
-        block[256 + 4 * c + t] = planes;
+        block[Q5L_PLANES + 4 * c + t] = planes;
     }
 }
 

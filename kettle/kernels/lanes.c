@@ -111,9 +111,9 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         const uint8_t *block = qw + b * 320;
-        const __m512i planes = _mm512_loadu_si512(block + 256);
+        const __m512i planes = _mm512_loadu_si512(block + Q5L_PLANES);
         for (int m = 0; m < 4; m++) { /* quad m's fifth bits: the planes' bit m (low nibbles), 4 + m (high) */
-            const __m512i v = _mm512_loadu_si512(block + m * 64);
+            const __m512i v = _mm512_loadu_si512(block + Q5L_QUADS + m * 64);
             const __mmask64 lo = _mm512_test_epi8_mask(planes, _mm512_set1_epi8((char)(1 << m)));
             const __mmask64 hi = _mm512_test_epi8_mask(planes, _mm512_set1_epi8((char)(16 << m)));
             const __m512i nibbles = _mm512_and_si512(v, mask), upper = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);

@@ -216,10 +216,10 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q5l_til
         for (int h = 0; h < 2; h++) {
             __m256i acc[AVX2_TILE], more[AVX2_TILE]; /* the low nibbles' quads, the high ones' */
             for (int r = 0; r < R; r++) acc[r] = more[r] = _mm256_setzero_si256();
-            const __m256i planes = _mm256_loadu_si256((const __m256i *)(block + 256 + 32 * h));
+            const __m256i planes = _mm256_loadu_si256((const __m256i *)(block + Q5L_PLANES + 32 * h));
 #pragma GCC unroll 4
             for (int m = 0; m < 4; m++) { /* quad m's fifth bits: the planes' bit m (low nibbles), 4 + m (high) */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(block + 64 * m + 32 * h));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(block + Q5L_QUADS + 64 * m + 32 * h));
                 const __m256i lo = _mm256_and_si256(_mm256_slli_epi16(planes, 4 - m), sixteen);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(planes, m), sixteen);
                 const __m256i low = _mm256_or_si256(_mm256_and_si256(v, mask), lo);

@@ -42,7 +42,7 @@ class Q5Linear(KernelWeight):
         6-bit sc and m as bytes, d and dmin per 256), else Q5_0's and Q5_1's (a float16 scale and minimum per 32)."""
         super().__init__()
         self.out_features, self.in_features, self.dense_rows = n, k, DENSE_ROWS
-        # 320 bytes a block of 32 inputs for 16 channels: the nibbles, then the fifth bits' planes.
+        # 320 bytes a block of 32 inputs for 16 channels: the fifth bits' planes, then the nibbles.
         self.register_buffer("weight_bytes", huge_pages.empty(n, k * 5 // 8, dtype=torch.uint8), persistent=False)
         table = torch.uint8 if k_quant else torch.float16
         self.register_buffer("scales", torch.empty(n, k // BLOCK, dtype=table), persistent=False)
