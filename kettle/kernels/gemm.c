@@ -582,7 +582,7 @@ static inline __attribute__((always_inline)) VNNI void micro_vnni_q6(const LaneR
  * `q4l_tile`). Three vectors a channel (8 channels: 24 of the 32 registers). Written once for both widths:
  * micro_vnni_scaled (16 lanes) and micro_vnni8_scaled (the first 8 lanes, in 256-bit vectors, as `micro_vnni8`).
  * Looped by super-block, its 8 blocks' quads unrolled: with a test of b % 8 in each block GCC kept the sums rotating
- * through copies (Zen 4, one thread, 12 channels × 16 rows at K = 2,048 in cache: 324-336 → 349-352 GOP/s). */
+ * through copies (Zen 4, one thread, 12 channels × 16 rows at K = 2,048 in cache: 309-336 → 349-353 GOP/s). */
 #define SCALED_CHANNELS 8
 #define SCALED_MICRO(name, target, vec, veci, load, loadi, zero, zeroi, set1, set1i, add, mullo, dpbusd, cvt, mul,  \
                      fmadd, store)                                                                                \
