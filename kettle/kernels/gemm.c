@@ -22,6 +22,12 @@
 #include "kernels.h"
 
 #define PANEL 32 /* output channels per dequantized panel */
+/* The panels' share of each thread handed out to whichever thread is free (`team_units`): the last half, where the
+ * one-row kernels give out an eighth (linear.c SHARED_TAIL), since a panel is arithmetic on data in cache, not a
+ * stream whose order the prefetcher follows. Zen 4, 2 threads, the 1.7B Q4_K_M file's 512-token prefill in process,
+ * alternated medians, with another process busy on one core: static shares 60-71, an eighth 70-72, a half 73-90,
+ * all of it 77-84 tok/s; on a quiet host all within the noise (bench/RESULTS.md). */
+#define PANEL_TAIL 2
 
 /* Eight rows of 8 floats (r[0..7], each 8 consecutive inputs of one channel) transposed in registers: r[t]
  * becomes input t's 8 channels. */
@@ -239,17 +245,29 @@ static void panel_gemm(const Linear *w, int64_t p, const float *x, int64_t ldx, 
     panel_rows(w, x, ldx, r0, r1, buffer, tile, wide, j0, count, y, ldy);
 }
 
-/* y = x Wᵀ (+ bias) for m rows, run by every thread of the calling team (orphaned `omp for`s over the panels, whose
- * closing barriers make y complete): the rows ROW_BLOCK_BYTES at a time, so a block's activations stay in L2 while
+typedef struct {
+    const Linear *w;
+    const float *x;
+    int64_t ldx, r0, r1, ldy;
+    float *buffer, *y;
+    int wide;
+} FloatPanels;
+
+static void float_panel_units(const void *context, int64_t p0, int64_t p1) {
+    const FloatPanels *f = context;
+    for (int64_t p = p0; p < p1; p++) panel_gemm(f->w, p, f->x, f->ldx, f->r0, f->r1, f->buffer, f->wide, f->y, f->ldy);
+}
+
+/* y = x Wᵀ (+ bias) for m rows, run by every thread of the calling team (its panels split by `team_units`, whose
+ * closing barrier makes y complete): the rows ROW_BLOCK_BYTES at a time, so a block's activations stay in L2 while
  * every panel of the thread meets them (each panel is dequantized again per block, a few percent of the block's
  * FMAs). `buffer`: this thread's gemm_buffer_floats(K) floats, 64-byte aligned. */
 void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer) {
-    const int wide = wide_kernel();
-    const int64_t panels = (w->n + PANEL - 1) / PANEL;
     const int64_t block = ROW_BLOCK_BYTES / (int64_t)sizeof(float) / w->k / 12 * 12 + 12;
-    for (int64_t r0 = 0; r0 < m; r0 += block) {
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) panel_gemm(w, p, x, ldx, r0, m - r0 < block ? m : r0 + block, buffer, wide, y, ldy);
+    FloatPanels f = {w, x, ldx, 0, 0, ldy, buffer, y, wide_kernel()};
+    for (f.r0 = 0; f.r0 < m; f.r0 += block) {
+        f.r1 = m - f.r0 < block ? m : f.r0 + block;
+        team_units((w->n + PANEL - 1) / PANEL, PANEL_TAIL, float_panel_units, &f); /* a panel's 32 columns: two cache lines */
     }
 }
 
@@ -835,15 +853,64 @@ static int avx2_panel_channels(int64_t k, int64_t n, int is_signed) {
     return INT_CHANNELS * (int)(units < 1 ? 1 : units);
 }
 
+/* One call's panels: what every panel of `gemm_panels_int` reads, and this thread's widened channels and tile. */
+typedef struct {
+    const Linear *w;
+    const WeightType *type;
+    const QuantizedRows *xq;
+    float *y, *tile;
+    int64_t m, ldy, k, stride, b0, block;
+    int panel, per_unit, wide, is_signed, scaled, entries, offset;
+    IntChannels c, paired;
+    IntChannelsAvx2 *int_channels_avx2;
+} IntPanels;
+
+/* Panel t: its channels widened, then every group of 16 rows of the block at b0 through the micro-kernels. */
+static void int_panel(const IntPanels *p, int64_t t) {
+    const Linear *w = p->w;
+    const WeightType *type = p->type;
+    const int64_t k = p->k, blocks = k / 32, groups = k / w->group, stride = p->stride, j0 = t * p->panel;
+    const IntChannels *c = &p->c;
+    const int n = w->n - j0 < p->panel ? (int)(w->n - j0) : p->panel;
+    for (int i = 0; i < n; i++) {
+        type->widen(w, j0 + i, c->q + i * stride);
+        if (p->is_signed) signed_quads(c->q + i * stride, k, p->paired.q + i * p->paired.stride);
+        if (type->scales) type->scales(w, j0 + i, c->scale + i * blocks, c->minimum ? c->minimum + i * groups : NULL);
+        if (p->scaled) type->sub_scales(w, j0 + i, c->sub + i * p->entries * blocks, c->super + i * (blocks / 8));
+    }
+    const float *bias = w->bias ? w->bias + j0 : NULL;
+    for (int64_t r0 = p->b0; r0 < p->m && r0 < p->b0 + p->block; r0 += LANES) {
+        const LaneRows x = lane_group(p->xq, r0 / LANES, k);
+        const int64_t count = p->m - r0 < LANES ? p->m - r0 : LANES;
+        float *y = p->y + r0 * p->ldy + j0;
+        if (p->wide) {
+            int_group_avx512(&x, k, w, c, n, count, p->tile, bias, y, p->ldy);
+        } else {
+            p->int_channels_avx2(&x, k, w->group, p->is_signed ? &p->paired : c, n, count, p->is_signed,
+                                 type->sub_blocks, type->wide_values, p->scaled, p->offset, p->tile);
+            store_lanes_avx2(p->tile, n, (int)count, bias, y, p->ldy);
+        }
+    }
+}
+
+static void int_panel_units(const void *context, int64_t u0, int64_t u1) {
+    const IntPanels *p = context;
+    const int64_t panels = (p->w->n + p->panel - 1) / p->panel;
+    for (int64_t t = u0 * p->per_unit; t < u1 * p->per_unit && t < panels; t++) int_panel(p, t);
+}
+
+/* Channels a unit of the team's work holds (`team_units`): whole panels, 192 bytes of each output row, so threads
+ * running neighbouring units never write into one cache line. */
+#define UNIT_CHANNELS 48
+
 /* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of
  * w->group), run by every thread of the calling team as `gemm_panels`: the team splits panels of INT_CHANNELS
- * channels (AVX2: `avx2_panel_channels`), each widened once for every group of 16 rows. `buffer`:
- * gemm_buffer_floats(K) floats, 64-byte aligned. The AVX-512 micro-kernels where the lanes kernels run at 512 bits
- * (`lanes_avx512`), else the AVX2 ones of a type that has them (`avx2_panels`; the chooser picks these panels on an
- * AVX2 CPU for no other). */
+ * channels (AVX2: `avx2_panel_channels`), each widened once for every group of 16 rows, by `team_units` (the last
+ * eighth of each thread's share to whichever is free). `buffer`: gemm_buffer_floats(K) floats, 64-byte aligned. The
+ * AVX-512 micro-kernels where the lanes kernels run at 512 bits (`lanes_avx512`), else the AVX2 ones of a type that
+ * has them (`avx2_panels`; the chooser picks these panels on an AVX2 CPU for no other). */
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
-    const int64_t k = w->k, blocks = k / 32, groups = k / w->group;
-    const int64_t stride = widened_stride(k);
+    const int64_t k = w->k, blocks = k / 32, stride = widened_stride(k);
     const WeightType *type = type_of(w);
     const int wide = lanes_avx512() || !type->avx2_panels, dot = avx2_dot();
     /* The signed types' q + 128 meet vpmaddubsw's int16 pairs only through the sign trick; vpdpbusd sums any u8 in
@@ -856,8 +923,6 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
     const int scaled = w->supers && type->sub_scales, entries = sub_entries(type);
     if (scaled) /* after the minimums (`channel_floats`); Q6L's three a block in the room of its scales and minimums */
         c.sub = (int32_t *)(c.scale + (3 - entries) * panel * blocks), c.super = c.scale + 3 * panel * blocks;
-    const int offset = wide || is_signed ? 0 : type->offset;
-    IntChannelsAvx2 *const int_channels_avx2 = INT_CHANNELS_AVX2[dot];
     if (type->minimums) c.minimum = c.scale + panel * blocks;
     float *tile = buffer + channel_floats(k, panel);
     memset(tile, 0, sizeof(float) * tile_floats(panel)); /* the channels past a short group's are read, never stored */
@@ -867,31 +932,11 @@ void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float 
     /* Prompt chunks go INT_ROW_BLOCK_BYTES of laid-out rows at a time, so those stay in cache while every group of
      * channels meets them (each group is widened again per block). */
     const int64_t block = (INT_ROW_BLOCK_BYTES / (int64_t)sizeof(float) / lane_floats(k) + 1) * LANES;
-    for (int64_t b0 = 0; b0 < m; b0 += block) {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < (w->n + panel - 1) / panel; t++) {
-            const int64_t j0 = t * panel;
-            const int n = w->n - j0 < panel ? (int)(w->n - j0) : panel;
-            for (int i = 0; i < n; i++) {
-                type->widen(w, j0 + i, c.q + i * stride);
-                if (is_signed) signed_quads(c.q + i * stride, k, paired.q + i * paired.stride);
-                if (type->scales) type->scales(w, j0 + i, c.scale + i * blocks, c.minimum ? c.minimum + i * groups : NULL);
-                if (scaled) type->sub_scales(w, j0 + i, c.sub + i * entries * blocks, c.super + i * (blocks / 8));
-            }
-            for (int64_t r0 = b0; r0 < m && r0 < b0 + block; r0 += LANES) {
-                const LaneRows x = lane_group(xq, r0 / LANES, k);
-                const int64_t count = m - r0 < LANES ? m - r0 : LANES;
-                const float *bias = w->bias ? w->bias + j0 : NULL;
-                if (wide) {
-                    int_group_avx512(&x, k, w, &c, n, count, tile, bias, y + r0 * ldy + j0, ldy);
-                } else {
-                    int_channels_avx2(&x, k, w->group, is_signed ? &paired : &c, n, count, is_signed, type->sub_blocks,
-                                      type->wide_values, scaled, offset, tile);
-                    store_lanes_avx2(tile, n, (int)count, bias, y + r0 * ldy + j0, ldy);
-                }
-            }
-        }
-    }
+    const int per_unit = UNIT_CHANNELS / panel < 1 ? 1 : UNIT_CHANNELS / panel;
+    IntPanels p = {w, type, xq, y, tile, m, ldy, k, stride, 0, block, panel, per_unit, wide, is_signed, scaled,
+                   entries, wide || is_signed ? 0 : type->offset, c, paired, INT_CHANNELS_AVX2[dot]};
+    const int64_t units = ((w->n + panel - 1) / panel + per_unit - 1) / per_unit;
+    for (p.b0 = 0; p.b0 < m; p.b0 += block) team_units(units, PANEL_TAIL, int_panel_units, &p);
 }
 
 /* ---- row panels (AVX2): a weight in the rows layouts (Q4, Q8G, Q8) over int16 rows, for prompt chunks and steps of
@@ -1051,16 +1096,30 @@ static void row_panel(const Linear *w, int64_t p, const QuantizedRows *xq, int64
     }
 }
 
+typedef struct {
+    const Linear *w;
+    const QuantizedRows *xq;
+    int64_t b0, b1, ldy;
+    float *buffer, *y;
+} RowPanels;
+
+/* Two row panels a unit: 48 columns, 192 bytes of each row, so neighbouring units never share a cache line. */
+static void row_panel_units(const void *context, int64_t u0, int64_t u1) {
+    const RowPanels *r = context;
+    const int64_t panels = (r->w->n + ROW_PANEL - 1) / ROW_PANEL;
+    for (int64_t p = 2 * u0; p < 2 * u1 && p < panels; p++) row_panel(r->w, p, r->xq, r->b0, r->b1, r->buffer, r->y, r->ldy);
+}
+
 /* y = x Wᵀ (+ bias) for m rows quantized in xq (K = w->k, groups of w->group), run by every thread of the calling
- * team (orphaned `omp for`s over the panels): ROW_BLOCK_BYTES of rows at a time, so they stay in L2 while every
- * panel of the thread meets them. `buffer`: this thread's row_panel_floats(K) floats, 64-byte aligned. */
+ * team (its panels split by `team_units`): ROW_BLOCK_BYTES of rows at a time, so they stay in L2 while every panel
+ * of the thread meets them. `buffer`: this thread's row_panel_floats(K) floats, 64-byte aligned. */
 void gemm_row_panels(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {
     const int64_t panels = (w->n + ROW_PANEL - 1) / ROW_PANEL;
     int64_t block = ROW_BLOCK_BYTES / (2 * w->k) / TILE_R * TILE_R;
     block = block < TILE_R ? TILE_R : block;
-    for (int64_t b0 = 0; b0 < m; b0 += block) {
-        const int64_t b1 = m - b0 < block ? m : b0 + block;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) row_panel(w, p, xq, b0, b1, buffer, y, ldy);
+    RowPanels r = {w, xq, 0, 0, ldy, buffer, y};
+    for (r.b0 = 0; r.b0 < m; r.b0 += block) {
+        r.b1 = m - r.b0 < block ? m : r.b0 + block;
+        team_units((panels + 1) / 2, PANEL_TAIL, row_panel_units, &r);
     }
 }

@@ -937,6 +937,11 @@ static inline int integer_panels_run(const WeightType *type) {
 /* Whether the one-row channels run in 512-bit vectors: `kettle_channel_avx512`, or the CPU's answer. */
 static inline int one_row_avx512(void) { return kettle_channel_avx512 < 0 ? kettle_cpu_vnni512 : kettle_channel_avx512; }
 
+/* Units [0, units) of work run by every thread of the calling team, ending with its barrier: thread t runs its
+ * `schedule(static)` share in order (kernel(context, u0, u1) over [u0, u1)) but for the last 1/tail of it, and those
+ * tails go, one unit at a time, round-robin over the shares, to whichever thread is free (linear.c). */
+typedef void UnitsKernel(const void *context, int64_t u0, int64_t u1);
+INTERNAL void team_units(int64_t units, int64_t tail, UnitsKernel *kernel, const void *context);
 /* gemm.c's float32 panels, run by every thread of the calling team (orphaned `omp for`s), with a per-thread buffer
  * of gemm_buffer_floats(K) floats, 64-byte aligned. */
 INTERNAL void gemm_panels(const Linear *w, const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy, float *buffer);

@@ -99,30 +99,48 @@ static void my_channels(const Linear *w, int64_t *j0, int64_t *j1) {
 typedef void RowsKernel(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y,
                         int64_t ldy);
 
-/* The last eighth of each thread's share is taken by whichever thread is free. Each thread still streams the first
+/* The one-row kernels' tail (`team_units`): the last eighth of each thread's share is taken by whichever thread is
+ * free. Each thread still streams the first
  * 7/8 of its share in order (the hardware prefetcher's one stream: handing out every unit dynamically lost to the
  * static halves), and a thread that the host held up for a while no longer keeps the other waiting at the barrier,
  * where a 1.7B model's decode step had spent 6% of its time. */
 #define SHARED_TAIL 8
 
-/* `kernel` over w's output channels by the team, ending with the team's barrier: units of 16 channels, thread t's
- * share as `my_channels` splits them. The tails, round-robin over the threads' shares (each unit still whole in one
- * thread, so a row's bits do not depend on who ran it). */
-static void run_channels(const Linear *w, RowsKernel *kernel, const QuantizedRows *xq, int64_t rows, float *y,
-                         int64_t ldy) {
-    const int64_t units = (w->n + 15) / 16, team = omp_get_num_threads(), me = omp_get_thread_num();
+void team_units(int64_t units, int64_t tail, UnitsKernel *kernel, const void *context) {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
 #define SHARE_END(t) (units * ((t) + 1) / team)
-#define TAIL_START(t) (SHARE_END(t) - (SHARE_END(t) - units * (t) / team) / SHARED_TAIL)
+#define TAIL_START(t) (SHARE_END(t) - (SHARE_END(t) - units * (t) / team) / tail)
     const int64_t first = units * me / team, head = TAIL_START(me);
-    if (head > first) kernel(w, xq, rows, 16 * first, min64(w->n, 16 * head), y, ldy);
-    const int64_t longest = (units + team - 1) / team / SHARED_TAIL;
+    if (head > first) kernel(context, first, head);
+    const int64_t longest = (units + team - 1) / team / tail;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < longest * team; i++) {
         const int64_t owner = i % team, unit = TAIL_START(owner) + i / team;
-        if (unit < SHARE_END(owner)) kernel(w, xq, rows, 16 * unit, min64(w->n, 16 * (unit + 1)), y, ldy);
+        if (unit < SHARE_END(owner)) kernel(context, unit, unit + 1);
     }
 #undef TAIL_START
 #undef SHARE_END
+}
+
+typedef struct {
+    const Linear *w;
+    RowsKernel *kernel;
+    const QuantizedRows *xq;
+    int64_t rows, ldy;
+    float *y;
+} Channels;
+
+static void channel_units(const void *context, int64_t u0, int64_t u1) {
+    const Channels *c = context;
+    c->kernel(c->w, c->xq, c->rows, 16 * u0, min64(c->w->n, 16 * u1), c->y, c->ldy);
+}
+
+/* `kernel` over w's output channels by the team in units of 16 (`team_units`), ending with the team's barrier; each
+ * unit whole in one thread, so a row's bits do not depend on who ran it. */
+static void run_channels(const Linear *w, RowsKernel *kernel, const QuantizedRows *xq, int64_t rows, float *y,
+                         int64_t ldy) {
+    const Channels context = {w, kernel, xq, rows, ldy, y};
+    team_units((w->n + 15) / 16, SHARED_TAIL, channel_units, &context);
 }
 
 void team_linear(const Linear *w, int path, const float *x, int64_t ldx, const QuantizedRows *xq, int64_t rows,
