@@ -906,7 +906,7 @@ static void int_panel_units(const void *context, int64_t u0, int64_t u1) {
 /* y = x Wᵀ (+ bias) for m rows quantized in xq and laid out in its lanes (`lay_out_lanes`, K = w->k, groups of
  * w->group), run by every thread of the calling team as `gemm_panels`: the team splits panels of INT_CHANNELS
  * channels (AVX2: `avx2_panel_channels`), each widened once for every group of 16 rows, by `team_units` (the last
- * eighth of each thread's share to whichever is free). `buffer`: gemm_buffer_floats(K) floats, 64-byte aligned. The
+ * half of each thread's share to whichever is free). `buffer`: gemm_buffer_floats(K) floats, 64-byte aligned. The
  * AVX-512 micro-kernels where the lanes kernels run at 512 bits (`lanes_avx512`), else the AVX2 ones of a type that
  * has them (`avx2_panels`; the chooser picks these panels on an AVX2 CPU for no other). */
 void gemm_panels_int(const Linear *w, const QuantizedRows *xq, int64_t m, float *y, int64_t ldy, float *buffer) {

@@ -233,6 +233,26 @@ def test_the_avx2_integer_panels_of_a_wide_weight_compute_the_tiles_bits(name, t
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("name", AVX2_PANEL_NAMES)
+def test_the_integer_panels_split_over_two_threads_compute_the_tiles_bits(name):
+    """A weight of 1,040 channels on a team of 2: 87 AVX-512 panels of 12 channels handed out 4 at a time (the last
+    unit 3 panels, its last panel 8 channels), each thread's first half of its share in order and the rest, unit by
+    unit, to whichever thread is free (linear.c `team_units`): whoever ran a unit, every row has the tiles' bits, at
+    one group of rows and at several."""
+    if not lanes_here():
+        pytest.skip("needs AVX-512 VNNI (the AVX2 panels' split is the test above)")
+    w = build(name, 1040, K)
+    x = torch.randn(40, K)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tiles = ops.linear_on(x, w.linear, "quantized")
+        for rows in (1, 16, 40):
+            assert torch.equal(ops.linear_on(x[:rows], w.linear, "int_gemm"), tiles[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dot", AVX2_DOTS)
 @pytest.mark.parametrize("name", ["q4_lanes", "q8_0_lanes", "q6_k_lanes"])
 def test_the_avx2_integer_panels_sums_are_exact_at_the_extremes(name, dot):
