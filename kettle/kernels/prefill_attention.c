@@ -21,6 +21,14 @@
 
 #define QUERY_TILE 16 /* tokens per work item, at least */
 #define ITEM_ROWS 64  /* query rows an item takes where its group is small: tokens × query heads per KV head */
+/* ... and from LONG_KEYS keys on (cached and new): each item widens every key tile it sees, once, and those reads,
+ * one head's 16 rows a whole cache row apart, stall once a layer's K/V outgrows L2 (a quarter of the attention's
+ * time at 2,048 tokens of SmolLM2-1.7B's shape); twice the rows an item halve them, and cost an item's diagonal
+ * tiles, whose masked half is wasted work, which only a short prompt notices. One layer of that shape, a bfloat16
+ * cache, 2 threads, Zen 4, medians of alternated runs: 512 tokens 9.0 → 10.2-11.0 ms (not taken), 1,024 tokens
+ * 39.2-42.4 → 38.6-39.4, 2,048 168-179 → 140-148, 4,096 600-664 → 543-557 (bench/RESULTS.md). */
+#define LONG_ITEM_ROWS 128
+#define LONG_KEYS 1024
 #define KEY_TILE 16   /* keys per step (a cache block holds whole tiles) */
 
 /* One prefill attention call: q rows `ldq` floats apart ([tokens, heads, dim] inside a wider row is fine). */
@@ -411,12 +419,12 @@ int paged_prefill(
 ) {
     const PagedPrefill p = {q,         k_cache,   v_cache, table,      ldq,    tokens, cache_len,
                             heads,     kv_heads,  dim,     block_size, window, scale,  kv_dtype};
-    /* Tokens per item: QUERY_TILE, or more where a KV head has fewer than 4 query heads, so that each key tile
-     * (widened from a 16-bit cache, scored, weighed) feeds ~64 query rows: SmolLM2-1.7B's 16 rows an item (32 heads
+    /* Tokens per item: QUERY_TILE, or more where a KV head has few query heads, so that each key tile (widened from
+     * a 16-bit cache, scored, weighed) feeds ~64 query rows (~128 over long contexts): SmolLM2-1.7B's 16 rows an item (32 heads
      * of their own) spent 9% of a 2,048-token prefill widening the same key tiles again for each item. A row's
      * arithmetic does not depend on the rows beside it, so its output is the same bits either way. */
-    const int64_t group = heads / kv_heads;
-    const int64_t per_item = group < ITEM_ROWS / QUERY_TILE ? ITEM_ROWS / group / QUERY_TILE : 1;
+    const int64_t group = heads / kv_heads, item_rows = cache_len + tokens >= LONG_KEYS ? LONG_ITEM_ROWS : ITEM_ROWS;
+    const int64_t per_item = group < item_rows / QUERY_TILE ? item_rows / group / QUERY_TILE : 1;
     const int64_t tile = per_item * QUERY_TILE, tiles = (tokens + tile - 1) / tile, rows = group * tile;
     const int wide = wide_attention(dim);
     int failed = 0;

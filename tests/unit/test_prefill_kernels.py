@@ -163,8 +163,10 @@ def reference_attention(q, k, v, positions, window):
     return torch.einsum("hlc,chd->lhd", probs, v).float()
 
 
-# (new tokens, cached prefix, window): one query tile, tails of both tiles, a prefix, a window inside the chunk.
-CASES = [(5, 0, None), (37, 0, None), (40, 19, None), (100, 64, 24), (33, 7, 50)]
+# (new tokens, cached prefix, window): one query tile, tails of both tiles, a prefix, a window inside the chunk; from
+# 1,024 keys on the items take twice the query rows (prefill_attention.c LONG_KEYS): a long prefix under a short chunk
+# whose last item is short, and a chunk crossing the threshold itself under a window.
+CASES = [(5, 0, None), (37, 0, None), (40, 19, None), (100, 64, 24), (33, 7, 50), (150, 1000, None), (1030, 0, 300)]
 
 
 @pytest.mark.parametrize(("tokens", "cache_len", "window"), CASES)
