@@ -100,10 +100,9 @@ typedef void RowsKernel(const Linear *w, const QuantizedRows *xq, int64_t rows, 
                         int64_t ldy);
 
 /* The one-row kernels' tail (`team_units`): the last eighth of each thread's share is taken by whichever thread is
- * free. Each thread still streams the first
- * 7/8 of its share in order (the hardware prefetcher's one stream: handing out every unit dynamically lost to the
- * static halves), and a thread that the host held up for a while no longer keeps the other waiting at the barrier,
- * where a 1.7B model's decode step had spent 6% of its time. */
+ * free. Each thread still streams the first 7/8 of its share in order (the hardware prefetcher's one stream: handing
+ * out every unit dynamically lost to the static halves), and a thread that the host held up for a while no longer
+ * keeps the other waiting at the barrier, where a 1.7B model's decode step had spent 6% of its time. */
 #define SHARED_TAIL 8
 
 void team_units(int64_t units, int64_t tail, UnitsKernel *kernel, const void *context) {

@@ -420,9 +420,9 @@ int paged_prefill(
     const PagedPrefill p = {q,         k_cache,   v_cache, table,      ldq,    tokens, cache_len,
                             heads,     kv_heads,  dim,     block_size, window, scale,  kv_dtype};
     /* Tokens per item: QUERY_TILE, or more where a KV head has few query heads, so that each key tile (widened from
-     * a 16-bit cache, scored, weighed) feeds ~64 query rows (~128 over long contexts): SmolLM2-1.7B's 16 rows an item (32 heads
-     * of their own) spent 9% of a 2,048-token prefill widening the same key tiles again for each item. A row's
-     * arithmetic does not depend on the rows beside it, so its output is the same bits either way. */
+     * a 16-bit cache, scored, weighed) feeds ~64 query rows (~128 over long contexts): SmolLM2-1.7B's 16 rows an
+     * item (32 heads of their own) spent 9% of a 2,048-token prefill widening the same key tiles again for each
+     * item. A row's arithmetic does not depend on the rows beside it, so its output is the same bits either way. */
     const int64_t group = heads / kv_heads, item_rows = cache_len + tokens >= LONG_KEYS ? LONG_ITEM_ROWS : ITEM_ROWS;
     const int64_t per_item = group < item_rows / QUERY_TILE ? item_rows / group / QUERY_TILE : 1;
     const int64_t tile = per_item * QUERY_TILE, tiles = (tokens + tile - 1) / tile, rows = group * tile;
