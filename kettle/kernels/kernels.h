@@ -812,11 +812,17 @@ INTERNAL void q6l_rows_avx2(const Linear *w, const QuantizedRows *xq, int64_t ro
 extern int kettle_lanes_avx512;
 static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_cpu_vnni512 : kettle_lanes_avx512; }
 
-/* Asks for the `bytes` (whole lines) of the weight block `ahead` bytes past `block`. A decode step reads each weight
- * once, and the hardware's own prefetch alone kept the AVX2 tiles below the memory's pace while the host was loud: on
- * a Zen 3, 2 threads, the 1.7B files' decode, alternated: IQ4_XS 26 -> 30 tok/s, Q5_K_M 20 -> 23, Q4_K_M 25 -> 31,
- * Q8_0 18 -> 19-20 (even while it was quiet). */
-static inline void prefetch_ahead(const void *block, int bytes, int ahead) {
+/* Asks for the `bytes` (whole lines) of the weight block `ahead` bytes past `block`, for the decode tiles whose reads
+ * the hardware's prefetch alone does not follow: Q6L's (a quad vector, then the bits vector 256 bytes on, then the
+ * next quad vector) and Q5L's AVX2 tile. The tiles that read their blocks in order do better without it (below).
+ * Always inlined: GCC 12 dropped the prefetches of a plain `static inline` helper inlined into the always-inline
+ * AVX-512 and AVX2 tiles (no prefetch instruction in the library from the commit that introduced this helper until
+ * this attribute). With them back, Zen 4, 2 threads, the tiles over a 2,048 × 65,536 weight from memory (a throwaway
+ * bench, best-of medians): Q6L 33-35 → 37 GB/s, its AVX2 tile 48 → 54.5, Q5L's AVX2 tile 51 → 59; the 1.7B Q6_K
+ * file's decode in process 29.1-29.8 → 31.9-32.6 tok/s, Q4_K_M's (its Q6_K tensors) 40.9-41.6 → 43.2-44.3. The same
+ * prefetch in the in-order tiles measured slower: AVX-512 Q4L 41 → 38, IQ4L 67 → 58, Q8L 63 → 50; AVX2 Q8L 62 → 59,
+ * IQ4L 56 → 53.5, Q4L even. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *block, int bytes, int ahead) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)block + ahead + line, _MM_HINT_T0);
 }
 

@@ -21,7 +21,6 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(iq4l_ti
     __m256i super[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps(), super[r][0] = super[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < blocks; b++) {
-        prefetch_ahead(qw + b * 256, 256, 2048);
         __m256i pair[2];
         iq4l_pairs_avx2(sc + b * 16, pair);
         for (int h = 0; h < 2; h++) {
@@ -75,7 +74,6 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q4l_til
     __m256i super[AVX2_TILE][2]; /* Q4_K's: the super-block's scaled sums (kernels.h `sub_scales`) */
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps(), super[r][0] = super[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < blocks; b++) {
-        prefetch_ahead(qw + b * 256, 256, 2048);
         if (w->supers && b % 8 == 0)
             for (int r = 0; r < R; r++) super[r][0] = super[r][1] = _mm256_setzero_si256();
         __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2];
@@ -147,7 +145,6 @@ static inline __attribute__((always_inline)) AVX2_TARGET void AVX2_NAMED(q8l_til
     __m256 out[AVX2_TILE][2];
     for (int r = 0; r < R; r++) out[r][0] = out[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        prefetch_ahead(qw + b * 512, 512, 2048);
         __m256i acc[AVX2_TILE][2], more[AVX2_TILE][2]; /* more: the odd units at few rows (AVX2_CHAINS) */
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = more[r][0] = more[r][1] = _mm256_setzero_si256();
         /* Unrolled, the 16 loads of a block were issued out of order (offsets 0, 416, 448, 32, ...) and the stream
