@@ -792,9 +792,14 @@ static inline ONE512 float q8g_channel_one512(const QuantizedRows *xq, int64_t k
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
-/* Rows a pass of the lanes kernels (lanes.c): 8 int32 and 8 float accumulators of 16 channels, with the weight
- * vectors, in AVX-512's 32 registers. */
-#define LANES_TILE 8
+/* Rows a pass of the lanes kernels (lanes.c); a batch of more rows takes several passes over each group of 16
+ * channels, whose weights the first pass left in L1 or L2. At 8 rows a pass the Q4_K and Q5_K tiles' three
+ * accumulators a row (int32 sums, the super-block's sums, float outputs) no longer fit AVX-512's 32 registers, and
+ * GCC kept all three in memory, a load and a store per row and block. 4 rows a pass, with the prefetch from two rows
+ * on (`prefetch_ahead`), the 1.7B Q4_K_M file's decode step in process (Zen 4, 2 threads, alternated): 4 rows
+ * 46.4-48.1 → 42.9-44.8 ms, 8 rows 90.5-94.1 → 73.2-73.3, 16 rows 162-171 → 134-143, 64 rows 587-606 → 460-500;
+ * Q5_K_M 4 rows 61.6 → 48.9, 16 rows 158 → 147; IQ4_XS 4 rows 44.2 → 40.7; Q8_0 even. One row is as before. */
+#define LANES_TILE 4
 
 /* Output channels j0 .. j1 - 1 (multiples of 16) of a weight in lanes for every row quantized in xq (lanes.c). */
 INTERNAL void q4l_rows(const Linear *w, const QuantizedRows *xq, int64_t rows, int64_t j0, int64_t j1, float *y, int64_t ldy);
@@ -814,7 +819,9 @@ static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_c
 
 /* Asks for the `bytes` (whole lines) of the weight block `ahead` bytes past `block`, for the decode tiles whose reads
  * the hardware's prefetch alone does not follow: Q6L's (a quad vector, then the bits vector 256 bytes on, then the
- * next quad vector) and Q5L's AVX2 tile. The tiles that read their blocks in order do better without it (below).
+ * next quad vector), Q5L's AVX2 tile, and every AVX-512 tile from two rows a pass on, whose arithmetic per block
+ * leaves fewer of the block's loads in flight (`LANES_TILE`). At one row the tiles that read their blocks in order
+ * do better without it (below).
  * Always inlined: GCC 12 dropped the prefetches of a plain `static inline` helper inlined into the always-inline
  * AVX-512 and AVX2 tiles (no prefetch instruction in the library from the commit that introduced this helper until
  * this attribute). With them back, Zen 4, 2 threads, the tiles over a 2,048 × 65,536 weight from memory (a throwaway

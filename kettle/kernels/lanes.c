@@ -66,6 +66,7 @@ static inline __attribute__((always_inline)) LANES512 void q4l_tile(const Linear
     __m512i super[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
+        if (R > 1) prefetch_ahead(qw + b * 256, 256, 1024); /* kernels.h `prefetch_ahead`: from 2 rows on */
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         for (int m = 0; m < 4; m++) {
@@ -108,6 +109,7 @@ static inline __attribute__((always_inline)) LANES512 void q5l_tile(const Linear
     __m512i super[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
+        if (R > 1) prefetch_ahead(qw + b * 320, 320, 1024);
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
         const uint8_t *block = qw + b * 320;
@@ -159,6 +161,7 @@ static inline __attribute__((always_inline)) LANES512 void iq4l_tile(const Linea
     __m512i super[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps(), super[r] = _mm512_setzero_si512();
     for (int64_t b = 0; b < blocks; b++) {
+        if (R > 1) prefetch_ahead(qw + b * 256, 256, 1024);
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
         for (int m = 0; m < 4; m++) {
@@ -193,6 +196,7 @@ static inline __attribute__((always_inline)) LANES512 void q8l_tile(const Linear
     __m512 out[LANES_TILE];
     for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        if (R > 1) prefetch_ahead(qw + b * 512, 512, 1024);
         __m512i acc[LANES_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_set1_epi32(-128 * BLOCK_SUM(r));
         for (int m = 0; m < 8; m++) {
@@ -264,10 +268,6 @@ static inline __attribute__((always_inline)) LANES512 void q6l_tile(const Linear
 #define LANES_PASSES(tile_fn)                                                                                \
     for (int64_t r0 = 0; r0 < rows; r0 += LANES_TILE) {                                                    \
         switch (rows - r0 < LANES_TILE ? rows - r0 : LANES_TILE) {                                         \
-        case 8: tile_fn(w, G, xq, r0, 8, y, ldy); break;                                                   \
-        case 7: tile_fn(w, G, xq, r0, 7, y, ldy); break;                                                   \
-        case 6: tile_fn(w, G, xq, r0, 6, y, ldy); break;                                                   \
-        case 5: tile_fn(w, G, xq, r0, 5, y, ldy); break;                                                   \
         case 4: tile_fn(w, G, xq, r0, 4, y, ldy); break;                                                   \
         case 3: tile_fn(w, G, xq, r0, 3, y, ldy); break;                                                   \
         case 2: tile_fn(w, G, xq, r0, 2, y, ldy); break;                                                   \

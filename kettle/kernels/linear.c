@@ -20,7 +20,7 @@
  * decode rows does not amortize (bundled model's layers op by op, 2 threads: 16 rows 2.8 against 4.3 ms on the
  * panels, 64 rows 7.2 against 10.0, even at 128 and 256, 512 rows 81 against 72). */
 #define LANES_GEMM_ROWS 128
-/* On an AVX2 CPU from fewer: its tiles take 4 rows a pass, not 8, and meet each weight vector twice as often (the
+/* On an AVX2 CPU from fewer: its tiles meet each weight vector twice as often, 8 channels a vector (the
  * 1.7B model's gate and up, 16,384 × 2,048, one thread, AVX-512 off: Q4_K 48 rows 21.9 against 22.7 ms on the tiles,
  * 64 rows 27.0 against 30.0, 96 rows 37.5 against 48.7; IQ4_XS 64 rows 44.8 against 50.2). */
 #define AVX2_LANES_GEMM_ROWS 64
@@ -71,7 +71,7 @@ int choose_path(const Linear *w, int64_t rows, int prompt, const Tuning *t) {
         return prompt ? panels_path(w, t) : PATH_INVARIANT;
     }
     const int64_t panels = panel_rows(t, type);
-    /* Lanes share each weight vector among 8 rows a pass for 16 channels at once: below the panels they beat
+    /* Lanes share each weight vector among the rows of a pass for 16 channels at once: below the panels they beat
      * dequantizing every weight to float32 at any row count (the bundled model's fused step at 8 rows: 15 against
      * 25-35 ms in rows). */
     const int64_t several = type->lanes ? (t->quantized_activations ? panels : 0) : min64(float_rows(t, type), panels);
