@@ -4,6 +4,9 @@ the row ops, the build. Every weight type's products on every path: tests/unit/t
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +54,29 @@ def test_the_kernels_build_here_and_switch_off(monkeypatch):
     finally:
         monkeypatch.delenv("KETTLE_TUNING")
         build.library.cache_clear()
+
+
+def prefetches_by_function(library: Path) -> dict[str, int]:
+    """The prefetch instructions of each function of the library, from its disassembly."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True)
+    counts: dict[str, int] = {}
+    function = ""
+    for line in listing.stdout.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+        elif "\tprefetch" in line:
+            counts[function] = counts.get(function, 0) + 1
+    return counts
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_the_tiles_keep_their_prefetch():
+    """GCC 12 once dropped every prefetch of the tiles (a helper inlined into always-inline target functions), and
+    nothing but the decode's speed showed it: the Q6L tiles and the lanes tiles from two rows a pass ask for theirs."""
+    counts = prefetches_by_function(build.built_folder() / build.LIBRARY)
+    tiles = ("q6l_rows", "q4l_rows", "q5l_rows", "iq4l_rows", "q8l_rows", "q6l_rows_maddubs", "q5l_rows_maddubs")
+    for function in tiles:
+        assert counts.get(function, 0) > 0, function
 
 
 def test_q4_packing_round_trips():
