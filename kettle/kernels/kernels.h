@@ -824,11 +824,11 @@ static inline int lanes_avx512(void) { return kettle_lanes_avx512 < 0 ? kettle_c
  * do better without it (below).
  * Always inlined: GCC 12 dropped the prefetches of a plain `static inline` helper inlined into the always-inline
  * AVX-512 and AVX2 tiles (no prefetch instruction in the library from the commit that introduced this helper until
- * this attribute). With them back, Zen 4, 2 threads, the tiles over a 2,048 × 65,536 weight from memory (a throwaway
- * bench, best-of medians): Q6L 33-35 → 37 GB/s, its AVX2 tile 48 → 54.5, Q5L's AVX2 tile 51 → 59; the 1.7B Q6_K
- * file's decode in process 29.1-29.8 → 31.9-32.6 tok/s, Q4_K_M's (its Q6_K tensors) 40.9-41.6 → 43.2-44.3. The same
- * prefetch in the in-order tiles measured slower: AVX-512 Q4L 41 → 38, IQ4L 67 → 58, Q8L 63 → 50; AVX2 Q8L 62 → 59,
- * IQ4L 56 → 53.5, Q4L even. */
+ * this attribute). With them back, Zen 4, 2 threads, the tiles over a 2,048 × 65,536 weight from memory (a
+ * throwaway bench, medians of six alternations): Q6L 33-35 → 37 GB/s, its AVX2 tile 48 → 54.5, Q5L's AVX2 tile
+ * 51 → 59; the 1.7B Q6_K file's decode in process 29.1-29.8 → 31.9-32.6 tok/s, Q4_K_M's (its Q6_K tensors)
+ * 40.9-41.6 → 43.2-44.3. The same prefetch in the in-order tiles measured slower: AVX-512 Q4L 41 → 38, IQ4L 67 → 58,
+ * Q8L 63 → 50; AVX2 Q8L 62 → 59, IQ4L 56 → 53.5, Q4L even. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const void *block, int bytes, int ahead) {
     for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)block + ahead + line, _MM_HINT_T0);
 }
