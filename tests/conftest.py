@@ -8,6 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton's interpreter runs the CUDA backend's kernels on CPU tensors (test_triton_attention.py).
+# Set before anything imports Triton: its decorators read it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kettle import settings
 from tests.fixtures import make_tiny_llama, make_tokenizer

@@ -91,6 +91,18 @@ class PrefillPlan(_WindowMasks):
 
 
 @dataclass
+class PrefillBatch:
+    """A step's prefills side by side: prefill i's `query_lens[i]` tokens start at `starts[i]` in T, at positions
+    `cache_lens[i]` onwards, over block table row i (padded with block 0 past its own blocks)."""
+
+    starts: torch.Tensor  # [P] int32
+    query_lens: torch.Tensor  # [P] int32
+    cache_lens: torch.Tensor  # [P] int32
+    tables: torch.Tensor  # [P, max blocks] int64
+    max_query_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """The flat token layout of one forward, shared by every layer."""
 
@@ -103,6 +115,7 @@ class AttentionMetadata:
     max_seq_len: int  # longest context this step (cache + new), for RoPE tables
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
+    _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +141,21 @@ class AttentionMetadata:
             runs = _runs(flags[plan.start : plan.end])
             plan.spans = [(plan.cache_len + start, plan.cache_len + end) for start, end in runs if end - start > 1]
             plan.masks.clear()
+
+    def prefill_batch(self) -> PrefillBatch:
+        """Every prefill as one varlen batch, for kernels that attend them all in one launch; built on first use
+        in a step (one host-to-device copy, one padding of the block tables) and shared by every layer."""
+        if self._prefill_batch is None:
+            plans = self.prefills
+            device = self.positions.device
+            fields = long_tensor(
+                [p.start for p in plans] + [p.end - p.start for p in plans] + [p.cache_len for p in plans]
+            )
+            starts, query_lens, cache_lens = fields.to(device, torch.int32).view(3, len(plans))
+            tables = torch.nn.utils.rnn.pad_sequence([p.block_ids for p in plans], batch_first=True)
+            longest = max(p.end - p.start for p in plans)
+            self._prefill_batch = PrefillBatch(starts, query_lens, cache_lens, tables, longest)
+        return self._prefill_batch
 
     def seq_lens_per_token(self) -> torch.Tensor:
         """[T] the context length (cache + new) of each token's sequence (dynamic-NTK RoPE needs it)."""

@@ -17,14 +17,18 @@ The cache may be in another dtype than the model's (`--kv-cache-dtype`): float8 
 of compute capability 8.9 or newer) or a 16-bit type. The kernel widens K/V to float32 as it reads them and
 rounds the new token's K/V to the cache's dtype, saturating for float8, before it attends to them.
 
-Prefills (whole or chunked) go to the SDPA backend (FlashAttention through PyTorch on CUDA). Tensors not on
-CUDA go to the SDPA backend entirely, so selecting this backend never breaks the CPU path.
+Prefills (whole or chunked, over a cached prefix or not) take one varlen launch of the paged prefill kernel
+(cuda_prefill.py) per layer. Only what these kernels lack goes to the SDPA backend: ALiBi, soft-capping, and
+prefills with spans attended both ways (Gemma 3's images). Tensors not on CUDA go to the SDPA backend too, so
+selecting this backend never breaks the CPU path, unless Triton's interpreter is on (TRITON_INTERPRET=1): then
+the kernels run on CPU tensors, which is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kettle.layers import cuda_prefill
 from kettle.layers.attention import AttentionMetadata, DecodePlan
 from kettle.layers.sdpa_attention import SdpaBackend
 from kettle.tensors.kv_cache import FLOAT8_MAX
@@ -32,12 +36,17 @@ from kettle.tensors.kv_cache import FLOAT8_MAX
 try:
     import triton
     import triton.language as tl
+
+    # Triton's interpreter (TRITON_INTERPRET=1) runs these kernels on CPU tensors: the tests check them that way
+    # where there is no GPU. It has no timer, so there each kernel takes its first tuning config.
+    INTERPRET = triton.knobs.runtime.interpret
 except ImportError:  # CPU-only installs: the backend then delegates everything to SDPA
-    triton = None
+    triton, INTERPRET = None, False
 
 # Programs wanted in flight per decode launch: a few per SM on an H100 (132 SMs), so small batches still
-# spread their context over the whole chip.
-TARGET_PROGRAMS = 512
+# spread their context over the whole chip. The interpreter runs programs one at a time in Python: it aims at
+# fewer, so its tests take seconds, and small batches still split their contexts.
+TARGET_PROGRAMS = 64 if INTERPRET else 512
 MAX_SPLITS = 16
 NO_WINDOW = 1 << 30
 
@@ -48,7 +57,7 @@ if triton is not None:
     @triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
-        ],
+        ][: 1 if INTERPRET else None],
         key=["batch_class", "SPLITS", "HEAD_DIM"],
     )
     @triton.jit
@@ -192,8 +201,13 @@ def paged_decode(
     return out
 
 
+def runs_triton(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels take `q`'s attention: on CUDA, or anywhere under Triton's interpreter."""
+    return triton is not None and (q.is_cuda or INTERPRET)
+
+
 class CudaBackend(SdpaBackend):
-    """Triton paged decode on CUDA tensors; SDPA for prefills and for anything not on CUDA."""
+    """Triton paged decode and prefill on CUDA tensors; SDPA for what they lack and for anything not on CUDA."""
 
     name = "cuda"
 
@@ -215,13 +229,21 @@ class CudaBackend(SdpaBackend):
         The Triton kernel has no ALiBi or soft-capping: layers that need them (BLOOM, MPT, Falcon-alibi,
         Gemma 2) run on the SDPA path, which `decode` below hands back to when either is set.
         """
-        if triton is None or not q.is_cuda or not meta.decode_only or alibi_slopes is not None or softcap is not None:
+        if not runs_triton(q) or not meta.decode_only or alibi_slopes is not None or softcap is not None:
             mods = (alibi_slopes, softcap)
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window, *mods)
         plan = meta.decode
         table = plan.block_ids.view(q.shape[0], plan.num_blocks)
         positions, new_kv = plan.query_positions.view(-1), (k_new, v_new, meta.slots)
         return paged_decode(q, k_cache, v_cache, table, positions, meta.block_size, scale, sliding_window, new_kv)
+
+    def _prefills_into(self, out, q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale, window, mods):
+        """Every prefill in one launch of the paged prefill kernel (their K/V are in the cache by now)."""
+        if not runs_triton(q) or any(m is not None for m in mods) or any(plan.spans for plan in meta.prefills):
+            super()._prefills_into(out, q, k_new, v_new, k_cache, v_cache, meta, scale, window, mods)
+            return
+        batch = meta.prefill_batch()
+        cuda_prefill.paged_prefill(q, k_cache, v_cache, batch, meta.block_size, scale, window, out)
 
     @staticmethod
     def decode(
@@ -237,7 +259,7 @@ class CudaBackend(SdpaBackend):
     ) -> torch.Tensor:
         """The SDPA backend's decode call, served by the Triton kernel when the tensors are on CUDA (and no
         ALiBi or soft-capping is asked for, which only the SDPA path implements)."""
-        if triton is None or not q.is_cuda or alibi_slopes is not None or softcap is not None:
+        if not runs_triton(q) or alibi_slopes is not None or softcap is not None:
             mods = (alibi_slopes, softcap)
             return SdpaBackend.decode(q, k_cache, v_cache, plan, block_size, scale, sliding_window, *mods)
         table = plan.block_ids.view(q.shape[0], plan.num_blocks)

@@ -67,16 +67,20 @@ class SdpaBackend:
         if meta.decode_only:
             return self.decode(q, k_cache, v_cache, meta.decode, meta.block_size, scale, sliding_window, *mods)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for plan in meta.prefills:
-            rows = out[plan.start : plan.end]
-            result = self.prefill(
-                q, k_new, v_new, k_cache, v_cache, plan, meta.block_size, scale, sliding_window, *mods, out=rows
-            )
-            if result is not rows:  # the CPU kernel writes in place; SDPA's result is copied
-                rows.copy_(result)
+        self._prefills_into(out, q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window, mods)
         if meta.decode is not None:
             self._decode_into(out, q, k_cache, v_cache, meta, scale, sliding_window, mods)
         return out
+
+    def _prefills_into(self, out, q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale, window, mods):
+        """Each prefill's rows of `out`, one call per prefill (their K/V are already in the cache)."""
+        for plan in meta.prefills:
+            rows = out[plan.start : plan.end]
+            result = self.prefill(
+                q, k_new, v_new, k_cache, v_cache, plan, meta.block_size, scale, window, *mods, out=rows
+            )
+            if result is not rows:  # the CPU kernel writes in place; SDPA's result is copied
+                rows.copy_(result)
 
     def _decode_into(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window, mods) -> None:
         """Decodes mixed with prefills: slice when their tokens are contiguous, index otherwise."""

@@ -1,13 +1,11 @@
-"""The CUDA model path on the tiny Llama: Triton paged decode (over caches of the model's dtype and narrower
-`--kv-cache-dtype` ones), decode CUDA graphs, fp8 linears, the runner hook.
+"""The CUDA model path on the tiny Llama: decode CUDA graphs, fp8 linears, the runner hook (the Triton attention
+kernels: test_triton_attention.py).
 
 Skipped without a CUDA device. Graph replay must give exactly the eager greedy tokens (padded buckets
-included), the Triton kernel must match SDPA, and fp8 must stay close to bf16.
+included), and fp8 must stay close to bf16.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -15,88 +13,17 @@ import torch.nn.functional as F
 
 from kettle.bench.drive import BLOCK_SIZE, decode_hidden, scattered_tables
 from kettle.layers.attention import AttentionMetadata
-from kettle.layers.sdpa_attention import SdpaBackend
 from kettle.models.registry import load_model
-from kettle.tensors.kv_cache import FLOAT8, KVCache
+from kettle.tensors.kv_cache import KVCache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PROMPTS = [[5, 9, 11, 40, 3], [7] * 13, [1, 2, 3], list(range(20, 50))]
-# A cache in the queries' dtype (None), or a `--kv-cache-dtype` one: float8 where Triton converts it in hardware.
-FLOAT8_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-needs_float8 = pytest.mark.skipif(not FLOAT8_OK, reason="float8 needs compute capability 8.9+")
-CACHE_DTYPES = [
-    None,
-    pytest.param(torch.float8_e4m3fn, marks=needs_float8),
-    pytest.param(torch.float8_e5m2, marks=needs_float8),
-    torch.float16,
-]
-CACHE_IDS = ["same", "fp8_e4m3fn", "fp8_e5m2", "fp16"]
-MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2, torch.float16: 10}
 
 
 @pytest.fixture(scope="module")
 def bf16_model(tiny_llama_path):
     return load_model(str(tiny_llama_path), torch.bfloat16, "cuda")
-
-
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("seqs", "heads", "kv_heads", "head_dim", "window"), [(1, 8, 8, 128, None), (5, 8, 2, 80, 7)])
-def test_paged_decode_kernel_matches_sdpa(cache_dtype, dtype, seqs, heads, kv_heads, head_dim, window):
-    """The kernel's float32 math over the cache as stored (the queries' dtype, or a narrower `--kv-cache-dtype`
-    that it widens as it reads) equals SDPA over the same values held in float32."""
-    from kettle.layers.cuda_attention import paged_decode
-
-    rng = random.Random(seqs)
-    cache_lens = [rng.randint(0, 300) for _ in range(seqs)]
-    tables, num_blocks = scattered_tables([c + 1 for c in cache_lens])
-    k_cache, v_cache = (
-        torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device="cuda").to(cache_dtype or dtype)
-        for _ in "kv"
-    )
-    meta = AttentionMetadata.build([1] * seqs, cache_lens, tables, BLOCK_SIZE, "cuda")
-    q = torch.randn(seqs, heads, head_dim, dtype=dtype, device="cuda")
-    scale = head_dim**-0.5
-    expected = SdpaBackend.decode(q.float(), k_cache.float(), v_cache.float(), meta.decode, BLOCK_SIZE, scale, window)
-    table = meta.decode.block_ids.view(seqs, -1)
-    out = paged_decode(q, k_cache, v_cache, table, meta.decode.query_positions.view(-1), BLOCK_SIZE, scale, window)
-    error = (out.float() - expected).norm() / expected.norm()
-    assert error < (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
-@pytest.mark.parametrize(("seqs", "kv_heads", "window"), [(1, 8, None), (6, 2, 9), (40, 4, None)])
-def test_fused_decode_step_matches_sdpa_backend(cache_dtype, seqs, kv_heads, window):
-    """Decode-only steps write the new K/V inside the kernel: the same cache and output as SDPA's. Into a narrower
-    cache both round (float8 saturates) and attend to the rounded values; the two conversions may break a tie
-    differently, so those caches agree within one step of the cache's type."""
-    from kettle.layers.cuda_attention import CudaBackend
-
-    rng = random.Random(seqs)
-    cache_lens = [rng.randint(0, 200) for _ in range(seqs)]
-    tables, num_blocks = scattered_tables([c + 1 for c in cache_lens])
-    meta = AttentionMetadata.build([1] * seqs, cache_lens, tables, BLOCK_SIZE, "cuda")
-    caches = [
-        torch.randn(num_blocks * BLOCK_SIZE, kv_heads, 64, device="cuda").to(cache_dtype or torch.float32) for _ in "kv"
-    ]
-    q, k_new, v_new = (torch.randn(seqs, n, 64, device="cuda") for n in (8, kv_heads, kv_heads))
-    if cache_dtype in FLOAT8:
-        k_new[:, :, 0], v_new[:, :, 1] = 1000.0, -1000.0  # beyond e4m3fn's 448: saturates instead of NaN
-    reference_caches = [c.clone() for c in caches]
-    expected = SdpaBackend().forward(q, k_new, v_new, *reference_caches, meta, 0.125, window)
-    out = CudaBackend().forward(q, k_new, v_new, *caches, meta, 0.125, window)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    for got, want in zip(caches, reference_caches, strict=True):
-        assert torch.equal(got, want) if cache_dtype is None else within_one_step(got, want, cache_dtype)
-
-
-def within_one_step(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Every element of `got` within one unit in the last place of `dtype` of `want`."""
-    g, w = got.float(), want.float()
-    unit = 2.0 ** -MANTISSA_BITS[dtype]
-    return bool(((g - w).abs() <= w.abs() * unit + torch.finfo(dtype).smallest_normal * unit).all())
 
 
 def decode(model, steps: int, buckets: tuple[int, ...] | None) -> tuple[list[list[int]], list[torch.Tensor]]:

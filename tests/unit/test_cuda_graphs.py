@@ -29,8 +29,12 @@ def test_graphs_never_apply_on_cpu():
     assert not graphs_enabled(torch.device("cpu"))
 
 
-def test_cuda_backend_on_cpu_tensors_equals_sdpa():
-    """Selecting the CUDA backend must not break a CPU model: it hands CPU tensors to SDPA."""
+def test_cuda_backend_on_cpu_tensors_equals_sdpa(monkeypatch):
+    """Selecting the CUDA backend must not break a CPU model: it hands CPU tensors to SDPA (unless Triton's
+    interpreter is on, as the tests turn it on without a GPU: off here)."""
+    from kettle.layers import cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "INTERPRET", False, raising=False)
     torch.manual_seed(0)
     cache_lens, tables = [5, 0, 9], [[3, 1], [2], [4, 5, 0]]
     meta = AttentionMetadata.build([1, 3, 1], cache_lens, tables, 4, "cpu")
