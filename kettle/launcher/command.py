@@ -209,7 +209,8 @@ CudaGraphs = Annotated[
     str | None,
     option(
         "--cuda-graphs",
-        "Decode batch sizes captured as CUDA graphs, comma-separated; 0 disables (default: 1,2,4,8,16,32).",
+        "Decode batch sizes captured as CUDA graphs, comma-separated; 0 disables "
+        "(default: 1,2,4,8,16,24,32,48,64,96,128,192,256).",
         SHARDS,
         envvar=["CUDA_GRAPHS", "KETTLE_CUDA_GRAPHS"],  # TGI's name first; Kettle's earlier one still works
     ),

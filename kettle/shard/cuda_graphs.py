@@ -2,7 +2,7 @@
 
 A decode step of a 7B model is ~500 small kernels; launched from Python one by one, the launch gaps cost as
 much as the weight reads at batch 1. A graph replays all of them with one launch. Graphs need fixed shapes
-and fixed addresses, so each bucket (KETTLE_CUDA_GRAPHS, default 1,2,4,8,16,32) reads its inputs from
+and fixed addresses, so each bucket (`--cuda-graphs`, default 1 to 256) reads its inputs from
 static buffers sized for the largest bucket and the longest context: token ids, positions, cache slots and
 block tables. The CUDA attention backend reads each sequence's length from those positions, so one graph
 serves every context up to `max_context`.
@@ -29,7 +29,10 @@ from kettle.tensors.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Past TGI's 1-32: a server under load decodes a hundred sequences or more a step, and eagerly a 7B step then
+# pays ~500 launches from Python. Buckets grow by halves of a power of two above 16, so a batch pads by at
+# most a third; the largest graph's activations are a few MB (hidden 4,096 × 256 rows), so the pool stays small.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def graph_buckets(value: str | None = None) -> tuple[int, ...]:
