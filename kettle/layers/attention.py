@@ -115,6 +115,10 @@ class AttentionMetadata:
     max_seq_len: int  # longest context this step (cache + new), for RoPE tables
     decode: DecodePlan | None
     prefills: list[PrefillPlan]
+    # Some sequences are rows of one request at consecutive positions (speculation's verification, see
+    # kettle/shard/speculation.py): a row attends to K/V that another row of the step writes. Kernels that write a
+    # row's K/V in the same launch as other rows read them (the CUDA decode kernel) must then write first.
+    chained: bool = False
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
 
     @property
@@ -172,11 +176,13 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         prompts: list[bool] | None = None,
+        chained: bool = False,
     ) -> AttentionMetadata:
         """Computes slots, positions and the attention plans for one step on the host, then moves them once.
         `prompts`: which sequences bring prompt tokens; one that brings a single one is then a prefill too (by
         default a single new token is a decode), so a prompt token is attended by the prefill kernel however its
-        prompt was chunked or cached (batch invariance: kettle/kernels/ops.py)."""
+        prompt was chunked or cached (batch invariance: kettle/kernels/ops.py). `chained`: some sequences read
+        K/V that others write in this step (the `chained` field)."""
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"every sequence in a step needs at least one new token, got {query_lens}")
         prompts = prompts or [False] * len(query_lens)
@@ -199,6 +205,7 @@ class AttentionMetadata:
                 for i in range(len(query_lens))
                 if query_lens[i] > 1 or prompts[i]
             ],
+            chained=chained,
         )
 
 

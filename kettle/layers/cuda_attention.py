@@ -46,7 +46,7 @@ except ImportError:  # CPU-only installs: the backend then delegates everything 
 # Programs wanted in flight per decode launch: a few per SM on an H100 (132 SMs), so small batches still
 # spread their context over the whole chip. The interpreter runs programs one at a time in Python: it aims at
 # fewer, so its tests take seconds, and small batches still split their contexts.
-TARGET_PROGRAMS = 64 if INTERPRET else 512
+TARGET_PROGRAMS = 32 if INTERPRET else 512
 MAX_SPLITS = 16
 NO_WINDOW = 1 << 30
 
@@ -226,10 +226,14 @@ class CudaBackend(SdpaBackend):
     ) -> torch.Tensor:
         """Decode-only steps in one kernel (cache write included); anything else as the SDPA backend does it.
 
+        A chained step (speculation's rows, which read each other's new K/V) writes first, then decodes: in one
+        launch a row could read a slot before the program that writes it has run.
+
         The Triton kernel has no ALiBi or soft-capping: layers that need them (BLOOM, MPT, Falcon-alibi,
         Gemma 2) run on the SDPA path, which `decode` below hands back to when either is set.
         """
-        if not runs_triton(q) or not meta.decode_only or alibi_slopes is not None or softcap is not None:
+        plain = alibi_slopes is None and softcap is None
+        if not (runs_triton(q) and meta.decode_only and not meta.chained and plain):
             mods = (alibi_slopes, softcap)
             return super().forward(q, k_new, v_new, k_cache, v_cache, meta, scale, sliding_window, *mods)
         plan = meta.decode

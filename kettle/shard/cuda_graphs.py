@@ -9,7 +9,8 @@ serves every context up to `max_context`.
 
 A step with `n` decodes replays the smallest bucket ≥ n; rows n..bucket are padding that write their K/V
 into a scratch block the router never hands out (the cache gets one extra block for it) and attend only to
-it. Anything else (prefills, mixed steps, larger batches, longer contexts) runs eagerly.
+it. Anything else (prefills, mixed steps, speculation's chained rows, larger batches, longer contexts) runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ class DecodeGraphs:
     def bucket(self, meta: AttentionMetadata) -> int | None:
         """The bucket that serves this step, or None when it must run eagerly."""
         if not meta.decode_only or meta.max_seq_len > self.max_context or meta.decode.num_blocks > self.width:
+            return None
+        if meta.chained:  # captured with the decode kernel's own cache write, which a chained step must not use
             return None
         n = meta.num_tokens
         return next((size for size in self.buckets if size >= n), None)

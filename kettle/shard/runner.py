@@ -229,7 +229,8 @@ class PagedRunner:
         # Under batch invariance a prompt's tokens are prefills however few a chunk brings (ops.batch_invariant).
         prompts = _prompts(requests, drafts) if self.device.type == "cpu" and ops.batch_invariant() else None
         block_size = self.kv_cache.block_size
-        meta = AttentionMetadata.build(*_layout(requests, queries, drafts), block_size, self.device, prompts)
+        chained = any(drafts)  # a drafting request's rows read each other's new K/V (`_layout`)
+        meta = AttentionMetadata.build(*_layout(requests, queries, drafts), block_size, self.device, prompts, chained)
         input_ids = device_tensor(list(itertools.chain.from_iterable(queries)), torch.long, self.device)
         lora = self.model.lora_rows
         if lora is not None:  # each token row runs with its request's adapter

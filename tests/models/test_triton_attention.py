@@ -201,3 +201,37 @@ def test_chunked_prompts_and_decodes_through_the_cuda_backend_match_sdpa(backend
     assert got_tokens == want_tokens and min(map(len, got_tokens)) >= 4
     for got_step, want_step in zip(got, want, strict=True):
         torch.testing.assert_close(got_step, want_step, atol=1e-4, rtol=1e-4)
+
+
+def test_speculative_greedy_through_the_cuda_backend_equals_plain_greedy(tiny_llama_path, engine, monkeypatch):
+    """--speculate through the shard engine on the CUDA backend: a drafting request's rows read each other's new
+    K/V, so those (chained) steps write the cache before the decode kernel runs, never inside it (in one launch a
+    row could read a slot before its writer ran: the interpreter runs programs in order and would not show it).
+    The tokens equal plain greedy on SDPA."""
+    from tests.models.engine_driver import warm_engine
+    from tests.models.test_speculation import run
+
+    tuning = "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-rows=7"
+    monkeypatch.setenv("KETTLE_TUNING", tuning)
+    plain, _, _ = run(engine, 0, max_new_tokens=40)
+    monkeypatch.setenv("KETTLE_TUNING", f"attention=cuda,{tuning}")
+    steps, fused = [], []
+    decode, forward = cuda_attention.paged_decode, cuda_attention.CudaBackend.forward
+
+    def spy_decode(*args):
+        fused.append(len(args) > 8 and args[8] is not None)  # `new_kv`: the kernel writes the cache itself
+        return decode(*args)
+
+    def spy_forward(self, q, k_new, v_new, k_cache, v_cache, meta, *rest):
+        before = len(fused)
+        out = forward(self, q, k_new, v_new, k_cache, v_cache, meta, *rest)
+        steps.append((meta.chained, any(fused[before:])))
+        return out
+
+    monkeypatch.setattr(cuda_attention, "paged_decode", spy_decode)
+    monkeypatch.setattr(cuda_attention.CudaBackend, "forward", spy_forward)
+    cuda_engine, _ = warm_engine(tiny_llama_path)
+    speculative, drafted, accepted = run(cuda_engine, 4, max_new_tokens=40)
+    assert drafted > 0 and accepted > 0
+    assert {i: r[0] for i, r in speculative.items()} == {i: r[0] for i, r in plain.items()}
+    assert (True, False) in steps and (False, True) in steps and (True, True) not in steps

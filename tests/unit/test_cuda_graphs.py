@@ -46,6 +46,19 @@ def test_cuda_backend_on_cpu_tensors_equals_sdpa(monkeypatch):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+def test_chained_steps_never_replay_a_graph():
+    """Speculation's rows read each other's new K/V: the graphs, captured with the decode kernel's own cache write,
+    must not serve them (DecodeGraphs.bucket reads only these attributes)."""
+    from types import SimpleNamespace
+
+    from kettle.shard.cuda_graphs import DecodeGraphs
+
+    graphs = SimpleNamespace(buckets=(1, 2, 4), max_context=64, width=16)
+    for chained, bucket in ((False, 4), (True, None)):
+        meta = AttentionMetadata.build([1, 1, 1], [5, 6, 7], [[3, 1]] * 3, 4, "cpu", chained=chained)
+        assert DecodeGraphs.bucket(graphs, meta) == bucket
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="available: sdpa, cuda"):
         get_backend("nope")
