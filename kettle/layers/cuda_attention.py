@@ -31,17 +31,8 @@ import torch
 from kettle.layers import cuda_prefill
 from kettle.layers.attention import AttentionMetadata, DecodePlan
 from kettle.layers.sdpa_attention import SdpaBackend
+from kettle.layers.triton_support import INTERPRET, tl, triton, tuning
 from kettle.tensors.kv_cache import FLOAT8_MAX
-
-try:
-    import triton
-    import triton.language as tl
-
-    # Triton's interpreter (TRITON_INTERPRET=1) runs these kernels on CPU tensors: the tests check them that way
-    # where there is no GPU. It has no timer, so there each kernel takes its first tuning config.
-    INTERPRET = triton.knobs.runtime.interpret
-except ImportError:  # CPU-only installs: the backend then delegates everything to SDPA
-    triton, INTERPRET = None, False
 
 # Programs wanted in flight per decode launch: a few per SM on an H100 (132 SMs), so small batches still
 # spread their context over the whole chip. The interpreter runs programs one at a time in Python: it aims at
@@ -55,9 +46,9 @@ if triton is not None:
     # Tile height and warps are tuned once per (batch-size class, splits) on first use; warm-up steps run
     # before any graph capture, so tuning never happens inside one.
     @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
-        ][: 1 if INTERPRET else None],
+        configs=tuning(
+            [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]]
+        ),
         key=["batch_class", "SPLITS", "HEAD_DIM"],
     )
     @triton.jit

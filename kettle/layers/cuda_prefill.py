@@ -22,14 +22,7 @@ from __future__ import annotations
 import torch
 
 from kettle.layers.attention import PrefillBatch
-
-try:
-    import triton
-    import triton.language as tl
-
-    INTERPRET = triton.knobs.runtime.interpret  # see cuda_attention.py: the tests' CPU path, untuned
-except ImportError:
-    triton, INTERPRET = None, False
+from kettle.layers.triton_support import tl, triton, tuning
 
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -38,10 +31,12 @@ LOG2E = 1.4426950408889634
 if triton is not None:
     # Tuned once per (head size, prompt-length class, group size); warm-up prefills run before serving does.
     @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 32, 4, 2), (128, 128, 8, 2)]
-        ][: 1 if INTERPRET else None],
+        configs=tuning(
+            [
+                triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 32, 4, 2), (128, 128, 8, 2)]
+            ]
+        ),
         key=["HEAD_DIM", "GROUP", "length_class"],
     )
     @triton.jit
@@ -50,7 +45,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kv_slot, stride_kv_head, stride_ot, stride_oh, stride_table,
         qk_scale, window, head_dim, length_class,
         GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         query_len = tl.load(query_lens_ptr + seq)
@@ -65,9 +60,10 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         d_ok = d < head_dim
         q_rows = (start + m).to(tl.int64)
-        q = tl.load(
-            q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_ok[:, None] & d_ok[None, :]
-        )
+        # Zeros in the padded head dimensions and rows: a masked load's lanes are otherwise undefined, and a NaN
+        # there would reach the scores through the dot.
+        q_tile = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :]
+        q = tl.load(q_tile, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         # Keys this tile can see: from the first query's window start to the last query's own position.
         hi = tl.minimum(cache_len + (tile + 1) * BLOCK_M, cache_len + query_len)
         lo = tl.maximum(cache_len + tile * BLOCK_M - window + 1, 0)
@@ -84,14 +80,14 @@ if triton is not None:
             tile_ok = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0).to(q.dtype)
             v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             seen = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window) & n_ok[None, :]
             scores = tl.where(seen, scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(m_ok, l_i, 1.0)[:, None]
         out_rows = (start + m).to(tl.int64) * stride_ot + head * stride_oh
@@ -125,4 +121,6 @@ def paged_prefill(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         batch.tables.stride(0), scale * LOG2E, sliding_window or NO_WINDOW, head_dim, length_class,
         GROUP=num_heads // k_cache.shape[1], PAGE=block_size, HEAD_DIM=max(triton.next_power_of_2(head_dim), 16),
+        # float32 models: full-precision products (TF32 would round the operands to 10 bits); 16-bit ones: exact.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
