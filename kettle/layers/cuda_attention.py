@@ -234,6 +234,8 @@ class CudaBackend(SdpaBackend):
 
     def _prefills_into(self, out, q, k_new, v_new, k_cache, v_cache, meta: AttentionMetadata, scale, window, mods):
         """Every prefill in one launch of the paged prefill kernel (their K/V are in the cache by now)."""
+        if not meta.prefills:
+            return
         if not runs_triton(q) or any(m is not None for m in mods) or any(plan.spans for plan in meta.prefills):
             super()._prefills_into(out, q, k_new, v_new, k_cache, v_cache, meta, scale, window, mods)
             return

@@ -8,7 +8,8 @@ positions, so a chunk over a 4,000-token prefix reads the prefix once and builds
 
 All prefills of a step go in one launch, laid out varlen (`PrefillBatch`): programs are (prefill, tile of
 BLOCK_M queries, query head), and tiles past a prefill's own length return at once. Every prefill takes this
-kernel, with a prefix or without, so a prompt is attended the same way however it was chunked or cached.
+kernel, with a prefix or without, so a prompt is attended by the same code however it was chunked or cached
+(the tile sizes are tuned per class of prompt length, so the last bits may differ between classes).
 
 It is FlashAttention's forward in its plain form: scores of a [BLOCK_M, BLOCK_N] tile by one `tl.dot`, an online
 softmax in float32 (exp2, the scale folded into log2 e), the probabilities rounded to the compute dtype for the
