@@ -115,7 +115,7 @@ def random_caches(num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dt
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "window"), [(4, 4, 64, None), (8, 2, 80, 23), (4, 1, 128, None)]
+    ("heads", "kv_heads", "head_dim", "window"), [(4, 4, 64, None), (8, 2, 80, 23), (4, 1, 128, None), (2, 1, 256, 7)]
 )
 def test_paged_prefill_matches_sdpa(cache_dtype, dtype, heads, kv_heads, head_dim, window):
     """A step of prefills with and without a cached prefix (one longer than a tile of queries, one shorter than
