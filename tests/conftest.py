@@ -4,16 +4,20 @@ real servers), so `pytest -m "unit or model"` (`make test-fast`) runs everything
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# Without a GPU, Triton's interpreter runs the CUDA backend's kernels on CPU tensors (test_triton_attention.py).
-# Set before anything imports Triton: its decorators read it.
+# Without a GPU, Triton's interpreter runs the CUDA backend's kernels on CPU tensors (test_triton_attention.py):
+# set before Triton is imported (its decorators read it), then imported, which is what makes Kettle load it where
+# there is no GPU (kettle/layers/triton_support.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
 
 from kettle import settings
 from tests.fixtures import make_tiny_llama, make_tokenizer

@@ -22,12 +22,7 @@ from __future__ import annotations
 import torch
 
 from kettle import settings
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: nothing here is ever called there
-    triton = None
+from kettle.layers.triton_support import tl, triton
 
 # Columns per program of the SiLU·up kernel: at batch 1 an 11008-wide row still spreads over 11 programs.
 _SILU_BLOCK = 1024

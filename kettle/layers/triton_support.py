@@ -1,17 +1,28 @@
-"""Triton where it is installed (the CUDA kernels' modules import it from here), and whether its interpreter runs.
+"""Triton for the CUDA kernels' modules (they import it from here), where it can run them, and whether its
+interpreter runs.
 
-With TRITON_INTERPRET=1, Triton runs kernels on CPU tensors, program by program in Python: that is how the tests
-check the CUDA kernels on machines without a GPU (tests/conftest.py turns it on there). The interpreter has no
-timer, so autotuned kernels take their first config there (`tuning`).
+Triton is imported only where there is a CUDA device, or where something has imported it already: a server
+without a GPU never pays its import (~0.16 s) and its teardown, even where Triton is installed. The tests' conftest
+imports it on machines without a GPU after setting TRITON_INTERPRET=1: Triton's interpreter then runs the CUDA
+kernels on CPU tensors, program by program in Python, which is how the tests check them there. The interpreter has
+no timer, so autotuned kernels take their first config there (`tuning`).
 """
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the CUDA backends then hand everything to PyTorch's ops
-    triton = tl = None
+import sys
+
+import torch
+
+__all__ = ["INTERPRET", "tl", "triton", "tuning"]
+
+triton = tl = None  # no Triton (a CPU install), or no use for it: the CUDA paths then run PyTorch's ops
+if torch.cuda.is_available() or "triton" in sys.modules:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        pass
 
 # Triton's own reading of TRITON_INTERPRET. `triton.knobs` came with Triton 3.4: an older one (a GPU install's)
 # just counts as compiling, and the tests' CPU runs take the newer one from the test extras.

@@ -20,12 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.layers.linear import Linear
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from kettle.layers.triton_support import tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448

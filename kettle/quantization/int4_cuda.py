@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from kettle.layers.triton_support import tl, triton
+
 # Rows a call takes on the kernel; more (long prompt chunks) go to cuBLAS over a weight dequantized for the call.
 # Measured: 256 rows 1.56 ms on the kernel against 4.30 dequantized; at 1,024 rows the dequantized path takes 4.96 ms,
 # which the kernel (linear in the rows past 64) would not beat. The crossover in between was not measured.
 MAX_ROWS = 256
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
 
 
 def pack_pairs(q: torch.Tensor) -> torch.Tensor:
