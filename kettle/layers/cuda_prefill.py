@@ -8,8 +8,7 @@ positions, so a chunk over a 4,000-token prefix reads the prefix once and builds
 
 All prefills of a step go in one launch, laid out varlen (`PrefillBatch`): programs are (prefill, tile of
 BLOCK_M queries, query head), and tiles past a prefill's own length return at once. Every prefill takes this
-kernel, with a prefix or without, so a prompt is attended by the same code however it was chunked or cached
-(the tile sizes are tuned per class of prompt length, so the last bits may differ between classes).
+kernel, with a prefix or without, so a prompt is attended by the same code however it was chunked or cached.
 
 It is FlashAttention's forward in its plain form: scores of a [BLOCK_M, BLOCK_N] tile by one `tl.dot`, an online
 softmax in float32 (exp2, the scale folded into log2 e), the probabilities rounded to the compute dtype for the
@@ -30,7 +29,9 @@ LOG2E = 1.4426950408889634
 
 
 if triton is not None:
-    # Tuned once per (head size, prompt-length class, group size); warm-up prefills run before serving does.
+    # Tuned once per model (its head size and group), by the shard's warm-up prefill, the longest chunk it will
+    # run: a key with the prompts' lengths in it would tune (and compile five configs) again in the middle of
+    # serving at the first prompt of each new length.
     @triton.autotune(
         configs=tuning(
             [
@@ -38,13 +39,13 @@ if triton is not None:
                 for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 32, 4, 2), (128, 128, 8, 2)]
             ]
         ),
-        key=["HEAD_DIM", "GROUP", "length_class"],
+        key=["HEAD_DIM", "GROUP"],
     )
     @triton.jit
     def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, query_lens_ptr, cache_lens_ptr, table_ptr,
         stride_qt, stride_qh, stride_kv_slot, stride_kv_head, stride_ot, stride_oh, stride_table,
-        qk_scale, window, head_dim, length_class,
+        qk_scale, window, head_dim,
         GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
@@ -114,13 +115,11 @@ def paged_prefill(
     `batch.tables`. The prefills' own K/V must already be in the cache; rows of T outside the prefills are left
     as they are."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    # Tuning depends on the prompt lengths only through this class, so a few tunings cover every step.
-    length_class = min(triton.next_power_of_2(batch.max_query_len), 4096)
     grid = lambda meta: (len(batch.starts), triton.cdiv(batch.max_query_len, meta["BLOCK_M"]), num_heads)  # noqa: E731
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, batch.starts, batch.query_lens, batch.cache_lens, batch.tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        batch.tables.stride(0), scale * LOG2E, sliding_window or NO_WINDOW, head_dim, length_class,
+        batch.tables.stride(0), scale * LOG2E, sliding_window or NO_WINDOW, head_dim,
         GROUP=num_heads // k_cache.shape[1], PAGE=block_size, HEAD_DIM=max(triton.next_power_of_2(head_dim), 16),
         # float32 models: full-precision products (TF32 would round the operands to 10 bits); 16-bit ones: exact.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
