@@ -47,8 +47,9 @@ NO_WINDOW = 1 << 30
 
 
 if triton is not None:
-    # Tile height and warps are tuned once per (batch-size class, splits) on first use; warm-up steps run
-    # before any graph capture, so tuning never happens inside one.
+    # Tile height and warps are tuned once per batch-size class (the split count follows from it) on first use;
+    # warm-up steps run before any graph capture, so tuning never happens inside one, and the graphs' buckets
+    # reach every class, so eager steps (mixed with prefills) find their class tuned.
     @triton.autotune(
         configs=tuning(
             [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]]
@@ -150,7 +151,8 @@ if triton is not None:
 
 
 def num_splits(num_seqs: int, num_heads: int) -> int:
-    """Context splits per (sequence, head): a power of two that fills the GPU; depends on shape only."""
+    """Context splits per (sequence, head): a power of two that fills the GPU for `num_seqs` sequences (callers pass
+    the batch's class, a power of two); depends on shape only."""
     splits = 1
     while splits < MAX_SPLITS and num_seqs * num_heads * splits < TARGET_PROGRAMS // 2:
         splits *= 2
@@ -173,7 +175,10 @@ def paged_decode(
     the kernel also writes the new token's K/V into the cache; without, they must already be there."""
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    splits = num_splits(num_seqs, num_heads)
+    # From the class, not the count: 3 sequences split as 4 do, so a step of any size runs a (class, splits) pair
+    # that the graphs' warm-ups tuned.
+    batch_class = min(triton.next_power_of_2(num_seqs), 256)
+    splits = num_splits(batch_class, num_heads)
     padded_dim = triton.next_power_of_2(head_dim)
     part = stats = out  # unused when there is one split
     if splits > 1:
@@ -185,7 +190,7 @@ def paged_decode(
         q, k_cache, v_cache, table, positions, out, part, stats, k_new, v_new, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        scale, sliding_window or NO_WINDOW, head_dim, min(triton.next_power_of_2(num_seqs), 256),
+        scale, sliding_window or NO_WINDOW, head_dim, batch_class,
         GROUP=num_heads // k_cache.shape[1], SPLITS=splits, PAGE=block_size, HEAD_DIM=padded_dim,
         WRITE_NEW=new_kv is not None, KV_MAX=FLOAT8_MAX.get(k_cache.dtype, 0.0),
     )  # fmt: skip
