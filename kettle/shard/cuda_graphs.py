@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,9 +138,12 @@ class DecodeGraphs:
             meta = self._meta(n)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                # Warm-ups outside the capture: Triton compiles and autotunes, cuBLAS picks its kernels.
+                # Warm-ups outside the capture: Triton compiles and autotunes, cuBLAS picks its kernels. The chained
+                # form (cache written first, as mixed steps and speculation's rows run eagerly) compiles the decode
+                # kernel's other variant now rather than at the first such step of serving.
                 for _ in range(2):
                     self._run(n, meta)
+                self._run(n, replace(meta, chained=True))
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
