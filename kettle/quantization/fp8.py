@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kettle.layers.linear import Linear
-from kettle.layers.triton_support import tl, triton
+from kettle.layers.triton_support import tl, triton, tuning
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -30,10 +30,12 @@ GEMV_MAX_ROWS = 16  # decode-sized calls; larger ones multiply a bf16 copy of th
 if triton is not None:
 
     @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for n, k, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4)]
-        ],
+        configs=tuning(
+            [
+                triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                for n, k, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4)]
+            ]
+        ),
         key=["N", "K"],
     )
     @triton.jit

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kettle.layers.triton_support import tl, triton
+from kettle.layers.triton_support import tl, triton, tuning
 
 # Rows a call takes on the kernel; more (long prompt chunks) go to cuBLAS over a weight dequantized for the call.
 # Measured: 256 rows 1.56 ms on the kernel against 4.30 dequantized; at 1,024 rows the dequantized path takes 4.96 ms,
@@ -54,17 +54,19 @@ def dense_weight(pairs: torch.Tensor, scale_zero: torch.Tensor, group: int, dtyp
 if triton is not None:
 
     @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for n, k, w, s in [
-                (32, 128, 4, 4),
-                (64, 128, 4, 4),
-                (32, 256, 4, 3),
-                (64, 256, 8, 3),
-                (128, 128, 8, 3),
-                (16, 256, 4, 4),
+        configs=tuning(
+            [
+                triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                for n, k, w, s in [
+                    (32, 128, 4, 4),
+                    (64, 128, 4, 4),
+                    (32, 256, 4, 3),
+                    (64, 256, 8, 3),
+                    (128, 128, 8, 3),
+                    (16, 256, 4, 4),
+                ]
             ]
-        ],
+        ),
         # M_BUCKET (M rounded up to a power of two): the best tile at one row is not the best at 16, though both
         # run the same 16-row programs (a config tuned at one row measured 0.68 ms at 16 rows, against 0.37).
         key=["N", "K", "M_BUCKET"],

@@ -2,7 +2,8 @@
 time against a bf16 model running the weights quantization rounds to, GPTQ/AWQ checkpoints, and decode graphs.
 
 All but the layout checks (a Python copy of PyTorch's tinygemm packing kernel, and the Triton kernel's nibble pairs, run
-on the CPU too) are skipped without a CUDA device. int4 runs PyTorch's tinygemm kernel (or, with
+on the CPU too) and the two Triton kernels alone (run on the CPU in Triton's interpreter) are skipped without a CUDA
+device. int4 runs PyTorch's tinygemm kernel (or, with
 KETTLE_TUNING=cuda-int4-kernel=triton, kettle/quantization/int4_cuda.py's; the layer tests check both), a dense GEMM
 past `dense_rows`; int8 the Triton GEMV of kettle/quantization/fp8.py (≤ INT8_GEMV_ROWS rows) or a bf16 GEMM.
 """
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from kettle.layers.triton_support import INTERPRET
 from kettle.models.registry import load_model
 from kettle.quantization import int4_cuda
 from kettle.quantization.int4 import Int4Linear, quantize_int4, unpack_int4_cuda
@@ -26,6 +28,11 @@ from tests.models.test_cuda_path import PROMPTS, decode, prefill_logits
 from tests.models.test_quantized import PROJECTIONS, make_prequantized
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# The Triton kernels alone run on a GPU, or in Triton's interpreter on CPU tensors (the conftest turns it on).
+needs_triton_here = pytest.mark.skipif(
+    int4_cuda.triton is None or not (torch.cuda.is_available() or INTERPRET), reason="needs Triton"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # One layer: bf16 activations and outputs against a float32 product with the same (bf16-rounded) weights.
 LAYER_RTOL = 2e-2
@@ -115,6 +122,40 @@ def test_int4_triton_takes_float16_activations(rows):
     got = layer(x)
     assert got.dtype == torch.float16
     assert relative_error(got, F.linear(x.float(), layer.dequantized())) < LAYER_RTOL
+
+
+@needs_triton_here
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 96, 32), (48, 256, 128)])
+@pytest.mark.parametrize("rows", [1, 17, 40])
+def test_int4_triton_kernel_matches_its_dequantized_weight(n, k, group, rows):
+    """The Triton int4 kernel itself, compiled on a GPU or in Triton's interpreter on the CPU (float16 there: the
+    interpreter's `tl.dot` takes bfloat16 as raw bits), at a partial K tile (96) and a partial N tile (48), one
+    group per tile and several, at each row block (16, 32, 64)."""
+    q, scale, zero = quantize_int4(torch.randn(n, k) * 0.02, group)
+    scale_zero = torch.stack([scale, zero], -1).to(torch.float16)
+    expected = int4_cuda.dense_weight(int4_cuda.pack_pairs(q), scale_zero.float(), group, torch.float32)
+    x = torch.randn(rows, k, dtype=torch.float16)
+    pairs = int4_cuda.pack_pairs(q).to(DEVICE)
+    got = int4_cuda.int4_matmul(x.to(DEVICE), pairs, scale_zero.to(DEVICE), group)
+    assert got.dtype == torch.float16 and got.shape == (rows, n)
+    assert relative_error(got.cpu(), F.linear(x.float(), expected)) < LAYER_RTOL
+
+
+@needs_triton_here
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_weight_only_gemv_kernel_matches_its_dequantized_weight(weight_dtype, rows):
+    """The Triton GEMV of int8 and fp8 weights (kettle/quantization/fp8.py), compiled or interpreted, with a partial
+    N tile: x (weight · scale)ᵀ against the same product in float32."""
+    from kettle.quantization.fp8 import fp8_gemv
+
+    weight = (torch.randn(96 + 8, 512) * 40).clamp(-127, 127).round().to(weight_dtype)
+    scale = torch.rand(96 + 8) * 0.01 + 0.001
+    x = torch.randn(rows, 512, dtype=torch.float16)
+    got = fp8_gemv(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE))
+    assert got.dtype == torch.float16 and got.shape == (rows, 96 + 8)
+    expected = F.linear(x.float(), weight.float() * scale[:, None])
+    assert relative_error(got.cpu(), expected) < LAYER_RTOL
 
 
 @needs_cuda
