@@ -213,7 +213,7 @@ def test_speculative_greedy_through_the_cuda_backend_equals_plain_greedy(tiny_ll
 
     tuning = "speculate-min-ngram=1,speculate-row-cost=0,speculate-step-rows=7"
     monkeypatch.setenv("KETTLE_TUNING", tuning)
-    plain, _, _ = run(engine, 0, max_new_tokens=40)
+    plain, _, _ = run(engine, 0, max_new_tokens=20)
     monkeypatch.setenv("KETTLE_TUNING", f"attention=cuda,{tuning}")
     steps, fused = [], []
     decode, forward = cuda_attention.paged_decode, cuda_attention.CudaBackend.forward
@@ -231,7 +231,7 @@ def test_speculative_greedy_through_the_cuda_backend_equals_plain_greedy(tiny_ll
     monkeypatch.setattr(cuda_attention, "paged_decode", spy_decode)
     monkeypatch.setattr(cuda_attention.CudaBackend, "forward", spy_forward)
     cuda_engine, _ = warm_engine(tiny_llama_path)
-    speculative, drafted, accepted = run(cuda_engine, 4, max_new_tokens=40)
+    speculative, drafted, accepted = run(cuda_engine, 4, max_new_tokens=20)
     assert drafted > 0 and accepted > 0
     assert {i: r[0] for i, r in speculative.items()} == {i: r[0] for i, r in plain.items()}
     assert (True, False) in steps and (False, True) in steps and (True, True) not in steps
