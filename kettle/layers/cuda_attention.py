@@ -51,9 +51,7 @@ if triton is not None:
     # warm-up steps run before any graph capture, so tuning never happens inside one, and the graphs' buckets
     # reach every class, so eager steps (mixed with prefills) find their class tuned.
     @triton.autotune(
-        configs=tuning(
-            [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]]
-        ),
+        configs=tuning(("BLOCK_N",), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]),
         key=["batch_class", "SPLITS", "HEAD_DIM"],
     )
     @triton.jit

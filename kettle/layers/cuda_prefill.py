@@ -34,10 +34,7 @@ if triton is not None:
     # serving at the first prompt of each new length.
     @triton.autotune(
         configs=tuning(
-            [
-                triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 32, 4, 2), (128, 128, 8, 2)]
-            ]
+            ("BLOCK_M", "BLOCK_N"), [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 32, 4, 2), (128, 128, 8, 2)]
         ),
         key=["HEAD_DIM", "GROUP"],
     )

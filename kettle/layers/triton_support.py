@@ -30,6 +30,11 @@ _knobs = getattr(triton, "knobs", None)
 INTERPRET = bool(_knobs is not None and _knobs.runtime.interpret)
 
 
-def tuning(configs: list) -> list:
-    """Autotuning configs: all of them on a GPU, the first under the interpreter."""
+def tuning(names: tuple[str, ...], rows: list[tuple[int, ...]]) -> list:
+    """Autotuning configs, one per row: the values of the block sizes `names`, then the warps and, when given, the
+    pipeline stages. All of them on a GPU; the first under the interpreter."""
+    configs = []
+    for row in rows:
+        launch = dict(zip(("num_warps", "num_stages"), row[len(names) :], strict=False))
+        configs.append(triton.Config(dict(zip(names, row[: len(names)], strict=True)), **launch))
     return configs[:1] if INTERPRET else configs

@@ -31,10 +31,8 @@ if triton is not None:
 
     @triton.autotune(
         configs=tuning(
-            [
-                triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                for n, k, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4)]
-            ]
+            ("BLOCK_N", "BLOCK_K"),
+            [(16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4)],
         ),
         key=["N", "K"],
     )
