@@ -20,5 +20,6 @@ done
     websockets watchfiles python-dotenv "grpcio>=1.85.1" "grpcio-tools>=1.85.1" "protobuf>=7.35.1" \
     googleapis-common-protos opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
     opentelemetry-proto opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common \
-    llguidance jsonschema jsonschema-specifications referencing rpds-py openai jiter sniffio text-generation
+    opentelemetry-exporter-otlp-common llguidance jsonschema jsonschema-specifications referencing rpds-py openai \
+    jiter sniffio httpx2 httpcore2 truststore "typing-extensions>=4.16" text-generation
 du -sh .gpu_deps
