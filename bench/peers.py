@@ -31,6 +31,15 @@ With llama-cpp-python installed the file is the one a user downloads: a float16 
 `<shape>-F16.gguf`) quantized by llama.cpp's own quantizer into `--qtype`, with its mix rules (Q4_K_M's Q6_K
 `attn_v`/`ffn_down` in some layers and Q6_K head, a tied head as the real model has). Without it, random but well
 formed blocks written by gguf-py in the same layouts (`--untied`: an embedding in --qtype and a Q8_0 head).
+
+The table's header says which instructions each engine ran. To measure both as on a CPU without AVX-512 on one
+that has it: Kettle's `KETTLE_TUNING=cpu-isa=avx2` (or `avx-vnni`), torch's own ops held to AVX2 by its variables,
+and a llama-cpp-python built without AVX-512, found first on `PYTHONPATH`:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" \
+        .venv/bin/pip install --no-cache-dir --no-deps --target ~/.cache/kettle/llama-avx2 llama-cpp-python
+    PYTHONPATH=~/.cache/kettle/llama-avx2 KETTLE_TUNING=cpu-isa=avx2 ATEN_CPU_CAPABILITY=avx2 \
+        ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python -m bench peers --shape smollm2-1.7b --qtype Q4_K_M --rounds 3
 """
 
 from __future__ import annotations
@@ -419,6 +428,7 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
     sizes = {"kettle": engines["kettle"].weight_bytes(), "llama.cpp": file_step_bytes(folder / "model.gguf")}
     ops = prefill_ops(SHAPES[args.shape], args.prompt)
     print(f"\n{args.shape} {args.qtype}, {threads} threads, medians of {args.rounds} rounds")
+    print(f"instructions: Kettle's kernels {kettle_isa()}, llama.cpp {llama_cpp_isa()}")
     each, gib = ", ".join(f"{r / 1e9:.1f}" for r in read), READ_PROBE_BYTES >> 30
     print(f"read bandwidth ({threads} threads, a {gib} GiB sum): {statistics.median(read) / 1e9:.1f} GB/s ({each})")
     print("| engine | decode tok/s | GB/s (weights a step) | of the read bandwidth | prefill tok/s | prefill GOP/s |")
@@ -431,6 +441,25 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
     for kind in ("decode", "prefill"):
         ratios = [a / b for a, b in zip(results["kettle"][kind], results["llama.cpp"][kind], strict=True)]
         print(f"Kettle / llama.cpp, {kind}: {ratio_summary(ratios)}")
+
+
+def kettle_isa() -> str:
+    """What Kettle's kernels run in this process (`KETTLE_TUNING=cpu-isa` limits it)."""
+    from kettle.kernels import build, isa
+
+    lib = build.library()
+    return isa.describe(lib) if lib else "none (PyTorch's ops)"
+
+
+def llama_cpp_isa() -> str:
+    """What the loaded llama.cpp build runs, from its system info (`AVX512_VNNI = 1` and the like)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    for flag, name in (("AVX512_VNNI = 1", "AVX-512 VNNI"), ("AVX512 = 1", "AVX-512"), ("AVX_VNNI = 1", "AVX2 + VNNI")):
+        if flag in info:
+            return name
+    return "AVX2" if "AVX2 = 1" in info else "neither AVX2 nor AVX-512"
 
 
 def read_bandwidth(probe: torch.Tensor, passes: int = 3) -> float:

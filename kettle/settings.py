@@ -46,6 +46,7 @@ class Settings:
     cpu_kernels: bool  # cpu-kernels
     installed_kernels: bool  # installed-kernels
     emulate_avx512: bool  # emulate-avx512
+    cpu_isa: str  # cpu-isa
     release_library_pages: bool  # release-library-pages
     huge_pages: bool  # huge-pages
     reuse_freed_memory: bool  # reuse-freed-memory
@@ -159,6 +160,13 @@ TUNING: dict[str, Knob] = {
         _switch,
         False,
         "on: the kernels' AVX-512 paths emulated in software (SIMDe) and taken on any CPU, for their tests; slow",
+    ),
+    # The names of kettle.kernels.isa.CHOICES (written out: this module imports nothing of Kettle's).
+    "cpu-isa": Knob(
+        "cpu_isa",
+        _choice("auto", "avx2", "avx-vnni"),
+        "auto",
+        "avx2 or avx-vnni: the CPU kernels as on a CPU without AVX-512 (avx-vnni: with AVX2's VNNI), for measurement",
     ),
     "release-library-pages": Knob(
         "release_library_pages", _switch, True, "off: a warm shard keeps the library pages start-up ran resident"

@@ -231,6 +231,25 @@ def kernel_switch(symbol: str, value: int) -> Iterator[None]:
 
 
 @contextmanager
+def cpu_isa(choice: str) -> Iterator[None]:
+    """The loaded library limited to `choice` (kettle/kernels/isa.py, what `KETTLE_TUNING=cpu-isa` does at load)
+    inside the block, every switch it sets restored after."""
+    import ctypes
+
+    from kettle.kernels import build, isa
+
+    lib = build.library()
+    names = ("kettle_cpu_vnni512", "kettle_avx2_vnni", *isa.AVX512_SWITCHES)
+    before = {name: ctypes.c_int.in_dll(lib, name).value for name in names}
+    try:
+        isa.restrict(lib, choice)
+        yield
+    finally:
+        for name, value in before.items():
+            ctypes.c_int.in_dll(lib, name).value = value
+
+
+@contextmanager
 def vector_width(symbol: str, avx512: bool) -> Iterator[None]:
     """One of the kernels' vector-width choices (`kettle_gemm_avx512`, `kettle_attention_avx512`: -1 picks by the
     CPU) forced to AVX-512 or AVX2 inside the block; skips the test where AVX-512 is asked for and missing."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kettle import settings
 from kettle.hub.cache import build_once, cache_root
+from kettle.kernels import isa
 
 FOLDER = Path(__file__).parent
 SOURCES = tuple(
@@ -173,6 +174,13 @@ def library() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, restype
+    isa.restrict(lib, settings.current().cpu_isa)  # before anything asks which paths run
+    runs = isa.describe(lib)
+    log.info(
+        "CPU kernels: %s%s",
+        runs,
+        " (emulated)" if runs.startswith("AVX-512") and settings.current().emulate_avx512 else "",
+    )
     return lib
 
 

@@ -277,6 +277,42 @@ def test_an_avx2_cpu_serves_the_types_with_avx2_tiles_from_their_own_bits(tmp_pa
         assert_greedy_tokens(model, reference, atol)
 
 
+@pytest.mark.parametrize("choice", ["avx2", "avx-vnni"])
+def test_cpu_isa_runs_a_q4_k_m_mix_as_an_avx2_cpu_does_with_the_same_bits(tmp_path, monkeypatch, choice):
+    """`KETTLE_TUNING=cpu-isa=avx2|avx-vnni` (kettle/kernels/isa.py) is how an AVX2 CPU's speed is measured on one with
+    AVX-512: loaded under it, a Q4_K_M mix is laid out as on such a CPU and runs on its kernels (the AVX2 tiles, and
+    from 64 prompt rows the AVX2 integer panels), and every logit has the bits of the default's: a prompt of 130 rows,
+    three short ones, and fused decode steps."""
+    import ctypes
+
+    from kettle.bench.drive import decode_logits
+    from kettle.kernels import build, isa
+    from tests.fixtures import cpu_isa
+
+    if not ops.available():
+        pytest.skip(EXACT_NEEDS_KERNELS)
+    if choice == "avx-vnni" and not ctypes.c_int.in_dll(build.library(), "kettle_cpu_vnni256").value:
+        pytest.skip("no 256-bit VNNI here")
+    add_tuning(monkeypatch, quantized_activations=True)
+    model = tiny_model("llama", 256)
+    mix = {"blk.0.attn_v.weight": T.Q6_K, "blk.1.ffn_down.weight": T.Q6_K}
+    folder = write_gguf(model, tmp_path / "q4_k_m", "llama", T.Q4_K, types=mix)
+    long_prompt = [(7 * i + 3) % 90 for i in range(130)]
+
+    def outputs() -> list[torch.Tensor]:
+        loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+        tables, num_blocks = scattered_tables([len(long_prompt)])
+        prompt, _ = step(loaded, new_cache(loaded, num_blocks), [long_prompt], [0], tables)
+        return [prompt, kettle_logits(loaded), decode_logits(loaded, PROMPTS, fused=True, steps=4)]
+
+    expected = outputs()
+    with cpu_isa(choice):
+        assert not ops.vnni() and isa.describe(build.library()) == ("AVX2" if choice == "avx2" else "AVX2 + VNNI")
+        limited = outputs()
+    for got, want in zip(limited, expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_projection_mixing_a_float_part_is_requantized_to_q8_0s_blocks(tmp_path, monkeypatch):
     """A fused q/k/v whose v the file stores in F16 beside Q5_K q and k has no one kernel type: its parts are
     requantized from gguf's dequantization to Q8_0's blocks of 32, exactly as gguf's own Q8_0 quantizer rounds those

@@ -31,6 +31,7 @@ OLD_DEFAULTS = {
     "cpu_kernels": True,
     "installed_kernels": True,
     "emulate_avx512": False,
+    "cpu_isa": "auto",
     "release_library_pages": True,
     "huge_pages": True,
     "reuse_freed_memory": True,
@@ -62,6 +63,7 @@ GOOD = {
     "cpu-kernels": ("off", False),
     "installed-kernels": ("off", False),
     "emulate-avx512": ("on", True),
+    "cpu-isa": ("avx2", "avx2"),
     "release-library-pages": ("off", False),
     "huge-pages": ("off", False),
     "reuse-freed-memory": ("off", False),
@@ -115,7 +117,7 @@ def test_the_table_covers_every_field_once():
         "cuda_graphs",
     }
     # every knob but those added after the separate variables were retired replaced a variable of its own
-    added = {"huge-pages", "reuse-freed-memory", "emulate-avx512"}
+    added = {"huge-pages", "reuse-freed-memory", "emulate-avx512", "cpu-isa"}
     assert set(GOOD) == set(TUNING) and set(RETIRED.values()) == set(TUNING) - added
 
 
