@@ -60,6 +60,7 @@ def server_info(
         decode_path=info.decode_path or None,
         speculate=info.speculate,
         kv_cache_dtype=info.kv_cache_dtype or None,
+        cpu_kernels=info.cpu_kernels or None,
     )
 
 

@@ -232,3 +232,5 @@ class Info(BaseModel):
     decode_path: str | None = Field(None, examples=["fused CPU step"])
     # Kettle's addition: the KV cache's dtype (`--kv-cache-dtype`; null from a shard that does not say).
     kv_cache_dtype: str | None = Field(None, examples=["float32"])
+    # Kettle's addition: what its CPU kernels run on a CPU shard (null on a GPU, or without the kernels).
+    cpu_kernels: str | None = Field(None, examples=["AVX-512 VNNI"])

@@ -76,6 +76,14 @@ def describe_decode_path(model, capabilities: Capabilities, device: torch.device
     return f"layer by layer (the fused CPU step does not take {DecoderStep.why_not})"
 
 
+def cpu_kernels(device: torch.device) -> str:
+    """What Kettle's CPU kernels run (kettle/kernels/isa.py), for /info; empty on a GPU or without the kernels."""
+    from kettle.kernels import build, isa
+
+    lib = build.library() if device.type == "cpu" else None
+    return isa.describe(lib) if lib is not None else ""
+
+
 def model_from_launcher() -> str:
     """The model folder's path, one line on stdin from the launcher, which started this shard before the folder was
     ready so that the imports (torch, the model code: seconds) ran beside its preparation. What loading imports is
@@ -150,6 +158,7 @@ def build_engine(config: ShardConfig) -> tuple[ShardEngine, pb.InfoResponse]:
         speculate=runner.speculate,
         kv_cache_dtype=str(runner.cache_dtype).removeprefix("torch."),
         takes_images=getattr(runner, "images", None) is not None,
+        cpu_kernels=cpu_kernels(device),
     )
     # Loading freed far more than it kept (the tokenizer's JSON tree, conversion temporaries): give it back.
     release_free_memory()

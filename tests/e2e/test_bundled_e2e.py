@@ -50,6 +50,14 @@ def test_bundled_model_answers_paris_on_the_int4_path_by_default(default_server)
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert info["quantization"] == served_types()
     assert info["decode_path"] == "as one fused CPU call"
+    assert info["cpu_kernels"] == cpu_kernels()
+
+
+def cpu_kernels() -> str:
+    """What the kernels run in this process, which the shard on the same machine and settings runs too."""
+    from kettle.kernels import build, isa
+
+    return isa.describe(build.library())
 
 
 def test_default_answers_match_quantize_int4(default_server):

@@ -27,7 +27,9 @@ print(json.dumps({"describe": isa.describe(lib), **{n: ctypes.c_int.in_dll(lib, 
 def loaded_as(choice: str) -> tuple[dict, str]:
     """What a process started with `cpu-isa=<choice>` loads: its switches and description, and its log."""
     env = {**os.environ, "KETTLE_TUNING": settings.merge_tuning(os.environ.get("KETTLE_TUNING"), {"cpu-isa": choice})}
-    done = subprocess.run([sys.executable, "-c", PROBE.replace("NAMES", repr(SWITCHES))], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.replace("NAMES", repr(SWITCHES))], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
