@@ -39,8 +39,20 @@ def restrict(lib: ctypes.CDLL, choice: str) -> None:
 
 
 def describe(lib: ctypes.CDLL) -> str:
-    """What the library runs now, for the start-up log: `AVX-512 VNNI`, `AVX2 + VNNI` or `AVX2`."""
+    """What the library runs now, for the start-up log and /info: `AVX-512 VNNI`; `AVX2 + VNNI` or `AVX2` (the int8
+    kernels' 256-bit dot product); on an AVX-512 CPU without VNNI (Intel's Skylake and Cascade Lake servers), whose
+    float32 panels and prefill attention still run at 512 bits, `AVX-512 without VNNI (int8: AVX2)`."""
     if _int(lib, "kettle_cpu_vnni512").value:
         return "AVX-512 VNNI"
     dot = _int(lib, "kettle_cpu_vnni256").value != AVX2_DOT_MADDUBS and _int(lib, "kettle_avx2_vnni").value != 0
-    return "AVX2 + VNNI" if dot else "AVX2"
+    int8 = "AVX2 + VNNI" if dot else "AVX2"
+    wide = _int(lib, "kettle_gemm_avx512").value  # -1: where the CPU has AVX-512F
+    if wide > 0 or (wide < 0 and "avx512f" in _cpu_flags()):
+        return f"AVX-512 without VNNI (int8: {int8})"
+    return int8
+
+
+def _cpu_flags() -> set[str]:
+    from kettle.kernels.build import _cpu_flags as flags  # build imports this module
+
+    return flags()

@@ -77,3 +77,19 @@ def test_avx_vnni_is_refused_where_the_cpu_has_no_vnni_and_nothing_changes(libra
         assert {name: ctypes.c_int.in_dll(library, name).value for name in SWITCHES} == before
     finally:
         dot.value = saved
+
+
+def test_an_avx512_cpu_without_vnni_is_named_as_such(library):
+    """A CPU with AVX-512F but no VNNI (Skylake-SP, this one told so) runs the int8 kernels in AVX2 and the float32
+    panels at 512 bits: the description says both, not plain AVX2."""
+    names = ("kettle_cpu_vnni512", "kettle_gemm_avx512")
+    before = {name: ctypes.c_int.in_dll(library, name).value for name in names}
+    try:
+        ctypes.c_int.in_dll(library, "kettle_cpu_vnni512").value = 0
+        ctypes.c_int.in_dll(library, "kettle_gemm_avx512").value = 1
+        assert isa.describe(library).startswith("AVX-512 without VNNI (int8: AVX2")
+        ctypes.c_int.in_dll(library, "kettle_gemm_avx512").value = 0
+        assert isa.describe(library) in ("AVX2", "AVX2 + VNNI")
+    finally:
+        for name, value in before.items():
+            ctypes.c_int.in_dll(library, name).value = value
