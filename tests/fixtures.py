@@ -35,11 +35,11 @@ def kernels_buildable() -> bool:
     import os
     import shutil
 
-    from kettle.kernels import build
+    from kettle.kernels import build, isa
     from kettle.settings import Settings
 
     switched_off = not Settings.from_env(os.environ).cpu_kernels
-    return not switched_off and shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= build._cpu_flags()
+    return not switched_off and shutil.which("gcc") is not None and set(build.REQUIRED_CPU_FLAGS) <= isa.cpu_flags()
 
 
 def make_tokenizer(path: Path, vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE):
@@ -258,9 +258,9 @@ def vector_width(symbol: str, avx512: bool) -> Iterator[None]:
     import pytest
 
     from kettle import settings
-    from kettle.kernels import build
+    from kettle.kernels import build, isa
 
-    if avx512 and "avx512f" not in build._cpu_flags() and not settings.current().emulate_avx512:
+    if avx512 and "avx512f" not in isa.cpu_flags() and not settings.current().emulate_avx512:
         pytest.skip("no AVX-512 here")
     choice = ctypes.c_int.in_dll(build.library(), symbol)
     choice.value = int(avx512)

@@ -187,7 +187,7 @@ def library() -> ctypes.CDLL | None:
 def _target() -> tuple[str, str] | None:
     """The C compiler's path and the build's folder name (`cpu-<key>`); None, with one warning, where there is no
     compiler or the CPU lacks what the kernels need."""
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in isa.cpu_flags()]
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if missing or compiler is None:
         log.warning("CPU kernels unavailable (%s): using PyTorch's kernels", missing or "no C compiler")
@@ -273,16 +273,6 @@ def _key(compiler: str) -> str:
     sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(sources + " ".join(_flags()).encode() + version.encode())
     return digest.hexdigest()[:12]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def install(root: Path | None = None) -> Path | None:

@@ -14,6 +14,7 @@ row), so only the speed moves.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 CHOICES = ("auto", "avx2", "avx-vnni")
 # The library's switches for its AVX-512 paths (-1: the CPU's answer, 0: off).
@@ -47,12 +48,17 @@ def describe(lib: ctypes.CDLL) -> str:
     dot = _int(lib, "kettle_cpu_vnni256").value != AVX2_DOT_MADDUBS and _int(lib, "kettle_avx2_vnni").value != 0
     int8 = "AVX2 + VNNI" if dot else "AVX2"
     wide = _int(lib, "kettle_gemm_avx512").value  # -1: where the CPU has AVX-512F
-    if wide > 0 or (wide < 0 and "avx512f" in _cpu_flags()):
+    if wide > 0 or (wide < 0 and "avx512f" in cpu_flags()):
         return f"AVX-512 without VNNI (int8: {int8})"
     return int8
 
 
-def _cpu_flags() -> set[str]:
-    from kettle.kernels.build import _cpu_flags as flags  # build imports this module
-
-    return flags()
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo); empty where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
