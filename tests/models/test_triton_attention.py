@@ -112,15 +112,29 @@ def random_caches(num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dt
     return [torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, device=DEVICE).to(dtype) for _ in "kv"]
 
 
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "window"), [(4, 4, 64, None), (8, 2, 80, 23), (4, 1, 128, None), (2, 1, 256, 7)]
-)
-def test_paged_prefill_matches_sdpa(cache_dtype, dtype, heads, kv_heads, head_dim, window):
+PREFILL_SHAPES = [(4, 4, 64, None), (8, 2, 80, 23), (4, 1, 128, None), (2, 1, 256, 7)]  # heads, kv heads, dim, window
+
+
+def prefill_cases() -> list:
+    """Every shape in every cache type on a GPU. Under the interpreter (~1.5 s a case) the narrower caches take the
+    first shape only, which keeps `make test-fast` within its two minutes: a cache's type changes how the kernel loads
+    a tile, not the shapes' masks and tiles."""
+    cases = []
+    for cache, name in zip(CACHE_DTYPES, CACHE_IDS, strict=True):
+        value, marks = (cache.values[0], cache.marks) if hasattr(cache, "values") else (cache, ())
+        for dtype in (torch.float32, HALF):
+            for shape in PREFILL_SHAPES if ON_GPU or value is None else PREFILL_SHAPES[:1]:
+                label = f"{name}-{str(dtype).removeprefix('torch.')}-{'-'.join(map(str, shape))}"
+                cases.append(pytest.param(value, dtype, shape, marks=marks, id=label))
+    return cases
+
+
+@pytest.mark.parametrize(("cache_dtype", "dtype", "shape"), prefill_cases())
+def test_paged_prefill_matches_sdpa(cache_dtype, dtype, shape):
     """A step of prefills with and without a cached prefix (one longer than a tile of queries, one shorter than
     a block) and a decode among them: the kernels' result equals SDPA's float32 attention over the cache's values,
     the new tokens' K/V included as the cache rounds them."""
+    heads, kv_heads, head_dim, window = shape
     query_lens, cache_lens = [37, 1, 70, 5, 130], [0, 40, 33, 101, 0]
     tables, num_blocks = scattered_tables([c + q for c, q in zip(cache_lens, query_lens, strict=True)])
     meta = AttentionMetadata.build(query_lens, cache_lens, tables, BLOCK_SIZE, DEVICE)
