@@ -76,6 +76,7 @@ def test_info_reports_the_gpu(gpu_server):
     assert info["model_device_type"] == "cuda" and info["model_dtype"] == "bfloat16"
     fp8_kv = "--kv-cache-dtype" in gpu_server.flags
     assert info["kv_cache_dtype"] == ("float8_e4m3fn" if fp8_kv else "bfloat16")
+    assert info["cpu_kernels"] is None  # a GPU shard runs none of the CPU kernels
 
 
 def test_greedy_generate_is_deterministic(gpu_server):
