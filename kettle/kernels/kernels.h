@@ -1092,7 +1092,7 @@ static inline __m128i q4l_block(const Linear *w, int64_t j, int64_t b) {
 /* Channel j's scale and minimum of group g of a Q4L weight (a symmetric weight's minimum -8 · scale, exactly). */
 static inline void q4l_scale(const Linear *w, int64_t j, int64_t g, float *scale, float *minimum) {
     const int64_t at = (j / 16 * (w->k / w->group) + g) * 16 + j % 16;
-    if (w->supers) { /* Q4_K's scales: d · sc and -(dmin · m), as `q4k_lanes` */
+    if (w->supers) { /* Q4_K's scales: d · sc and -(dmin · m), as the tiles subtract `q4k_minimum` (lanes.c) */
         const uint16_t *super = w->supers + (j / 16 * (w->k / 256) + g / 8) * 32 + j % 16;
         *scale = _cvtsh_ss(super[0]) * (float)((const uint8_t *)w->scales)[at];
         *minimum = -(_cvtsh_ss(super[16]) * (float)((const uint8_t *)w->mins)[at]);

@@ -55,11 +55,11 @@ static inline void store_lanes(const __m256 out[2], const float *bias, float *y)
     _mm256_storeu_ps(y + 8, _mm256_add_ps(out[1], bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps()));
 }
 
-/* `q4k_lanes` (lanes.c) in halves, its super-block's part read once for its 8 groups: d and -dmin of the super-block
- * holding group g (`q4k_super_avx2`, at g % 8 == 0), then d · sc and -dmin · m of group g (`q4k_group_avx2`): the
- * same products, since -dmin · m is -(dmin · m) to the bit. Per group the float16 conversions and the sign flip had
- * cost the tiles a quarter of their time at 4 rows (Zen 3, one thread, 1,024 × 2,048 Q4_K in cache, alternated:
- * 4 rows 152 → 162 GOP/s, 2 rows 114 → 140, 1 row 110 → 116). */
+/* Q4_K's scales for the AVX2 tiles, in halves, each super-block's part read once for its 8 groups (as lanes.c's
+ * `q4k_dmin`): d and -dmin of the super-block holding group g (`q4k_super_avx2`, at g % 8 == 0), then d · sc and
+ * -dmin · m of group g (`q4k_group_avx2`): the same products, since -dmin · m is -(dmin · m) to the bit. Per group
+ * the float16 conversions and the sign flip had cost the tiles a quarter of their time at 4 rows (Zen 3, one thread,
+ * 1,024 × 2,048 Q4_K in cache, alternated: 4 rows 152 → 162 GOP/s, 2 rows 114 → 140, 1 row 110 → 116). */
 static inline void q4k_super_avx2(const Linear *w, int64_t G, int64_t g, __m256 d[2], __m256 negative_dmin[2]) {
     const uint16_t *super = w->supers + (G * (w->k / 256) + g / 8) * 32;
     lanes_ph(super, d);
