@@ -14,8 +14,9 @@
 #define LANES512 AVX512_TARGET("avx512f,avx512bw,avx512vnni")
 
 /* dmin of the super-block holding block b of channels 16G .. 16G + 15 (Q4_K's scales, `supers`), as floats: read
- * once per super-block by the tiles (converted at every block, it cost the Q4L tile 7% from L2: one thread, 2,048 ×
- * 256, 51.7 → 55.2 GB/s). */
+ * once per super-block by the tiles. Converted at every block, with a sign flip per block for the minimum (now
+ * `q4k_block`'s vfnmadd), the tiles ran 8% slower from L2 (Zen 4, one thread, 2,048 × 256: Q4L 51.9 → 56.4 GB/s,
+ * Q5L 46.4 → 49.1); a 1.7B decode step, which streams its weights from memory, ran even either way. */
 static inline LANES512 __m512 q4k_dmin(const Linear *w, int64_t G, int64_t b) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->supers + (G * (w->k / 256) + b / 8) * 32 + 16)));
 }
