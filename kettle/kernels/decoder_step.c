@@ -135,11 +135,11 @@ static inline float act_scalar(int64_t act, float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-/* dst[n] = act(x) (· up when `up` is given). SiLU and tanh-GELU gates take kernels.h's rows, which the op-at-a-time
- * MLP runs too. */
-static void activate_row(int64_t act, const float *x, const float *up, int64_t n, float *dst) {
-    if (up && up == x + n && act == ACT_SILU) return silu_mul_row(x, n, dst);
-    if (up && up == x + n && act == ACT_GELU_TANH) return gelu_tanh_mul_row(x, n, dst);
+/* dst[n] = act(x) (· up when `up` is given). SiLU and tanh-GELU gates take kernels.h's spans, which the op-at-a-time
+ * MLP runs too (over whole rows: every element is its own, so pieces of a row give the row's bits). */
+static void activate_span(int64_t act, const float *x, const float *up, int64_t n, float *dst) {
+    if (up && act == ACT_SILU) return silu_mul_span(x, up, n, dst);
+    if (up && act == ACT_GELU_TANH) return gelu_tanh_mul_span(x, up, n, dst);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 v = act_ps(act, _mm256_loadu_ps(x + i));
@@ -162,6 +162,24 @@ static void rope_heads(const Decoder *m, const float *src, const float *cos, con
         }
         if (dim > rot) memmove(dst + rot, src + rot, sizeof(float) * (size_t)(dim - rot));
     }
+}
+
+/* Pieces each row of an element-wise stage is cut into, in whole `unit`s of its n columns: one where the step has a
+ * row a thread, else enough for every thread of the team. A one-row decode step ran its SiLU, its int8 rows and
+ * their sums on one thread while the other waited at the barrier (2-3% of a 1.7B step). Each element, block, span and
+ * group is computed as the whole row computes it, so the bits do not depend on the cut. */
+static inline int64_t row_pieces(int64_t rows, int64_t n, int64_t unit) {
+    const int64_t team = omp_get_num_threads(), units = n / unit;
+    if (rows >= team || units < 2) return 1;
+    const int64_t per_row = (team + rows - 1) / rows;
+    return per_row < units ? per_row : units;
+}
+
+/* Columns [*c0, *c1) of piece p of `pieces` over n (whole units; the last piece to the end). */
+static inline void row_piece(int64_t n, int64_t unit, int64_t pieces, int64_t p, int64_t *c0, int64_t *c1) {
+    const int64_t units = n / unit;
+    *c0 = units * p / pieces * unit;
+    *c1 = p == pieces - 1 ? n : units * (p + 1) / pieces * unit;
 }
 
 /* ---- the step ---- */
@@ -343,25 +361,36 @@ static void rope_and_store(const Decoder *m, const Layer *l, Scratch *s, const f
     }
 }
 
-/* Rows of `x` [rows, dim] quantized for the projection `next` (when it takes quantized rows). */
+/* Rows of `x` [rows, dim] quantized for the projection `next` (when it takes quantized rows), a few rows in pieces
+ * (`row_pieces`). */
 static void quantize_for(const Decoder *m, const float *x, int64_t dim, const Linear *next, QuantizedRows *xq,
                          int64_t rows) {
     if (!quantized_input(m, next, rows)) return;
-    const int64_t span = int8_span(next);
+    const int64_t span = int8_span(next), unit = 32 * quantized_piece_blocks(next, span);
+    const int64_t pieces = row_pieces(rows, dim, unit);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * dim, next, span, xq, r);
+    for (int64_t i = 0; i < rows * pieces; i++) {
+        int64_t c0, c1;
+        row_piece(dim, unit, pieces, i % pieces, &c0, &c1);
+        quantize_blocks(x + i / pieces * dim, next, span, xq, i / pieces, c0 / 32, c1 / 32);
+    }
 }
 
-/* act(fc(x)) or act(gate) · up for each row, quantized for the down projection when it takes quantized rows. */
+/* act(fc(x)) or act(gate) · up for each row, quantized for the down projection when it takes quantized rows; a few
+ * rows in pieces (`row_pieces`). */
 static void activate(const Decoder *m, const Layer *l, Scratch *s, const Linear *next, int64_t rows) {
     const int64_t inner = m->inner, width = l->gated ? 2 * inner : inner;
     const int quantize = quantized_input(m, next, rows);
-    const int64_t span = quantize ? int8_span(next) : 32;
+    const int64_t span = quantize ? int8_span(next) : 32, unit = quantize ? 32 * quantized_piece_blocks(next, span) : 64;
+    const int64_t pieces = row_pieces(rows, inner, unit);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t i = 0; i < rows * pieces; i++) {
+        const int64_t r = i / pieces;
+        int64_t c0, c1;
+        row_piece(inner, unit, pieces, i % pieces, &c0, &c1);
         const float *in = s->gate_up + r * width;
-        activate_row(l->act, in, l->gated ? in + inner : NULL, inner, s->act + r * inner);
-        if (quantize) quantize_row(s->act + r * inner, next, span, &s->xq, r);
+        activate_span(l->act, in + c0, l->gated ? in + inner + c0 : NULL, c1 - c0, s->act + r * inner + c0);
+        if (quantize) quantize_blocks(s->act + r * inner, next, span, &s->xq, r, c0 / 32, c1 / 32);
     }
 }
 

@@ -409,16 +409,18 @@ static inline int int8_span(const Linear *w) {
 /* The int32 entries a block of `sub_scales` writes: a pair per sub-block, and Q6_K's (`sub_blocks`) offset pair. */
 static inline int sub_entries(const WeightType *type) { return type->sub_blocks ? 3 : 1; }
 
-/* Row `r` of `out` (laid out for w: K = w->k, groups of w->group) from x[K]: int16 and int8 values with their scales
- * per block (int8: one absmax per `span` inputs, the projection's `int8_span`, written at each of its blocks), each
- * group's float sum of x and of the int8 values, the int8 sums per 16. */
-static inline void quantize_row(const float *x, const Linear *w, int64_t span, QuantizedRows *out, int64_t r) {
+/* Blocks [first, last) of row `r` of `out` (laid out for w: K = w->k, groups of w->group) from x[K]: int16 and int8
+ * values with their scales per block (int8: one absmax per `span` inputs, the projection's `int8_span`, written at each
+ * of its blocks), each group's float sum of x and of the int8 values, the int8 sums per 16. first and last are whole
+ * spans and groups (`quantized_piece_blocks`). */
+static inline void quantize_blocks(const float *x, const Linear *w, int64_t span, QuantizedRows *out, int64_t r,
+                                   int64_t first, int64_t last) {
     const int64_t k = w->k, group = w->group, blocks = k / 32, groups = k / group;
     span /= 32; /* blocks a span */
     const __m256 sign = _mm256_set1_ps(-0.0f);
     float *sums = out->sum + r * groups, *sums8 = out->sum8 + r * groups;
-    for (int64_t g = 0; g < groups; g++) sums[g] = sums8[g] = 0.0f;
-    for (int64_t s0 = 0; s0 < blocks; s0 += span) {
+    for (int64_t g = first * 32 / group; g < last * 32 / group; g++) sums[g] = sums8[g] = 0.0f;
+    for (int64_t s0 = first; s0 < last; s0 += span) {
         float amax[8], amax8 = 0.0f; /* each block's absmax, and the span's */
         for (int64_t b = s0; b < s0 + span; b++) {
             const float *src = x + b * 32;
@@ -455,6 +457,17 @@ static inline void quantize_row(const float *x, const Linear *w, int64_t span, Q
             sums[b * 32 / group] += hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
         }
     }
+}
+
+/* `quantize_blocks` over the whole row. */
+static inline void quantize_row(const float *x, const Linear *w, int64_t span, QuantizedRows *out, int64_t r) {
+    quantize_blocks(x, w, span, out, r, 0, w->k / 32);
+}
+
+/* Blocks of 32 inputs a piece of a row must hold so that `quantize_blocks` can run the pieces apart: whole int8 spans
+ * and whole groups (each span's scale and each group's sums come from its own blocks only, in their order). */
+static inline int64_t quantized_piece_blocks(const Linear *w, int64_t span) {
+    return (span > w->group ? span : w->group) / 32;
 }
 
 /* The integer dot product of one block of 32 weights (as two vectors of 16 int16) with 32 int16 activations. */
@@ -1340,9 +1353,8 @@ static inline void rms_norm_row(
     for (i = 0; i < dim; i++) dst[i] = x[i] * inv * weight[i];
 }
 
-/* dst[I] = silu(gate) · up for one row of gate_up [2I] (gate first, as the fused projection stores them). */
-static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst) {
-    const float *gate = gate_up, *up = gate_up + inner;
+/* dst[n] = silu(gate) · up over n elements: each element its own, so a row's pieces give the whole row's bits. */
+static inline void silu_mul_span(const float *gate, const float *up, int64_t inner, float *dst) {
     int64_t i = 0;
     for (; i + 8 <= inner; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
@@ -1352,10 +1364,14 @@ static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst)
     for (; i < inner; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* dst[I] = gelu_tanh(gate) · up for one row of gate_up [2I], GELU's tanh approximation (Gemma's gate):
+/* dst[I] = silu(gate) · up for one row of gate_up [2I] (gate first, as the fused projection stores them). */
+static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst) {
+    silu_mul_span(gate_up, gate_up + inner, inner, dst);
+}
+
+/* dst[n] = gelu_tanh(gate) · up over n elements, GELU's tanh approximation (Gemma's gate):
  * 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), with tanh(u) = 1 − 2 / (e^{2u} + 1). */
-static inline void gelu_tanh_mul_row(const float *gate_up, int64_t inner, float *dst) {
-    const float *gate = gate_up, *up = gate_up + inner;
+static inline void gelu_tanh_mul_span(const float *gate, const float *up, int64_t inner, float *dst) {
     const float c = 0.7978845608028654f, cube = 0.044715f;
     int64_t i = 0;
     for (; i + 8 <= inner; i += 8) {
@@ -1370,6 +1386,11 @@ static inline void gelu_tanh_mul_row(const float *gate_up, int64_t inner, float 
         const float g = gate[i], t = 1.0f - 2.0f / (expf(2.0f * c * (g + cube * g * g * g)) + 1.0f);
         dst[i] = 0.5f * g * (1.0f + t) * up[i];
     }
+}
+
+/* dst[I] = gelu_tanh(gate) · up for one row of gate_up [2I]. */
+static inline void gelu_tanh_mul_row(const float *gate_up, int64_t inner, float *dst) {
+    gelu_tanh_mul_span(gate_up, gate_up + inner, inner, dst);
 }
 
 /* RoPE in the halves layout for `heads` heads of one token: dst[h, i] = src[h, i] · cos[i] +

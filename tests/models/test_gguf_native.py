@@ -245,6 +245,28 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
     assert_greedy_tokens(loaded, reference, bound)
 
 
+def test_a_one_row_step_cut_into_pieces_keeps_the_bits_of_the_layer_by_layer_forward(tmp_path, monkeypatch):
+    """A fused decode step of one sequence on two threads runs its SiLU and the down projection's int8 rows in pieces,
+    one a thread (decoder_step.c `row_pieces`, here two of 256 inputs: Q4_K's int8 span); every step's logits are the
+    layer-by-layer forward's, which runs them whole, bit for bit."""
+    from kettle.bench.drive import decode_logits
+
+    if not ops.available():
+        pytest.skip(EXACT_NEEDS_KERNELS)
+    add_tuning(monkeypatch, quantized_activations=True)
+    model = tiny_model("llama", 256)
+    folder = write_gguf(model, tmp_path / "q4_k", "llama", T.Q4_K)
+    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert loaded.cpu_decoder_step is not None and model.config.intermediate_size == 512
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused, layers = (decode_logits(loaded, PROMPTS[:1], fused, steps=6) for fused in (True, False))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fused, layers)
+
+
 AVX2_TYPES = {
     T.Q4_K: Q4Linear, T.Q4_0: Q4Linear, T.Q8_0: Q8Linear, T.IQ4_XS: IQ4Linear, T.Q6_K: Q6Linear, T.Q5_K: Q5Linear,
     T.Q5_0: Q5Linear,
