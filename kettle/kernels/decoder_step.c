@@ -166,8 +166,9 @@ static void rope_heads(const Decoder *m, const float *src, const float *cos, con
 
 /* Pieces each row of an element-wise stage is cut into, in whole `unit`s of its n columns: one where the step has a
  * row a thread, else enough for every thread of the team. A one-row decode step ran its SiLU, its int8 rows and
- * their sums on one thread while the other waited at the barrier (2-3% of a 1.7B step). Each element, block, span and
- * group is computed as the whole row computes it, so the bits do not depend on the cut. */
+ * their sums on one thread while the others waited at the barrier: on 2 threads 0.7-2.6% of a 1.7B step by the host's
+ * state (bench/RESULTS.md), on many threads a larger share. Each element, block, span and group is computed as the
+ * whole row computes it, so the bits do not depend on the cut. */
 static inline int64_t row_pieces(int64_t rows, int64_t n, int64_t unit) {
     const int64_t team = omp_get_num_threads(), units = n / unit;
     if (rows >= team || units < 2) return 1;
