@@ -215,7 +215,8 @@ def test_k_types_in_lanes_run_in_the_fused_decode_step(tmp_path, monkeypatch, qt
 def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activations):
     """llama.cpp's Q4_K_M stores some layers' attn_v (and ffn_down) in Q6_K beside Q4_K q and k: the fused q/k/v of
     such a layer stacks a Q4_K part and a Q6_K part, each its file's values (no per-channel int8 requantization),
-    in the layer-by-layer forward and the fused decode step alike; its logits and greedy tokens are the file's."""
+    in the layer-by-layer forward and the fused decode step alike (one row on two threads too, its element-wise stages
+    then in pieces); its logits and greedy tokens are the file's."""
     from kettle.bench.drive import decode_logits
     from kettle.quantization.kernel_weight import StackedWeight
 
@@ -242,29 +243,16 @@ def test_a_q4_k_m_mix_keeps_every_tensors_own_type(tmp_path, monkeypatch, activa
         assert loaded.cpu_decoder_step is not None
         fused, layers = (decode_logits(loaded, PROMPTS[:2], fused, steps=4) for fused in (True, False))
         assert torch.equal(fused, layers)
+        # One row on two threads: the fused step runs its SiLU and the down projection's int8 rows in pieces, one a
+        # thread (decoder_step.c `row_pieces`: two of 256 inputs here), the layer-by-layer forward whole rows.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            fused, layers = (decode_logits(loaded, PROMPTS[:1], fused, steps=4) for fused in (True, False))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(fused, layers)
     assert_greedy_tokens(loaded, reference, bound)
-
-
-def test_a_one_row_step_cut_into_pieces_keeps_the_bits_of_the_layer_by_layer_forward(tmp_path, monkeypatch):
-    """A fused decode step of one sequence on two threads runs its SiLU and the down projection's int8 rows in pieces,
-    one a thread (decoder_step.c `row_pieces`, here two of 256 inputs: Q4_K's int8 span); every step's logits are the
-    layer-by-layer forward's, which runs them whole, bit for bit."""
-    from kettle.bench.drive import decode_logits
-
-    if not ops.available():
-        pytest.skip(EXACT_NEEDS_KERNELS)
-    add_tuning(monkeypatch, quantized_activations=True)
-    model = tiny_model("llama", 256)
-    folder = write_gguf(model, tmp_path / "q4_k", "llama", T.Q4_K)
-    loaded = load_model(str(folder), torch.float32, torch.device("cpu"))
-    assert loaded.cpu_decoder_step is not None and model.config.intermediate_size == 512
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        fused, layers = (decode_logits(loaded, PROMPTS[:1], fused, steps=6) for fused in (True, False))
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(fused, layers)
 
 
 AVX2_TYPES = {
