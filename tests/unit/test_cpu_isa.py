@@ -13,6 +13,7 @@ import pytest
 
 from kettle import settings
 from kettle.kernels import build, isa
+from tests.fixtures import kernel_switch
 
 SWITCHES = ("kettle_cpu_vnni512", "kettle_avx2_vnni", *isa.AVX512_SWITCHES)
 PROBE = """
@@ -68,28 +69,27 @@ def test_an_avx2_choice_turns_every_avx512_path_off_at_load(library, choice, des
 def test_avx_vnni_is_refused_where_the_cpu_has_no_vnni_and_nothing_changes(library):
     """Asked on a CPU whose only 256-bit dot product is `vpmaddubsw` (this one, told so), the choice fails with the
     key's name instead of running instructions the CPU lacks, and the library keeps its paths."""
-    dot = ctypes.c_int.in_dll(library, "kettle_cpu_vnni256")
-    before, saved = {name: ctypes.c_int.in_dll(library, name).value for name in SWITCHES}, dot.value
-    dot.value = isa.AVX2_DOT_MADDUBS
-    try:
-        with pytest.raises(ValueError, match="cpu-isa avx-vnni needs a CPU with AVX-VNNI or AVX-512 VNNI"):
-            isa.restrict(library, "avx-vnni")
-        assert {name: ctypes.c_int.in_dll(library, name).value for name in SWITCHES} == before
-    finally:
-        dot.value = saved
+    before = {name: ctypes.c_int.in_dll(library, name).value for name in SWITCHES}
+    refused = pytest.raises(ValueError, match="cpu-isa avx-vnni needs a CPU with AVX-VNNI or AVX-512 VNNI")
+    with kernel_switch("kettle_cpu_vnni256", isa.AVX2_DOT_MADDUBS), refused:
+        isa.restrict(library, "avx-vnni")
+    assert {name: ctypes.c_int.in_dll(library, name).value for name in SWITCHES} == before
 
 
 def test_an_avx512_cpu_without_vnni_is_named_as_such(library):
     """A CPU with AVX-512F but no VNNI (Skylake-SP, this one told so) runs the int8 kernels in AVX2 and the float32
     panels at 512 bits: the description says both, not plain AVX2."""
-    names = ("kettle_cpu_vnni512", "kettle_gemm_avx512")
-    before = {name: ctypes.c_int.in_dll(library, name).value for name in names}
-    try:
-        ctypes.c_int.in_dll(library, "kettle_cpu_vnni512").value = 0
-        ctypes.c_int.in_dll(library, "kettle_gemm_avx512").value = 1
-        assert isa.describe(library).startswith("AVX-512 without VNNI (int8: AVX2")
-        ctypes.c_int.in_dll(library, "kettle_gemm_avx512").value = 0
-        assert isa.describe(library) in ("AVX2", "AVX2 + VNNI")
-    finally:
-        for name, value in before.items():
-            ctypes.c_int.in_dll(library, name).value = value
+    with kernel_switch("kettle_cpu_vnni512", 0):
+        with kernel_switch("kettle_gemm_avx512", 1):
+            assert isa.describe(library).startswith("AVX-512 without VNNI (int8: AVX2")
+        with kernel_switch("kettle_gemm_avx512", 0):
+            assert isa.describe(library) in ("AVX2", "AVX2 + VNNI")
+
+
+def test_the_settings_take_exactly_the_choices_the_library_knows():
+    """KETTLE_TUNING's cpu-isa values are written out in kettle/settings.py (it imports nothing of Kettle's): they are
+    isa.CHOICES, and a name outside them is refused."""
+    parse = settings.TUNING["cpu-isa"].parse
+    assert [parse(choice) for choice in isa.CHOICES] == list(isa.CHOICES)
+    with pytest.raises(ValueError):
+        parse("avx512")
