@@ -53,13 +53,19 @@ static void rms_norm(
 /* out [T, I] = silu(gate) · up for gate_up [T, 2I]. */
 static void silu_mul(const float *gate_up, int64_t rows, int64_t inner, float *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inner >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * inner, inner, out + r * inner);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inner; /* its up half follows it */
+        silu_mul_span(gate, gate + inner, inner, out + r * inner);
+    }
 }
 
 /* out [T, I] = gelu_tanh(gate) · up for gate_up [T, 2I]. */
 static void gelu_tanh_mul(const float *gate_up, int64_t rows, int64_t inner, float *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inner >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) gelu_tanh_mul_row(gate_up + r * 2 * inner, inner, out + r * inner);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inner; /* its up half follows it */
+        gelu_tanh_mul_span(gate, gate + inner, inner, out + r * inner);
+    }
 }
 
 /* RoPE for x [T, heads, D] whose rows are `stride` floats apart (a view into the fused qkv output) into a

@@ -1364,11 +1364,6 @@ static inline void silu_mul_span(const float *gate, const float *up, int64_t inn
     for (; i < inner; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* dst[I] = silu(gate) · up for one row of gate_up [2I] (gate first, as the fused projection stores them). */
-static inline void silu_mul_row(const float *gate_up, int64_t inner, float *dst) {
-    silu_mul_span(gate_up, gate_up + inner, inner, dst);
-}
-
 /* dst[n] = gelu_tanh(gate) · up over n elements, GELU's tanh approximation (Gemma's gate):
  * 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), with tanh(u) = 1 − 2 / (e^{2u} + 1). */
 static inline void gelu_tanh_mul_span(const float *gate, const float *up, int64_t inner, float *dst) {
@@ -1386,11 +1381,6 @@ static inline void gelu_tanh_mul_span(const float *gate, const float *up, int64_
         const float g = gate[i], t = 1.0f - 2.0f / (expf(2.0f * c * (g + cube * g * g * g)) + 1.0f);
         dst[i] = 0.5f * g * (1.0f + t) * up[i];
     }
-}
-
-/* dst[I] = gelu_tanh(gate) · up for one row of gate_up [2I]. */
-static inline void gelu_tanh_mul_row(const float *gate_up, int64_t inner, float *dst) {
-    gelu_tanh_mul_span(gate_up, gate_up + inner, inner, dst);
 }
 
 /* RoPE in the halves layout for `heads` heads of one token: dst[h, i] = src[h, i] · cos[i] +
