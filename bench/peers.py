@@ -445,10 +445,9 @@ def larger_model(args: argparse.Namespace, threads: int) -> None:
 
 def kettle_isa() -> str:
     """What Kettle's kernels run in this process (`KETTLE_TUNING=cpu-isa` limits it)."""
-    from kettle.kernels import build, isa
+    from kettle.kernels import build
 
-    lib = build.library()
-    return isa.describe(lib) if lib else "none (PyTorch's ops)"
+    return build.instructions() or "none (PyTorch's ops)"
 
 
 def llama_cpp_isa() -> str:

@@ -184,6 +184,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def instructions() -> str | None:
+    """What the loaded library runs (`isa.describe`: "AVX-512 VNNI", "AVX2", ...), for /info and the benchmarks; None
+    without the library."""
+    lib = library()
+    return isa.describe(lib) if lib is not None else None
+
+
 def _target() -> tuple[str, str] | None:
     """The C compiler's path and the build's folder name (`cpu-<key>`); None, with one warning, where there is no
     compiler or the CPU lacks what the kernels need."""

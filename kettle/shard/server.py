@@ -78,10 +78,9 @@ def describe_decode_path(model, capabilities: Capabilities, device: torch.device
 
 def cpu_kernels(device: torch.device) -> str:
     """What Kettle's CPU kernels run (kettle/kernels/isa.py), for /info; empty on a GPU or without the kernels."""
-    from kettle.kernels import build, isa
+    from kettle.kernels import build
 
-    lib = build.library() if device.type == "cpu" else None
-    return isa.describe(lib) if lib is not None else ""
+    return (build.instructions() or "") if device.type == "cpu" else ""
 
 
 def model_from_launcher() -> str:
